@@ -1,0 +1,121 @@
+"""`openarc`: serve, check-config, demo-model, health."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from appliance.config import DEFAULT_CONFIG_PATH, Config, ConfigError, demo_config, load_config
+from appliance.logs import setup_logging
+
+log = logging.getLogger("openarc")
+
+
+def resolve_config(path: str | None, model: str | None) -> Config:
+    """--config PATH, else /etc/openarc/openarc.yaml if it exists, else the built-in demo."""
+    if path is None and not DEFAULT_CONFIG_PATH.exists():
+        config = demo_config(model_path="")  # the path is filled in by prepare_demo_model()
+    else:
+        config = load_config(path or DEFAULT_CONFIG_PATH)
+    return config.only(model) if model else config
+
+
+def prepare_demo_model(config: Config) -> None:
+    """Build (first start) or find (cached) the demo model in a child process: the front never imports OpenVINO."""
+    for model in config.models:
+        if not model.path:
+            done = subprocess.run([sys.executable, "-m", "appliance", "demo-model"], check=True,
+                                  stdout=subprocess.PIPE, text=True)
+            model.path = done.stdout.strip().splitlines()[-1]
+            log.info("demo model: %s", model.path)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = resolve_config(args.config, args.model)
+    if args.host:
+        config.server.host = args.host
+    if args.port:
+        config.server.port = args.port
+    setup_logging(config.server.log_level)
+    prepare_demo_model(config)
+    from appliance.server import Appliance
+    appliance = Appliance(config)
+    asyncio.run(appliance.serve(config.server.host, config.server.port))
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    config = load_config(args.path)
+    names = ", ".join(f"{m.name} ({m.device})" for m in config.models) or "no models"
+    print(f"{args.path}: OK: {names}")
+    return 0
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    """Build the demo model into DIR, or into the cache (reused while its build parameters match)."""
+    from appliance import demo_model
+    if args.dir:
+        path = demo_model.build_demo_model(Path(args.dir), eos_after=args.eos_after, max_new_tokens=args.max_new_tokens)
+    else:
+        path = demo_model.ensure_demo_model(demo_model.default_cache_dir())
+    print(path)
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 iff /ready answers 200: the container health check and a scriptable probe."""
+    url = args.url.rstrip("/") + "/ready"
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as response:
+            ok = response.status == 200
+    except urllib.error.HTTPError as exc:
+        ok = False
+        print(f"{url}: {exc.code} {exc.read().decode(errors='replace')[:300]}", file=sys.stderr)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"{url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        return 1
+    return 0 if ok else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="openarc", description="OpenAI-compatible LLM appliance for Intel GPUs")
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the models of a config (the built-in demo model without one)")
+    serve.add_argument("--config", help=f"config file (default {DEFAULT_CONFIG_PATH}, if it exists)")
+    serve.add_argument("--model", help="serve only this model, on its own port (what openarc@MODEL runs)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.set_defaults(func=cmd_serve)
+    check = sub.add_parser("check-config", help="validate a config file; exit 1 on any error")
+    check.add_argument("path")
+    check.set_defaults(func=cmd_check_config)
+    demo = sub.add_parser("demo-model", help="build the tiny demo model into DIR")
+    demo.add_argument("dir", nargs="?", help="where to build it (default: the cache, reused if present)")
+    demo.add_argument("--eos-after", type=int, default=48, help="generated tokens before the model stops by itself")
+    demo.add_argument("--max-new-tokens", type=int, default=64, help="generation_config.json max_new_tokens")
+    demo.set_defaults(func=cmd_demo_model)
+    health = sub.add_parser("health", help="exit 0 iff the appliance answers /ready with 200")
+    health.add_argument("--url", default=os.environ.get("OPENARC_URL", "http://127.0.0.1:8000"))
+    health.add_argument("--timeout", type=float, default=5.0)
+    health.set_defaults(func=cmd_health)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"openarc: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

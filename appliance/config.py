@@ -1,0 +1,291 @@
+"""The declarative YAML config: dataclasses plus one small validator driven by their type hints.
+
+Every error names the file, the key path and what was expected, in one line, so `openarc check-config` and a
+failing unit start say exactly what to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+DEFAULT_CONFIG_PATH = Path("/etc/openarc/openarc.yaml")
+
+# OpenVINO device names are case sensitive ("cpu" is not registered): accept the plugin names and their
+# composite forms, reject anything else here rather than as a C++ exception at load time.
+DEVICE_PATTERN = re.compile(r"^(CPU|NPU|GPU(\.\d+)?|(AUTO|MULTI|HETERO|BATCH)(:[A-Z0-9.,:]+)?)$")
+
+# The fields of openvino_genai.SchedulerConfig, listed here so the front never imports OpenVINO.
+SCHEDULER_FIELDS = {
+    "num_kv_blocks": int,
+    "cache_size": int,
+    "max_num_batched_tokens": int,
+    "max_num_seqs": int,
+    "dynamic_split_fuse": bool,
+    "enable_prefix_caching": bool,
+    "use_cache_eviction": bool,
+    "use_sparse_attention": bool,
+}
+
+
+class ConfigError(ValueError):
+    """An invalid config; str() is the one line shown to the user."""
+
+
+@dataclass
+class RestartPolicy:
+    # Defaults suit a real GPU box: a crash-looping driver gets room to settle, and five crashes in ten
+    # minutes mean something a restart will not fix.
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 60.0
+    max_failures: int = 5
+    window_s: float = 600.0
+
+
+@dataclass
+class ModelConfig:
+    name: str
+    path: str
+    device: str = "CPU"
+    # Port of this model's own listener under `openarc serve --model NAME` (openarc@NAME.service).
+    port: int | None = None
+    # continuous_batching batches concurrent requests; stateful (ATTENTION_BACKEND=SDPA) runs one at a
+    # time, the fallback many Arc users need.
+    pipeline: Literal["continuous_batching", "stateful"] = "continuous_batching"
+    runtime_config: dict[str, Any] = field(default_factory=dict)
+    scheduler_config: dict[str, Any] = field(default_factory=dict)
+    # GPU_ENABLE_SDPA_OPTIMIZATION; false stops the fence-timeout hangs seen on Arc A770.
+    sdpa_optimization: bool | None = None
+    # ENABLE_WEIGHTLESS; None means true on GPU (9-17 GB -> ~0.2 GB host RAM per 14B load).
+    enable_weightless: bool | None = None
+    max_context: int = 4096
+    default_max_tokens: int = 256
+    max_running: int = 8
+    max_queue: int = 32
+    stall_timeout_s: float = 60.0
+    load_timeout_s: float = 900.0
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device.startswith("GPU")
+
+    def ov_properties(self, cache_dir: str | None) -> dict[str, Any]:
+        """The OpenVINO properties a worker compiles with: first-class options, then runtime_config wins."""
+        props: dict[str, Any] = {}
+        if cache_dir:
+            props["CACHE_DIR"] = cache_dir
+        if self.is_gpu:
+            props["ENABLE_WEIGHTLESS"] = True if self.enable_weightless is None else self.enable_weightless
+            if self.sdpa_optimization is not None:
+                props["GPU_ENABLE_SDPA_OPTIMIZATION"] = self.sdpa_optimization
+        elif self.enable_weightless is not None:
+            props["ENABLE_WEIGHTLESS"] = self.enable_weightless
+        if self.pipeline == "stateful":
+            props["ATTENTION_BACKEND"] = "SDPA"
+        props.update(self.runtime_config)
+        return props
+
+    @property
+    def effective_max_running(self) -> int:
+        return 1 if self.pipeline == "stateful" else self.max_running
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Name of the environment variable that holds the API key; the key itself never lives in the file.
+    api_key_env: str | None = None
+    metrics_require_key: bool = False
+    max_body_bytes: int = 1 << 20
+    drain_timeout_s: float = 30.0
+    # Parallel loads of two 14B models OOM-killed a 32 GB host: load one model at a time by default.
+    load_concurrency: int = 1
+    cache_dir: str | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+@dataclass
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    models: list[ModelConfig] = field(default_factory=list)
+    source: str = "<built-in>"
+
+    def model(self, name: str) -> ModelConfig:
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise ConfigError(f"{self.source}: models: no model named {name!r} (have: {', '.join(m.name for m in self.models)})")
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.server.api_key_env) if self.server.api_key_env else None
+
+    def ov_cache_dir(self) -> str | None:
+        if self.server.cache_dir:
+            return self.server.cache_dir
+        systemd_cache = os.environ.get("CACHE_DIRECTORY")  # set by CacheDirectory=; may list several
+        return str(Path(systemd_cache.split(":")[0]) / "ov") if systemd_cache else None
+
+    def only(self, name: str) -> Config:
+        """The config of one instance (openarc@NAME): that model alone, on its own port if it has one."""
+        model = self.model(name)
+        server = dataclasses.replace(self.server, port=model.port or self.server.port)
+        return Config(server=server, models=[model], source=self.source)
+
+
+# --- validation --------------------------------------------------------------------------------------
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return "a list"
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return _TYPE_NAMES.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """Check value against a type hint and build dataclasses; raise ConfigError naming `where`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _convert(value, option, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: expected {_describe(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin is list:
+        if isinstance(value, list):
+            (item_tp,) = typing.get_args(tp)
+            return [_convert(item, item_tp, f"{where}[{i}]") for i, item in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            return {str(k): v for k, v in value.items()}
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return _build(tp, value, where)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, tp):
+        return value
+    raise ConfigError(f"{where}: expected {_describe(tp)}, got {value!r}")
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _build(cls: type, data: dict, where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(f"{_join(where, str(key))}: unknown key (expected one of: {', '.join(fields)})")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _convert(data[name], hints[name], _join(where, name))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{_join(where, name)}: required key is missing ({_describe(hints[name])})")
+    return cls(**kwargs)
+
+
+def _check_ranges(config: Config) -> None:
+    def require(ok: bool, key: str, expected: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}: expected {expected}")
+
+    s = config.server
+    require(0 < s.port < 65536, "server.port", "a port number 1-65535")
+    require(s.max_body_bytes >= 1024, "server.max_body_bytes", "at least 1024")
+    require(s.load_concurrency >= 1, "server.load_concurrency", "at least 1")
+    require(s.drain_timeout_s >= 0, "server.drain_timeout_s", "a non-negative number")
+    seen: set[str] = set()
+    for i, m in enumerate(config.models):
+        at = f"models[{i}]"
+        require(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", m.name) is not None, f"{at}.name",
+                "letters, digits, '.', '_' or '-' (it names a systemd instance and a metric label)")
+        require(m.name not in seen, f"{at}.name", f"a unique model name ({m.name!r} appears twice)")
+        seen.add(m.name)
+        require(DEVICE_PATTERN.match(m.device) is not None, f"{at}.device",
+                "an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case)")
+        require(m.port is None or 0 < m.port < 65536, f"{at}.port", "a port number 1-65535")
+        for key in ("max_context", "default_max_tokens", "max_running"):
+            require(getattr(m, key) >= 1, f"{at}.{key}", "at least 1")
+        require(m.max_queue >= 0, f"{at}.max_queue", "a non-negative integer")
+        require(m.stall_timeout_s > 0 and m.load_timeout_s > 0, f"{at}.stall_timeout_s",
+                "positive timeouts (stall_timeout_s, load_timeout_s)")
+        r = m.restart
+        require(0 < r.backoff_initial_s <= r.backoff_max_s, f"{at}.restart.backoff_initial_s",
+                "a positive number no larger than backoff_max_s")
+        require(r.max_failures >= 1 and r.window_s > 0, f"{at}.restart.max_failures",
+                "max_failures >= 1 and window_s > 0")
+        for key, value in m.scheduler_config.items():
+            expected = SCHEDULER_FIELDS.get(key)
+            require(expected is not None, f"{at}.scheduler_config.{key}",
+                    "a SchedulerConfig field: " + ", ".join(SCHEDULER_FIELDS))
+            _convert(value, expected, f"{at}.scheduler_config.{key}")
+
+
+def parse_config(data: Any, source: str) -> Config:
+    if data is None:
+        data = {}
+    try:
+        if not isinstance(data, dict):
+            raise ConfigError("top level: expected a mapping with 'server' and 'models'")
+        config = _build(Config, data, "")
+        _check_ranges(config)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    config.source = source
+    return config
+
+
+def load_config(path: os.PathLike | str) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{at}: {getattr(exc, 'problem', exc)}") from None
+    return parse_config(data, str(path))
+
+
+def demo_config(model_path: str, **server: Any) -> Config:
+    """The built-in config of `openarc serve` without a config file: the tiny demo model on the CPU."""
+    demo = ModelConfig(name="demo", path=model_path, device="CPU", max_context=2048,
+                       restart=RestartPolicy(backoff_initial_s=0.5, backoff_max_s=10.0, max_failures=10, window_s=300.0))
+    return Config(server=ServerConfig(**server), models=[demo])

@@ -1,0 +1,67 @@
+"""Every Prometheus metric the appliance exports, in one registry owned by the front.
+
+Workers do not write metrics: they send figures over their channel and the front records them here, so there is
+no multiprocess directory and a crashed worker cannot leave a half-written file behind.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+MODEL_STATES = ("loading", "ready", "restarting", "failed", "stopped")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("openarc_requests", "HTTP requests answered, by final status code",
+                                ["model", "endpoint", "status"], registry=r)
+        self.request_errors = Counter("openarc_request_errors", "Requests that ended in an error, by kind",
+                                      ["model", "kind"], registry=r)
+        self.worker_crashes = Counter("openarc_worker_crashes", "Worker processes that died unexpectedly",
+                                      ["model", "signal"], registry=r)
+        self.worker_restarts = Counter("openarc_worker_restarts", "Worker processes started after the first",
+                                       ["model"], registry=r)
+        self.worker_up = Gauge("openarc_worker_up", "1 while the model's worker is ready", ["model"], registry=r)
+        self.model_state = Gauge("openarc_model_state", "1 for the model's current state", ["model", "state"], registry=r)
+        self.gpu_resets = Counter("openarc_gpu_resets", "GPU hangs and resets seen in the kernel log",
+                                  ["device"], registry=r)
+        self.device_memory_used = Gauge("openarc_device_memory_used_bytes", "Device (VRAM) memory used by workers",
+                                        ["device"], registry=r)
+        self.device_memory_total = Gauge("openarc_device_memory_total_bytes", "Device (VRAM) memory size",
+                                         ["device"], registry=r)
+        self.worker_rss = Gauge("openarc_worker_resident_memory_bytes", "Host RAM resident in the model's worker",
+                                ["model"], registry=r)
+        self.requests_running = Gauge("openarc_requests_running", "Requests generating in the worker", ["model"], registry=r)
+        self.requests_waiting = Gauge("openarc_requests_waiting", "Requests queued in the front", ["model"], registry=r)
+        self.prompt_tokens = Counter("openarc_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.generation_tokens = Counter("openarc_generation_tokens", "Tokens generated", ["model"], registry=r)
+        self.ttft = Histogram("openarc_time_to_first_token_seconds", "Time from request to its first token", ["model"],
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.itl = Histogram("openarc_inter_token_latency_seconds", "Time between tokens of one request", ["model"],
+                             buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5), registry=r)
+        self.request_duration = Histogram("openarc_request_duration_seconds", "Time to answer a request",
+                                          ["model", "endpoint"],
+                                          buckets=(.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
+        self.queue_time = Histogram("openarc_queue_time_seconds", "Time a request waited before reaching the worker",
+                                    ["model"], buckets=(.001, .005, .01, .05, .1, .5, 1, 5, 10, 30, 60), registry=r)
+        self.model_load = Histogram("openarc_model_load_seconds", "Time to load a model in its worker", ["model"],
+                                    buckets=(.1, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200), registry=r)
+        self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",
+                                    registry=r)
+
+    def register_model(self, model: str) -> None:
+        """Create every per-model series at zero, so dashboards and rate() see the model before its first event."""
+        for metric in (self.worker_up, self.requests_running, self.requests_waiting, self.prompt_tokens,
+                       self.generation_tokens, self.worker_restarts, self.worker_rss):
+            metric.labels(model=model)
+        self.set_state(model, "stopped")
+
+    def set_state(self, model: str, state: str) -> None:
+        for name in MODEL_STATES:
+            self.model_state.labels(model=model, state=name).set(1 if name == state else 0)
+        self.worker_up.labels(model=model).set(1 if state == "ready" else 0)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,299 @@
+"""The aiohttp front: OpenAI routes, health and status, metrics, and the process lifecycle.
+
+The front never imports OpenVINO. It validates requests, hands them to a model's supervisor, and turns whatever
+comes back (tokens, a finish, or a RequestFailed) into an HTTP response or SSE chunks. Lifecycle follows
+aiohttp's web_runner: setup, start, serve until SIGTERM/SIGINT, drain, cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import time
+from typing import Any
+
+from aiohttp import web
+
+from appliance import __version__, openai_api, telemetry
+from appliance.config import Config
+from appliance.metrics import Metrics
+from appliance.notify import LoopHealth, Notifier, watchdog_loop
+from appliance.openai_api import GenerationRequest, InvalidRequest, ResponseShaper, error_body
+from appliance.supervisor import ModelState, RequestFailed, Supervisor
+
+log = logging.getLogger("openarc.server")
+
+OPEN_ROUTES = {"/health", "/ready"}
+KMSG_POLL_INTERVAL_S = 1.0
+LOAD_EXTEND_EVERY_S = 20.0  # well inside notify.LOAD_EXTEND_USEC
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+STATE_KEY = web.AppKey("appliance", object)
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+                   hint: str | None = None, retry_after: float | None = None) -> web.Response:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    body = error_body(message, ERROR_TYPES.get(status, "server_error"), code, param, hint)
+    return web.json_response(body, status=status, headers=headers)
+
+
+class Appliance:
+    """The front process's state: config, supervisor, metrics and notifier, and the HTTP handlers."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.metrics = Metrics()
+        self.supervisor = Supervisor(config, self.metrics)
+        self.notifier = Notifier()
+        self.loop_health = LoopHealth(self.metrics.event_loop_lag.set)
+        self.api_key = config.api_key()
+        self.draining = False
+        self.started = time.time()
+        self.background: list[asyncio.Task] = []
+
+    # --- app -----------------------------------------------------------------------------------------
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.server.max_body_bytes,
+                              middlewares=[self.errors_middleware, self.auth_middleware])
+        app[STATE_KEY] = self
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_route)
+        app.router.add_get("/openarc/status", self.status)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        return app
+
+    @web.middleware
+    async def errors_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every error leaves as an OpenAI error body; no traceback ever reaches a client."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            message = {404: f"no route {request.method} {request.path}",
+                       405: f"method {request.method} is not allowed on {request.path}",
+                       413: f"request body exceeds the limit of {self.config.server.max_body_bytes} bytes"}
+            return error_response(exc.status, message.get(exc.status, exc.reason), code=exc.reason.lower().replace(" ", "_"))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return error_response(500, "internal server error", code="internal_error")
+
+    @web.middleware
+    async def auth_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        if self.api_key and not self._open_route(request.path):
+            presented = request.headers.get("Authorization", "")
+            # Constant-time compare; the presented key is never logged.
+            if not hmac.compare_digest(presented.encode(), f"Bearer {self.api_key}".encode()):
+                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", "invalid_api_key")
+        return await handler(request)
+
+    def _open_route(self, path: str) -> bool:
+        return path in OPEN_ROUTES or (path == "/metrics" and not self.config.server.metrics_require_key)
+
+    # --- health, status, metrics -----------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        ready = self.supervisor.all_ready() and not self.draining
+        models = {name: m.state.value for name, m in self.supervisor.models.items()}
+        return web.json_response({"ready": ready, "draining": self.draining, "models": models},
+                                 status=200 if ready else 503)
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
+                                  "draining": self.draining,
+                                  "models": [m.status() for m in self.supervisor.models.values()]})
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [{"id": name, "object": "model", "created": int(self.started), "owned_by": "openarc"}
+                for name in self.supervisor.models]
+        return web.json_response({"object": "list", "data": data})
+
+    # --- generation --------------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat/completions", openai_api.parse_chat)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions", openai_api.parse_completion)
+
+    async def _generate(self, request: web.Request, endpoint: str, parse) -> web.StreamResponse:
+        started = time.monotonic()
+        model_label = ""
+        try:
+            try:
+                body = await request.json(loads=json.loads)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise InvalidRequest("the request body is not valid JSON")
+            req = parse(body)
+            sup = self.supervisor.get(req.model)
+            if sup is None:
+                raise RequestFailed(404, "model_not_found", f"the model '{req.model}' does not exist "
+                                                            f"(have: {', '.join(self.supervisor.models)})")
+            model_label = req.model
+            if self.draining:
+                raise RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)
+            response = await (self._stream(request, sup, req) if req.stream else self._whole(sup, req))
+        except InvalidRequest as exc:
+            response = self._failed(model_label, RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"),
+                                    param=exc.param)
+        except RequestFailed as exc:
+            response = self._failed(model_label, exc)
+        self.metrics.requests.labels(model=model_label, endpoint=endpoint, status=str(response.status)).inc()
+        self.metrics.request_duration.labels(model=model_label, endpoint=endpoint).observe(time.monotonic() - started)
+        return response
+
+    def _failed(self, model: str, exc: RequestFailed, param: str | None = None) -> web.Response:
+        self.count_error(model, exc.kind)
+        return error_response(exc.status, exc.message, exc.code, param, exc.hint, exc.retry_after)
+
+    def count_error(self, model: str, kind: str) -> None:
+        kind = {"model_not_found": "invalid_request", "context_length_exceeded": "invalid_request"}.get(kind, kind)
+        self.metrics.request_errors.labels(model=model, kind=kind).inc()
+
+    async def _whole(self, sup, req: GenerationRequest) -> web.Response:
+        handle = sup.open(req.frame())
+        texts: list[str] = []
+        try:
+            async for event in sup.events(handle):
+                if event.op == "tokens":
+                    texts.append(event.text)
+                else:
+                    shaper = ResponseShaper(req)
+                    usage = shaper.usage(event.prompt_tokens, event.completion_tokens)
+                    return web.json_response(shaper.whole("".join(texts), event.finish_reason, usage))
+        finally:
+            sup.close(handle)
+        raise AssertionError("event stream ended without done")
+
+    async def _stream(self, request: web.Request, sup, req: GenerationRequest) -> web.StreamResponse:
+        handle = sup.open(req.frame())
+        shaper = ResponseShaper(req)
+        events = sup.events(handle)
+        response: web.StreamResponse | None = None
+        try:
+            # Wait for the first event before sending headers, so an error that comes first (context too long,
+            # a worker that died) is still a proper HTTP status rather than an event in a 200 stream.
+            first = await events.__anext__()
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   "X-Accel-Buffering": "no"})
+            await response.prepare(request)
+            if req.kind == "chat":
+                await self._send(response, shaper.chunk(first=True))
+            event = first
+            while True:
+                if event.op == "tokens":
+                    if event.text:
+                        await self._send(response, shaper.chunk(event.text))
+                else:
+                    await self._send(response, shaper.chunk(finish_reason=event.finish_reason))
+                    if req.include_usage:
+                        await self._send(response, shaper.usage_chunk(shaper.usage(event.prompt_tokens,
+                                                                                   event.completion_tokens)))
+                    break
+                event = await events.__anext__()
+        except RequestFailed as exc:
+            if response is None:
+                raise
+            self.count_error(req.model, exc.kind)
+            await self._send(response, error_body(exc.message, ERROR_TYPES.get(exc.status, "server_error"), exc.code,
+                                                  hint=exc.hint))
+        finally:
+            sup.close(handle)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    @staticmethod
+    async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+        await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+
+    def status_line(self) -> str:
+        parts = []
+        for m in self.supervisor.models.values():
+            part = f"{m.name}: {m.state.value}"
+            if m.restarts:
+                part += f", {m.restarts} restarts"
+            if m.state is not ModelState.READY and m.last_error:
+                part += f", last error: {m.last_error[:120]}"
+            parts.append(part)
+        return ("draining; " if self.draining else "") + "; ".join(parts)
+
+    def trigger_reason(self) -> str | None:
+        if self.supervisor.all_failed():
+            return "every model of this service is failed: " + self.status_line()
+        return None
+
+    def healthy(self) -> bool:
+        return self.loop_health.healthy() and self.supervisor.healthy()
+
+    async def watch_gpu_resets(self) -> None:
+        watcher = telemetry.KmsgWatcher()
+        while True:
+            for event in watcher.poll():
+                if event.counts_as_reset:
+                    log.error("GPU %s on %s: %s", event.kind, event.bdf or "?", event.text)
+                    self.metrics.gpu_resets.labels(device=event.bdf or "unknown").inc()
+            await asyncio.sleep(KMSG_POLL_INTERVAL_S)
+
+    async def await_first_loads(self) -> None:
+        """Until every model has loaded (or failed), keep systemd's start timeout from firing."""
+        last_extend = 0.0
+        while not self.supervisor.settled():
+            if time.monotonic() - last_extend > LOAD_EXTEND_EVERY_S:
+                self.notifier.extend_start_timeout()
+                last_extend = time.monotonic()
+            self.notifier.status("loading: " + self.status_line())
+            await asyncio.sleep(0.05)
+
+    async def serve(self, host: str, port: int) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        log.info("listening on http://%s:%d", host, port)
+        self.supervisor.start()
+        self.background = [asyncio.create_task(c) for c in (
+            self.loop_health.run(),
+            watchdog_loop(self.notifier, self.healthy, self.trigger_reason, self.status_line),
+            self.watch_gpu_resets())]
+        loads = asyncio.create_task(self.await_first_loads())
+        await asyncio.wait([loads, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if not stop.is_set():
+            self.notifier.ready(self.status_line())
+            log.info("ready: %s", self.status_line())
+            await stop.wait()
+        loads.cancel()
+        await self.shutdown(runner)
+
+    async def shutdown(self, runner: web.AppRunner) -> None:
+        log.info("stopping: draining requests for up to %gs", self.config.server.drain_timeout_s)
+        self.draining = True
+        self.notifier.stopping()
+        await self.supervisor.stop(self.config.server.drain_timeout_s)
+        for task in self.background:
+            task.cancel()
+        await runner.cleanup()
+        log.info("stopped")

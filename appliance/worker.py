@@ -1,0 +1,386 @@
+"""The worker process: owns one model's pipeline and nothing else.
+
+Started fresh by the supervisor (`python -m appliance.worker --fd N --spec JSON`, never forked from the front),
+it loads the pipeline, says `ready`, then serves generate/cancel frames until EOF on its channel. Pipeline calls
+all happen on one engine thread, so the channel reader never blocks behind a generation and a cancel is seen at
+the next step. The worker never runs a pipeline destructor after an error: it leaves with os._exit(), so a
+corrupted device context cannot turn an error into a SIGABRT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import faulthandler
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance import faults, telemetry
+from appliance.ipc import BlockingChannel
+
+log = logging.getLogger("openarc.worker")
+
+EXIT_LOAD_FAILED = 3
+EXIT_DEVICE_LOST = 75  # EX_TEMPFAIL: the supervisor restarts us with a fresh device context
+TELEMETRY_INTERVAL_S = 2.0
+# Test and benchmark knob: sleep after every engine step, so a fault can land mid-generation on a model that
+# otherwise finishes 32 tokens in 8 ms.  Never set in production.
+STEP_DELAY_ENV = "OPENARC_DEBUG_STEP_DELAY_S"
+
+
+@dataclass
+class Request:
+    id: int
+    input_ids: Any  # ov.Tensor of shape [1, n]
+    prompt_tokens: int
+    max_tokens: int
+    params: dict[str, Any]
+    generated: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+
+class Detokenizer:
+    """Incremental detokenization: decode a short window so each step costs O(1), not O(length).
+
+    A multi-byte character split across tokens decodes to U+FFFD until its last byte arrives; hold it back.
+    """
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def delta(self, req: Request) -> str:
+        ids = req.generated
+        before = self._tokenizer.decode(ids[req.prefix_offset:req.read_offset])
+        after = self._tokenizer.decode(ids[req.prefix_offset:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        req.prefix_offset, req.read_offset = req.read_offset, len(ids)
+        return after[len(before):]
+
+
+class Engine:
+    """Shared front half of both engines: request intake, prompt building, replies."""
+
+    def __init__(self, spec: dict[str, Any], channel: BlockingChannel, tokenizer):
+        self.spec = spec
+        self.channel = channel
+        self.tokenizer = tokenizer
+        self.detok = Detokenizer(tokenizer)
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+
+    # called from the channel reader thread
+    def submit(self, message: dict[str, Any]) -> None:
+        self.inbox.put(("generate", message))
+
+    def cancel(self, request_id: int) -> None:
+        self.inbox.put(("cancel", request_id))
+
+    def prepare(self, message: dict[str, Any]) -> Request | None:
+        """Tokenize and check the context limit; reply with an error and return None if the request is invalid."""
+        try:
+            if message["kind"] == "chat":
+                import openvino_genai
+                history = openvino_genai.ChatHistory(message["messages"])
+                text = self.tokenizer.apply_chat_template(history, add_generation_prompt=True)
+                input_ids = self.tokenizer.encode(text, add_special_tokens=False).input_ids
+            else:
+                input_ids = self.tokenizer.encode(message["prompt"]).input_ids
+        except Exception as exc:  # a template or tokenizer error belongs to this request only
+            self.fail(message["id"], faults.classify_error(str(exc)), str(exc))
+            return None
+        prompt_tokens = int(input_ids.get_shape()[1])
+        max_tokens = message["params"].get("max_tokens") or self.spec["default_max_tokens"]
+        limit = self.spec["max_context"]
+        if prompt_tokens + max_tokens > limit:
+            fault = faults.Fault(kind="invalid_request", code="context_length_exceeded", hint=None, retryable=False)
+            self.fail(message["id"], fault, f"This model's maximum context length is {limit} tokens; the prompt has "
+                                            f"{prompt_tokens} tokens and max_tokens is {max_tokens}.")
+            return None
+        return Request(message["id"], input_ids, prompt_tokens, max_tokens, message["params"])
+
+    def generation_config(self, req: Request):
+        import openvino_genai
+        config = openvino_genai.GenerationConfig()
+        config.max_new_tokens = req.max_tokens
+        temperature = req.params.get("temperature")
+        if temperature:
+            config.do_sample = True
+            config.temperature = temperature
+            config.top_p = req.params.get("top_p") or 1.0
+        if req.params.get("seed") is not None:
+            config.rng_seed = req.params["seed"]
+        if req.params.get("stop"):
+            config.stop_strings = set(req.params["stop"])
+            config.include_stop_str_in_output = False
+        config.eos_token_id = self.tokenizer.get_eos_token_id()
+        return config
+
+    def emit_tokens(self, req: Request, new_ids: list[int]) -> None:
+        req.generated.extend(new_ids)
+        text = self.detok.delta(req)
+        self.channel.send({"op": "tokens", "id": req.id, "text": text, "n": len(new_ids)})
+
+    def finish(self, req: Request, finish_reason: str) -> None:
+        self.channel.send({"op": "done", "id": req.id, "finish_reason": finish_reason,
+                           "prompt_tokens": req.prompt_tokens, "completion_tokens": len(req.generated)})
+
+    def fail(self, request_id: int, fault: faults.Fault, message: str) -> None:
+        self.channel.send({"op": "error", "id": request_id, "kind": fault.kind, "code": fault.code,
+                           "hint": fault.hint, "message": message})
+
+    def fail_all(self, requests: list[Request], exc: BaseException) -> faults.Fault:
+        message = str(exc).strip() or type(exc).__name__
+        fault = faults.classify_error(message, device=self.spec["device"])
+        log.error("generation failed (%s): %s", fault.kind, message.splitlines()[-1] if message else "")
+        for req in requests:
+            self.fail(req.id, fault, message)
+        return fault
+
+    def pause(self) -> None:
+        if self.step_delay:
+            time.sleep(self.step_delay)
+
+
+class BatchingEngine(Engine):
+    """Continuous batching: every admitted request advances together, one pipeline.step() at a time."""
+
+    def __init__(self, spec, channel):
+        import openvino_genai
+        scheduler = openvino_genai.SchedulerConfig()
+        for key, value in spec["scheduler_config"].items():
+            setattr(scheduler, key, value)
+        self.pipe = openvino_genai.ContinuousBatchingPipeline(spec["path"], scheduler, spec["device"], spec["properties"])
+        super().__init__(spec, channel, self.pipe.get_tokenizer())
+        self.active: dict[int, tuple[Request, Any]] = {}
+
+    def run(self) -> None:
+        while True:
+            self._drain_inbox(block=not self.active)
+            if not self.active:
+                continue
+            try:
+                self.pipe.step()
+            except Exception as exc:  # the whole batch failed inside the plugin
+                fault = self.fail_all([req for req, _ in self.active.values()], exc)
+                self._drop_all()
+                exit_if_device_lost(fault)
+                continue
+            self._collect()
+            self.pause()
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                op, arg = self.inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if op == "generate":
+                self._admit(arg)
+            elif arg in self.active:
+                self.active.pop(arg)[1].cancel()
+
+    def _admit(self, message: dict[str, Any]) -> None:
+        req = self.prepare(message)
+        if req is None:
+            return
+        try:
+            handle = self.pipe.add_request(req.id, req.input_ids, self.generation_config(req))
+        except Exception as exc:
+            exit_if_device_lost(self.fail_all([req], exc))
+            return
+        self.active[req.id] = (req, handle)
+
+    def _collect(self) -> None:
+        import openvino_genai
+        status_enum = openvino_genai.GenerationStatus
+        for req_id, (req, handle) in list(self.active.items()):
+            status = handle.get_status()
+            finish = None
+            if handle.can_read():
+                for output in handle.read().values():
+                    if output.generated_ids:
+                        self.emit_tokens(req, list(output.generated_ids))
+                    finish = output.finish_reason
+            if status == status_enum.RUNNING:
+                continue
+            del self.active[req_id]
+            if status == status_enum.IGNORED:
+                # A scheduler out-of-memory through the CB API is a status, not an exception.
+                message = f"Request {req_id} was dropped by the scheduler: scheduler ignored the request (out of memory)"
+                self.fail(req_id, faults.classify_error(message), message)
+            elif status == status_enum.FINISHED:
+                self.finish(req, finish_reason_name(finish, req))
+            # CANCEL / STOP: the front already forgot this request
+
+    def _drop_all(self) -> None:
+        for _, handle in self.active.values():
+            try:
+                handle.cancel()
+            except Exception:
+                pass
+        self.active.clear()
+
+
+class SequentialEngine(Engine):
+    """The stateful LLMPipeline (ATTENTION_BACKEND=SDPA): one request at a time, tokens through a streamer."""
+
+    def __init__(self, spec, channel):
+        import openvino_genai
+        self.pipe = openvino_genai.LLMPipeline(spec["path"], spec["device"], **spec["properties"])
+        super().__init__(spec, channel, self.pipe.get_tokenizer())
+        self.cancelled: set[int] = set()
+        self.waiting: list[dict[str, Any]] = []
+
+    def run(self) -> None:
+        while True:
+            self._drain_inbox(block=not self.waiting)
+            if self.waiting:
+                message = self.waiting.pop(0)
+                if message["id"] not in self.cancelled:
+                    self._generate(message)
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                op, arg = self.inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if op == "generate":
+                self.waiting.append(arg)
+            else:
+                self.cancelled.add(arg)
+
+    def _generate(self, message: dict[str, Any]) -> None:
+        import openvino_genai
+        req = self.prepare(message)
+        if req is None:
+            return
+        engine = self
+
+        class Streamer(openvino_genai.StreamerBase):
+            def write(self, token):
+                # An exception here would be printed and swallowed by genai while generation goes on.
+                try:
+                    engine.emit_tokens(req, token if isinstance(token, list) else [token])
+                    engine._drain_inbox(block=False)
+                    engine.pause()
+                    if req.id in engine.cancelled:
+                        return openvino_genai.StreamingStatus.CANCEL
+                    return openvino_genai.StreamingStatus.RUNNING
+                except Exception:
+                    log.exception("streamer failed")
+                    return openvino_genai.StreamingStatus.STOP
+
+            def end(self):
+                pass
+
+        try:
+            self.pipe.generate(req.input_ids, self.generation_config(req), Streamer())
+        except Exception as exc:
+            exit_if_device_lost(self.fail_all([req], exc))
+            return
+        if req.id not in self.cancelled:
+            self.finish(req, "length" if len(req.generated) >= req.max_tokens else "stop")
+        self.cancelled.discard(req.id)
+
+
+def finish_reason_name(reason, req: Request) -> str:
+    name = getattr(reason, "name", "")
+    if name == "LENGTH" or (name not in ("STOP",) and len(req.generated) >= req.max_tokens):
+        return "length"
+    return "stop"
+
+
+def exit_if_device_lost(fault: faults.Fault) -> None:
+    """After a lost device nothing in this process can be trusted: leave without destructors, get restarted."""
+    if fault.kind == "device_lost":
+        log.error("device lost: exiting so the supervisor restarts this model with a fresh device context")
+        os._exit(EXIT_DEVICE_LOST)
+
+
+def die_with_parent() -> None:
+    """PR_SET_PDEATHSIG: even a SIGSTOPped worker is killed when the front dies, so no orphan holds VRAM."""
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def report_telemetry(channel: BlockingChannel, spec: dict[str, Any]) -> None:
+    pid = os.getpid()
+    while True:
+        try:
+            vram = telemetry.device_memory_used([pid])
+            channel.send({"op": "telemetry", "rss_bytes": telemetry.process_rss_bytes(pid),
+                          "device_memory_used_bytes": vram})
+        except OSError:
+            return
+        except Exception:  # telemetry must never take a worker down
+            log.debug("telemetry failed", exc_info=True)
+        time.sleep(TELEMETRY_INTERVAL_S)
+
+
+def load_engine(spec: dict[str, Any], channel: BlockingChannel) -> Engine:
+    engine_cls = SequentialEngine if spec["pipeline"] == "stateful" else BatchingEngine
+    return engine_cls(spec, channel)
+
+
+def serve(channel: BlockingChannel, engine: Engine) -> None:
+    """The channel reader: dispatch frames to the engine until EOF (the front is gone) or shutdown."""
+    while True:
+        message = channel.recv()
+        if message is None or message["op"] == "shutdown":
+            return
+        if message["op"] == "generate":
+            engine.submit(message)
+        elif message["op"] == "cancel":
+            engine.cancel(message["id"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="openarc-worker")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--spec", required=True, help="the model's spec as JSON")
+    args = parser.parse_args(argv)
+    spec = json.loads(args.spec)
+    die_with_parent()
+    faulthandler.enable()
+    from appliance.logs import setup_logging
+    setup_logging(spec.get("log_level", "info"), prefix=f"worker[{spec['name']}] ")
+    channel = BlockingChannel(socket.socket(fileno=args.fd))
+    started = time.monotonic()
+    try:
+        engine = load_engine(spec, channel)
+    except Exception as exc:
+        message = str(exc).strip() or type(exc).__name__
+        fault = faults.classify_error(message, device=spec["device"])
+        log.error("loading %s failed (%s): %s", spec["path"], fault.kind, message)
+        channel.send({"op": "fatal", "kind": fault.kind, "code": fault.code, "hint": fault.hint, "message": message})
+        os._exit(EXIT_LOAD_FAILED)
+    channel.send({"op": "ready", "load_seconds": time.monotonic() - started})
+    threading.Thread(target=engine.run, name="engine", daemon=True).start()
+    threading.Thread(target=report_telemetry, args=(channel, spec), name="telemetry", daemon=True).start()
+    try:
+        serve(channel, engine)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no pipeline destructor, ever
+
+
+if __name__ == "__main__":
+    main()

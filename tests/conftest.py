@@ -1,0 +1,195 @@
+"""Shared fixtures: the tiny demo model, and live appliances on loopback that are always cleaned up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+STARTUP_TIMEOUT_S = 120  # only catches a hang: the demo model loads in well under a second
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory) -> Path:
+    """The demo model as the tests know it: stops by itself after 48 tokens, 64 at most by default."""
+    from appliance.demo_model import build_demo_model
+    return build_demo_model(tmp_path_factory.mktemp("models") / "demo", eos_after=48, max_new_tokens=64)
+
+
+@pytest.fixture(scope="session")
+def long_demo_model(tmp_path_factory) -> Path:
+    """A demo model that never stops by itself, for requests that must still be generating when a fault lands."""
+    from appliance.demo_model import build_demo_model
+    return build_demo_model(tmp_path_factory.mktemp("models") / "long", eos_after=0, max_new_tokens=4096)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: Any = None, headers: dict | None = None, raw: bytes | None = None,
+         timeout: float = 60) -> tuple[int, dict, Any]:
+    """One HTTP request; returns (status, headers, parsed JSON body or text)."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, hdrs, text = response.status, dict(response.headers), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, hdrs, text = exc.code, dict(exc.headers), exc.read().decode()
+    try:
+        return status, hdrs, json.loads(text)
+    except ValueError:
+        return status, hdrs, text
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Appliance:
+    """A live `openarc serve` on loopback, started from this source tree."""
+
+    def __init__(self, config: dict, tmp: Path, env: dict | None = None, name: str = "openarc"):
+        self.port = config.setdefault("server", {}).setdefault("port", free_port())
+        config["server"].setdefault("host", "127.0.0.1")
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.config_path = tmp / f"{name}-{self.port}.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = tmp / f"{name}-{self.port}.log"
+        self.env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.worker_pids: set[int] = set()
+
+    def start(self, wait_ready: bool = True) -> Appliance:
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "serve", "--config", str(self.config_path)],
+                                     cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        if wait_ready:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"appliance exited with {self.proc.returncode}:\n{self.logs()}"
+            try:
+                if http("GET", self.base + "/ready", timeout=2)[0] == 200:
+                    self.remember_workers()
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"appliance not ready after {timeout}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def status(self) -> dict:
+        status, _, body = http("GET", self.base + "/openarc/status", timeout=5)
+        assert status == 200, body
+        return body
+
+    def model_status(self, model: str) -> dict:
+        return next(m for m in self.status()["models"] if m["name"] == model)
+
+    def remember_workers(self) -> None:
+        for m in self.status()["models"]:
+            if m["pid"]:
+                self.worker_pids.add(m["pid"])
+
+    def worker_pid(self, model: str) -> int:
+        pid = self.model_status(model)["pid"]
+        assert pid, f"model {model} has no worker"
+        self.worker_pids.add(pid)
+        return pid
+
+    def wait_model(self, model: str, state: str, timeout: float = 60, new_pid_not: int | None = None) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self.model_status(model)
+            if m["state"] == state and (new_pid_not is None or (m["pid"] and m["pid"] != new_pid_not)):
+                if m["pid"]:
+                    self.worker_pids.add(m["pid"])
+                return m
+            time.sleep(0.02)
+        raise AssertionError(f"model {model} not {state} after {timeout}s: {self.model_status(model)}\n{self.logs()[-3000:]}")
+
+    def metrics(self) -> str:
+        status, _, body = http("GET", self.base + "/metrics")
+        assert status == 200
+        return body
+
+    def client(self, **kwargs):
+        import openai
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=kwargs.pop("api_key", "unused"),
+                             max_retries=0, timeout=kwargs.pop("timeout", 60), **kwargs)
+
+    def stop(self) -> None:
+        """SIGTERM (graceful drain), SIGKILL if it hangs; then make sure no worker outlived it."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        deadline = time.monotonic() + 5
+        while any(pid_alive(p) for p in self.worker_pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        survivors = [p for p in self.worker_pids if pid_alive(p)]
+        for pid in survivors:
+            os.kill(pid, signal.SIGKILL)
+        if getattr(self, "log", None):
+            self.log.close()
+        assert not survivors, f"workers {survivors} outlived the front"
+
+
+def model_entry(name: str, path: Path, **overrides) -> dict:
+    """A model config as tests use it: quick restarts so a test can crash a worker many times."""
+    entry = {"name": name, "path": str(path), "device": "CPU",
+             "restart": {"backoff_initial_s": 0.05, "backoff_max_s": 0.2, "max_failures": 50, "window_s": 60}}
+    entry.update(overrides)
+    return entry
+
+
+@pytest.fixture
+def appliance_factory(tmp_path):
+    started: list[Appliance] = []
+
+    def start(config: dict, env: dict | None = None, wait_ready: bool = True) -> Appliance:
+        app = Appliance(config, tmp_path, env)
+        started.append(app)
+        return app.start(wait_ready)
+
+    yield start
+    errors = []
+    for app in started:
+        try:
+            app.stop()
+        except AssertionError as exc:
+            errors.append(str(exc))
+    assert not errors, errors

@@ -22,7 +22,7 @@ from appliance.config import Config
 from appliance.metrics import Metrics
 from appliance.notify import LoopHealth, Notifier, watchdog_loop
 from appliance.openai_api import GenerationRequest, InvalidRequest, ResponseShaper, error_body
-from appliance.supervisor import ModelState, RequestFailed, Supervisor
+from appliance.supervisor import Event, ModelState, RequestFailed, Supervisor
 
 log = logging.getLogger("openarc.server")
 
@@ -186,39 +186,42 @@ class Appliance:
         handle = sup.open(req.frame())
         shaper = ResponseShaper(req)
         events = sup.events(handle)
-        response: web.StreamResponse | None = None
         try:
-            # Wait for the first event before sending headers, so an error that comes first (context too long,
-            # a worker that died) is still a proper HTTP status rather than an event in a 200 stream.
-            first = await events.__anext__()
+            # Headers wait for the first event, so a request the worker refuses (context too long) is still a
+            # plain 400; once admitted, a failed generation is an SSE error event followed by [DONE].
+            event = await self._next(events)
+            if isinstance(event, RequestFailed) and event.status == 400:
+                raise event
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                    "X-Accel-Buffering": "no"})
             await response.prepare(request)
             if req.kind == "chat":
                 await self._send(response, shaper.chunk(first=True))
-            event = first
-            while True:
-                if event.op == "tokens":
-                    if event.text:
-                        await self._send(response, shaper.chunk(event.text))
-                else:
-                    await self._send(response, shaper.chunk(finish_reason=event.finish_reason))
-                    if req.include_usage:
-                        await self._send(response, shaper.usage_chunk(shaper.usage(event.prompt_tokens,
-                                                                                   event.completion_tokens)))
-                    break
-                event = await events.__anext__()
-        except RequestFailed as exc:
-            if response is None:
-                raise
-            self.count_error(req.model, exc.kind)
-            await self._send(response, error_body(exc.message, ERROR_TYPES.get(exc.status, "server_error"), exc.code,
-                                                  hint=exc.hint))
+            while isinstance(event, Event) and event.op == "tokens":
+                if event.text:
+                    await self._send(response, shaper.chunk(event.text))
+                event = await self._next(events)
+            if isinstance(event, RequestFailed):
+                self.count_error(req.model, event.kind)
+                await self._send(response, error_body(event.message, ERROR_TYPES.get(event.status, "server_error"),
+                                                      event.code, hint=event.hint))
+            else:
+                await self._send(response, shaper.chunk(finish_reason=event.finish_reason))
+                if req.include_usage:
+                    await self._send(response, shaper.usage_chunk(shaper.usage(event.prompt_tokens,
+                                                                               event.completion_tokens)))
         finally:
             sup.close(handle)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    @staticmethod
+    async def _next(events) -> Event | RequestFailed:
+        try:
+            return await events.__anext__()
+        except RequestFailed as exc:
+            return exc
 
     @staticmethod
     async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:

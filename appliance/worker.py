@@ -47,6 +47,25 @@ class Request:
     generated: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
+    held: str = ""        # text that may be the start of a stop sequence, not yet sent
+    stopped: bool = False  # a stop sequence was found: the request is finished
+
+
+def cut_at_stop(req: Request, text: str) -> str:
+    """Apply the request's stop sequences to newly decoded text: return what may be sent now.
+
+    genai stops generating at a stop string but still streams its tokens, so the cut happens here. Text that
+    could be the beginning of a stop sequence is held back until the next token decides.
+    """
+    stops = req.params.get("stop") or ()
+    buffer = req.held + text
+    hits = [i for i in (buffer.find(s) for s in stops) if i >= 0]
+    if hits:
+        req.held, req.stopped = "", True
+        return buffer[:min(hits)]
+    hold = max((k for s in stops for k in range(1, len(s)) if buffer.endswith(s[:k])), default=0)
+    req.held = buffer[len(buffer) - hold:] if hold else ""
+    return buffer[:len(buffer) - hold]
 
 
 class Detokenizer:
@@ -126,12 +145,21 @@ class Engine:
         config.eos_token_id = self.tokenizer.get_eos_token_id()
         return config
 
-    def emit_tokens(self, req: Request, new_ids: list[int]) -> None:
+    def emit_tokens(self, req: Request, new_ids: list[int]) -> bool:
+        """Send newly generated tokens' text; True once a stop sequence has finished the request."""
+        if req.stopped:
+            return True
         req.generated.extend(new_ids)
-        text = self.detok.delta(req)
+        text = cut_at_stop(req, self.detok.delta(req))
         self.channel.send({"op": "tokens", "id": req.id, "text": text, "n": len(new_ids)})
+        if req.stopped:
+            self.finish(req, "stop")
+        return req.stopped
 
     def finish(self, req: Request, finish_reason: str) -> None:
+        if req.held:  # a partial stop sequence that never completed is ordinary text after all
+            self.channel.send({"op": "tokens", "id": req.id, "text": req.held, "n": 0})
+            req.held = ""
         self.channel.send({"op": "done", "id": req.id, "finish_reason": finish_reason,
                            "prompt_tokens": req.prompt_tokens, "completion_tokens": len(req.generated)})
 
@@ -210,8 +238,9 @@ class BatchingEngine(Engine):
             finish = None
             if handle.can_read():
                 for output in handle.read().values():
-                    if output.generated_ids:
-                        self.emit_tokens(req, list(output.generated_ids))
+                    if output.generated_ids and self.emit_tokens(req, list(output.generated_ids)):
+                        status = status_enum.CANCEL  # finished by a stop sequence: done was sent
+                        handle.cancel()
                     finish = output.finish_reason
             if status == status_enum.RUNNING:
                 continue
@@ -274,10 +303,10 @@ class SequentialEngine(Engine):
             def write(self, token):
                 # An exception here would be printed and swallowed by genai while generation goes on.
                 try:
-                    engine.emit_tokens(req, token if isinstance(token, list) else [token])
+                    stopped = engine.emit_tokens(req, token if isinstance(token, list) else [token])
                     engine._drain_inbox(block=False)
                     engine.pause()
-                    if req.id in engine.cancelled:
+                    if stopped or req.id in engine.cancelled:
                         return openvino_genai.StreamingStatus.CANCEL
                     return openvino_genai.StreamingStatus.RUNNING
                 except Exception:
@@ -292,7 +321,7 @@ class SequentialEngine(Engine):
         except Exception as exc:
             exit_if_device_lost(self.fail_all([req], exc))
             return
-        if req.id not in self.cancelled:
+        if req.id not in self.cancelled and not req.stopped:
             self.finish(req, "length" if len(req.generated) >= req.max_tokens else "stop")
         self.cancelled.discard(req.id)
 

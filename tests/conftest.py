@@ -83,6 +83,8 @@ class Appliance:
         self.env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.worker_pids: set[int] = set()
+        key = self.env.get(config["server"].get("api_key_env") or "")
+        self.auth = {"Authorization": f"Bearer {key}"} if key else {}
 
     def start(self, wait_ready: bool = True) -> Appliance:
         self.log = open(self.log_path, "w")
@@ -109,7 +111,7 @@ class Appliance:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
     def status(self) -> dict:
-        status, _, body = http("GET", self.base + "/openarc/status", timeout=5)
+        status, _, body = http("GET", self.base + "/openarc/status", headers=self.auth, timeout=5)
         assert status == 200, body
         return body
 
@@ -139,7 +141,7 @@ class Appliance:
         raise AssertionError(f"model {model} not {state} after {timeout}s: {self.model_status(model)}\n{self.logs()[-3000:]}")
 
     def metrics(self) -> str:
-        status, _, body = http("GET", self.base + "/metrics")
+        status, _, body = http("GET", self.base + "/metrics", headers=self.auth)
         assert status == 200
         return body
 

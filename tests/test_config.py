@@ -1,0 +1,130 @@
+"""The YAML config as a user writes it: valid files load, every mistake is one line naming file and key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from appliance.config import ConfigError, load_config
+from conftest import REPO
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "openarc.yaml"
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return str(path)
+
+
+def error_of(tmp_path, data) -> str:
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(path + ": "), message
+    assert "\n" not in message
+    return message
+
+
+FULL = {
+    "server": {"host": "0.0.0.0", "port": 9000, "api_key_env": "OPENARC_KEY", "max_body_bytes": 65536,
+               "drain_timeout_s": 5, "load_concurrency": 1},
+    "models": [
+        {"name": "qwen-14b", "path": "/models/qwen", "device": "GPU.0", "port": 9001, "sdpa_optimization": False,
+         "runtime_config": {"KV_CACHE_PRECISION": "u8"}, "scheduler_config": {"cache_size": 4, "max_num_seqs": 8},
+         "max_context": 8192, "max_queue": 16, "stall_timeout_s": 30,
+         "restart": {"backoff_initial_s": 2, "backoff_max_s": 120, "max_failures": 3, "window_s": 900}},
+        {"name": "small", "path": "/models/small", "device": "CPU", "pipeline": "stateful"},
+    ],
+}
+
+
+def test_full_config_loads_with_values_and_defaults(tmp_path):
+    config = load_config(write(tmp_path, FULL))
+    gpu, cpu = config.models
+    assert config.server.port == 9000 and gpu.port == 9001
+    assert gpu.restart.max_failures == 3 and gpu.restart.backoff_initial_s == 2.0
+    assert cpu.max_queue == 32 and cpu.restart.max_failures == 5  # defaults
+    assert config.only("qwen-14b").server.port == 9001
+    assert config.only("small").server.port == 9000
+
+
+def test_gpu_models_default_to_weightless_and_map_sdpa_option(tmp_path):
+    config = load_config(write(tmp_path, FULL))
+    gpu, cpu = config.models
+    props = gpu.ov_properties(cache_dir="/var/cache/openarc/ov")
+    assert props == {"CACHE_DIR": "/var/cache/openarc/ov", "ENABLE_WEIGHTLESS": True,
+                     "GPU_ENABLE_SDPA_OPTIMIZATION": False, "KV_CACHE_PRECISION": "u8"}
+    assert cpu.ov_properties(None) == {"ATTENTION_BACKEND": "SDPA"}
+
+
+def test_runtime_config_overrides_first_class_options(tmp_path):
+    data = {"models": [{"name": "m", "path": "/m", "device": "GPU", "runtime_config": {"ENABLE_WEIGHTLESS": False}}]}
+    assert load_config(write(tmp_path, data)).models[0].ov_properties(None)["ENABLE_WEIGHTLESS"] is False
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"server": {"prot": 1}}, "server.prot: unknown key (expected one of: host, port,"),
+    ({"server": {"port": "8000"}}, "server.port: expected an integer, got '8000'"),
+    ({"server": {"port": True}}, "server.port: expected an integer, got True"),
+    ({"server": {"port": 70000}}, "server.port: expected a port number 1-65535"),
+    ({"models": [{"name": "a"}]}, "models[0].path: required key is missing (a string)"),
+    ({"models": [{"name": "a", "path": "/a", "device": "cpu"}]},
+     "models[0].device: expected an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case)"),
+    ({"models": [{"name": "a", "path": "/a", "pipeline": "paged"}]},
+     "models[0].pipeline: expected one of 'continuous_batching', 'stateful', got 'paged'"),
+    ({"models": [{"name": "a", "path": "/a", "scheduler_config": {"num_blocks": 4}}]},
+     "models[0].scheduler_config.num_blocks: expected a SchedulerConfig field"),
+    ({"models": [{"name": "a", "path": "/a", "scheduler_config": {"num_kv_blocks": "4"}}]},
+     "models[0].scheduler_config.num_kv_blocks: expected an integer, got '4'"),
+    ({"models": [{"name": "a", "path": "/a", "restart": {"max_failures": 0}}]}, "models[0].restart.max_failures: expected"),
+    ({"models": [{"name": "a", "path": "/a", "restart": {"window": 5}}]}, "models[0].restart.window: unknown key"),
+    ({"models": [{"name": "a b", "path": "/a"}]}, "models[0].name: expected letters, digits"),
+    ({"models": [{"name": "a", "path": "/a"}, {"name": "a", "path": "/b"}]}, "models[1].name: expected a unique model name"),
+    ({"models": {"name": "a"}}, "models: expected a list"),
+    ("- just\n- a list\n", "top level: expected a mapping"),
+    ("server: {port: 80\n", "not valid YAML (line 2, column 1)"),
+])
+def test_each_mistake_is_one_line_naming_file_and_key(tmp_path, data, expected):
+    assert expected in error_of(tmp_path, data)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="missing.yaml: cannot read config: No such file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "appliance", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_check_config_exits_zero_on_a_valid_file(tmp_path):
+    done = run_cli("check-config", write(tmp_path, FULL))
+    assert done.returncode == 0, done.stderr
+    assert "OK: qwen-14b (GPU.0), small (CPU)" in done.stdout
+
+
+def test_check_config_exits_nonzero_with_one_clear_line(tmp_path):
+    path = write(tmp_path, {"models": [{"name": "a", "path": "/a", "devise": "GPU"}]})
+    done = run_cli("check-config", path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"openarc: config error: {path}: models[0].devise: unknown key (expected one of: "
+                                   "name, path, device, port, pipeline, runtime_config, scheduler_config, "
+                                   "sdpa_optimization, enable_weightless, max_context, default_max_tokens, max_running, "
+                                   "max_queue, stall_timeout_s, load_timeout_s, restart)")
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_refuses_an_invalid_config_without_starting(tmp_path):
+    done = run_cli("serve", "--config", write(tmp_path, {"server": {"port": 0}}))
+    assert done.returncode == 2
+    assert "server.port: expected a port number" in done.stderr
+
+
+def test_serve_model_must_exist_in_the_config(tmp_path):
+    done = run_cli("serve", "--config", write(tmp_path, FULL), "--model", "nope")
+    assert done.returncode == 2
+    assert "no model named 'nope' (have: qwen-14b, small)" in done.stderr

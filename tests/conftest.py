@@ -132,7 +132,11 @@ class Appliance:
     def wait_model(self, model: str, state: str, timeout: float = 60, new_pid_not: int | None = None) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            m = self.model_status(model)
+            try:
+                m = self.model_status(model)
+            except OSError:  # not listening yet
+                time.sleep(0.05)
+                continue
             if m["state"] == state and (new_pid_not is None or (m["pid"] and m["pid"] != new_pid_not)):
                 if m["pid"]:
                     self.worker_pids.add(m["pid"])

@@ -1,0 +1,270 @@
+"""Failure semantics: whatever breaks, the client gets a well-formed error fast, and the appliance heals itself.
+
+Faults are real: a genai scheduler out-of-memory, signals sent to the worker pid that /openarc/status reports,
+an unloadable model. Wall times bound only hangs (the fault-to-error figures live in bench/).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from conftest import http, model_entry, pid_alive
+
+HANG_BOUND_S = 3.0  # a client waiting longer than this after a fault is a hang, not a slow error
+SLOW_STEPS = {"OPENARC_DEBUG_STEP_DELAY_S": "0.005"}  # ~200 tokens/s, so faults land mid-generation
+LONG_PROMPT = "hello world " * 150  # > 128 tokens: more than 4 KV blocks of 32 hold
+CHAT = [{"role": "user", "content": "Say something long."}]
+
+
+@pytest.fixture
+def two_models(appliance_factory, long_demo_model, demo_model):
+    """`victim` generates for a long time; `bystander` must serve throughout every fault."""
+    return appliance_factory({"models": [
+        model_entry("victim", long_demo_model, max_running=2, max_queue=4, stall_timeout_s=1.0),
+        model_entry("bystander", demo_model)]}, env=SLOW_STEPS)
+
+
+def bystander_serves(app) -> None:
+    reply = app.client().chat.completions.create(model="bystander", messages=CHAT, max_tokens=4)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def stream_until_fault(app, model: str, fault) -> tuple[openai.APIError, float, int]:
+    """Open a stream, read a few chunks, run fault(); return the error the SDK raised, seconds waited, chunks read."""
+    stream = app.client().chat.completions.create(model=model, messages=CHAT, max_tokens=3000, stream=True)
+    chunks = 0
+    faulted_at = None
+    with pytest.raises(openai.APIError) as info:
+        for _ in stream:
+            chunks += 1
+            if chunks == 5:
+                fault()
+                faulted_at = time.monotonic()
+    assert faulted_at is not None, "the stream ended before the fault"
+    return info.value, time.monotonic() - faulted_at, chunks
+
+
+def request_until_fault(app, model: str, fault, max_tokens: int = 3000) -> tuple[tuple, float]:
+    """A non-streaming request that is generating when fault() runs; returns (status, headers, body), seconds waited."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(
+        http("POST", app.base + "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": max_tokens})))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while app.model_status(model)["requests_running"] == 0:
+        assert time.monotonic() < deadline and thread.is_alive(), result
+        time.sleep(0.01)
+    time.sleep(0.1)  # well into generation
+    fault()
+    faulted_at = time.monotonic()
+    thread.join(60)
+    assert not thread.is_alive(), "client still waiting a minute after the fault"
+    return result[0], time.monotonic() - faulted_at
+
+
+# --- failed generations: the worker and the model stay up -----------------------------------------------
+
+def oom_config(demo_model):
+    return {"models": [model_entry("tight", demo_model, scheduler_config={"num_kv_blocks": 4}, max_context=2048)]}
+
+
+def test_scheduler_oom_is_a_500_with_a_classified_code_and_the_worker_stays(appliance_factory, demo_model):
+    app = appliance_factory(oom_config(demo_model))
+    pid = app.worker_pid("tight")
+    status, _, body = http("POST", app.base + "/v1/completions", {"model": "tight", "prompt": LONG_PROMPT, "max_tokens": 8})
+    assert status == 500
+    assert body["error"]["code"] == "scheduler_out_of_memory"
+    assert "out of memory" in body["error"]["message"]
+    assert "num_kv_blocks" in body["error"]["hint"]
+    reply = app.client().completions.create(model="tight", prompt="Once", max_tokens=8)
+    assert reply.choices[0].finish_reason == "length"
+    assert app.model_status("tight")["pid"] == pid and app.model_status("tight")["restarts"] == 0
+
+
+def test_scheduler_oom_while_streaming_is_an_error_event_then_done(appliance_factory, demo_model):
+    app = appliance_factory(oom_config(demo_model))
+    with pytest.raises(openai.APIError, match="out of memory") as info:
+        list(app.client().completions.create(model="tight", prompt=LONG_PROMPT, max_tokens=8, stream=True))
+    assert info.value.body["code"] == "scheduler_out_of_memory"
+    # the raw stream: one error event, then [DONE]
+    import urllib.request, json
+    request = urllib.request.Request(app.base + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": "tight", "prompt": LONG_PROMPT, "stream": True}).encode())
+    with urllib.request.urlopen(request, timeout=30) as response:
+        events = [e for e in response.read().decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "scheduler_out_of_memory"
+
+
+def test_requests_batched_beside_a_failing_one_are_not_harmed(appliance_factory, demo_model):
+    app = appliance_factory(oom_config(demo_model), env={"OPENARC_DEBUG_STEP_DELAY_S": "0.002"})
+    results: dict[str, tuple] = {}
+
+    def run(name, prompt):
+        results[name] = http("POST", app.base + "/v1/completions", {"model": "tight", "prompt": prompt, "max_tokens": 30})
+
+    threads = [threading.Thread(target=run, args=(f"ok{i}", "Once")) for i in range(3)]
+    threads.append(threading.Thread(target=run, args=("oom", LONG_PROMPT)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results["oom"][0] == 500
+    for i in range(3):
+        status, _, body = results[f"ok{i}"]
+        assert status == 200 and body["usage"]["completion_tokens"] == 30, body
+
+
+# --- a worker that dies: every request of the model ends fast, the worker restarts, others serve ------------
+
+@pytest.mark.parametrize("sig", [signal.SIGABRT, signal.SIGKILL, signal.SIGSEGV])
+def test_worker_death_mid_stream_is_an_error_event_fast(two_models, sig):
+    app = two_models
+    pid = app.worker_pid("victim")
+    error, waited, chunks = stream_until_fault(app, "victim", lambda: os.kill(pid, sig))
+    assert waited < HANG_BOUND_S
+    assert error.body["code"] == "worker_crash"
+    assert chunks >= 5
+    bystander_serves(app)
+    new = app.wait_model("victim", "ready", new_pid_not=pid)
+    assert new["restarts"] == 1 and new["crashes"] == 1 and not pid_alive(pid)
+    assert signal.Signals(sig).name in new["last_error"]
+    reply = app.client().chat.completions.create(model="victim", messages=CHAT, max_tokens=5)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_worker_abort_mid_request_is_503_with_retry_after(two_models):
+    app = two_models
+    pid = app.worker_pid("victim")
+    (status, headers, body), waited = request_until_fault(app, "victim", lambda: os.kill(pid, signal.SIGABRT))
+    assert waited < HANG_BOUND_S
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    assert body["error"]["code"] == "worker_crash"
+    bystander_serves(app)
+    app.wait_model("victim", "ready", new_pid_not=pid)
+
+
+def test_queued_requests_fail_with_the_running_ones(appliance_factory, long_demo_model):
+    app = appliance_factory({"models": [model_entry("victim", long_demo_model, max_running=1, max_queue=4)]},
+                            env=SLOW_STEPS)
+    pid = app.worker_pid("victim")
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(http(
+        "POST", app.base + "/v1/completions", {"model": "victim", "prompt": "x", "max_tokens": 3000}))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while (s := app.model_status("victim"))["requests_running"] + s["requests_waiting"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert s["requests_waiting"] == 2
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - killed < HANG_BOUND_S
+    assert [r[0] for r in results] == [503, 503, 503]
+
+
+def test_requests_while_restarting_get_503_not_a_wait(appliance_factory, demo_model):
+    app = appliance_factory({"models": [model_entry("demo", demo_model,
+                                                    restart={"backoff_initial_s": 5, "backoff_max_s": 5,
+                                                             "max_failures": 5, "window_s": 60})]})
+    pid = app.worker_pid("demo")
+    os.kill(pid, signal.SIGKILL)
+    app.wait_model("demo", "restarting")
+    started = time.monotonic()
+    status, headers, body = http("POST", app.base + "/v1/completions", {"model": "demo", "prompt": "x"})
+    assert time.monotonic() - started < HANG_BOUND_S
+    assert status == 503 and body["error"]["code"] == "model_unavailable" and int(headers["Retry-After"]) >= 5
+    assert http("GET", app.base + "/ready")[0] == 503
+
+
+# --- a worker that stops making progress (a GPU hang) ---------------------------------------------------
+
+def test_stalled_worker_is_killed_its_stream_fails_and_it_restarts(two_models):
+    app = two_models
+    pid = app.worker_pid("victim")
+    error, waited, _ = stream_until_fault(app, "victim", lambda: os.kill(pid, signal.SIGSTOP))
+    assert 0.9 < waited < 1.0 + HANG_BOUND_S  # stall_timeout_s is 1
+    assert error.body["code"] == "stall"
+    bystander_serves(app)
+    new = app.wait_model("victim", "ready", new_pid_not=pid)
+    assert "no progress" in new["last_error"] and not pid_alive(pid)
+
+
+def test_stalled_worker_fails_a_plain_request_with_504(two_models):
+    app = two_models
+    pid = app.worker_pid("victim")
+    (status, _, body), waited = request_until_fault(app, "victim", lambda: os.kill(pid, signal.SIGSTOP))
+    assert status == 504 and body["error"]["code"] == "stall"
+    assert waited < 1.0 + HANG_BOUND_S
+    app.wait_model("victim", "ready", new_pid_not=pid)
+
+
+# --- restart budget -----------------------------------------------------------------------------------
+
+def test_too_many_crashes_make_the_model_failed(appliance_factory, demo_model):
+    budget = {"backoff_initial_s": 0.05, "backoff_max_s": 0.1, "max_failures": 3, "window_s": 60}
+    app = appliance_factory({"models": [model_entry("fragile", demo_model, restart=budget),
+                                        model_entry("steady", demo_model)]})
+    pid = None
+    for _ in range(3):
+        pid = app.wait_model("fragile", "ready", new_pid_not=pid)["pid"]
+        os.kill(pid, signal.SIGABRT)
+    failed = app.wait_model("fragile", "failed")
+    assert failed["pid"] is None and "restart budget used up" in failed["last_error"]
+    status, _, body = http("POST", app.base + "/v1/completions", {"model": "fragile", "prompt": "x"})
+    assert status == 503 and body["error"]["code"] == "model_failed"
+    assert "SIGABRT" in body["error"]["message"]
+    status, _, ready = http("GET", app.base + "/ready")
+    assert status == 503 and ready["models"] == {"fragile": "failed", "steady": "ready"}
+    assert app.client().completions.create(model="steady", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_unloadable_model_fails_with_its_load_error(appliance_factory, demo_model, tmp_path):
+    budget = {"backoff_initial_s": 0.05, "backoff_max_s": 0.1, "max_failures": 2, "window_s": 60}
+    app = appliance_factory({"models": [model_entry("broken", tmp_path / "no-such-model", restart=budget),
+                                        model_entry("gpu", demo_model, device="GPU", restart=budget),
+                                        model_entry("demo", demo_model)]}, wait_ready=False)
+    broken = app.wait_model("broken", "failed")
+    assert "no-such-model" in broken["last_error"]
+    gpu = app.wait_model("gpu", "failed")  # no Intel OpenCL runtime on this machine
+    assert "libOpenCL" in gpu["last_error"] or "GPU" in gpu["last_error"]
+    assert gpu["hint"]
+    app.wait_model("demo", "ready")
+
+
+# --- the front going away -------------------------------------------------------------------------------
+
+def test_no_worker_survives_a_killed_front(two_models):
+    app = two_models
+    victim, bystander = app.worker_pid("victim"), app.worker_pid("bystander")
+    os.kill(victim, signal.SIGSTOP)  # even a stopped worker must go
+    app.proc.kill()
+    app.proc.wait()
+    deadline = time.monotonic() + HANG_BOUND_S
+    while (pid_alive(victim) or pid_alive(bystander)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not pid_alive(victim) and not pid_alive(bystander)
+
+
+def test_client_disconnect_cancels_its_generation(two_models):
+    app = two_models
+    stream = app.client().chat.completions.create(model="victim", messages=CHAT, max_tokens=3000, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + HANG_BOUND_S
+    while app.model_status("victim")["requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert app.model_status("victim")["requests_running"] == 0
+    reply = app.client().chat.completions.create(model="victim", messages=CHAT, max_tokens=5)
+    assert reply.choices[0].finish_reason == "length"

@@ -141,12 +141,12 @@ class Appliance:
                 body = await request.json(loads=json.loads)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise InvalidRequest("the request body is not valid JSON")
+            model_label = self._model_label(body)
             req = parse(body)
             sup = self.supervisor.get(req.model)
             if sup is None:
                 raise RequestFailed(404, "model_not_found", f"the model '{req.model}' does not exist "
                                                             f"(have: {', '.join(self.supervisor.models)})")
-            model_label = req.model
             if self.draining:
                 raise RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)
             response = await (self._stream(request, sup, req) if req.stream else self._whole(sup, req))
@@ -158,6 +158,11 @@ class Appliance:
         self.metrics.requests.labels(model=model_label, endpoint=endpoint, status=str(response.status)).inc()
         self.metrics.request_duration.labels(model=model_label, endpoint=endpoint).observe(time.monotonic() - started)
         return response
+
+    def _model_label(self, body: Any) -> str:
+        """The metrics label of a request: a configured model's name, else "" (client input never mints labels)."""
+        model = body.get("model") if isinstance(body, dict) else None
+        return model if isinstance(model, str) and model in self.supervisor.models else ""
 
     def _failed(self, model: str, exc: RequestFailed, param: str | None = None) -> web.Response:
         self.count_error(model, exc.kind)

@@ -1,0 +1,41 @@
+# openarc: the two commands of the README, and the steps behind them.
+#   make serve   set up, then run `openarc serve` on the built-in demo model
+#   make test    set up, then run the whole test suite (what CI runs)
+#
+# The appliance installs into $(PREFIX)/venv with Debian's /usr/bin/python3, not a python under /root:
+# the systemd units run with ProtectHome=, which hides /root.
+
+PREFIX ?= /opt/openarc
+VENV := $(PREFIX)/venv
+PYTHON := $(VENV)/bin/python
+SYSTEM_PYTHON ?= /usr/bin/python3
+APT_PACKAGES := prometheus
+PYTEST_ARGS ?=
+
+.PHONY: install install-test apt-test-deps serve test install-units
+
+$(PYTHON):
+	$(SYSTEM_PYTHON) -m venv $(VENV) || { apt-get update -qq && apt-get install -y -qq python3-venv && $(SYSTEM_PYTHON) -m venv $(VENV); }
+	$(PYTHON) -m pip install -q --upgrade pip
+
+install: $(PYTHON)
+	$(PYTHON) -m pip install -q --upgrade .
+	ln -sf $(VENV)/bin/openarc /usr/local/bin/openarc
+
+install-test: $(PYTHON)
+	$(PYTHON) -m pip install -q --upgrade ".[test]"
+	ln -sf $(VENV)/bin/openarc /usr/local/bin/openarc
+
+apt-test-deps:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+
+install-units: install
+	bash units/install.sh
+
+serve: install
+	$(VENV)/bin/openarc serve
+
+test: install-test apt-test-deps
+	bash containers/fetch-quadlet.sh $(PREFIX)/quadlet
+	$(PYTHON) -m pytest $(PYTEST_ARGS)

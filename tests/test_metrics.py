@@ -1,0 +1,144 @@
+"""/metrics as an operator sees it: counters that match what happened, valid for promtool, scraped by a real Prometheus."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.parse
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import free_port, http, model_entry
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+
+
+def samples(text: str) -> dict[tuple, float]:
+    """{(name, sorted label items): value} for every sample of a scrape."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(scrape: dict, name: str, **labels) -> float:
+    return scrape.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture
+def busy_app(appliance_factory, demo_model):
+    """An appliance that has served 3 chats, 2 streams, refused 4 bad requests, and lost a worker to SIGABRT."""
+    app = appliance_factory({"models": [model_entry("demo", demo_model, scheduler_config={"num_kv_blocks": 4},
+                                                    max_context=2048)]})
+    client = app.client()
+    for _ in range(3):
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=10)
+    for _ in range(2):
+        list(client.completions.create(model="demo", prompt="Once", max_tokens=10, stream=True))
+    for bad in ({"model": "demo"}, {"model": "demo", "prompt": 3}, {"model": "nope", "prompt": "x"}):
+        http("POST", app.base + "/v1/completions", bad)
+    http("POST", app.base + "/v1/completions", raw=b"{")
+    http("POST", app.base + "/v1/completions", {"model": "demo", "prompt": "hello world " * 150, "max_tokens": 4})
+    pid = app.worker_pid("demo")
+    os.kill(pid, signal.SIGABRT)
+    app.wait_model("demo", "ready", new_pid_not=pid)
+    return app
+
+
+def test_counters_match_what_the_test_did(busy_app):
+    scrape = samples(busy_app.metrics())
+    chat, comp = "chat/completions", "completions"
+    assert value(scrape, "openarc_requests_total", model="demo", endpoint=chat, status="200") == 3
+    assert value(scrape, "openarc_requests_total", model="demo", endpoint=comp, status="200") == 2
+    assert value(scrape, "openarc_requests_total", model="demo", endpoint=comp, status="500") == 1
+    assert value(scrape, "openarc_requests_total", model="demo", endpoint=comp, status="400") == 2
+    # a request naming no configured model is labelled with the empty model: client input never mints label values
+    assert value(scrape, "openarc_requests_total", model="", endpoint=comp, status="400") == 1
+    assert value(scrape, "openarc_requests_total", model="", endpoint=comp, status="404") == 1
+    assert value(scrape, "openarc_request_errors_total", model="demo", kind="invalid_request") == 2
+    assert value(scrape, "openarc_request_errors_total", model="", kind="invalid_request") == 2
+    assert value(scrape, "openarc_request_errors_total", model="demo", kind="scheduler_oom") == 1
+    assert value(scrape, "openarc_worker_crashes_total", model="demo", signal="SIGABRT") == 1
+    assert value(scrape, "openarc_worker_restarts_total", model="demo") == 1
+    assert value(scrape, "openarc_worker_up", model="demo") == 1
+    assert value(scrape, "openarc_model_state", model="demo", state="ready") == 1
+    assert value(scrape, "openarc_model_state", model="demo", state="failed") == 0
+    assert value(scrape, "openarc_generation_tokens_total", model="demo") >= 50
+    assert value(scrape, "openarc_prompt_tokens_total", model="demo") > 0
+    assert value(scrape, "openarc_time_to_first_token_seconds_count", model="demo") == 5
+    assert value(scrape, "openarc_request_duration_seconds_count", model="demo", endpoint=chat) == 3
+    assert value(scrape, "openarc_model_load_seconds_count", model="demo") == 2
+    assert value(scrape, "openarc_requests_running", model="demo") == 0
+
+
+def test_worker_memory_and_loop_lag_are_reported(busy_app):
+    deadline = time.monotonic() + 10  # telemetry arrives every 2 s
+    while time.monotonic() < deadline:
+        scrape = samples(busy_app.metrics())
+        if value(scrape, "openarc_worker_resident_memory_bytes", model="demo") > 0:
+            break
+        time.sleep(0.2)
+    rss = value(scrape, "openarc_worker_resident_memory_bytes", model="demo")
+    assert 20e6 < rss < 2e9
+    assert ("openarc_event_loop_lag_seconds", ()) in scrape
+
+
+def test_promtool_accepts_a_live_scrape(busy_app):
+    done = subprocess.run([PROMTOOL, "check", "metrics"], input=busy_app.metrics(), capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == "" and done.stderr == ""
+
+
+def test_metrics_can_require_the_api_key(appliance_factory, demo_model):
+    app = appliance_factory({"server": {"api_key_env": "K", "metrics_require_key": True},
+                             "models": [model_entry("demo", demo_model)]}, env={"K": "k1"})
+    assert http("GET", app.base + "/metrics")[0] == 401
+    assert http("GET", app.base + "/metrics", headers={"Authorization": "Bearer k1"})[0] == 200
+
+
+def prometheus_query(base: str, query: str) -> list:
+    status, _, body = http("GET", f"{base}/api/v1/query?query={urllib.parse.quote(query)}", timeout=5)
+    assert status == 200, body
+    return body["data"]["result"]
+
+
+def test_a_real_prometheus_counts_a_worker_crash(appliance_factory, demo_model, tmp_path):
+    app = appliance_factory({"models": [model_entry("demo", demo_model)]})
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(json.dumps({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "openarc", "static_configs": [{"targets": [f"127.0.0.1:{app.port}"]}]}]}))
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "prometheus.log", "w"))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        pid = app.worker_pid("demo")
+        os.kill(pid, signal.SIGABRT)
+        app.wait_model("demo", "ready", new_pid_not=pid)
+        deadline = time.monotonic() + 60
+        result = []
+        while time.monotonic() < deadline:
+            try:
+                result = prometheus_query(base, 'openarc_worker_crashes_total{job="openarc"}')
+            except OSError:
+                result = []
+            if result:
+                break
+            time.sleep(0.5)
+        assert result, (tmp_path / "prometheus.log").read_text()[-2000:]
+        assert [(r["metric"]["model"], r["metric"]["signal"], r["value"][1]) for r in result] == [("demo", "SIGABRT", "1")]
+        up = prometheus_query(base, 'openarc_worker_up{model="demo"}')
+        assert up[0]["value"][1] == "1"
+    finally:
+        prom.terminate()
+        prom.wait(20)

@@ -105,6 +105,25 @@ class Engine:
     def cancel(self, request_id: int) -> None:
         self.inbox.put(("cancel", request_id))
 
+    def drain_inbox(self, block: bool) -> None:
+        """Take what the channel reader queued; block only when there is nothing else to do."""
+        while True:
+            try:
+                op, arg = self.inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if op == "generate":
+                self.on_generate(arg)
+            else:
+                self.on_cancel(arg)
+
+    def on_generate(self, message: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def on_cancel(self, request_id: int) -> None:
+        raise NotImplementedError
+
     def prepare(self, message: dict[str, Any]) -> Request | None:
         """Tokenize and check the context limit; reply with an error and return None if the request is invalid."""
         try:
@@ -194,7 +213,7 @@ class BatchingEngine(Engine):
 
     def run(self) -> None:
         while True:
-            self._drain_inbox(block=not self.active)
+            self.drain_inbox(block=not self.active)
             if not self.active:
                 continue
             try:
@@ -207,19 +226,11 @@ class BatchingEngine(Engine):
             self._collect()
             self.pause()
 
-    def _drain_inbox(self, block: bool) -> None:
-        while True:
-            try:
-                op, arg = self.inbox.get(block=block)
-            except queue.Empty:
-                return
-            block = False
-            if op == "generate":
-                self._admit(arg)
-            elif arg in self.active:
-                self.active.pop(arg)[1].cancel()
+    def on_cancel(self, request_id: int) -> None:
+        if request_id in self.active:
+            self.active.pop(request_id)[1].cancel()
 
-    def _admit(self, message: dict[str, Any]) -> None:
+    def on_generate(self, message: dict[str, Any]) -> None:
         req = self.prepare(message)
         if req is None:
             return
@@ -274,23 +285,17 @@ class SequentialEngine(Engine):
 
     def run(self) -> None:
         while True:
-            self._drain_inbox(block=not self.waiting)
+            self.drain_inbox(block=not self.waiting)
             if self.waiting:
                 message = self.waiting.pop(0)
                 if message["id"] not in self.cancelled:
                     self._generate(message)
 
-    def _drain_inbox(self, block: bool) -> None:
-        while True:
-            try:
-                op, arg = self.inbox.get(block=block)
-            except queue.Empty:
-                return
-            block = False
-            if op == "generate":
-                self.waiting.append(arg)
-            else:
-                self.cancelled.add(arg)
+    def on_generate(self, message: dict[str, Any]) -> None:
+        self.waiting.append(message)
+
+    def on_cancel(self, request_id: int) -> None:
+        self.cancelled.add(request_id)
 
     def _generate(self, message: dict[str, Any]) -> None:
         import openvino_genai
@@ -304,7 +309,7 @@ class SequentialEngine(Engine):
                 # An exception here would be printed and swallowed by genai while generation goes on.
                 try:
                     stopped = engine.emit_tokens(req, token if isinstance(token, list) else [token])
-                    engine._drain_inbox(block=False)
+                    engine.drain_inbox(block=False)
                     engine.pause()
                     if stopped or req.id in engine.cancelled:
                         return openvino_genai.StreamingStatus.CANCEL

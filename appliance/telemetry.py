@@ -1,0 +1,654 @@
+"""Readers for Intel GPU telemetry: DRM fdinfo, OpenVINO memory statistics, kernel log,
+DRM uevents, sysfs, process RSS.
+
+Every reader takes its root (`/proc`, `/sys`, `/dev/kmsg`) as a parameter so the tests can
+point it at recorded samples (tests/fixtures/gpu). The kernel / OpenVINO source of each
+format is cited next to its regex table below.
+Nothing here needs root: fdinfo of our own workers, sysfs attributes and /dev/kmsg (when
+kernel.dmesg_restrict allows it) are readable by the service user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# PCI address as the kernel prints it (pci_name(): "%04x:%02x:%02x.%d").
+BDF = r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
+
+
+def _read_text(path: Path | str) -> str | None:
+    """File contents, or None when it is gone or unreadable (processes and fds vanish)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            return file.read()
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------
+# DRM fdinfo: Documentation/gpu/drm-usage-stats.rst, drivers/gpu/drm/drm_file.c,
+# i915/i915_drm_client.c, xe/xe_drm_client.c.
+
+# drm_file.c drm_fdinfo_print_size(): "", " KiB", " MiB" (the largest unit dividing exactly).
+_SIZE_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+_SIZE = re.compile(r"(\d+)\s*([A-Za-z]*)")
+
+# Key families, matched against the whole key.
+_FDINFO_KEYS = {
+    # device-local memory: i915 regions local<N>, xe regions vram<N>; drm-memory- is the
+    # deprecated alias of drm-resident-.
+    "resident": re.compile(r"drm-resident-(?:local|vram)\d+"),
+    "memory": re.compile(r"drm-memory-(?:local|vram)\d+"),
+    "total": re.compile(r"drm-total-(?:local|vram)\d+"),
+    # engines: i915 "drm-engine-<e>: <ns> ns", xe "drm-cycles-<e>" + "drm-total-cycles-<e>"
+    "busy": re.compile(r"drm-(?:engine-(?!capacity-)|cycles-)(?P<engine>[\w-]+)"),
+    "total_cycles": re.compile(r"drm-total-cycles-(?P<engine>[\w-]+)"),
+    "capacity": re.compile(r"drm-engine-capacity-(?P<engine>[\w-]+)"),
+}
+
+
+@dataclass(frozen=True)
+class EngineBusy:
+    busy: int  # i915: ns the engine class ran this client; xe: GPU cycles
+    total_cycles: int | None  # xe only: utilization = Δbusy / Δtotal_cycles
+    capacity: int = 1  # engines in the class (the line is printed only when > 1)
+
+
+@dataclass(frozen=True)
+class DrmClient:
+    pid: int
+    driver: str  # i915 | xe
+    pdev: str  # PCI BDF of the card
+    client_id: int
+    client_name: str | None
+    vram_resident_bytes: int | None  # None: no device-local memory lines (iGPU, old kernel)
+    vram_total_bytes: int | None
+    engines: dict[str, EngineBusy] = field(default_factory=dict)
+
+
+def parse_fdinfo(text: str) -> dict[str, str]:
+    """`key:<whitespace>value` lines -> dict; the first `:` splits, both sides are trimmed."""
+    fields = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+def parse_size(value: str) -> int | None:
+    """'7342084 KiB' -> bytes; the unit is optional. None if it is not a size."""
+    match = _SIZE.fullmatch(value.strip())
+    if not match or match[2] not in _SIZE_UNITS:
+        return None
+    return int(match[1]) * _SIZE_UNITS[match[2]]
+
+
+def _sum_sizes(fields: Mapping[str, str], family: str) -> int | None:
+    sizes = [parse_size(value) for key, value in fields.items() if _FDINFO_KEYS[family].fullmatch(key)]
+    known = [size for size in sizes if size is not None]
+    return sum(known) if known else None
+
+
+def _per_engine(fields: Mapping[str, str], family: str) -> dict[str, int]:
+    """engine -> the leading number of each key of the family ("346249 ns" -> 346249)."""
+    numbers = {}
+    for key, value in fields.items():
+        match = _FDINFO_KEYS[family].fullmatch(key)
+        number = value.split(maxsplit=1)[0] if value else ""
+        if match and number.isdigit():
+            numbers[match["engine"]] = int(number)
+    return numbers
+
+
+def _engines(fields: Mapping[str, str]) -> dict[str, EngineBusy]:
+    totals = _per_engine(fields, "total_cycles")
+    capacities = _per_engine(fields, "capacity")
+    return {
+        engine: EngineBusy(busy, totals.get(engine), capacities.get(engine, 1))
+        for engine, busy in _per_engine(fields, "busy").items()
+    }
+
+
+def drm_client_from_fdinfo(fields: Mapping[str, str], pid: int) -> DrmClient | None:
+    """One DRM client from parsed fdinfo, or None for fds that are not DRM clients."""
+    try:
+        driver, pdev, client_id = fields["drm-driver"], fields["drm-pdev"], int(fields["drm-client-id"])
+    except (KeyError, ValueError):
+        return None
+    resident = next(
+        (size for family in ("resident", "memory", "total") if (size := _sum_sizes(fields, family)) is not None),
+        None,
+    )
+    return DrmClient(
+        pid=pid,
+        driver=driver,
+        pdev=pdev,
+        client_id=client_id,
+        client_name=fields.get("drm-client-name"),
+        vram_resident_bytes=resident,
+        vram_total_bytes=_sum_sizes(fields, "total"),
+        engines=_engines(fields),
+    )
+
+
+def _unique_clients(clients: Iterable[DrmClient]) -> list[DrmClient]:
+    """Each (pdev, client-id) once: dup'ed fds and forked children share one client."""
+    unique: dict[tuple[str, int], DrmClient] = {}
+    for client in clients:
+        unique.setdefault((client.pdev, client.client_id), client)
+    return list(unique.values())
+
+
+def read_drm_clients(pid: int, proc_root: str | Path = "/proc") -> list[DrmClient]:
+    """DRM clients held by a process; fds that are not DRM clients are skipped."""
+    fdinfo_dir = Path(proc_root, str(pid), "fdinfo")
+    try:
+        fds = sorted(os.listdir(fdinfo_dir), key=lambda name: int(name) if name.isdigit() else -1)
+    except OSError:
+        return []  # the process is gone, or not ours to read
+    texts = (_read_text(fdinfo_dir / fd) for fd in fds)
+    return _unique_clients(filter(None, (drm_client_from_fdinfo(parse_fdinfo(text or ""), pid) for text in texts)))
+
+
+def device_memory_used(pids: Iterable[int], proc_root: str | Path = "/proc") -> dict[str, int]:
+    """Resident device memory per card (pdev -> bytes) summed over the unique clients of `pids`."""
+    used: dict[str, int] = {}
+    for client in _unique_clients(client for pid in pids for client in read_drm_clients(pid, proc_root)):
+        if client.vram_resident_bytes is not None:
+            used[client.pdev] = used.get(client.pdev, 0) + client.vram_resident_bytes
+    return used
+
+
+# ---------------------------------------------------------------------------------------
+# OpenVINO GPU_MEMORY_STATISTICS (intel_gpu plugin.cpp / engine::get_memory_statistics):
+# map<string, uint64> of current bytes with keys unknown, cl_mem, usm_host, usm_shared,
+# usm_device. Python may hand it over as a dict or as the string ov::Any prints:
+# openvino/core/any.hpp Write<std::map> gives "{cl_mem:4718592000,usm_host:8388608}", and ""
+# for an empty map (before any model is compiled).
+_STAT_ENTRY = re.compile(r"([A-Za-z_]\w*)\s*[:=\s]\s*(\d+)")
+
+
+def parse_gpu_memory_statistics(value: Mapping[str, int | str] | str | None) -> int:
+    """Bytes the OpenVINO GPU plugin holds in this process: the sum over all allocation types."""
+    if isinstance(value, Mapping):
+        return sum(int(amount) for amount in value.values())
+    return sum(int(amount) for _, amount in _STAT_ENTRY.findall(value or ""))
+
+
+# ---------------------------------------------------------------------------------------
+# /dev/kmsg records: Documentation/ABI/testing/dev-kmsg
+# "prefix,seq,timestamp_us,flags[,more fields];text\n" then " KEY=value\n" lines.
+_KMSG_HEADER = re.compile(r"(?P<prefix>\d+),(?P<seq>\d+),(?P<ts>\d+),(?P<flags>[^,;]*)(?:,[^;]*)?;(?P<text>.*)")
+_KMSG_ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
+
+
+@dataclass(frozen=True)
+class KmsgRecord:
+    facility: int  # 0 = kernel; writes to /dev/kmsg from user space get facility >= 1
+    level: int  # 3 err, 4 warn, 5 notice, 6 info
+    seq: int
+    ts_us: int  # microseconds since boot
+    flags: str  # "-" or "c" (continuation fragment)
+    text: str  # \xNN unescaped, so it may hold newlines
+    props: dict[str, str] = field(default_factory=dict)  # SUBSYSTEM=, DEVICE=, ...
+
+
+def _unescape(text: str) -> str:
+    """printk escapes non-printable bytes and '\\' as \\xNN (dev-kmsg ABI)."""
+    raw = _KMSG_ESCAPE.sub(lambda match: bytes([int(match[1], 16)]), text.encode("utf-8", "surrogateescape"))
+    return raw.decode("utf-8", "replace")
+
+
+def parse_kmsg_record(raw: str) -> KmsgRecord | None:
+    """One record as one read() of /dev/kmsg returns it, or None if it is not one."""
+    header, *continuation = raw.rstrip("\n").split("\n")
+    match = _KMSG_HEADER.fullmatch(header)
+    if not match:
+        return None
+    prefix = int(match["prefix"])
+    props = dict(line[1:].split("=", 1) for line in continuation if line.startswith(" ") and "=" in line)
+    return KmsgRecord(
+        facility=prefix >> 3,
+        level=prefix & 7,
+        seq=int(match["seq"]),
+        ts_us=int(match["ts"]),
+        flags=match["flags"],
+        text=_unescape(match["text"]),
+        props={key: _unescape(value) for key, value in props.items()},
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# GPU hang / reset / wedge lines of i915 and xe.
+#
+# drm_print.h: "<driver> <BDF>: [drm] " then "*ERROR* " for drm_err; xe_gt_printk.h adds
+# "GT<n>: ", xe_tile_printk.h (2025) "Tile<n>: " before it. The prefix is taken off first,
+# "*ERROR* " is kept so the catch-all row can require it.
+_DRM_PREFIX = re.compile(
+    rf"(?P<driver>i915|xe) (?P<bdf>{BDF}): \[drm\] (?P<error>\*ERROR\* )?(?:Tile\d+: )?(?:GT\d+: )?"
+)
+_DMESG_TIME = re.compile(r"\[\s*\d+\.\d+\] ")  # dmesg's "[40906.406659] ", for pasted lines
+_ERR = r"(?:\*ERROR\* )?"
+
+# (pattern, kind, counts_as_reset). First match wins; patterns are anchored at the message
+# start. counts_as_reset marks the lines that stand for a hang/reset themselves; the others
+# (fence timeouts, guilty-context notes, dumps, xe reset-worker progress) are context.
+_KMSG_EVENTS = (
+    # i915 gt/intel_gt_requests.c; the timeline is comm[pid] or, on some paths, the BDF.
+    (rf"Fence expiration time out (?P<driver>i915)-(?P<bdf>{BDF}):(?:(?P<comm>[^:\[]+)\[(?P<pid>\d+)\]|.*):[0-9a-f]+!",
+     "fence_timeout", False),
+    # i915_gpu_error.c error_msg(): ecode GRAPHICS_VER:uabi-class-mask:instdone-hash; the
+    # intel-gpu-i915-backports DKMS driver adds "<engine> in".
+    (r"GPU HANG: ecode (?P<detail>\d+:(?P<class_mask>[0-9a-f]+):[0-9a-f]+)"
+     r"(?:, (?:(?P<engine>\w+) )?in (?P<comm>.+) \[(?P<pid>\d+)\])?", "hang", True),
+    # i915 gt/intel_reset.c mark_guilty()
+    (r"(?P<comm>.+)\[(?P<pid>\d+)\] context reset due to GPU hang", "hang", False),
+    # i915 gt/intel_reset.c: full GT reset, then the execlists engine reset.
+    (r"Resetting chip for (?P<detail>.+)", "reset", True),
+    (r"Resetting (?P<engine>[a-z]+\d+) for (?P<detail>.+)", "reset", True),
+    # i915 GuC "*ERROR* GT0: GUC: Engine reset failed on 0:0 (rcs0) ..."; xe_gt.c "reset failed (%pe)"
+    (rf"{_ERR}(?P<detail>(?:GUC: Engine )?reset failed.*)", "reset", True),
+    # i915_gpu_error.c, 2025+ and older wording
+    (r"GPU (?:error state|crash dump) saved to (?P<detail>\S+)", "hang", False),
+    # i915 backports / xe pagefault handler
+    (r"(?P<detail>page fault @ 0x[0-9a-f]+|Fault response: Unsuccessful.*)", "hang", False),
+    # xe_guc_submit.c guc_exec_queue_timedout_job(); " in comm [pid]" only in the newest.
+    (r"Timedout job: (?P<detail>seqno=[^,]*).*?(?: in (?P<comm>.+?)(?: \[(?P<pid>\d+)\])?)?$", "hang", True),
+    # xe_guc_submit.c: GuC reports it reset an engine.
+    (r"Engine reset: engine_class=(?P<engine>\w+)", "reset", True),
+    # xe_gt.c reset worker
+    (r"reset started", "reset", True),
+    (r"(?P<detail>trying reset from \S+|reset queued|reset done)", "reset", False),
+    # xe_devcoredump.c
+    (r"(?P<detail>Xe device coredump has been created|Check your \S+)", "hang", False),
+    # xe_device.c xe_device_declare_wedged()
+    (rf"{_ERR}CRITICAL: Xe has declared device (?P<bdf>{BDF}) as wedged", "wedged", True),
+    # drm_drv.c drm_dev_wedged_event()
+    (r"device wedged, (?P<detail>needs recovery)", "wedged", True),
+    (r"device wedged, (?P<detail>but recovered through reset)", "reset", True),
+    # catch-all of the reference: any drm_err about a reset
+    (r"\*ERROR\* (?P<detail>.*\breset\b.*)", "reset", True),
+)
+_COMPILED_KMSG_EVENTS = tuple((re.compile(pattern), kind, counts) for pattern, kind, counts in _KMSG_EVENTS)
+
+# i915 uabi engine classes as bits of the ecode mask (i915_gpu_error.c, drm/i915_drm.h).
+_ENGINE_CLASS_BITS = {0x1: "render", 0x2: "copy", 0x4: "video", 0x8: "video-enhance", 0x10: "compute"}
+_ENGINE_NAME = re.compile(r"\b(?:rcs|bcs|vcs|vecs|ccs)\d+\b")
+
+
+@dataclass(frozen=True)
+class GpuEvent:
+    kind: str  # hang | reset | wedged | fence_timeout
+    bdf: str | None
+    driver: str | None
+    engine: str | None
+    comm: str | None
+    pid: int | None
+    detail: str | None  # reset reason, ecode, recovery methods ...
+    counts_as_reset: bool  # see ResetDeduper
+    text: str  # the line (or uevent keys) it came from
+    ts_us: int | None = None  # kmsg timestamp, set by KmsgWatcher
+
+
+def _engine_from_mask(mask_hex: str | None) -> str | None:
+    mask = int(mask_hex, 16) if mask_hex else 0
+    names = [name for bit, name in _ENGINE_CLASS_BITS.items() if mask & bit]
+    return "+".join(names) or None
+
+
+def _event_from_match(match: re.Match, kind: str, counts: bool, prefix: re.Match | None, line: str) -> GpuEvent:
+    groups = {**(prefix.groupdict() if prefix else {}), **{k: v for k, v in match.groupdict().items() if v}}
+    detail = groups.get("detail")
+    engine_in_detail = _ENGINE_NAME.search(detail or "")
+    engine = groups.get("engine") or _engine_from_mask(groups.get("class_mask"))
+    return GpuEvent(
+        kind=kind,
+        bdf=groups.get("bdf"),
+        driver=groups.get("driver"),
+        engine=engine or (engine_in_detail[0] if engine_in_detail else None),
+        comm=groups.get("comm"),
+        pid=int(groups["pid"]) if groups.get("pid") else None,
+        detail=detail,
+        counts_as_reset=counts,
+        text=line,
+    )
+
+
+def detect_gpu_event(text: str) -> GpuEvent | None:
+    """The i915/xe hang, reset or wedge a kernel log line reports, or None.
+
+    Accepts the record text of /dev/kmsg and dmesg lines with their "[seconds] " stamp.
+    Only the first line of a multi-line record is looked at. Lines that do not name a
+    PCI device (no drm prefix, no BDF in the message) are never GPU events.
+    """
+    line = _DMESG_TIME.sub("", text.split("\n", 1)[0], count=1)
+    prefix = _DRM_PREFIX.match(line)
+    message = (prefix["error"] or "") + line[prefix.end():] if prefix else line
+    for pattern, kind, counts in _COMPILED_KMSG_EVENTS:
+        match = pattern.match(message)
+        if match and (prefix or match.groupdict().get("bdf")):
+            return _event_from_match(match, kind, counts, prefix, line)
+    return None
+
+
+# Counting resets. One hang shows up as several lines (i915 GuC: fence timeout, GPU HANG,
+# guilty context, error state; xe: engine reset, timed-out job, coredump, GT reset, wedge),
+# and no line order can be relied on (GuC and execlists paths differ). The rule:
+#  1. only lines whose table row says counts_as_reset can count (the hang/reset/wedge lines
+#     themselves, never the context lines);
+#  2. the first such line for a device counts and opens a window of RESET_WINDOW_US on the
+#     kmsg clock; later countable lines for that device inside the window are the same
+#     sequence and are passed on with counts_as_reset=False.
+# The window is fixed, not extended, so a card that keeps hanging is still counted once per
+# window. 30 s covers the sequences seen: xe timeout -> GT reset -> wedge takes ~10.5 s, i915
+# fence timeout -> GPU HANG up to 8 s (llama.cpp#16684).
+RESET_WINDOW_US = 30_000_000
+
+
+class ResetDeduper:
+    """Applies the counting rule above; `admit` returns the event with counts_as_reset final."""
+
+    def __init__(self, window_us: int = RESET_WINDOW_US):
+        self.window_us = window_us
+        self._window_start: dict[str | None, int] = {}
+
+    def admit(self, event: GpuEvent, ts_us: int) -> GpuEvent:
+        if not event.counts_as_reset:
+            return replace(event, ts_us=ts_us)
+        start = self._window_start.get(event.bdf)
+        is_new = start is None or ts_us - start >= self.window_us
+        if is_new:
+            self._window_start[event.bdf] = ts_us
+        return replace(event, ts_us=ts_us, counts_as_reset=is_new)
+
+
+# A /dev/kmsg read must hold a whole record (else EINVAL); records are at most ~8 KiB.
+_KMSG_READ_SIZE = 16384
+_KMSG_MAX_READS_PER_POLL = 4096
+
+
+class KmsgWatcher:
+    """Non-blocking reader of a kmsg-format source that reports GPU events as they come.
+
+    It starts at the end (SEEK_END) so messages from before the start are not counted.
+    If the source cannot be opened or read (EPERM under kernel.dmesg_restrict, missing in
+    a container) it says so once in the log and `poll` returns [] from then on.
+    """
+
+    def __init__(self, path: str | Path = "/dev/kmsg", *, window_us: int = RESET_WINDOW_US):
+        self.path = str(path)
+        self.unavailable: str | None = None  # why the source is not read, once known
+        self.overruns = 0  # EPIPE count: records lost because we read too slowly
+        self._pending = b""
+        self._dedupe = ResetDeduper(window_us)
+        self._fd = self._open()
+
+    def _open(self) -> int | None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as err:
+            self._give_up(f"cannot open {self.path}: {err.strerror}")
+            return None
+        with contextlib.suppress(OSError):  # a FIFO cannot seek (ESPIPE) and holds nothing old anyway
+            os.lseek(fd, 0, os.SEEK_END)
+        return fd
+
+    def _give_up(self, reason: str) -> None:
+        log.warning("GPU reset detection from the kernel log is off: %s", reason)
+        self.unavailable = reason
+        self.close()
+
+    def close(self) -> None:
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> KmsgWatcher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def poll(self) -> list[GpuEvent]:
+        """GPU events of the kernel's records that arrived since the last poll."""
+        events = []
+        for record in self.poll_records():
+            event = detect_gpu_event(record.text) if record.facility == 0 else None
+            if event:
+                events.append(self._dedupe.admit(event, record.ts_us))
+        return events
+
+    def poll_records(self) -> list[KmsgRecord]:
+        """All records that arrived since the last poll (poll() uses this)."""
+        if self._fd is None:
+            return []
+        raw_records, self._pending = _split_kmsg_records(self._pending + self._read_available())
+        return [record for raw in raw_records if (record := parse_kmsg_record(raw))]
+
+    def _read_available(self) -> bytes:
+        chunks = []
+        for _ in range(_KMSG_MAX_READS_PER_POLL):
+            try:
+                chunk = os.read(self._fd, _KMSG_READ_SIZE)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                # dev-kmsg: the ring overwrote records we had not read; the next read
+                # continues with the oldest record still there.
+                self.overruns += 1
+                log.warning("kernel log overrun on %s: some records were lost", self.path)
+                continue
+            except OSError as err:
+                self._give_up(f"cannot read {self.path}: {err.strerror}")
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _split_kmsg_records(buffer: bytes) -> tuple[list[str], bytes]:
+    """Whole records in `buffer` and the unfinished rest.
+
+    /dev/kmsg returns one record per read, but a regular file or FIFO with the same format
+    returns several at once: a record is a header line plus the " KEY=value" lines after it.
+    """
+    complete, newline, rest = buffer.rpartition(b"\n")
+    if not newline:
+        return [], buffer
+    records: list[list[str]] = []
+    for line in complete.decode("utf-8", "replace").split("\n"):
+        if line.startswith(" ") and records:
+            records[-1].append(line)
+        elif line and not line.startswith(" "):
+            records.append([line])
+    return ["\n".join(lines) + "\n" for lines in records], rest
+
+
+# ---------------------------------------------------------------------------------------
+# DRM uevents (KOBJ_CHANGE on the cardN minor): i915 gt/intel_reset.c
+# intel_gt_reset_global() sends ERROR=1, RESET=1, ERROR=0; drm_drv.c drm_dev_wedged_event()
+# sends WEDGED=<methods> (none = recovered by a driver reset), 2025+ also PID= and TASK=.
+_UEVENT_EVENTS = (
+    # (key, value pattern, kind, counts_as_reset); first match wins
+    ("WEDGED", r"none", "reset", True),
+    ("WEDGED", r".+", "wedged", True),
+    ("RESET", r"1", "reset", True),
+    ("ERROR", r"1", "hang", False),
+    ("ERROR", r"0", "reset", False),
+)
+_UEVENT_DEVPATH = re.compile(rf".*/(?P<bdf>{BDF})/drm/card\d+")
+
+
+def parse_uevent(text: str) -> dict[str, str]:
+    """KEY=value pairs of a uevent: a sysfs uevent file, `udevadm monitor --property` output
+    or a raw netlink message (NUL-separated). Lines without '=' (headers) are skipped."""
+    pairs = (line.strip().split("=", 1) for line in re.split(r"[\n\0]", text) if "=" in line)
+    return {key: value for key, value in pairs}
+
+
+def drm_uevent_event(props: Mapping[str, str]) -> GpuEvent | None:
+    """The GPU event a drm uevent reports, or None."""
+    if props.get("SUBSYSTEM", "drm") != "drm":
+        return None
+    for key, value_pattern, kind, counts in _UEVENT_EVENTS:
+        value = props.get(key)
+        if value is not None and re.fullmatch(value_pattern, value):
+            devpath = _UEVENT_DEVPATH.fullmatch(props.get("DEVPATH", ""))
+            return GpuEvent(
+                kind=kind,
+                bdf=devpath["bdf"] if devpath else None,
+                driver=None,
+                engine=None,
+                comm=props.get("TASK"),
+                pid=int(props["PID"]) if props.get("PID", "").isdigit() else None,
+                detail=value,
+                counts_as_reset=counts,
+                text=f"{key}={value}",
+            )
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# sysfs: /sys/class/drm/cardN/device/{vendor,device} ("0x%04x\n"), device/driver symlink,
+# device/drm/renderD*, device/uevent (pci_uevent: PCI_SLOT_NAME=...).
+INTEL_VENDOR_ID = 0x8086
+
+# PCI device id -> marketing name (None: id known, name not published), per variant.
+# Sources: intel/compute-runtime shared/source/dll/devices/devices_base.inl and
+# bmg/definitions/device_ids_configs_bmg.h; kernel include/drm/intel/pciids.h.
+_INTEL_GPUS: dict[str, dict[int, str | None]] = {
+    "DG2-G10": {0x56A0: "Arc A770", 0x56A1: "Arc A750", 0x56A2: "Arc A580", 0x5690: "Arc A770M",
+                0x5691: "Arc A730M", 0x5692: "Arc A550M", 0x56BE: "Arc A750E", 0x56BF: "Arc A580E"},
+    "DG2-G11": {0x56A5: "Arc A380", 0x56A6: "Arc A310 LP", 0x5693: "Arc A370M", 0x5694: "Arc A350M",
+                0x5695: None, 0x56B0: "Arc Pro A30M", 0x56B1: "Arc Pro A40/A50", 0x56BA: "Arc A380E",
+                0x56BB: "Arc A310E", 0x56BC: "Arc A370E", 0x56BD: "Arc A350E"},
+    "DG2-G12": {0x5696: "Arc A570M", 0x5697: "Arc A530M", 0x56A3: None, 0x56A4: None,
+                0x56B2: "Arc Pro A60M", 0x56B3: "Arc Pro A60"},
+    "DG2": {0x56C0: "Data Center GPU Flex 170", 0x56C1: "Data Center GPU Flex 140",
+            0x56C2: "Data Center GPU Flex 170V", 0x56AF: "Arc A760A",
+            **{device_id: None for device_id in range(0x4F80, 0x4F89)}},
+    "BMG-G21": {0xE20B: "Arc B580", 0xE209: "Arc B580", 0xE20C: "Arc B570", 0xE211: "Arc Pro B60",
+                0xE212: "Arc Pro B50", 0xE202: None, 0xE20D: None, 0xE210: None, 0xE215: None, 0xE216: None},
+    "BMG-G31": {0xE220: None, 0xE221: None, 0xE222: None, 0xE223: None},
+}
+_VARIANT_BY_ID = {device_id: variant for variant, ids in _INTEL_GPUS.items() for device_id in ids}
+
+# Family of ids missing from the table, by id range (reference §5).
+_FAMILY_RANGES = (("DG2", 0xFF00, {0x5600, 0x4F00}), ("BMG", 0xFFF0, {0xE200, 0xE210, 0xE220}))
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    card: str  # "card0"
+    bdf: str | None
+    vendor_id: int
+    device_id: int
+    driver: str | None  # i915 | xe | ... (basename of device/driver)
+    render_node: str | None  # "renderD128"
+    family: str  # DG2 | BMG | other
+    variant: str | None  # DG2-G10, BMG-G21, ...
+    name: str
+    memory_total_bytes: int | None  # only from out-of-tree drivers' sysfs files; usually None
+    warning: str | None  # e.g. an Intel id missing from the table
+
+
+def _gpu_identity(vendor_id: int, device_id: int) -> tuple[str, str | None, str, str | None]:
+    """(family, variant, name, warning) for a PCI id."""
+    if vendor_id != INTEL_VENDOR_ID:
+        return "other", None, f"PCI {vendor_id:04x}:{device_id:04x}", None
+    variant = _VARIANT_BY_ID.get(device_id)
+    if variant:
+        name = _INTEL_GPUS[variant][device_id] or f"{variant} (0x{device_id:04x})"
+        return variant.split("-")[0], variant, f"Intel {name}", None
+    family = next((name for name, mask, values in _FAMILY_RANGES if device_id & mask in values), "other")
+    warning = (f"Intel GPU device id 0x{device_id:04x} is not in openarc's table "
+               f"(family by id range: {family}); please report it")
+    return family, None, f"Intel GPU 0x{device_id:04x}", warning
+
+
+def _read_hex(path: Path) -> int | None:
+    text = _read_text(path)
+    try:
+        return int(text.strip(), 16) if text else None
+    except ValueError:
+        return None
+
+
+def _card_bdf(device_dir: Path) -> str | None:
+    slot = parse_uevent(_read_text(device_dir / "uevent") or "").get("PCI_SLOT_NAME")
+    if slot:
+        return slot
+    resolved = os.path.basename(os.path.realpath(device_dir))
+    return resolved if re.fullmatch(BDF, resolved) else None
+
+
+def _probe_memory_total(card_dir: Path) -> int | None:
+    """VRAM size from sysfs files that only out-of-tree drivers create (never required):
+    pre-merge xe / backports tileN/physical_vram_size_bytes, i915 backport lmem_total_bytes."""
+    tiles = sorted(card_dir.glob("device/tile*/physical_vram_size_bytes"))
+    sizes = [int(text) for path in tiles if (text := (_read_text(path) or "").strip()).isdigit()]
+    if sizes:
+        return sum(sizes)
+    lmem = (_read_text(card_dir / "lmem_total_bytes") or "").strip()
+    return int(lmem) if lmem.isdigit() else None
+
+
+def _gpu_info(card_dir: Path) -> GpuInfo | None:
+    device_dir = card_dir / "device"
+    vendor_id, device_id = _read_hex(device_dir / "vendor"), _read_hex(device_dir / "device")
+    if vendor_id is None or device_id is None:
+        return None
+    driver_link = device_dir / "driver"
+    render_nodes = sorted(path.name for path in device_dir.glob("drm/renderD*"))
+    family, variant, name, warning = _gpu_identity(vendor_id, device_id)
+    return GpuInfo(
+        card=card_dir.name,
+        bdf=_card_bdf(device_dir),
+        vendor_id=vendor_id,
+        device_id=device_id,
+        driver=os.path.basename(os.readlink(driver_link)) if driver_link.is_symlink() else None,
+        render_node=render_nodes[0] if render_nodes else None,
+        family=family,
+        variant=variant,
+        name=name,
+        memory_total_bytes=_probe_memory_total(card_dir),
+        warning=warning,
+    )
+
+
+def list_gpus(sys_root: str | Path = "/sys") -> list[GpuInfo]:
+    """DRM cards with a PCI device, in card order; logs a warning for unknown Intel ids."""
+    drm_class = Path(sys_root, "class", "drm")
+    try:
+        cards = [name for name in os.listdir(drm_class) if re.fullmatch(r"card\d+", name)]
+    except OSError:
+        return []
+    gpus = [gpu for name in sorted(cards, key=lambda card: int(card[4:])) if (gpu := _gpu_info(drm_class / name))]
+    for gpu in gpus:
+        if gpu.warning:
+            log.warning("%s: %s", gpu.card, gpu.warning)
+    return gpus
+
+
+# ---------------------------------------------------------------------------------------
+# Process memory: proc(5) /proc/PID/statm (pages) or /proc/PID/status VmRSS (kB).
+_VM_RSS = re.compile(r"^VmRSS:\s*(\d+)\s*kB", re.MULTILINE)
+
+
+def process_rss_bytes(pid: int, proc_root: str | Path = "/proc") -> int:
+    """Resident set size of a process in bytes; 0 once the process is gone."""
+    statm = (_read_text(Path(proc_root, str(pid), "statm")) or "").split()
+    if len(statm) >= 2 and statm[1].isdigit():
+        return int(statm[1]) * os.sysconf("SC_PAGE_SIZE")
+    match = _VM_RSS.search(_read_text(Path(proc_root, str(pid), "status")) or "")
+    return int(match[1]) * 1024 if match else 0

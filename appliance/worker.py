@@ -96,6 +96,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.detok = Detokenizer(tokenizer)
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.pci_family: str | None = None
         self.step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
 
     # called from the channel reader thread
@@ -135,7 +136,7 @@ class Engine:
             else:
                 input_ids = self.tokenizer.encode(message["prompt"]).input_ids
         except Exception as exc:  # a template or tokenizer error belongs to this request only
-            self.fail(message["id"], faults.classify_error(str(exc)), str(exc))
+            self.fail(message["id"], self.classify(str(exc)), str(exc))
             return None
         prompt_tokens = int(input_ids.get_shape()[1])
         max_tokens = message["params"].get("max_tokens") or self.spec["default_max_tokens"]
@@ -186,9 +187,12 @@ class Engine:
         self.channel.send({"op": "error", "id": request_id, "kind": fault.kind, "code": fault.code,
                            "hint": fault.hint, "message": message})
 
+    def classify(self, message: str) -> faults.Fault:
+        return faults.classify_error(message, device=self.spec["device"], pci_family=self.pci_family)
+
     def fail_all(self, requests: list[Request], exc: BaseException) -> faults.Fault:
         message = str(exc).strip() or type(exc).__name__
-        fault = faults.classify_error(message, device=self.spec["device"])
+        fault = self.classify(message)
         log.error("generation failed (%s): %s", fault.kind, message.splitlines()[-1] if message else "")
         for req in requests:
             self.fail(req.id, fault, message)
@@ -259,7 +263,7 @@ class BatchingEngine(Engine):
             if status == status_enum.IGNORED:
                 # A scheduler out-of-memory through the CB API is a status, not an exception.
                 message = f"Request {req_id} was dropped by the scheduler: scheduler ignored the request (out of memory)"
-                self.fail(req_id, faults.classify_error(message), message)
+                self.fail(req_id, self.classify(message), message)
             elif status == status_enum.FINISHED:
                 self.finish(req, finish_reason_name(finish, req))
             # CANCEL / STOP: the front already forgot this request
@@ -354,13 +358,49 @@ def die_with_parent() -> None:
         pass
 
 
-def report_telemetry(channel: BlockingChannel, spec: dict[str, Any]) -> None:
+class DeviceProbe:
+    """What this worker can learn about its GPU: the PCI address that labels its metrics, the card's family for
+    known-issue hints, and VRAM (total from OpenVINO, used from our own DRM fdinfo, else OpenVINO's statistics)."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.label: str | None = None
+        self.family: str | None = None
+        self.total: int | None = None
+        self._core = None
+        if device.startswith("GPU"):
+            self._identify()
+
+    def _identify(self) -> None:
+        import openvino
+        self._core = openvino.Core()
+        self.label = self.device
+        try:
+            self.total = int(self._core.get_property(self.device, "GPU_DEVICE_TOTAL_MEM_SIZE"))
+            pci = self._core.get_property(self.device, "DEVICE_PCI_INFO")
+            self.label = f"{pci.domain:04x}:{pci.bus:02x}:{pci.device:02x}.{pci.function:x}"
+        except Exception as exc:  # an older driver or plugin: keep the OpenVINO name as the label
+            log.info("GPU identity of %s incomplete: %s", self.device, exc)
+        self.family = next((g.family for g in telemetry.list_gpus() if g.bdf == self.label), None)
+
+    def memory(self, pid: int) -> tuple[dict[str, int], dict[str, int]]:
+        """(used, total) VRAM by device label."""
+        if self.label is None:
+            return {}, {}
+        used = telemetry.device_memory_used([pid])
+        if not used:
+            stats = self._core.get_property(self.device, "GPU_MEMORY_STATISTICS")
+            used = {self.label: telemetry.parse_gpu_memory_statistics(stats)}
+        return used, ({self.label: self.total} if self.total else {})
+
+
+def report_telemetry(channel: BlockingChannel, probe: DeviceProbe) -> None:
     pid = os.getpid()
     while True:
         try:
-            vram = telemetry.device_memory_used([pid])
+            used, total = probe.memory(pid)
             channel.send({"op": "telemetry", "rss_bytes": telemetry.process_rss_bytes(pid),
-                          "device_memory_used_bytes": vram})
+                          "device_memory_used_bytes": used, "device_memory_total_bytes": total})
         except OSError:
             return
         except Exception:  # telemetry must never take a worker down
@@ -405,9 +445,11 @@ def main(argv: list[str] | None = None) -> None:
         log.error("loading %s failed (%s): %s", spec["path"], fault.kind, message)
         channel.send({"op": "fatal", "kind": fault.kind, "code": fault.code, "hint": fault.hint, "message": message})
         os._exit(EXIT_LOAD_FAILED)
+    probe = DeviceProbe(spec["device"])
+    engine.pci_family = probe.family
     channel.send({"op": "ready", "load_seconds": time.monotonic() - started})
     threading.Thread(target=engine.run, name="engine", daemon=True).start()
-    threading.Thread(target=report_telemetry, args=(channel, spec), name="telemetry", daemon=True).start()
+    threading.Thread(target=report_telemetry, args=(channel, probe), name="telemetry", daemon=True).start()
     try:
         serve(channel, engine)
     finally:

@@ -265,7 +265,8 @@ class ModelSupervisor:
             if served_s > 0.0 or not self.last_error:
                 self.last_error = f"worker exited: {faults.signal_name(returncode)}"
                 self.last_hint = fault.hint
-            log.error("model %s: worker exited with %s", self.name, faults.signal_name(returncode))
+            log.error("model %s: worker exited with %s%s", self.name, faults.signal_name(returncode),
+                      f" (hint: {fault.hint})" if fault.hint else "")
         return self.budget.record_failure(time.monotonic(), served_s)
 
     async def _monitor(self) -> None:

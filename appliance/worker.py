@@ -193,7 +193,7 @@ class Engine:
     def fail_all(self, requests: list[Request], exc: BaseException) -> faults.Fault:
         message = str(exc).strip() or type(exc).__name__
         fault = self.classify(message)
-        log.error("generation failed (%s): %s", fault.kind, message.splitlines()[-1] if message else "")
+        log.error("generation failed (%s): %s%s", fault.kind, message.splitlines()[-1], hint_suffix(fault))
         for req in requests:
             self.fail(req.id, fault, message)
         return fault
@@ -335,6 +335,10 @@ class SequentialEngine(Engine):
         self.cancelled.discard(req.id)
 
 
+def hint_suffix(fault: faults.Fault) -> str:
+    return f" (hint: {fault.hint})" if fault.hint else ""
+
+
 def finish_reason_name(reason, req: Request) -> str:
     name = getattr(reason, "name", "")
     if name == "LENGTH" or (name not in ("STOP",) and len(req.generated) >= req.max_tokens):
@@ -442,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         message = str(exc).strip() or type(exc).__name__
         fault = faults.classify_error(message, device=spec["device"])
-        log.error("loading %s failed (%s): %s", spec["path"], fault.kind, message)
+        log.error("loading %s failed (%s): %s%s", spec["path"], fault.kind, message, hint_suffix(fault))
         channel.send({"op": "fatal", "kind": fault.kind, "code": fault.code, "hint": fault.hint, "message": message})
         os._exit(EXIT_LOAD_FAILED)
     probe = DeviceProbe(spec["device"])

@@ -206,7 +206,7 @@ class ModelSupervisor:
                                                f"within {self.model.restart.window_s:g}s); last: {self.last_error}",
                             self.last_hint)
                 return
-            self._enter(ModelState.RESTARTING)
+            self._enter(ModelState.RESTARTING)  # also after a failed load, which never was READY
             await self._sleep_unless_stopping(backoff)
         self._enter(ModelState.STOPPED)
 
@@ -248,6 +248,8 @@ class ModelSupervisor:
                 self._on_frame(message)
         finally:
             monitor.cancel()
+            # Leave READY before anything awaits, so no request is admitted to a worker that is gone.
+            self._enter(ModelState.STOPPED if self.stopping else ModelState.RESTARTING)
             self._fail_all_requests()
 
     def _worker_ended(self, returncode: int, served_s: float) -> float | None:

@@ -190,13 +190,21 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             return _build(tp, value, where)
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                raise ConfigError(f"{where}: expected a number, got an integer too large for one") from None
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif isinstance(value, tp):
         return value
     raise ConfigError(f"{where}: expected {_describe(tp)}, got {value!r}")
+
+
+def _key_name(key: Any) -> str:
+    """A key as an error names it: plain names as they are, anything else quoted (a newline stays on one line)."""
+    return key if isinstance(key, str) and key.isprintable() and key.strip() == key and ":" not in key else repr(key)
 
 
 def _join(where: str, key: str) -> str:
@@ -208,7 +216,7 @@ def _build(cls: type, data: dict, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     for key in data:
         if key not in fields:
-            raise ConfigError(f"{_join(where, str(key))}: unknown key (expected one of: {', '.join(fields)})")
+            raise ConfigError(f"{_join(where, _key_name(key))}: unknown key (expected one of: {', '.join(fields)})")
     kwargs = {}
     for name, f in fields.items():
         if name in data:
@@ -275,12 +283,15 @@ def load_config(path: os.PathLike | str) -> Config:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise ConfigError(f"{path}: not valid YAML{at}: {getattr(exc, 'problem', exc)}") from None
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())  # ReaderError has no .problem
+        raise ConfigError(f"{path}: not valid YAML{at}: {problem}") from None
     return parse_config(data, str(path))
 
 

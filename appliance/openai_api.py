@@ -58,6 +58,14 @@ def _number(body: dict, key: str, low: float, high: float, integer: bool = False
     return value
 
 
+def _utf8(text: str, where: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"'{where}' holds an unpaired UTF-16 surrogate (not valid Unicode text)", where) from None
+    return text
+
+
 def _stop(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -67,7 +75,7 @@ def _stop(body: dict) -> list[str]:
         raise InvalidRequest("'stop' must be a non-empty string or a list of them", "stop")
     if len(stops) > MAX_STOP_SEQUENCES:
         raise InvalidRequest(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences", "stop")
-    return stops
+    return [_utf8(s, "stop") for s in stops]
 
 
 def _common(body: Any) -> tuple[str, dict[str, Any], bool, bool]:
@@ -99,13 +107,13 @@ def _common(body: Any) -> tuple[str, dict[str, Any], bool, bool]:
 
 def _message_text(content: Any, where: str) -> str:
     if isinstance(content, str):
-        return content
+        return _utf8(content, where)
     if isinstance(content, list):
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise InvalidRequest(f"{where}: only text content parts are supported", where)
-            parts.append(part["text"])
+            parts.append(_utf8(part["text"], where))
         return "".join(parts)
     raise InvalidRequest(f"{where} must be a string or a list of text parts", where)
 
@@ -136,6 +144,7 @@ def parse_completion(body: Any) -> GenerationRequest:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise InvalidRequest("'prompt' must be a string (or a list of exactly one string)", "prompt")
+    _utf8(prompt, "prompt")
     return GenerationRequest(model, "completion", stream, include_usage, params, prompt=prompt)
 
 

@@ -139,7 +139,7 @@ class Appliance:
         try:
             try:
                 body = await request.json(loads=json.loads)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, RecursionError, LookupError):  # bad JSON, too deep, too long a number, bad charset
                 raise InvalidRequest("the request body is not valid JSON")
             model_label = self._model_label(body)
             req = parse(body)

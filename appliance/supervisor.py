@@ -358,7 +358,10 @@ class ModelSupervisor:
             req.dispatched = time.monotonic()
             self.running[req.id] = req
             self.metrics.queue_time.labels(model=self.name).observe(req.dispatched - req.submitted)
-            self.worker.channel.send({"op": "generate", **req.frame})
+            try:
+                self.worker.channel.send({"op": "generate", **req.frame})
+            except ValueError as exc:  # a frame that cannot be encoded must not hold a slot forever
+                self._finish(req, RequestFailed(500, "internal", f"cannot pass the request to its worker: {exc}"))
         self.metrics.requests_running.labels(model=self.name).set(len(self.running))
         self.metrics.requests_waiting.labels(model=self.name).set(len(self.waiting))
 

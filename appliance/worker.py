@@ -248,6 +248,10 @@ class BatchingEngine(Engine):
     def _collect(self) -> None:
         import openvino_genai
         status_enum = openvino_genai.GenerationStatus
+        # genai drops every request of a step that schedules no token; the oldest of them is the one that did not fit
+        ignored = [i for i, (_, h) in self.active.items() if h.get_status() == status_enum.IGNORED]
+        oldest_ignored = min(ignored, default=None)
+        ignored_again: list = []
         for req_id, (req, handle) in list(self.active.items()):
             status = handle.get_status()
             finish = None
@@ -260,6 +264,9 @@ class BatchingEngine(Engine):
             if status == status_enum.RUNNING:
                 continue
             del self.active[req_id]
+            if status == status_enum.IGNORED and req_id != oldest_ignored and not req.generated:
+                ignored_again.append(req)  # dropped with the request that really did not fit: admit it again
+                continue
             if status == status_enum.IGNORED:
                 # A scheduler out-of-memory through the CB API is a status, not an exception.
                 message = f"Request {req_id} was dropped by the scheduler: scheduler ignored the request (out of memory)"
@@ -267,6 +274,8 @@ class BatchingEngine(Engine):
             elif status == status_enum.FINISHED:
                 self.finish(req, finish_reason_name(finish, req))
             # CANCEL / STOP: the front already forgot this request
+        for req in ignored_again:
+            self.active[req.id] = (req, self.pipe.add_request(req.id, req.input_ids, self.generation_config(req)))
 
     def _drop_all(self) -> None:
         for _, handle in self.active.values():

@@ -1,0 +1,88 @@
+"""Figures, their targets, and the two outputs: results.json and a markdown table (PASS/MISS, never a failure)."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MB = 1 << 20
+
+
+@dataclass
+class Figure:
+    name: str
+    measured: str             # as the table shows it
+    value: float | None       # the number the verdict is about, in `unit`
+    unit: str
+    baseline: str = ""
+    target: str = ""          # empty: reported for information
+    verdict: str = "info"     # PASS | MISS | info | not measured
+    client: str = ""          # what the load generator cost while measuring this figure
+
+
+def judged(name: str, value: float, unit: str, measured: str, *, at_most: float | None = None,
+           at_least: float | None = None, below: float | None = None, baseline: str = "", client: str = "") -> Figure:
+    """A figure with a target: exactly one of at_most (<=), below (<) or at_least (>=)."""
+    if at_most is not None:
+        target, ok = f"<= {at_most:g}{_spaced(unit)}", value <= at_most
+    elif below is not None:
+        target, ok = f"< {below:g}{_spaced(unit)}", value < below
+    else:
+        target, ok = f">= {at_least:g}{_spaced(unit)}", value >= at_least
+    return Figure(name, measured, value, unit, baseline, target, "PASS" if ok else "MISS", client)
+
+
+def not_measured(name: str, why: str) -> Figure:
+    return Figure(name, why, None, "", verdict="not measured")
+
+
+def machine() -> dict[str, str]:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown CPU")
+    mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                  if line.startswith("MemTotal:"))
+    return {"cpu": cpu, "cores": str(os.cpu_count()), "memory": f"{mem_kb / (1 << 20):.0f} GiB",
+            "kernel": platform.release(), "python": platform.python_version(),
+            "openvino_genai": _version("openvino-genai"), "aiohttp": _version("aiohttp")}
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def markdown(meta: dict, figures: list[Figure], notes: list[str]) -> str:
+    m = meta["machine"]
+    lines = [f"Measured {meta['date']} ({meta['mode']} run, {meta['duration_s']:.0f} s) against {meta['target']}.",
+             f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM, Linux {m['kernel']}, Python {m['python']}, "
+             f"OpenVINO GenAI {m['openvino_genai']}, client aiohttp {m['aiohttp']}.",
+             "",
+             "| Figure | Measured | In-process baseline | Target | Verdict | Client cost |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {f.name} | {f.measured} | {f.baseline} | {f.target} | {f.verdict} | {f.client} |" for f in figures]
+    lines += [""] + [f"- {note}" for note in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, meta: dict, figures: list[Figure], notes: list[str]) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(meta, figures, notes)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "figures": [asdict(f) for f in figures],
+                                                  "notes": notes}, indent=2) + "\n")
+    (out / "results.md").write_text(table)
+    return table
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _spaced(unit: str) -> str:
+    return unit if unit == "x" else f" {unit}"

@@ -1,0 +1,262 @@
+"""Bad input, generated: no request body makes a 5xx or shows a traceback, and no config raises anything but a
+one-line ConfigError that names the file and where in it.
+
+Request bodies go to a live appliance (random JSON, mutated valid bodies, raw bytes and headers); configs go
+through parse_config and, as files, load_config. Example counts are bounded so the module runs in well under a
+minute; shrinking is off for the HTTP properties (every shrink step is another request to a live server).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
+
+from appliance.config import Config, ConfigError, load_config, parse_config
+from conftest import Appliance, http, model_entry
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+HTTP_FUZZ = settings(max_examples=120, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
+                     suppress_health_check=[HealthCheck.too_slow])
+CONFIG_FUZZ = settings(max_examples=300, deadline=None, database=None,
+                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+ERROR_TYPES = {"invalid_request_error", "rate_limit_error", "server_error"}
+REQUEST_TIMEOUT_S = 30  # only catches a hang: the demo model answers in milliseconds
+
+
+@pytest.fixture(scope="module")
+def app(demo_model, tmp_path_factory):
+    config = {"server": {"max_body_bytes": 65536}, "models": [model_entry("demo", demo_model, max_context=512)]}
+    appliance = Appliance(config, tmp_path_factory.mktemp("fuzz")).start()
+    yield appliance
+    appliance.stop()
+
+
+# --- strategies -------------------------------------------------------------------------------------------
+
+# Any character, lone surrogates and controls included: JSON can carry them all (as \\u escapes).
+texts = st.text(st.characters(), max_size=12)
+numbers = st.integers() | st.integers(min_value=-(10 ** 30), max_value=10 ** 30) | st.floats()
+json_values = st.recursive(st.none() | st.booleans() | numbers | texts,
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
+                           max_leaves=8)
+REQUEST_KEYS = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+                "stop", "stream", "stream_options", "n")
+messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(("system", "developer", "user", "assistant", "tool"))
+                                           | texts, "content": texts | json_values}), max_size=3)
+
+
+def valid_body(endpoint: str) -> dict:
+    body = {"model": "demo", "max_tokens": 4}
+    if endpoint.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    else:
+        body["prompt"] = "Hi"
+    return body
+
+
+@st.composite
+def mutated_bodies(draw) -> dict:
+    """A valid body with a few keys replaced by anything, deleted, or added."""
+    body = valid_body(draw(st.sampled_from(ENDPOINTS)))
+    for _ in range(draw(st.integers(1, 4))):
+        key = draw(st.sampled_from(REQUEST_KEYS) | texts)
+        if draw(st.booleans()):
+            body.pop(key, None)
+        else:
+            body[key] = draw(messages if key == "messages" else json_values)
+    return body
+
+
+# Bodies that break a JSON parser in ways other than a syntax error.
+NASTY_RAW = [b"[" * 5000 + b"]" * 5000, b'{"max_tokens": ' + b"9" * 5000 + b"}", b'{"model": "\\ud800"}',
+             b"\xff\xfe{}", b'{"model": "demo", "prompt": "x", "max_tokens": 1e999}', b"NaN", b""]
+CONTENT_TYPES = ("application/json", "text/plain", "application/json; charset=latin-1",
+                 "application/json; charset=no-such-codec", "application/json; charset=utf-16", "")
+
+
+# --- checks -------------------------------------------------------------------------------------------------
+
+def assert_clean(status: int, body) -> None:
+    """What any OpenAI client may rely on, whatever it sent."""
+    text = body if isinstance(body, str) else json.dumps(body)
+    assert status < 500, f"{status}: {text[:500]}"
+    assert "Traceback" not in text and 'File "' not in text, text[:500]
+    if status >= 400:
+        assert isinstance(body, dict) and set(body) == {"error"}, text[:500]
+        error = body["error"]
+        assert isinstance(error["message"], str) and error["message"], error
+        assert error["type"] in ERROR_TYPES and {"param", "code"} <= set(error), error
+    elif isinstance(body, str):  # a stream
+        assert body.endswith("data: [DONE]\n\n"), body[-200:]
+    else:
+        assert body["choices"] and "usage" in body, body
+
+
+def post(app, endpoint: str, body=None, raw: bytes | None = None, content_type: str = "application/json"):
+    status, _, reply = http("POST", app.base + endpoint, body, raw=raw, headers={"Content-Type": content_type},
+                            timeout=REQUEST_TIMEOUT_S)
+    return status, reply
+
+
+# --- request bodies -----------------------------------------------------------------------------------------
+
+@HTTP_FUZZ
+@given(endpoint=st.sampled_from(ENDPOINTS), body=json_values)
+def test_random_json_bodies_get_a_4xx_error_body_never_a_5xx(app, endpoint, body):
+    assert_clean(*post(app, endpoint, body))
+
+
+@HTTP_FUZZ
+@given(endpoint=st.sampled_from(ENDPOINTS), body=mutated_bodies())
+@example(endpoint="/v1/completions", body={"model": "demo", "prompt": "\ud800", "max_tokens": 4})
+@example(endpoint="/v1/chat/completions", body={"model": "demo", "messages": [{"role": "user", "content": "Hi"}],
+                                                "max_tokens": 4, "stop": ["\udfff"]})
+def test_mutated_valid_bodies_are_served_or_refused_cleanly(app, endpoint, body):
+    assert_clean(*post(app, endpoint, body))
+
+
+@HTTP_FUZZ
+@given(endpoint=st.sampled_from(ENDPOINTS), raw=st.sampled_from(NASTY_RAW) | st.binary(max_size=200),
+       content_type=st.sampled_from(CONTENT_TYPES))
+def test_raw_bytes_and_odd_content_types_are_refused_cleanly(app, endpoint, raw, content_type):
+    assert_clean(*post(app, endpoint, raw=raw, content_type=content_type))
+
+
+def test_the_appliance_still_serves_after_the_fuzzing(app):
+    """Runs last in this module: nothing above left the model stuck (a request stranded in a worker slot)."""
+    status, reply = post(app, "/v1/completions", valid_body("/v1/completions"))
+    assert status == 200 and reply["usage"]["completion_tokens"] == 4
+    assert app.model_status("demo")["requests_running"] == 0
+
+
+# --- configs ------------------------------------------------------------------------------------------------
+
+CONFIG_KEYS = ("server", "models", "name", "path", "device", "port", "host", "pipeline", "restart", "scheduler_config",
+               "runtime_config", "max_context", "max_running", "max_queue", "stall_timeout_s", "backoff_initial_s",
+               "num_kv_blocks", "log_level", "api_key_env")
+yaml_scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-(10 ** 400), max_value=10 ** 400)
+                | st.floats() | texts | st.dates())
+config_values = st.recursive(yaml_scalars, lambda inner: st.lists(inner, max_size=3)
+                             | st.dictionaries(st.sampled_from(CONFIG_KEYS) | texts, inner, max_size=4), max_leaves=10)
+VALID_CONFIG = {
+    "server": {"host": "127.0.0.1", "port": 8000, "api_key_env": "OPENARC_KEY", "max_body_bytes": 4096,
+               "drain_timeout_s": 5, "load_concurrency": 1, "log_level": "info"},
+    "models": [{"name": "demo", "path": "/models/demo", "device": "GPU.0", "pipeline": "stateful", "max_context": 2048,
+                "scheduler_config": {"num_kv_blocks": 4}, "runtime_config": {"KV_CACHE_PRECISION": "u8"},
+                "restart": {"backoff_initial_s": 1, "backoff_max_s": 2, "max_failures": 3, "window_s": 60}}],
+}
+
+
+def config_paths(node, prefix=()) -> list[tuple]:
+    """Every place in VALID_CONFIG a mutation can hit, plus an unknown key in every mapping."""
+    paths = []
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in children:
+        paths.append(prefix + (key,))
+        paths += config_paths(child, prefix + (key,))
+    if isinstance(node, dict):
+        paths.append(prefix + ("no_such_key",))
+    return paths
+
+
+def child(node, key):
+    if isinstance(node, dict):
+        return node.get(key)
+    if isinstance(node, list) and isinstance(key, int) and key < len(node):
+        return node[key]
+    return None
+
+
+@st.composite
+def mutated_configs(draw) -> dict:
+    config = copy.deepcopy(VALID_CONFIG)
+    for path in draw(st.lists(st.sampled_from(config_paths(VALID_CONFIG)), min_size=1, max_size=3)):
+        parent = config
+        for key in path[:-1]:  # an earlier mutation may have replaced a mapping on this path
+            parent = child(parent, key)
+            if not isinstance(parent, (dict, list)):
+                break
+        else:
+            if isinstance(parent, dict) and draw(st.booleans()):
+                parent.pop(path[-1], None)
+            elif isinstance(parent, dict) or child(parent, path[-1]) is not None:
+                parent[path[-1]] = draw(config_values)
+    return config
+
+
+def utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")  # a lone surrogate becomes bytes no UTF-8 decoder accepts
+
+
+KEY_PATH = re.compile(r"(top level|server|models)\b")
+UNREADABLE = object()  # a file that is no YAML at all: its error can name no key
+
+
+def assert_one_line_naming(message: str, source: str, data) -> None:
+    assert "\n" not in message and "\r" not in message, message
+    assert message.startswith(f"{source}: "), message
+    if data is UNREADABLE:
+        return
+    where = message[len(source) + 2:]
+    # an unknown top-level key is named as it is, or quoted
+    top_keys = tuple(f"{name}: " for k in data for name in (k, repr(k))) if isinstance(data, dict) else ()
+    assert KEY_PATH.match(where) or where.startswith(top_keys), message
+
+
+def parses_or_explains(data, source: str = "fuzz.yaml") -> None:
+    try:
+        config = parse_config(data, source)
+    except ConfigError as exc:
+        assert_one_line_naming(str(exc), source, data)
+    else:
+        assert isinstance(config, Config)
+
+
+def test_the_valid_config_the_mutations_start_from_is_valid():
+    assert parse_config(copy.deepcopy(VALID_CONFIG), "fuzz.yaml").models[0].name == "demo"
+
+
+@CONFIG_FUZZ
+@given(data=config_values)
+@example(data={"server": {"drain_timeout_s": 10 ** 400}})
+@example(data={"models": [{"name": "a", "path": "p", "restart": {"window_s": -(10 ** 400)}}]})
+@example(data={"server": {"a\nb": 1}})
+def test_random_configs_parse_or_fail_with_a_one_line_config_error(data):
+    parses_or_explains(data)
+
+
+@CONFIG_FUZZ
+@given(data=mutated_configs())
+def test_mutated_valid_configs_parse_or_fail_with_a_one_line_config_error(data):
+    parses_or_explains(data)
+
+
+@CONFIG_FUZZ
+@given(content=st.binary(max_size=300) | texts.map(utf8) | mutated_configs().map(
+    lambda c: utf8(yaml.safe_dump(c, allow_unicode=True))))
+@example(content=b"\xff\xfe: 1")
+@example(content=b"server: \x07")
+def test_config_files_load_or_fail_with_a_one_line_config_error(tmp_path, content):
+    path = tmp_path / "openarc.yaml"
+    path.write_bytes(content)
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        assert_one_line_naming(str(exc), str(path), yaml_data(content))
+    else:
+        assert isinstance(config, Config) and config.source == str(path)
+
+
+def yaml_data(content: bytes):
+    """What a config file holds as YAML, or UNREADABLE."""
+    try:
+        return yaml.safe_load(content.decode("utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return UNREADABLE
+

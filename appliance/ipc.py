@@ -1,7 +1,8 @@
 """The front <-> worker channel: length-prefixed JSON frames over one end each of a socketpair.
 
 A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (one object with an "op").
-Front -> worker ops: generate, cancel, shutdown.  Worker -> front ops: ready, tokens, done, error, telemetry, fatal.
+Front -> worker ops: generate, cancel, shutdown.  Worker -> front ops: ready, tokens, done, error, telemetry, fatal, and batch
+(the frames of one engine step sent as one).
 EOF on the socket is the only liveness signal either side needs: the kernel closes it the moment the peer dies.
 """
 

@@ -35,7 +35,7 @@ class GenerationRequest:
     def frame(self) -> dict[str, Any]:
         """The generate frame for the worker (the supervisor adds the id)."""
         body = {"messages": self.messages} if self.kind == "chat" else {"prompt": self.prompt}
-        return {"kind": self.kind, "params": self.params, **body}
+        return {"kind": self.kind, "params": self.params, "stream": self.stream, **body}
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None,

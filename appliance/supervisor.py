@@ -367,6 +367,10 @@ class ModelSupervisor:
 
     def _on_frame(self, message: dict[str, Any]) -> None:
         op = message["op"]
+        if op == "batch":  # everything one engine step produced
+            for frame in message["frames"]:
+                self._on_frame(frame)
+            return
         if op == "telemetry":
             self._on_telemetry(message)
             return

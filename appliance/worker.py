@@ -32,6 +32,7 @@ log = logging.getLogger("openarc.worker")
 EXIT_LOAD_FAILED = 3
 EXIT_DEVICE_LOST = 75  # EX_TEMPFAIL: the supervisor restarts us with a fresh device context
 TELEMETRY_INTERVAL_S = 2.0
+PROGRESS_INTERVAL_S = 0.25  # well under any sensible stall_timeout_s
 # Test and benchmark knob: sleep after every engine step, so a fault can land mid-generation on a model that
 # otherwise finishes 32 tokens in 8 ms.  Never set in production.
 STEP_DELAY_ENV = "OPENARC_DEBUG_STEP_DELAY_S"
@@ -47,7 +48,9 @@ class Request:
     generated: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
-    held: str = ""        # text that may be the start of a stop sequence, not yet sent
+    stream: bool = True    # a non-streaming request gets its text once, decoded at the end
+    reported: int = 0      # tokens already counted to the front
+    held: str = ""         # text that may be the start of a stop sequence, not yet sent
     stopped: bool = False  # a stop sequence was found: the request is finished
 
 
@@ -71,20 +74,26 @@ def cut_at_stop(req: Request, text: str) -> str:
 class Detokenizer:
     """Incremental detokenization: decode a short window so each step costs O(1), not O(length).
 
-    A multi-byte character split across tokens decodes to U+FFFD until its last byte arrives; hold it back.
+    All requests that got tokens in a step are decoded in one batched call (one call costs about the same as
+    thirty-two). A multi-byte character split across tokens decodes to U+FFFD until its last byte arrives: hold it.
     """
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
 
-    def delta(self, req: Request) -> str:
-        ids = req.generated
-        before = self._tokenizer.decode(ids[req.prefix_offset:req.read_offset])
-        after = self._tokenizer.decode(ids[req.prefix_offset:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        req.prefix_offset, req.read_offset = req.read_offset, len(ids)
-        return after[len(before):]
+    def deltas(self, reqs: list[Request]) -> list[str]:
+        windows = []
+        for req in reqs:
+            windows += [req.generated[req.prefix_offset:req.read_offset], req.generated[req.prefix_offset:]]
+        texts = self._tokenizer.decode(windows)
+        out = []
+        for req, before, after in zip(reqs, texts[0::2], texts[1::2]):
+            if len(after) <= len(before) or after.endswith("\ufffd"):
+                out.append("")
+                continue
+            req.prefix_offset, req.read_offset = req.read_offset, len(req.generated)
+            out.append(after[len(before):])
+        return out
 
 
 class Engine:
@@ -96,6 +105,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.detok = Detokenizer(tokenizer)
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.outbox: list[dict[str, Any]] = []
+        self.last_sent = time.monotonic()
         self.pci_family: str | None = None
         self.step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
 
@@ -146,7 +157,8 @@ class Engine:
             self.fail(message["id"], fault, f"This model's maximum context length is {limit} tokens; the prompt has "
                                             f"{prompt_tokens} tokens and max_tokens is {max_tokens}.")
             return None
-        return Request(message["id"], input_ids, prompt_tokens, max_tokens, message["params"])
+        return Request(message["id"], input_ids, prompt_tokens, max_tokens, message["params"],
+                       stream=message.get("stream", True))
 
     def generation_config(self, req: Request):
         import openvino_genai
@@ -165,27 +177,74 @@ class Engine:
         config.eos_token_id = self.tokenizer.get_eos_token_id()
         return config
 
-    def emit_tokens(self, req: Request, new_ids: list[int]) -> bool:
-        """Send newly generated tokens' text; True once a stop sequence has finished the request."""
-        if req.stopped:
-            return True
-        req.generated.extend(new_ids)
-        text = cut_at_stop(req, self.detok.delta(req))
-        self.channel.send({"op": "tokens", "id": req.id, "text": text, "n": len(new_ids)})
-        if req.stopped:
-            self.finish(req, "stop")
-        return req.stopped
+    def post(self, frame: dict[str, Any]) -> None:
+        self.outbox.append(frame)
+
+    def flush(self) -> None:
+        """Send what one engine step produced as one frame: one syscall and one wake-up of the front per step.
+
+        While only non-streaming requests run, a step may produce nothing to send: a progress frame at most every
+        PROGRESS_INTERVAL_S tells the front's stall timer that generation goes on.
+        """
+        now = time.monotonic()
+        if not self.outbox:
+            if self.busy() and now - self.last_sent > PROGRESS_INTERVAL_S:
+                self.outbox.append({"op": "progress"})
+            else:
+                return
+        frames, self.outbox = self.outbox, []
+        self.channel.send(frames[0] if len(frames) == 1 else {"op": "batch", "frames": frames})
+        self.last_sent = now
+
+    def busy(self) -> bool:
+        raise NotImplementedError
+
+    def post_text(self, req: Request, text: str) -> None:
+        self.post({"op": "tokens", "id": req.id, "text": text, "n": len(req.generated) - req.reported})
+        req.reported = len(req.generated)
+
+    def emit_tokens(self, updates: list[tuple[Request, list[int]]]) -> None:
+        """Post newly generated tokens' text; a request whose stop sequence appeared is finished here.
+
+        Only streaming requests are decoded token by token; a non-streaming one reports just its first token (the
+        front's time to first token) and is decoded once when it finishes.
+        """
+        streamed = []
+        for req, ids in updates:
+            if req.stopped:
+                continue
+            first = not req.generated
+            req.generated.extend(ids)
+            if req.stream:
+                streamed.append(req)
+            elif first:
+                self.post_text(req, "")
+        for req, text in zip(streamed, self.detok.deltas(streamed) if streamed else []):
+            self.post_text(req, cut_at_stop(req, text))
+            if req.stopped:
+                self.finish(req, "stop")
 
     def finish(self, req: Request, finish_reason: str) -> None:
-        if req.held:  # a partial stop sequence that never completed is ordinary text after all
-            self.channel.send({"op": "tokens", "id": req.id, "text": req.held, "n": 0})
-            req.held = ""
-        self.channel.send({"op": "done", "id": req.id, "finish_reason": finish_reason,
-                           "prompt_tokens": req.prompt_tokens, "completion_tokens": len(req.generated)})
+        if not req.stream:
+            text = cut_at_stop(req, self.tokenizer.decode(req.generated))
+            self.post_text(req, text + req.held)
+        elif req.held:  # a partial stop sequence that never completed is ordinary text after all
+            self.post_text(req, req.held)
+        req.held = ""
+        self.post({"op": "done", "id": req.id, "finish_reason": finish_reason,
+                   "prompt_tokens": req.prompt_tokens, "completion_tokens": len(req.generated)})
 
     def fail(self, request_id: int, fault: faults.Fault, message: str) -> None:
-        self.channel.send({"op": "error", "id": request_id, "kind": fault.kind, "code": fault.code,
-                           "hint": fault.hint, "message": message})
+        self.post({"op": "error", "id": request_id, "kind": fault.kind, "code": fault.code,
+                   "hint": fault.hint, "message": message})
+
+    def exit_if_device_lost(self, fault: faults.Fault) -> None:
+        """After a lost device nothing in this process can be trusted: tell the callers, then leave without
+        destructors and get restarted with a fresh device context."""
+        if fault.kind == "device_lost":
+            self.flush()
+            log.error("device lost: exiting so the supervisor restarts this model with a fresh device context")
+            os._exit(EXIT_DEVICE_LOST)
 
     def classify(self, message: str) -> faults.Fault:
         return faults.classify_error(message, device=self.spec["device"], pci_family=self.pci_family)
@@ -218,17 +277,23 @@ class BatchingEngine(Engine):
     def run(self) -> None:
         while True:
             self.drain_inbox(block=not self.active)
-            if not self.active:
-                continue
-            try:
-                self.pipe.step()
-            except Exception as exc:  # the whole batch failed inside the plugin
-                fault = self.fail_all([req for req, _ in self.active.values()], exc)
-                self._drop_all()
-                exit_if_device_lost(fault)
-                continue
-            self._collect()
-            self.pause()
+            if self.active:
+                self._step()
+            self.flush()
+
+    def _step(self) -> None:
+        try:
+            self.pipe.step()
+        except Exception as exc:  # the whole batch failed inside the plugin
+            fault = self.fail_all([req for req, _ in self.active.values()], exc)
+            self._drop_all()
+            self.exit_if_device_lost(fault)
+            return
+        self._collect()
+        self.pause()
+
+    def busy(self) -> bool:
+        return bool(self.active)
 
     def on_cancel(self, request_id: int) -> None:
         if request_id in self.active:
@@ -236,46 +301,50 @@ class BatchingEngine(Engine):
 
     def on_generate(self, message: dict[str, Any]) -> None:
         req = self.prepare(message)
-        if req is None:
-            return
+        if req is not None:
+            self.on_generate_prepared(req)
+
+    def on_generate_prepared(self, req: Request) -> None:
         try:
             handle = self.pipe.add_request(req.id, req.input_ids, self.generation_config(req))
         except Exception as exc:
-            exit_if_device_lost(self.fail_all([req], exc))
+            self.exit_if_device_lost(self.fail_all([req], exc))
             return
         self.active[req.id] = (req, handle)
 
     def _collect(self) -> None:
         import openvino_genai
         status_enum = openvino_genai.GenerationStatus
-        # genai drops every request of a step that schedules no token; the oldest of them is the one that did not fit
-        ignored = [i for i, (_, h) in self.active.items() if h.get_status() == status_enum.IGNORED]
-        oldest_ignored = min(ignored, default=None)
-        ignored_again: list = []
-        for req_id, (req, handle) in list(self.active.items()):
-            status = handle.get_status()
-            finish = None
+        progress = []  # (req, handle, status, finish reason) of every request, read before any text is decoded
+        updates = []
+        for req, handle in self.active.values():
+            status, finish = handle.get_status(), None
             if handle.can_read():
                 for output in handle.read().values():
-                    if output.generated_ids and self.emit_tokens(req, list(output.generated_ids)):
-                        status = status_enum.CANCEL  # finished by a stop sequence: done was sent
-                        handle.cancel()
+                    if output.generated_ids:
+                        updates.append((req, list(output.generated_ids)))
                     finish = output.finish_reason
-            if status == status_enum.RUNNING:
+            progress.append((req, handle, status, finish))
+        self.emit_tokens(updates)
+        # genai drops every request of a step that schedules no token; the oldest of them is the one that did not fit
+        oldest_ignored = min((req.id for req, _, status, _ in progress if status == status_enum.IGNORED), default=None)
+        for req, handle, status, finish in progress:
+            if req.stopped:  # finished by a stop sequence: done was posted
+                handle.cancel()
+            elif status == status_enum.RUNNING:
                 continue
-            del self.active[req_id]
-            if status == status_enum.IGNORED and req_id != oldest_ignored and not req.generated:
-                ignored_again.append(req)  # dropped with the request that really did not fit: admit it again
+            del self.active[req.id]
+            if req.stopped:
                 continue
-            if status == status_enum.IGNORED:
+            if status == status_enum.IGNORED and req.id != oldest_ignored and not req.generated:
+                self.on_generate_prepared(req)  # dropped with the request that really did not fit: admit it again
+            elif status == status_enum.IGNORED:
                 # A scheduler out-of-memory through the CB API is a status, not an exception.
-                message = f"Request {req_id} was dropped by the scheduler: scheduler ignored the request (out of memory)"
-                self.fail(req_id, self.classify(message), message)
+                message = f"Request {req.id} was dropped by the scheduler: scheduler ignored the request (out of memory)"
+                self.fail(req.id, self.classify(message), message)
             elif status == status_enum.FINISHED:
                 self.finish(req, finish_reason_name(finish, req))
             # CANCEL / STOP: the front already forgot this request
-        for req in ignored_again:
-            self.active[req.id] = (req, self.pipe.add_request(req.id, req.input_ids, self.generation_config(req)))
 
     def _drop_all(self) -> None:
         for _, handle in self.active.values():
@@ -295,6 +364,7 @@ class SequentialEngine(Engine):
         super().__init__(spec, channel, self.pipe.get_tokenizer())
         self.cancelled: set[int] = set()
         self.waiting: list[dict[str, Any]] = []
+        self.generating = False
 
     def run(self) -> None:
         while True:
@@ -303,6 +373,10 @@ class SequentialEngine(Engine):
                 message = self.waiting.pop(0)
                 if message["id"] not in self.cancelled:
                     self._generate(message)
+            self.flush()
+
+    def busy(self) -> bool:
+        return self.generating
 
     def on_generate(self, message: dict[str, Any]) -> None:
         self.waiting.append(message)
@@ -321,10 +395,11 @@ class SequentialEngine(Engine):
             def write(self, token):
                 # An exception here would be printed and swallowed by genai while generation goes on.
                 try:
-                    stopped = engine.emit_tokens(req, token if isinstance(token, list) else [token])
+                    engine.emit_tokens([(req, token if isinstance(token, list) else [token])])
+                    engine.flush()
                     engine.drain_inbox(block=False)
                     engine.pause()
-                    if stopped or req.id in engine.cancelled:
+                    if req.stopped or req.id in engine.cancelled:
                         return openvino_genai.StreamingStatus.CANCEL
                     return openvino_genai.StreamingStatus.RUNNING
                 except Exception:
@@ -334,11 +409,14 @@ class SequentialEngine(Engine):
             def end(self):
                 pass
 
+        self.generating = True
         try:
             self.pipe.generate(req.input_ids, self.generation_config(req), Streamer())
         except Exception as exc:
-            exit_if_device_lost(self.fail_all([req], exc))
+            self.exit_if_device_lost(self.fail_all([req], exc))
             return
+        finally:
+            self.generating = False
         if req.id not in self.cancelled and not req.stopped:
             self.finish(req, "length" if len(req.generated) >= req.max_tokens else "stop")
         self.cancelled.discard(req.id)
@@ -353,13 +431,6 @@ def finish_reason_name(reason, req: Request) -> str:
     if name == "LENGTH" or (name not in ("STOP",) and len(req.generated) >= req.max_tokens):
         return "length"
     return "stop"
-
-
-def exit_if_device_lost(fault: faults.Fault) -> None:
-    """After a lost device nothing in this process can be trusted: leave without destructors, get restarted."""
-    if fault.kind == "device_lost":
-        log.error("device lost: exiting so the supervisor restarts this model with a fresh device context")
-        os._exit(EXIT_DEVICE_LOST)
 
 
 def die_with_parent() -> None:

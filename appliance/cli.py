@@ -47,8 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     prepare_demo_model(config)
     from appliance.server import Appliance
     appliance = Appliance(config)
-    asyncio.run(appliance.serve(config.server.host, config.server.port))
-    return 0
+    return asyncio.run(appliance.serve(config.server.host, config.server.port))
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:

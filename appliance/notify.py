@@ -26,14 +26,29 @@ LOAD_EXTEND_USEC = 60_000_000
 
 class Notifier:
     def __init__(self) -> None:
-        self._sd = sdnotify.SystemdNotifier()
         self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
+        self._sd = self._connect() if self.enabled else None
         self.watchdog_usec = watchdog_usec()
         self.last_status = ""
 
     def send(self, *lines: str) -> None:
-        if self.enabled:
-            self._sd.notify("\n".join(lines))
+        if not self.enabled:
+            return
+        message = "\n".join(lines)
+        try:
+            self._sd.notify(message)
+        except OSError as exc:  # systemd must hear READY/WATCHDOG: a lost one has to show in the journal
+            log.error("sd_notify %s failed (%s); reconnecting", lines[0].split("=")[0], exc)
+            try:
+                self._sd = self._connect()  # sdnotify connects once; a re-executed systemd needs a new socket
+                self._sd.notify(message)
+            except OSError as again:
+                log.error("sd_notify failed again: %s", again)
+
+    @staticmethod
+    def _connect() -> sdnotify.SystemdNotifier:
+        # debug=True: sdnotify raises instead of swallowing send errors, so they can be logged above.
+        return sdnotify.SystemdNotifier(debug=True)
 
     def ready(self, status: str) -> None:
         self.send("READY=1", f"STATUS={status}")

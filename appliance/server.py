@@ -272,7 +272,8 @@ class Appliance:
             self.notifier.status("loading: " + self.status_line())
             await asyncio.sleep(0.05)
 
-    async def serve(self, host: str, port: int) -> None:
+    async def serve(self, host: str, port: int) -> int:
+        """Serve until SIGTERM/SIGINT; the exit status: 0 after a clean stop, 1 if no model could load at all."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -289,12 +290,19 @@ class Appliance:
             self.watch_gpu_resets())]
         loads = asyncio.create_task(self.await_first_loads())
         await asyncio.wait([loads, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-        if not stop.is_set():
+        status = 0
+        if stop.is_set():
+            loads.cancel()
+        elif self.supervisor.all_failed():
+            # Not READY: the start fails, and the journal says why, instead of a "running" unit that serves nothing.
+            log.error("no model could be loaded: %s", self.status_line())
+            status = 1
+        else:
             self.notifier.ready(self.status_line())
             log.info("ready: %s", self.status_line())
             await stop.wait()
-        loads.cancel()
         await self.shutdown(runner)
+        return status
 
     async def shutdown(self, runner: web.AppRunner) -> None:
         log.info("stopping: draining requests for up to %gs", self.config.server.drain_timeout_s)

@@ -268,3 +268,12 @@ def test_client_disconnect_cancels_its_generation(two_models):
     assert app.model_status("victim")["requests_running"] == 0
     reply = app.client().chat.completions.create(model="victim", messages=CHAT, max_tokens=5)
     assert reply.choices[0].finish_reason == "length"
+
+
+def test_a_service_whose_every_model_fails_to_load_exits_nonzero(appliance_factory, tmp_path):
+    """Not a "running" service that serves nothing: the start fails and the log says why."""
+    budget = {"backoff_initial_s": 0.05, "backoff_max_s": 0.1, "max_failures": 2, "window_s": 60}
+    app = appliance_factory({"models": [model_entry("broken", tmp_path / "no-such-model", restart=budget)]},
+                            wait_ready=False)
+    assert app.proc.wait(60) == 1
+    assert "no model could be loaded: broken: failed" in app.logs()

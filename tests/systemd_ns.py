@@ -85,7 +85,7 @@ stage=$1; name=$2
 root=$stage/root
 mount -t tmpfs -o mode=0755 "$name-layer" "$stage/layer"
 mkdir "$stage/layer/upper" "$stage/layer/work"
-mount -t overlay "$name" -o "lowerdir=/,upperdir=$stage/layer/upper,workdir=$stage/layer/work" "$root"
+mount -t overlay "$name" -o "lowerdir=$LOWER_DIR,upperdir=$stage/layer/upper,workdir=$stage/layer/work" "$root"
 
 mount -t proc -o nosuid,nodev,noexec proc "$root/proc"
 mount -t sysfs -o ro,nosuid,nodev,noexec sysfs "$root/sys"
@@ -163,10 +163,12 @@ class SystemdNamespace:
     files:   {"/abs/path": str | bytes | pathlib.Path (host file or directory to copy)}
     binds:   {"/host/path": "/path/inside"} read-only bind mounts
     devices: extra host device nodes to bind into /dev (e.g. ("kmsg",))
+    lower:   the root file system the overlay covers (default the host's /; e.g. a debootstrapped tree)
     """
 
     def __init__(self, units=None, dropins=None, files=None, binds=None, devices=(),
-                 name="openarc-test", boot_timeout=30.0):
+                 name="openarc-test", boot_timeout=30.0, lower="/"):
+        self.lower = str(lower)
         self.units = dict(units or {})
         self.dropins = dict(dropins or {})
         self.files = dict(files or {})
@@ -216,7 +218,7 @@ class SystemdNamespace:
             _die_with_parent()
 
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEVICE_NODES": " ".join(self.devices),
-               "BOOT_TARGET": BOOT_TARGET}
+               "BOOT_TARGET": BOOT_TARGET, "LOWER_DIR": self.lower}
         self._unshare = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private",
              "--cgroup", "--uts", "/bin/sh", "-c", BOOT_SCRIPT, "boot", str(self.stage), self.name],

@@ -333,9 +333,21 @@ class ModelSupervisor:
         self._dispatch()
 
     async def events(self, req: Request) -> AsyncIterator[Event]:
-        """Yield a request's events until done; a failure is raised as RequestFailed."""
+        """Yield a request's events until done; a failure is raised as RequestFailed.
+
+        Token events that queued up while the caller was busy (writing to a slow client, say) come out merged,
+        so a caller that falls behind catches up with one write instead of many.
+        """
+        pending: Event | RequestFailed | None = None
         while True:
-            item = await req.events.get()
+            item, pending = pending or await req.events.get(), None
+            while isinstance(item, Event) and item.op == "tokens" and not req.events.empty():
+                following = req.events.get_nowait()
+                if isinstance(following, Event) and following.op == "tokens":
+                    item = Event("tokens", text=item.text + following.text, n=item.n + following.n)
+                else:
+                    pending = following
+                    break
             if isinstance(item, RequestFailed):
                 raise item
             yield item

@@ -294,7 +294,7 @@ def test_unknown_service_key_fails_verify(quadlet_root, tmp_path):
     assert "Unknown key 'WatchdogSecs' in section [Service]" in done.stderr
 
 
-# --- the drop-ins README.containers.md documents ---------------------------------------------------------
+# --- the drop-ins the README documents (Running in a container) ---------------------------------------------------------
 
 def test_rootful_render_gid_drop_in_replaces_keep_groups(quadlet_root, tmp_path):
     drop_in = "[Container]\nGroupAdd=\nGroupAdd=992\n"

@@ -246,6 +246,12 @@ def test_worker_abort_recovers_inside_the_running_unit(boot_service):
     assert service.restarts("openarc@demo") == 0
     assert service.ns.main_pid("openarc@demo") == main_pid
     assert service.chat("demo")[0] == 200
+    # The crash is an error-priority journal entry, with the journal's timestamp only (no second one of our own).
+    errors = service.ns.run(["journalctl", "--no-pager", "-o", "cat", "-p", "err", "-u", "openarc@demo"],
+                            check=False, timeout=30).stdout.splitlines()
+    crash = [line for line in errors if "worker exited with SIGABRT" in line]
+    assert crash and crash[0].startswith("openarc.supervisor: model demo: worker exited with SIGABRT"), errors
+    assert not any("-> ready" in line for line in errors)  # info lines stay below err
 
 
 def test_model_out_of_restart_budget_restarts_the_unit_through_the_watchdog(boot_service):

@@ -37,16 +37,22 @@ def prepare_demo_model(config: Config) -> None:
             log.info("demo model: %s", model.path)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace) -> Config:
+    """The config `serve` runs, read at start and again on SIGHUP."""
     config = resolve_config(args.config, args.model)
     if args.host:
         config.server.host = args.host
     if args.port:
         config.server.port = args.port
-    setup_logging(config.server.log_level)
     prepare_demo_model(config)
+    return config
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = serve_config(args)
+    setup_logging(config.server.log_level)
     from appliance.server import Appliance
-    appliance = Appliance(config)
+    appliance = Appliance(config, reload_config=lambda: serve_config(args))
     return asyncio.run(appliance.serve(config.server.host, config.server.port))
 
 

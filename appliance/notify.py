@@ -62,6 +62,11 @@ class Notifier:
         """While models load, keep a short TimeoutStartSec= from firing: a 14B load can take minutes."""
         self.send(f"EXTEND_TIMEOUT_USEC={LOAD_EXTEND_USEC}")
 
+    def reloading(self) -> None:
+        # MONOTONIC_USEC lets a Type=notify-reload systemd (253+) match this to its reload; 252 ignores it.
+        self.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
+                  "STATUS=reloading the config")
+
     def stopping(self) -> None:
         self.send("STOPPING=1", "STATUS=draining requests and stopping workers")
 

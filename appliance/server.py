@@ -8,17 +8,18 @@ aiohttp's web_runner: setup, start, serve until SIGTERM/SIGINT, drain, cleanup.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
 from appliance import __version__, openai_api, telemetry
-from appliance.config import Config
+from appliance.config import Config, ConfigError
 from appliance.metrics import Metrics
 from appliance.notify import LoopHealth, Notifier, watchdog_loop
 from appliance.openai_api import GenerationRequest, InvalidRequest, ResponseShaper, error_body
@@ -44,8 +45,10 @@ def error_response(status: int, message: str, code: str | None = None, param: st
 class Appliance:
     """The front process's state: config, supervisor, metrics and notifier, and the HTTP handlers."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, reload_config: Callable[[], Config] | None = None):
         self.config = config
+        self.reload_config = reload_config  # reads the config again on SIGHUP (None: reload not supported)
+        self.reloading = asyncio.Lock()
         self.metrics = Metrics()
         self.supervisor = Supervisor(config, self.metrics)
         self.notifier = Notifier()
@@ -278,6 +281,7 @@ class Appliance:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: self.background.append(asyncio.create_task(self.reload())))
         runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
@@ -303,6 +307,27 @@ class Appliance:
             await stop.wait()
         await self.shutdown(runner)
         return status
+
+    async def reload(self) -> None:
+        """SIGHUP: read the config again and apply it model by model; an invalid file changes nothing."""
+        if self.reload_config is None or self.draining:
+            return
+        async with self.reloading:
+            self.notifier.reloading()
+            try:
+                config = await asyncio.get_running_loop().run_in_executor(None, self.reload_config)
+            except ConfigError as exc:
+                log.error("reload refused, still serving the previous config: %s", exc)
+            else:
+                if (config.server.host, config.server.port) != (self.config.server.host, self.config.server.port):
+                    log.warning("reload: a new listen address takes a restart; keeping %s:%d",
+                                self.config.server.host, self.config.server.port)
+                self.api_key = config.api_key()
+                changed = await self.supervisor.apply(config)
+                self.config = dataclasses.replace(config, server=dataclasses.replace(
+                    config.server, host=self.config.server.host, port=self.config.server.port))
+                log.info("reloaded %s: %s", config.source, ", ".join(changed) + " (re)started" if changed else "no model changed")
+            self.notifier.ready(self.status_line())
 
     async def shutdown(self, runner: web.AppRunner) -> None:
         log.info("stopping: draining requests for up to %gs", self.config.server.drain_timeout_s)

@@ -452,12 +452,38 @@ class Supervisor:
 
     def __init__(self, config: Config, metrics: Metrics):
         self.config = config
-        gate = asyncio.Semaphore(config.server.load_concurrency)
-        self.models = {m.name: ModelSupervisor(m, config, metrics, gate) for m in config.models}
-        self.tasks: list[asyncio.Task] = []
+        self.metrics = metrics
+        self.load_gate = asyncio.Semaphore(config.server.load_concurrency)
+        self.models: dict[str, ModelSupervisor] = {}
+        self.tasks: dict[str, asyncio.Task] = {}
 
     def start(self) -> None:
-        self.tasks = [asyncio.create_task(m.run(), name=f"model:{m.name}") for m in self.models.values()]
+        for model in self.config.models:
+            self._start_model(model)
+
+    def _start_model(self, model: ModelConfig) -> None:
+        sup = ModelSupervisor(model, self.config, self.metrics, self.load_gate)
+        self.models[model.name] = sup
+        self.tasks[model.name] = asyncio.create_task(sup.run(), name=f"model:{model.name}")
+
+    async def _stop_model(self, name: str, drain_timeout_s: float) -> None:
+        # The model stays listed while it drains: its callers get 503 "shutting down", not 404.
+        await self.models[name].stop(drain_timeout_s)
+        await asyncio.gather(self.tasks[name], return_exceptions=True)
+        del self.models[name], self.tasks[name]
+
+    async def apply(self, config: Config) -> list[str]:
+        """Bring the running models in line with a new config (SIGHUP): stop removed ones, restart changed ones
+        after draining them, start added ones, and leave every unchanged model and its worker alone."""
+        wanted = {m.name: m for m in config.models}
+        changed = [name for name, sup in self.models.items()
+                   if name not in wanted or wanted[name] != sup.model or worker_spec(wanted[name], config) != sup.spec]
+        await asyncio.gather(*(self._stop_model(name, config.server.drain_timeout_s) for name in changed))
+        self.config = config
+        started = [model for name, model in wanted.items() if name not in self.models]
+        for model in started:
+            self._start_model(model)
+        return sorted(set(changed) | {model.name for model in started})
 
     def get(self, name: str) -> ModelSupervisor | None:
         return self.models.get(name)
@@ -474,8 +500,7 @@ class Supervisor:
 
     def healthy(self) -> bool:
         """No model's supervising task has died of a bug (a failed model is a state, not a dead task)."""
-        return all(not t.done() or t.cancelled() or t.exception() is None for t in self.tasks)
+        return all(not t.done() or t.cancelled() or t.exception() is None for t in self.tasks.values())
 
     async def stop(self, drain_timeout_s: float) -> None:
-        await asyncio.gather(*(m.stop(drain_timeout_s) for m in self.models.values()))
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.gather(*(self._stop_model(name, drain_timeout_s) for name in list(self.models)))

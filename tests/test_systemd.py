@@ -63,8 +63,9 @@ class Service:
     def restarts(self, unit: str) -> int:
         return int(self.ns.show(unit, "NRestarts"))
 
-    def status(self, model: str) -> dict:
-        status, _, body = http("GET", self.url("/openarc/status", model), timeout=5)
+    def status(self, model: str, port: int | None = None) -> dict:
+        """The model's entry of /openarc/status, on its own port unless `port` says otherwise."""
+        status, _, body = http("GET", f"http://127.0.0.1:{port or self.port(model)}/openarc/status", timeout=5)
         assert status == 200, body
         return next(m for m in body["models"] if m["name"] == model)
 
@@ -323,3 +324,21 @@ def test_kernel_log_is_closed_by_default_and_opened_by_the_kmsg_dropin(boot_serv
     assert "/dev/kmsg" in open_files
     assert KMSG_OFF not in with_dropin.ns.journal("openarc@demo")
     assert with_dropin.chat("demo")[0] == 200
+
+
+def test_reload_applies_a_changed_model_without_restarting_the_unit(boot_service):
+    service = boot_service()
+    service.start("openarc.service")
+    main_pid, port = service.ns.main_pid("openarc.service"), service.port()  # all models on server.port
+    demo_pid, long_pid = service.status("demo", port=port)["pid"], service.status("long", port=port)["pid"]
+    service.config["models"][0]["max_context"] = 256
+    service.ns.path(CONFIG).write_text(yaml.safe_dump(service.config))
+    service.ns.systemctl("reload", "openarc.service", timeout=HANG_S)
+    new = service.ns.wait_for(
+        lambda: (m := service.status("demo", port=port))["state"] == "ready" and m["pid"] not in (None, demo_pid) and m,
+        HANG_S, what="the changed model restarted")
+    assert new["restarts"] == 0
+    assert service.status("long", port=port)["pid"] == long_pid  # unchanged: untouched
+    assert service.ns.main_pid("openarc.service") == main_pid and service.restarts("openarc.service") == 0
+    assert service.ns.show("openarc.service", "ActiveState") == "active"
+    assert service.chat("demo", port=port)[0] == 200

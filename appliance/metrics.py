@@ -6,10 +6,29 @@ no multiprocess directory and a crashed worker cannot leave a half-written file 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 MODEL_STATES = ("loading", "ready", "restarting", "failed", "stopped")
+
+
+@dataclass
+class ModelMetrics:
+    """One model's series, labelled once: labels() is a locked dict lookup, too dear on every token."""
+
+    worker_restarts: Any
+    worker_rss: Any
+    requests_running: Any
+    requests_waiting: Any
+    prompt_tokens: Any
+    generation_tokens: Any
+    ttft: Any
+    itl: Any
+    queue_time: Any
+    model_load: Any
 
 
 class Metrics:
@@ -51,12 +70,10 @@ class Metrics:
         self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",
                                     registry=r)
 
-    def register_model(self, model: str) -> None:
-        """Create every per-model series at zero, so dashboards and rate() see the model before its first event."""
-        for metric in (self.worker_up, self.requests_running, self.requests_waiting, self.prompt_tokens,
-                       self.generation_tokens, self.worker_restarts, self.worker_rss):
-            metric.labels(model=model)
+    def for_model(self, model: str) -> ModelMetrics:
+        """The model's series, created at zero so dashboards and rate() see the model before its first event."""
         self.set_state(model, "stopped")
+        return ModelMetrics(**{name: getattr(self, name).labels(model=model) for name in ModelMetrics.__annotations__})
 
     def set_state(self, model: str, state: str) -> None:
         for name in MODEL_STATES:

@@ -161,7 +161,7 @@ class ModelSupervisor:
         self.stopping = False
         self.state_changed = asyncio.Event()
         self._ended_by: str | None = None  # why the front ended the worker: "stall", "stop", "load_timeout"
-        metrics.register_model(self.name)
+        self.series = metrics.for_model(self.name)
 
     # --- state -------------------------------------------------------------------------------------
 
@@ -196,7 +196,7 @@ class ModelSupervisor:
             self._enter(ModelState.LOADING if first else ModelState.RESTARTING)
             if not first:
                 self.restarts += 1
-                self.metrics.worker_restarts.labels(model=self.name).inc()
+                self.series.worker_restarts.inc()
             first = False
             backoff = await self._run_one_worker()
             if self.stopping:
@@ -236,7 +236,7 @@ class ModelSupervisor:
             if message and message.get("op") == "fatal":
                 self.last_error, self.last_hint = message["message"], message.get("hint")
             return False
-        self.metrics.model_load.labels(model=self.name).observe(time.monotonic() - started)
+        self.series.model_load.observe(time.monotonic() - started)
         self._enter(ModelState.READY)
         return True
 
@@ -369,13 +369,13 @@ class ModelSupervisor:
                 self.last_progress = time.monotonic()  # an idle worker's stall clock starts now
             req.dispatched = time.monotonic()
             self.running[req.id] = req
-            self.metrics.queue_time.labels(model=self.name).observe(req.dispatched - req.submitted)
+            self.series.queue_time.observe(req.dispatched - req.submitted)
             try:
                 self.worker.channel.send({"op": "generate", **req.frame})
             except ValueError as exc:  # a frame that cannot be encoded must not hold a slot forever
                 self._finish(req, RequestFailed(500, "internal", f"cannot pass the request to its worker: {exc}"))
-        self.metrics.requests_running.labels(model=self.name).set(len(self.running))
-        self.metrics.requests_waiting.labels(model=self.name).set(len(self.waiting))
+        self.series.requests_running.set(len(self.running))
+        self.series.requests_waiting.set(len(self.waiting))
 
     def _on_frame(self, message: dict[str, Any]) -> None:
         op = message["op"]
@@ -393,7 +393,7 @@ class ModelSupervisor:
         if op == "tokens":
             self._on_tokens(req, message)
         elif op == "done":
-            self.metrics.prompt_tokens.labels(model=self.name).inc(message["prompt_tokens"])
+            self.series.prompt_tokens.inc(message["prompt_tokens"])
             self._finish(req, Event("done", finish_reason=message["finish_reason"],
                                     prompt_tokens=message["prompt_tokens"], completion_tokens=message["completion_tokens"]))
         elif op == "error":
@@ -403,18 +403,17 @@ class ModelSupervisor:
 
     def _on_tokens(self, req: Request, message: dict[str, Any]) -> None:
         now = time.monotonic()
-        labels = {"model": self.name}
         if req.first_token is None:
             req.first_token = now
-            self.metrics.ttft.labels(**labels).observe(now - req.submitted)
+            self.series.ttft.observe(now - req.submitted)
         elif message["n"]:
-            self.metrics.itl.labels(**labels).observe((now - req.last_token) / message["n"])
+            self.series.itl.observe((now - req.last_token) / message["n"])
         req.last_token = now
-        self.metrics.generation_tokens.labels(**labels).inc(message["n"])
+        self.series.generation_tokens.inc(message["n"])
         req.events.put_nowait(Event("tokens", text=message["text"], n=message["n"]))
 
     def _on_telemetry(self, message: dict[str, Any]) -> None:
-        self.metrics.worker_rss.labels(model=self.name).set(message.get("rss_bytes", 0))
+        self.series.worker_rss.set(message.get("rss_bytes", 0))
         for device, used in (message.get("device_memory_used_bytes") or {}).items():
             self.metrics.device_memory_used.labels(device=device).set(used)
         for device, total in (message.get("device_memory_total_bytes") or {}).items():

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance import faults, telemetry
+from appliance.detokenize import make_detokenizer
 from appliance.ipc import BlockingChannel
 
 log = logging.getLogger("openarc.worker")
@@ -46,8 +47,9 @@ class Request:
     max_tokens: int
     params: dict[str, Any]
     generated: list[int] = field(default_factory=list)
-    prefix_offset: int = 0
+    prefix_offset: int = 0  # detokenizer state (appliance.detokenize)
     read_offset: int = 0
+    decoder: Any = None
     stream: bool = True    # a non-streaming request gets its text once, decoded at the end
     reported: int = 0      # tokens already counted to the front
     held: str = ""         # text that may be the start of a stop sequence, not yet sent
@@ -71,31 +73,6 @@ def cut_at_stop(req: Request, text: str) -> str:
     return buffer[:len(buffer) - hold]
 
 
-class Detokenizer:
-    """Incremental detokenization: decode a short window so each step costs O(1), not O(length).
-
-    All requests that got tokens in a step are decoded in one batched call (one call costs about the same as
-    thirty-two). A multi-byte character split across tokens decodes to U+FFFD until its last byte arrives: hold it.
-    """
-
-    def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
-
-    def deltas(self, reqs: list[Request]) -> list[str]:
-        windows = []
-        for req in reqs:
-            windows += [req.generated[req.prefix_offset:req.read_offset], req.generated[req.prefix_offset:]]
-        texts = self._tokenizer.decode(windows)
-        out = []
-        for req, before, after in zip(reqs, texts[0::2], texts[1::2]):
-            if len(after) <= len(before) or after.endswith("\ufffd"):
-                out.append("")
-                continue
-            req.prefix_offset, req.read_offset = req.read_offset, len(req.generated)
-            out.append(after[len(before):])
-        return out
-
-
 class Engine:
     """Shared front half of both engines: request intake, prompt building, replies."""
 
@@ -103,7 +80,7 @@ class Engine:
         self.spec = spec
         self.channel = channel
         self.tokenizer = tokenizer
-        self.detok = Detokenizer(tokenizer)
+        self.detok = make_detokenizer(tokenizer)
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.outbox: list[dict[str, Any]] = []
         self.last_sent = time.monotonic()

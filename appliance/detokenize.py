@@ -44,6 +44,9 @@ class WindowDetokenizer:
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
 
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids)
+
     def deltas(self, reqs: list[Tracked]) -> list[str]:
         windows = []
         for req in reqs:

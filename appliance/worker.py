@@ -203,7 +203,7 @@ class Engine:
 
     def finish(self, req: Request, finish_reason: str) -> None:
         if not req.stream:
-            text = cut_at_stop(req, self.tokenizer.decode(req.generated))
+            text = cut_at_stop(req, self.detok.decode(req.generated))
             self.post_text(req, text + req.held)
         elif req.held:  # a partial stop sequence that never completed is ordinary text after all
             self.post_text(req, req.held)
@@ -295,12 +295,16 @@ class BatchingEngine(Engine):
         progress = []  # (req, handle, status, finish reason) of every request, read before any text is decoded
         updates = []
         for req, handle in self.active.values():
-            status, finish = handle.get_status(), None
-            if handle.can_read():
-                for output in handle.read().values():
-                    if output.generated_ids:
-                        updates.append((req, list(output.generated_ids)))
-                    finish = output.finish_reason
+            status, finish, new_ids = handle.get_status(), None, []
+            # A non-streaming request is read for its first token (the front's time to first token), then only
+            # once it has ended: a dozen pybind calls fewer per step for a batch of sixteen.
+            if req.stream or not req.generated or status != status_enum.RUNNING:
+                while handle.can_read():  # read() returns one step's output; after the end several may wait
+                    for output in handle.read().values():
+                        new_ids += output.generated_ids
+                        finish = output.finish_reason
+            if new_ids:
+                updates.append((req, new_ids))
             progress.append((req, handle, status, finish))
         self.emit_tokens(updates)
         # genai drops every request of a step that schedules no token; the oldest of them is the one that did not fit

@@ -83,3 +83,9 @@ class CleansUpSpaces:
 
 def test_a_tokenizer_whose_decode_is_not_byte_concatenation_falls_back(tokenizer):
     assert isinstance(make_detokenizer(CleansUpSpaces(tokenizer)), WindowDetokenizer)
+
+
+@pytest.mark.parametrize("sample", SAMPLE_TEXTS)
+def test_whole_answers_decode_the_same_either_way(tokenizer, sample):
+    ids = list(tokenizer.encode(sample, add_special_tokens=False).input_ids.data[0])
+    assert make_detokenizer(tokenizer).decode(ids) == WindowDetokenizer(tokenizer).decode(ids) == sample

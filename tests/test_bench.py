@@ -1,7 +1,7 @@
 """`python -m bench --quick`: a complete, well-formed report, against its own appliance and against a URL.
 
 Only the shape of the output is asserted, never a timing: the quick mode measures too little to mean anything,
-and CI machines differ (the real figures are in bench/README.bench.md).
+and CI machines differ (the real figures are in the README, Benchmarks).
 """
 
 from __future__ import annotations

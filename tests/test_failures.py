@@ -277,3 +277,36 @@ def test_a_service_whose_every_model_fails_to_load_exits_nonzero(appliance_facto
                             wait_ready=False)
     assert app.proc.wait(60) == 1
     assert "no model could be loaded: broken: failed" in app.logs()
+
+
+def kill_while_loading(app, model: str, sig: int) -> int:
+    """Signal the model's worker while it is still loading; returns its pid."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            m = app.model_status(model)
+        except OSError:  # not listening yet
+            continue
+        if m["state"] in ("loading", "restarting") and m["pid"]:
+            os.kill(m["pid"], sig)
+            return m["pid"]
+    raise AssertionError(f"never saw {model} loading with a worker")
+
+
+def test_worker_killed_while_loading_is_restarted(appliance_factory, demo_model):
+    app = appliance_factory({"models": [model_entry("demo", demo_model)]}, wait_ready=False)
+    pid = kill_while_loading(app, "demo", signal.SIGKILL)
+    ready = app.wait_model("demo", "ready", new_pid_not=pid)
+    assert ready["crashes"] == 1 and ready["restarts"] == 1
+    assert ready["last_error"] == "worker exited: SIGKILL"
+    assert app.client().completions.create(model="demo", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_worker_stuck_while_loading_is_killed_after_load_timeout(appliance_factory, demo_model):
+    app = appliance_factory({"models": [model_entry("demo", demo_model, load_timeout_s=2.0)]}, wait_ready=False)
+    pid = kill_while_loading(app, "demo", signal.SIGSTOP)
+    started = time.monotonic()
+    ready = app.wait_model("demo", "ready", new_pid_not=pid)
+    assert 1.5 < time.monotonic() - started < 2.0 + HANG_BOUND_S
+    assert not pid_alive(pid)
+    assert ready["restarts"] == 1 and ready["crashes"] == 0  # our own kill, not a crash

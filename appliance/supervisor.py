@@ -157,10 +157,11 @@ class ModelSupervisor:
         self.waiting: collections.deque[Request] = collections.deque()
         self.ids = itertools.count(1)
         self.last_progress = time.monotonic()
-        self.ready_since: float | None = None
         self.stopping = False
         self.state_changed = asyncio.Event()
-        self._ended_by: str | None = None  # why the front ended the worker: "stall", "stop", "load_timeout"
+        # why the worker ended, when it was not a crash: "stall", "stop", "load_timeout" (the front killed it) or
+        # "fatal" (it reported a load error and left)
+        self._ended_by: str | None = None
         self.series = metrics.for_model(self.name)
 
     # --- state -------------------------------------------------------------------------------------
@@ -172,7 +173,6 @@ class ModelSupervisor:
         if state is not self.state:
             log.info("model %s: %s -> %s%s", self.name, self.state.value, state.value, f" ({error})" if error else "")
         self.state = state
-        self.ready_since = time.monotonic() if state is ModelState.READY else None
         self.metrics.set_state(self.name, state.value)
         self.state_changed.set()
         self.state_changed = asyncio.Event()
@@ -218,11 +218,12 @@ class ModelSupervisor:
                 return 0.0
             self.worker = await WorkerProcess.spawn(self.spec)
             ready = await self._await_ready(started)
+        served = 0.0
         if ready:
+            ready_at = time.monotonic()
             await self._serve()
-        returncode = await self.worker.proc.wait()
-        served = time.monotonic() - self.ready_since if self.ready_since else 0.0
-        return self._worker_ended(returncode, served)
+            served = time.monotonic() - ready_at
+        return self._worker_ended(await self.worker.proc.wait(), served)
 
     async def _await_ready(self, started: float) -> bool:
         try:
@@ -233,7 +234,8 @@ class ModelSupervisor:
             self.last_error = f"model load took longer than load_timeout_s={self.model.load_timeout_s:g}"
             return False
         if message is None or message.get("op") != "ready":
-            if message and message.get("op") == "fatal":
+            if message and message.get("op") == "fatal":  # the worker says why it cannot load, then exits
+                self._ended_by = "fatal"
                 self.last_error, self.last_hint = message["message"], message.get("hint")
             return False
         self.series.model_load.observe(time.monotonic() - started)
@@ -260,13 +262,12 @@ class ModelSupervisor:
             return 0.0
         if ended_by == "stall":
             self.last_error = f"worker made no progress for stall_timeout_s={self.model.stall_timeout_s:g}; killed"
-        elif ended_by is None:
+            self.last_hint = None
+        elif ended_by is None:  # nobody asked it to go: a crash
             fault = faults.classify_exit(returncode, during_load=served_s == 0.0)
             self.crashes += 1
             self.metrics.worker_crashes.labels(model=self.name, signal=faults.signal_name(returncode)).inc()
-            if served_s > 0.0 or not self.last_error:
-                self.last_error = f"worker exited: {faults.signal_name(returncode)}"
-                self.last_hint = fault.hint
+            self.last_error, self.last_hint = f"worker exited: {faults.signal_name(returncode)}", fault.hint
             log.error("model %s: worker exited with %s%s", self.name, faults.signal_name(returncode),
                       f" (hint: {fault.hint})" if fault.hint else "")
         return self.budget.record_failure(time.monotonic(), served_s)

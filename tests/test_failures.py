@@ -310,3 +310,25 @@ def test_worker_stuck_while_loading_is_killed_after_load_timeout(appliance_facto
     assert 1.5 < time.monotonic() - started < 2.0 + HANG_BOUND_S
     assert not pid_alive(pid)
     assert ready["restarts"] == 1 and ready["crashes"] == 0  # our own kill, not a crash
+
+
+def test_each_crash_reports_its_own_signal(appliance_factory, demo_model):
+    app = appliance_factory({"models": [model_entry("demo", demo_model)]})
+    pid = app.worker_pid("demo")
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        os.kill(pid, sig)
+        ready = app.wait_model("demo", "ready", new_pid_not=pid)
+        assert ready["last_error"] == f"worker exited: {signal.Signals(sig).name}"
+        pid = ready["pid"]
+    assert ready["crashes"] == 2
+
+
+def test_backoff_doubles_per_consecutive_crash_and_resets_after_a_window_of_service():
+    from appliance.config import RestartPolicy
+    from appliance.supervisor import RestartBudget
+    budget = RestartBudget(RestartPolicy(backoff_initial_s=1, backoff_max_s=5, max_failures=5, window_s=60))
+    assert [budget.record_failure(t, served_s=1) for t in (0, 1, 2, 3)] == [1, 2, 4, 5]
+    assert budget.record_failure(200, served_s=120) == 1  # served a whole window: a fresh start
+    assert budget.record_failure(201, served_s=1) == 2
+    # the fifth failure within one window: the budget is used up (the model becomes failed)
+    assert [budget.record_failure(t, served_s=0) for t in (202, 203, 204)] == [4, 5, None]

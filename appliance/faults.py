@@ -23,6 +23,11 @@ class Fault:
     hint: str | None  # known-issue hint for operators, or None
     retryable: bool  # does retrying on a restarted worker plausibly help
 
+    @property
+    def hint_suffix(self) -> str:
+        """The hint as log lines append it: " (hint: ...)", or nothing."""
+        return f" (hint: {self.hint})" if self.hint else ""
+
 
 # Operator hints. They name the openarc config key and the OpenVINO property behind it.
 OOM_HINT = "reduce context or max_tokens, or set KV_CACHE_PRECISION u8"

@@ -84,8 +84,7 @@ def _common(body: Any) -> tuple[str, dict[str, Any], bool, bool]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required and must be a string", "model")
-    n = _number(body, "n", 1, 1, integer=True)
-    del n  # only n=1 is served; _number has already refused anything else
+    _number(body, "n", 1, 1, integer=True)  # only n=1 is served: anything else is refused here
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     params = {
         "max_tokens": _number({"max_tokens": max_tokens}, "max_tokens", 1, 1 << 20, integer=True),

@@ -32,7 +32,6 @@ KMSG_POLL_INTERVAL_S = 1.0
 LOAD_EXTEND_EVERY_S = 20.0  # well inside notify.LOAD_EXTEND_USEC
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
-STATE_KEY = web.AppKey("appliance", object)
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
@@ -63,7 +62,6 @@ class Appliance:
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.server.max_body_bytes,
                               middlewares=[self.errors_middleware, self.auth_middleware])
-        app[STATE_KEY] = self
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_route)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import enum
 import itertools
 import json
@@ -157,8 +158,7 @@ class ModelSupervisor:
         self.waiting: collections.deque[Request] = collections.deque()
         self.ids = itertools.count(1)
         self.last_progress = time.monotonic()
-        self.stopping = False
-        self.state_changed = asyncio.Event()
+        self.stop_requested = asyncio.Event()
         # why the worker ended, when it was not a crash: "stall", "stop", "load_timeout" (the front killed it) or
         # "fatal" (it reported a load error and left)
         self._ended_by: str | None = None
@@ -174,8 +174,6 @@ class ModelSupervisor:
             log.info("model %s: %s -> %s%s", self.name, self.state.value, state.value, f" ({error})" if error else "")
         self.state = state
         self.metrics.set_state(self.name, state.value)
-        self.state_changed.set()
-        self.state_changed = asyncio.Event()
 
     @property
     def pid(self) -> int | None:
@@ -268,8 +266,7 @@ class ModelSupervisor:
             self.crashes += 1
             self.metrics.worker_crashes.labels(model=self.name, signal=faults.signal_name(returncode)).inc()
             self.last_error, self.last_hint = f"worker exited: {faults.signal_name(returncode)}", fault.hint
-            log.error("model %s: worker exited with %s%s", self.name, faults.signal_name(returncode),
-                      f" (hint: {fault.hint})" if fault.hint else "")
+            log.error("model %s: worker exited with %s%s", self.name, faults.signal_name(returncode), fault.hint_suffix)
         return self.budget.record_failure(time.monotonic(), served_s)
 
     async def _monitor(self) -> None:
@@ -286,19 +283,17 @@ class ModelSupervisor:
                 self.worker.signal(signal.SIGKILL)
                 return
 
+    @property
+    def stopping(self) -> bool:
+        return self.stop_requested.is_set()
+
     async def _sleep_unless_stopping(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while not self.stopping and (left := deadline - time.monotonic()) > 0:
-            changed = self.state_changed
-            try:
-                await asyncio.wait_for(changed.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.stop_requested.wait(), seconds)
 
     async def stop(self, drain_timeout_s: float) -> None:
         """Drain: let running and queued requests finish up to the timeout, then end the worker."""
-        self.stopping = True
-        self.state_changed.set()
+        self.stop_requested.set()
         deadline = time.monotonic() + drain_timeout_s
         while (self.running or self.waiting) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -229,7 +229,7 @@ class Engine:
     def fail_all(self, requests: list[Request], exc: BaseException) -> faults.Fault:
         message = str(exc).strip() or type(exc).__name__
         fault = self.classify(message)
-        log.error("generation failed (%s): %s%s", fault.kind, message.splitlines()[-1], hint_suffix(fault))
+        log.error("generation failed (%s): %s%s", fault.kind, message.splitlines()[-1], fault.hint_suffix)
         for req in requests:
             self.fail(req.id, fault, message)
         return fault
@@ -403,15 +403,12 @@ class SequentialEngine(Engine):
         self.cancelled.discard(req.id)
 
 
-def hint_suffix(fault: faults.Fault) -> str:
-    return f" (hint: {fault.hint})" if fault.hint else ""
-
-
 def finish_reason_name(reason, req: Request) -> str:
-    name = getattr(reason, "name", "")
-    if name == "LENGTH" or (name not in ("STOP",) and len(req.generated) >= req.max_tokens):
-        return "length"
-    return "stop"
+    """genai's own reason where it gives one (NONE until the last chunk), else judged by the token count."""
+    name = getattr(reason, "name", "NONE")
+    if name in ("STOP", "LENGTH"):
+        return name.lower()
+    return "length" if len(req.generated) >= req.max_tokens else "stop"
 
 
 def die_with_parent() -> None:
@@ -507,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         message = str(exc).strip() or type(exc).__name__
         fault = faults.classify_error(message, device=spec["device"])
-        log.error("loading %s failed (%s): %s%s", spec["path"], fault.kind, message, hint_suffix(fault))
+        log.error("loading %s failed (%s): %s%s", spec["path"], fault.kind, message, fault.hint_suffix)
         channel.send({"op": "fatal", "kind": fault.kind, "code": fault.code, "hint": fault.hint, "message": message})
         os._exit(EXIT_LOAD_FAILED)
     probe = DeviceProbe(spec["device"])

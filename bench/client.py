@@ -71,11 +71,16 @@ def _record_event(seen: Stream, event: dict, now: float, on_token: Callable[[int
                 on_token(len(seen.token_times))
 
 
-async def first_success(session: aiohttp.ClientSession, base: str, model: str, interval_s: float = 0.005) -> float:
-    """Poll with one-token requests until one is answered 200 (503 while restarting); returns when it was."""
+async def first_success(session: aiohttp.ClientSession, base: str, model: str, interval_s: float = 0.005,
+                        timeout_s: float = 120) -> float:
+    """Poll with one-token requests until one is answered 200 (503 while restarting); returns when it was.
+
+    The deadline only catches a model that never comes back, so the bench still stops what it started."""
     body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    while True:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         status, _ = await complete(session, base, body)
         if status == 200:
             return time.perf_counter()
         await asyncio.sleep(interval_s)
+    raise RuntimeError(f"{model} did not answer 200 within {timeout_s:g}s")

@@ -18,6 +18,13 @@ from bench.launcher import FAULT_MODEL, STALL_TIMEOUT_S, OwnAppliance
 from bench.report import MB, Figure, judged, not_measured
 from bench.workload import Plan, chat_body, distribution
 
+# Names of the figures only the bench's own appliance can measure (http_only() lists them as not measured).
+ABORT_TO_ERROR = "SIGABRT mid-stream -> client has the error event"
+RECOVERY = "Recovery after SIGABRT, minus the model's load time"
+STALL_TO_ERROR = f"SIGSTOP -> client error, minus stall_timeout_s={STALL_TIMEOUT_S:g}"
+FRONT_RSS = "Front RSS"
+WORKER_RSS = "Worker RSS beyond the bare pipeline"
+
 FAULT_AFTER_CHUNKS = 5      # a fault lands once the client has seen this many chunks: mid-stream
 FAULT_STREAM_TOKENS = 2000  # far more than get generated before the fault
 
@@ -148,7 +155,7 @@ def memory(front_idle: int, front_peak: int, worker: int, baseline: dict | None)
     if baseline is None:
         return figures + [Figure("Worker RSS", f"{worker / MB:.1f} MB", worker / MB, "MB")]
     extra = worker - baseline["rss_bytes"]
-    return figures + [judged("Worker RSS beyond the bare pipeline", extra / MB, "MB",
+    return figures + [judged(WORKER_RSS, extra / MB, "MB",
                              f"{extra / MB:.1f} MB (worker {worker / MB:.1f} MB)", below=30,
                              baseline=f"{baseline['rss_bytes'] / MB:.1f} MB (bare process, same pipeline and work)")]
 
@@ -219,18 +226,16 @@ def fault_figures(aborts: list[FaultTrial], stalls: list[FaultTrial], baseline: 
     loads = [t.load_s / t.restarts for t in aborts]
     beyond_stall = [t.to_error_s - STALL_TIMEOUT_S for t in stalls]
     return [
-        judged("SIGABRT mid-stream -> client has the error event", workload.percentile(to_error, 99) * 1e3, "ms",
+        judged(ABORT_TO_ERROR, workload.percentile(to_error, 99) * 1e3, "ms",
                spread(to_error), below=50,
                baseline=f"{spread(baseline['death_notice_s'])}: bare process SIGABRT -> its socket closes"),
-        judged("Recovery after SIGABRT, minus the model's load time", workload.percentile(recovery, 99), "s",
+        judged(RECOVERY, workload.percentile(recovery, 99), "s",
                f"{spread(recovery)}; one load takes {spread(loads)}{extra_restarts(aborts)}", below=1),
-        judged(f"SIGSTOP -> client error, minus stall_timeout_s={STALL_TIMEOUT_S:g}", max(beyond_stall), "s",
+        judged(STALL_TO_ERROR, max(beyond_stall), "s",
                spread(beyond_stall) + extra_restarts(stalls), below=0.5),
     ]
 
 
 def http_only(reason: str) -> list[Figure]:
     """Figures that need the bench's own appliance (signals to its workers, /proc of its processes)."""
-    names = ("SIGABRT mid-stream -> client has the error event", "Recovery after SIGABRT, minus the model's load time",
-             "SIGSTOP -> client error, minus stall_timeout_s", "Front RSS", "Worker RSS beyond the bare pipeline")
-    return [not_measured(name, reason) for name in names]
+    return [not_measured(name, reason) for name in (ABORT_TO_ERROR, RECOVERY, STALL_TO_ERROR, FRONT_RSS, WORKER_RSS)]

@@ -182,8 +182,6 @@ class SystemdNamespace:
         self.cgroup = None
         self._unshare = None
         self._log = None
-        self.boot_seconds = None
-        self.poweroff_seconds = None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -227,7 +225,6 @@ class SystemdNamespace:
         self.pid = self._wait_for_child_systemd(started)
         self.pid_namespace = os.readlink(f"/proc/{self.pid}/ns/pid")
         self._wait_until_running(started)
-        self.boot_seconds = time.monotonic() - started
 
     def _write_stage(self) -> None:
         for sub in ("root", "layer", "tree"):
@@ -304,13 +301,11 @@ class SystemdNamespace:
             self.stage = None
 
     def _power_off(self, timeout: float = 20.0) -> None:
-        started = time.monotonic()
         if self._unshare.poll() is None and self.pid is not None:
             with contextlib.suppress(subprocess.SubprocessError, OSError):
                 self.systemctl("poweroff", "--no-block", check=False, timeout=5)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._unshare.wait(timeout)
-                self.poweroff_seconds = time.monotonic() - started
         if self._unshare.poll() is None:
             self._unshare.kill()  # --kill-child: PID 1 and so the whole PID namespace die with it
             self._unshare.wait()
@@ -403,7 +398,7 @@ def _kill_cgroup(cgroup: Path, timeout: float = 10.0) -> None:
 
 def _cgroup_pids(cgroup: Path) -> list[int]:
     pids = []
-    for procs in [cgroup / "cgroup.procs", *cgroup.rglob("cgroup.procs")]:
+    for procs in cgroup.rglob("cgroup.procs"):  # the top-level file included
         with contextlib.suppress(OSError):
             pids += [int(line) for line in procs.read_text().split()]
     return pids

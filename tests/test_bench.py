@@ -22,8 +22,10 @@ TARGETED = ("median ratio", "added median", "Streaming", "Concurrency", "SIGABRT
 
 def run_bench(out: Path, *args: str) -> dict:
     done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(out), *args], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=BENCH_TIMEOUT_S)
+                          # TMPDIR: the bench's model directory lands in `out`, so every process it starts names
+                          # the test's directory on its command line (the leftover check below relies on it)
+                          env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(out)},
+                          capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == (out / "results.md").read_text() + "\n"  # what it prints is what it wrote
     return json.loads((out / "results.json").read_text())

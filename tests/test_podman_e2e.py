@@ -17,7 +17,6 @@ old snapshot Release in the build's base image.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
@@ -168,14 +167,8 @@ def image_store() -> Path:
 
 # --- a booted trixie with the quadlet installed ------------------------------------------------------------
 
-@pytest.fixture
-def trixie_systemd():
-    """SystemdNamespace on an overlay of the trixie root instead of the host's /."""
-    return functools.partial(SystemdNamespace, lower=TRIXIE)
-
-
 @contextlib.contextmanager
-def booted(trixie_systemd, image_store: Path, tmp_path: Path, service_dropin: str = "", container_dropin: str = ""):
+def booted(image_store: Path, tmp_path: Path, service_dropin: str = "", container_dropin: str = ""):
     """trixie booted with openarc@.container (plus test drop-ins), dbus and the container storage up."""
     empty = tmp_path / "empty"
     empty.mkdir(exist_ok=True)
@@ -189,7 +182,7 @@ def booted(trixie_systemd, image_store: Path, tmp_path: Path, service_dropin: st
     }
     if service_dropin:
         files[f"{quadlets}/openarc@.container.d/60-test.conf"] = "[Service]\n" + service_dropin
-    ns = trixie_systemd(units={"var-lib-containers.mount": CONTAINERS_TMPFS}, files=files,
+    ns = SystemdNamespace(lower=TRIXIE, units={"var-lib-containers.mount": CONTAINERS_TMPFS}, files=files,
                         binds={str(image_store): "/var/lib/openarc-images"}, name="openarc-e2e", boot_timeout=60)
     with ns:
         ns.systemctl("start", "dbus.socket", "var-lib-containers.mount")
@@ -212,6 +205,12 @@ def container_state(ns, name: str = "openarc-demo") -> dict:
     return json.loads(done.stdout)[0]["State"] if done.returncode == 0 else {}
 
 
+def container_identity(ns, name: str = "openarc-demo") -> tuple[int, str]:
+    """(pid, container id): both change when the container is replaced."""
+    info = json.loads(ns.run(["podman", "inspect", name], timeout=30).stdout)[0]
+    return info["State"]["Pid"], info["Id"]
+
+
 def exec_python(ns, code: str, name: str = "openarc-demo") -> subprocess.CompletedProcess:
     return ns.run(["podman", "exec", name, "/opt/openarc/venv/bin/python", "-c", code], check=False, timeout=60)
 
@@ -225,8 +224,8 @@ print(json.load(urllib.request.urlopen(request, timeout=60))["choices"][0]["mess
 """
 
 
-def test_start_returns_when_ready_serves_and_stops_cleanly(trixie_systemd, image_store, tmp_path):
-    with booted(trixie_systemd, image_store, tmp_path) as ns:
+def test_start_returns_when_ready_serves_and_stops_cleanly(image_store, tmp_path):
+    with booted(image_store, tmp_path) as ns:
         seconds = start(ns)
         print(f"systemctl start openarc@demo: {seconds:.1f} s")
         # Type=notify through conmon: start returned after the server's own READY=1, so it serves now.
@@ -247,10 +246,10 @@ def test_start_returns_when_ready_serves_and_stops_cleanly(trixie_systemd, image
         assert ns.run(["podman", "ps", "-a", "-q"]).stdout.strip() == ""
 
 
-def test_watchdog_pings_reach_systemd_and_a_wedged_server_is_restarted(trixie_systemd, image_store, tmp_path):
+def test_watchdog_pings_reach_systemd_and_a_wedged_server_is_restarted(image_store, tmp_path):
     # A 3 s watchdog: the server pings every second only if it learnt WATCHDOG_USEC and conmon forwards
     # WATCHDOG=1; otherwise systemd kills the unit within 3 s.
-    with booted(trixie_systemd, image_store, tmp_path, service_dropin="WatchdogSec=3\n") as ns:
+    with booted(image_store, tmp_path, service_dropin="WatchdogSec=3\n") as ns:
         start(ns)
         time.sleep(8)
         assert ns.show("openarc@demo", "ActiveState") == "active"
@@ -280,14 +279,14 @@ while time.monotonic() < deadline:
 """
 
 
-def test_unready_container_is_killed_by_its_health_check_and_restarted(trixie_systemd, image_store, tmp_path):
+def test_unready_container_is_killed_by_its_health_check_and_restarted(image_store, tmp_path):
     # Fast health checks so the test is short.
     fast_health = "HealthInterval=1s\nHealthTimeout=5s\nHealthRetries=2\nHealthStartupInterval=1s\n"
-    with booted(trixie_systemd, image_store, tmp_path, container_dropin=fast_health) as ns:
+    with booted(image_store, tmp_path, container_dropin=fast_health) as ns:
         start(ns)
         ns.wait_for(lambda: container_state(ns).get("Health", {}).get("Status") == "healthy", timeout=30,
                     what="a healthy container")
-        first_id = container_state(ns)["Pid"], ns.run(["podman", "inspect", "-f", "{{.Id}}", "openarc-demo"]).stdout
+        first_id = container_identity(ns)
         crashing_at = time.monotonic()
         exec_python(ns, CRASH_LOOP)  # ends when the health check kills the container
         ns.wait_for(lambda: ns.show("openarc@demo", "NRestarts") == "1", timeout=60, what="a restart after unhealthy")
@@ -297,4 +296,4 @@ def test_unready_container_is_killed_by_its_health_check_and_restarted(trixie_sy
         assert "Watchdog timeout" not in ns.journal("openarc@demo")
         ns.wait_for(lambda: container_state(ns).get("Health", {}).get("Status") == "healthy", timeout=120,
                     what="the restarted container healthy")
-        assert (container_state(ns)["Pid"], ns.run(["podman", "inspect", "-f", "{{.Id}}", "openarc-demo"]).stdout) != first_id
+        assert container_identity(ns) != first_id

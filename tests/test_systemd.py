@@ -84,6 +84,12 @@ class Service:
     def wait_ready(self, model: str | None = None) -> None:
         self.ns.wait_for(lambda: self.ready(model), HANG_S, what=f"/ready of {model or 'server'}")
 
+    def wait_new_worker(self, model: str, old_pid: int, port: int | None = None) -> dict:
+        """The model's status once it is ready again on a worker other than old_pid."""
+        return self.ns.wait_for(
+            lambda: (m := self.status(model, port))["state"] == "ready" and m["pid"] not in (None, old_pid) and m,
+            HANG_S, what=f"a new ready worker of {model}")
+
     def process_status(self, pid: int) -> dict[str, str]:
         """/proc/PID/status of a process of the namespace, as {field: value}."""
         text = self.ns.run(["cat", f"/proc/{pid}/status"]).stdout
@@ -240,9 +246,7 @@ def test_worker_abort_recovers_inside_the_running_unit(boot_service):
     service.start("openarc@demo")
     main_pid, worker_pid = service.ns.main_pid("openarc@demo"), service.status("demo")["pid"]
     service.ns.kill(worker_pid, "ABRT")
-    recovered = service.ns.wait_for(
-        lambda: (m := service.status("demo"))["state"] == "ready" and m["pid"] not in (None, worker_pid) and m,
-        HANG_S, what="a new ready worker")
+    recovered = service.wait_new_worker("demo", worker_pid)
     assert recovered["crashes"] == 1
     assert service.restarts("openarc@demo") == 0
     assert service.ns.main_pid("openarc@demo") == main_pid
@@ -334,9 +338,7 @@ def test_reload_applies_a_changed_model_without_restarting_the_unit(boot_service
     service.config["models"][0]["max_context"] = 256
     service.ns.path(CONFIG).write_text(yaml.safe_dump(service.config))
     service.ns.systemctl("reload", "openarc.service", timeout=HANG_S)
-    new = service.ns.wait_for(
-        lambda: (m := service.status("demo", port=port))["state"] == "ready" and m["pid"] not in (None, demo_pid) and m,
-        HANG_S, what="the changed model restarted")
+    new = service.wait_new_worker("demo", demo_pid, port)
     assert new["restarts"] == 0
     assert service.status("long", port=port)["pid"] == long_pid  # unchanged: untouched
     assert service.ns.main_pid("openarc.service") == main_pid and service.restarts("openarc.service") == 0

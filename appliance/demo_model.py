@@ -76,7 +76,7 @@ CORPUS = [
 
 
 class _LazyOpset:
-    """openvino.opset13, imported on first use: the front process imports this module but never builds."""
+    """openvino.opset13, imported on first use: `openarc demo-model` on a cache hit never loads OpenVINO."""
 
     def __getattr__(self, name):
         from openvino import opset13

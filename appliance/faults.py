@@ -49,24 +49,17 @@ def _opencl_code(*codes: int) -> str:
     return OPENCL_ERROR.replace(r"(-?\d+)", rf"({alternatives})(?!\d)")
 
 
-@dataclass(frozen=True)
-class _Rule:
-    pattern: str
-    kind: str
-    code: str
-    hint: str | None
-    retryable: bool
+_DEVICE_OOM = Fault("device_oom", "device_out_of_memory", OOM_HINT, False)
+_DEVICE_LOST = Fault("device_lost", "device_lost", None, True)
+_SCHEDULER_OOM = Fault("scheduler_oom", "scheduler_out_of_memory", SCHEDULER_OOM_HINT, True)
+_RUNTIME_MISSING = Fault("runtime_missing", "gpu_runtime_missing", RUNTIME_MISSING_HINT, False)
+# Also built directly by the worker when prompt + max_tokens exceed the model's max_context.
+CONTEXT_LENGTH_EXCEEDED = Fault("invalid_request", "context_length_exceeded", None, False)
 
-
-_DEVICE_OOM = ("device_oom", "device_out_of_memory", OOM_HINT, False)
-_DEVICE_LOST = ("device_lost", "device_lost", None, True)
-_SCHEDULER_OOM = ("scheduler_oom", "scheduler_out_of_memory", SCHEDULER_OOM_HINT, True)
-_RUNTIME_MISSING = ("runtime_missing", "gpu_runtime_missing", RUNTIME_MISSING_HINT, False)
-
-# One ordered table: (pattern, kind, code, hint, retryable). First match wins.
+# One ordered table: (compiled pattern, fault). First match wins.
 _ERROR_RULES = tuple(
-    _Rule(pattern, *outcome)
-    for pattern, outcome in (
+    (re.compile(pattern, re.DOTALL), fault)
+    for pattern, fault in (
         # ocl_common.cpp: -5 CL_OUT_OF_RESOURCES, -4 CL_MEM_OBJECT_ALLOCATION_FAILURE.
         (_opencl_code(-5, -4), _DEVICE_OOM),
         # ocl_common.cpp rethrow(): -5 while the device is still enumerable gets its own text.
@@ -96,10 +89,9 @@ _ERROR_RULES = tuple(
         (r"libOpenCL\.so\.1", _RUNTIME_MISSING),
         # core_impl.cpp: device names are case-sensitive.
         (r'Device with "(?P<device>[^"]*)" name is not registered',
-         ("invalid_config", "invalid_device", INVALID_DEVICE_HINT, False)),
+         Fault("invalid_config", "invalid_device", INVALID_DEVICE_HINT, False)),
         # openvino.genai sampling_params check: prompt plus max_length do not fit.
-        (r"'max_length' must be greater than the number of prompt tokens",
-         ("invalid_request", "context_length_exceeded", None, False)),
+        (r"'max_length' must be greater than the number of prompt tokens", CONTEXT_LENGTH_EXCEEDED),
     )
 )
 
@@ -108,9 +100,6 @@ _INTERNAL = Fault("internal", "internal_error", None, False)
 # Family-specific hints for faults whose row has none: (pci_family, kind) -> hint.
 # DG2 fence timeouts / resets under LLM load are a known SDPA-kernel issue.
 _FAMILY_HINTS = {("DG2", "device_lost"): DG2_RESET_HINT}
-
-_COMPILED_RULES = tuple((re.compile(rule.pattern, re.DOTALL), rule) for rule in _ERROR_RULES)
-
 
 def classify_error(
     message: str, *, device: str = "", pci_family: str | None = None, gpu_reset_seen: bool = False
@@ -122,15 +111,14 @@ def classify_error(
     kernel log reported a hang/reset of that card around the failure: a kernel that hung
     also ends in CL_OUT_OF_RESOURCES, so the error is then the reset, not an out-of-memory.
     """
-    for pattern, rule in _COMPILED_RULES:
+    for pattern, fault in _ERROR_RULES:
         match = pattern.search(message)
         if match:
-            return _fault_from(rule, match, device, pci_family, gpu_reset_seen)
+            return _fault_from(fault, match, device, pci_family, gpu_reset_seen)
     return _INTERNAL
 
 
-def _fault_from(rule: _Rule, match: re.Match, device: str, pci_family: str | None, gpu_reset_seen: bool) -> Fault:
-    fault = Fault(rule.kind, rule.code, rule.hint, rule.retryable)
+def _fault_from(fault: Fault, match: re.Match, device: str, pci_family: str | None, gpu_reset_seen: bool) -> Fault:
     if gpu_reset_seen:
         fault = _after_reset(fault)
     hint = fault.hint or _FAMILY_HINTS.get((pci_family, fault.kind))

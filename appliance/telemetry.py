@@ -390,6 +390,7 @@ class KmsgWatcher:
         self.overruns = 0  # EPIPE count: records lost because we read too slowly
         self._pending = b""
         self._dedupe = ResetDeduper(window_us)
+        self._fd: int | None = None  # set first: _open() may give up and close() at once
         self._fd = self._open()
 
     def _open(self) -> int | None:
@@ -408,7 +409,7 @@ class KmsgWatcher:
         self.close()
 
     def close(self) -> None:
-        fd, self._fd = getattr(self, "_fd", None), None
+        fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
 

@@ -130,9 +130,9 @@ class Engine:
         max_tokens = message["params"].get("max_tokens") or self.spec["default_max_tokens"]
         limit = self.spec["max_context"]
         if prompt_tokens + max_tokens > limit:
-            fault = faults.Fault(kind="invalid_request", code="context_length_exceeded", hint=None, retryable=False)
-            self.fail(message["id"], fault, f"This model's maximum context length is {limit} tokens; the prompt has "
-                                            f"{prompt_tokens} tokens and max_tokens is {max_tokens}.")
+            self.fail(message["id"], faults.CONTEXT_LENGTH_EXCEEDED,
+                      f"This model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} "
+                      f"tokens and max_tokens is {max_tokens}.")
             return None
         return Request(message["id"], input_ids, prompt_tokens, max_tokens, message["params"],
                        stream=message.get("stream", True))

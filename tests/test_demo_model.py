@@ -21,8 +21,9 @@ MAX_STEPS = 2000  # a step loop that runs longer than this is hung, not slow
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_demo_model(tmp_path_factory.mktemp("demo") / "model", eos_after=EOS_AFTER, max_new_tokens=64)
+def model_dir(demo_model):
+    """The session's demo model (conftest): stops after EOS_AFTER tokens, 64 at most."""
+    return demo_model
 
 
 @pytest.fixture(scope="module")
@@ -193,9 +194,7 @@ def test_ensure_reuses_the_cache_and_rebuilds_when_params_change(tmp_path):
     first = ensure_demo_model(tmp_path, eos_after=5, max_new_tokens=9)
     assert first.parent == tmp_path / "models" and first.name.startswith("demo-")
     built_at = (first / "openvino_model.bin").stat().st_mtime_ns
-    started = time.monotonic()
     assert ensure_demo_model(tmp_path, eos_after=5, max_new_tokens=9) == first
-    assert time.monotonic() - started < 0.5
     assert (first / "openvino_model.bin").stat().st_mtime_ns == built_at
 
     other = ensure_demo_model(tmp_path, eos_after=6, max_new_tokens=9)

@@ -1,8 +1,7 @@
-"""The aiohttp front: OpenAI routes, health and status, metrics, and the process lifecycle.
+"""The aiohttp front: the app, health and status, metrics, and the process lifecycle.
 
-The front never imports OpenVINO. It validates requests, hands them to a model's supervisor, and turns whatever
-comes back (tokens, a finish, or a RequestFailed) into an HTTP response or SSE chunks. Lifecycle follows
-aiohttp's web_runner: setup, start, serve until SIGTERM/SIGINT, drain, cleanup.
+The front never imports OpenVINO. Each API route family lives in appliance.api and hands requests to a model's
+supervisor. Lifecycle follows aiohttp's web_runner: setup, start, serve until SIGTERM/SIGINT, drain, cleanup.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import signal
 import time
@@ -18,27 +16,20 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from appliance import __version__, openai_api, telemetry
+from appliance import __version__, telemetry
+from appliance.api import generate
+from appliance.api.errors import error_response
 from appliance.config import Config, ConfigError
 from appliance.metrics import Metrics
 from appliance.notify import LoopHealth, Notifier, watchdog_loop
-from appliance.openai_api import GenerationRequest, InvalidRequest, ResponseShaper, error_body
-from appliance.supervisor import Event, ModelState, RequestFailed, Supervisor
+from appliance.supervisor import ModelState, RequestFailed, Supervisor
 
 log = logging.getLogger("openarc.server")
 
 OPEN_ROUTES = {"/health", "/ready"}
 KMSG_POLL_INTERVAL_S = 1.0
 LOAD_EXTEND_EVERY_S = 20.0  # well inside notify.LOAD_EXTEND_USEC
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
-
-def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
-                   hint: str | None = None, retry_after: float | None = None) -> web.Response:
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
-    body = error_body(message, ERROR_TYPES.get(status, "server_error"), code, param, hint)
-    return web.json_response(body, status=status, headers=headers)
 
 
 class Appliance:
@@ -67,8 +58,7 @@ class Appliance:
         app.router.add_get("/metrics", self.metrics_route)
         app.router.add_get("/openarc/status", self.status)
         app.router.add_get("/v1/models", self.list_models)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_post("/v1/completions", self.completions)
+        generate.add_routes(app, self)
         return app
 
     @web.middleware
@@ -126,112 +116,20 @@ class Appliance:
                 for name in self.supervisor.models]
         return web.json_response({"object": "list", "data": data})
 
-    # --- generation --------------------------------------------------------------------------------------
+    # --- shared by the route families -----------------------------------------------------------------
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "chat/completions", openai_api.parse_chat)
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "completions", openai_api.parse_completion)
-
-    async def _generate(self, request: web.Request, endpoint: str, parse) -> web.StreamResponse:
-        started = time.monotonic()
-        model_label = ""
-        try:
-            try:
-                body = await request.json(loads=json.loads)
-            except (ValueError, RecursionError, LookupError):  # bad JSON, too deep, too long a number, bad charset
-                raise InvalidRequest("the request body is not valid JSON")
-            model_label = self._model_label(body)
-            req = parse(body)
-            sup = self.supervisor.get(req.model)
-            if sup is None:
-                raise RequestFailed(404, "model_not_found", f"the model '{req.model}' does not exist "
-                                                            f"(have: {', '.join(self.supervisor.models)})")
-            if self.draining:
-                raise RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)
-            response = await (self._stream(request, sup, req) if req.stream else self._whole(sup, req))
-        except InvalidRequest as exc:
-            response = self._failed(model_label, RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"),
-                                    param=exc.param)
-        except RequestFailed as exc:
-            response = self._failed(model_label, exc)
-        self.metrics.requests.labels(model=model_label, endpoint=endpoint, status=str(response.status)).inc()
-        self.metrics.request_duration.labels(model=model_label, endpoint=endpoint).observe(time.monotonic() - started)
-        return response
-
-    def _model_label(self, body: Any) -> str:
+    def model_label(self, body: Any) -> str:
         """The metrics label of a request: a configured model's name, else "" (client input never mints labels)."""
         model = body.get("model") if isinstance(body, dict) else None
         return model if isinstance(model, str) and model in self.supervisor.models else ""
 
-    def _failed(self, model: str, exc: RequestFailed, param: str | None = None) -> web.Response:
+    def failed(self, model: str, exc: RequestFailed, param: str | None = None) -> web.Response:
         self.count_error(model, exc.kind)
         return error_response(exc.status, exc.message, exc.code, param, exc.hint, exc.retry_after)
 
     def count_error(self, model: str, kind: str) -> None:
         kind = {"model_not_found": "invalid_request", "context_length_exceeded": "invalid_request"}.get(kind, kind)
         self.metrics.request_errors.labels(model=model, kind=kind).inc()
-
-    async def _whole(self, sup, req: GenerationRequest) -> web.Response:
-        handle = sup.open(req.frame())
-        texts: list[str] = []
-        try:
-            async for event in sup.events(handle):
-                if event.op == "tokens":
-                    texts.append(event.text)
-                else:
-                    shaper = ResponseShaper(req)
-                    usage = shaper.usage(event.prompt_tokens, event.completion_tokens)
-                    return web.json_response(shaper.whole("".join(texts), event.finish_reason, usage))
-        finally:
-            sup.close(handle)
-        raise AssertionError("event stream ended without done")
-
-    async def _stream(self, request: web.Request, sup, req: GenerationRequest) -> web.StreamResponse:
-        handle = sup.open(req.frame())
-        shaper = ResponseShaper(req)
-        events = sup.events(handle)
-        try:
-            # Headers wait for the first event, so a request the worker refuses (context too long) is still a
-            # plain 400; once admitted, a failed generation is an SSE error event followed by [DONE].
-            event = await self._next(events)
-            if isinstance(event, RequestFailed) and event.status == 400:
-                raise event
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                   "X-Accel-Buffering": "no"})
-            await response.prepare(request)
-            if req.kind == "chat":
-                await self._send(response, shaper.chunk(first=True))
-            while isinstance(event, Event) and event.op == "tokens":
-                if event.text:
-                    await self._send(response, shaper.chunk(event.text))
-                event = await self._next(events)
-            if isinstance(event, RequestFailed):
-                self.count_error(req.model, event.kind)
-                await self._send(response, error_body(event.message, ERROR_TYPES.get(event.status, "server_error"),
-                                                      event.code, hint=event.hint))
-            else:
-                await self._send(response, shaper.chunk(finish_reason=event.finish_reason))
-                if req.include_usage:
-                    await self._send(response, shaper.usage_chunk(shaper.usage(event.prompt_tokens,
-                                                                               event.completion_tokens)))
-        finally:
-            sup.close(handle)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
-
-    @staticmethod
-    async def _next(events) -> Event | RequestFailed:
-        try:
-            return await events.__anext__()
-        except RequestFailed as exc:
-            return exc
-
-    @staticmethod
-    async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-        await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
 
     # --- lifecycle -----------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The OpenAI wire format: validating request bodies and shaping responses, chunks and error bodies.
+"""The OpenAI wire format of chat and text completions: validating request bodies, shaping responses and chunks.
 
 Validation raises InvalidRequest (-> HTTP 400) with the offending parameter named, so no client input can reach a
 worker malformed or turn into a 500.
@@ -11,15 +11,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.api.errors import InvalidRequest
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_SEQUENCES = 4
-
-
-class InvalidRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param = param
-        self.code = code
 
 
 @dataclass
@@ -36,14 +31,6 @@ class GenerationRequest:
         """The generate frame for the worker (the supervisor adds the id)."""
         body = {"messages": self.messages} if self.kind == "chat" else {"prompt": self.prompt}
         return {"kind": self.kind, "params": self.params, "stream": self.stream, **body}
-
-
-def error_body(message: str, type_: str, code: str | None = None, param: str | None = None,
-               hint: str | None = None) -> dict[str, Any]:
-    error = {"message": message, "type": type_, "param": param, "code": code}
-    if hint:
-        error["hint"] = hint
-    return {"error": error}
 
 
 def _number(body: dict, key: str, low: float, high: float, integer: bool = False) -> float | int | None:

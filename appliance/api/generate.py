@@ -1,0 +1,121 @@
+"""The routes that generate text: POST /v1/chat/completions and /v1/completions.
+
+A request is validated (appliance.api.completions), handed to its model's supervisor, and whatever comes back
+(tokens, a finish, or a RequestFailed) becomes a JSON response or SSE chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from appliance.api.completions import GenerationRequest, ResponseShaper, parse_chat, parse_completion
+from appliance.api.errors import ERROR_TYPES, InvalidRequest, error_body
+from appliance.supervisor import Event, RequestFailed
+
+
+def add_routes(app: web.Application, appliance) -> None:
+    routes = GenerationRoutes(appliance)
+    app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_post("/v1/completions", routes.completions)
+
+
+class GenerationRoutes:
+    def __init__(self, appliance):
+        self.appliance = appliance  # appliance.server.Appliance: supervisor, metrics, draining
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat/completions", parse_chat)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions", parse_completion)
+
+    async def _generate(self, request: web.Request, endpoint: str, parse) -> web.StreamResponse:
+        started = time.monotonic()
+        model_label = ""
+        try:
+            try:
+                body = await request.json(loads=json.loads)
+            except (ValueError, RecursionError, LookupError):  # bad JSON, too deep, too long a number, bad charset
+                raise InvalidRequest("the request body is not valid JSON")
+            model_label = self.appliance.model_label(body)
+            req = parse(body)
+            sup = self.appliance.supervisor.get(req.model)
+            if sup is None:
+                raise RequestFailed(404, "model_not_found", f"the model '{req.model}' does not exist "
+                                                            f"(have: {', '.join(self.appliance.supervisor.models)})")
+            if self.appliance.draining:
+                raise RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)
+            response = await (self._stream(request, sup, req) if req.stream else self._whole(sup, req))
+        except InvalidRequest as exc:
+            response = self.appliance.failed(
+                model_label, RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"), param=exc.param)
+        except RequestFailed as exc:
+            response = self.appliance.failed(model_label, exc)
+        self.appliance.metrics.requests.labels(model=model_label, endpoint=endpoint, status=str(response.status)).inc()
+        self.appliance.metrics.request_duration.labels(model=model_label, endpoint=endpoint).observe(time.monotonic() - started)
+        return response
+
+    async def _whole(self, sup, req: GenerationRequest) -> web.Response:
+        handle = sup.open(req.frame())
+        texts: list[str] = []
+        try:
+            async for event in sup.events(handle):
+                if event.op == "tokens":
+                    texts.append(event.text)
+                else:
+                    shaper = ResponseShaper(req)
+                    usage = shaper.usage(event.prompt_tokens, event.completion_tokens)
+                    return web.json_response(shaper.whole("".join(texts), event.finish_reason, usage))
+        finally:
+            sup.close(handle)
+        raise AssertionError("event stream ended without done")
+
+    async def _stream(self, request: web.Request, sup, req: GenerationRequest) -> web.StreamResponse:
+        handle = sup.open(req.frame())
+        shaper = ResponseShaper(req)
+        events = sup.events(handle)
+        try:
+            # Headers wait for the first event, so a request the worker refuses (context too long) is still a
+            # plain 400; once admitted, a failed generation is an SSE error event followed by [DONE].
+            event = await self._next(events)
+            if isinstance(event, RequestFailed) and event.status == 400:
+                raise event
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   "X-Accel-Buffering": "no"})
+            await response.prepare(request)
+            if req.kind == "chat":
+                await self._send(response, shaper.chunk(first=True))
+            while isinstance(event, Event) and event.op == "tokens":
+                if event.text:
+                    await self._send(response, shaper.chunk(event.text))
+                event = await self._next(events)
+            if isinstance(event, RequestFailed):
+                self.appliance.count_error(req.model, event.kind)
+                await self._send(response, error_body(event.message, ERROR_TYPES.get(event.status, "server_error"),
+                                                      event.code, hint=event.hint))
+            else:
+                await self._send(response, shaper.chunk(finish_reason=event.finish_reason))
+                if req.include_usage:
+                    await self._send(response, shaper.usage_chunk(shaper.usage(event.prompt_tokens,
+                                                                               event.completion_tokens)))
+        finally:
+            sup.close(handle)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    @staticmethod
+    async def _next(events) -> Event | RequestFailed:
+        try:
+            return await events.__anext__()
+        except RequestFailed as exc:
+            return exc
+
+    @staticmethod
+    async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+        await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+

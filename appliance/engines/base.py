@@ -1,0 +1,112 @@
+"""The engine base class: the part of a worker that every worker kind shares.
+
+The channel reader thread queues frames into the inbox; the engine thread takes them, runs the pipeline and
+posts reply frames, which go out as one frame per engine step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from typing import Any
+
+from appliance import faults
+from appliance.ipc import BlockingChannel
+
+log = logging.getLogger("openarc.worker")
+
+EXIT_DEVICE_LOST = 75  # EX_TEMPFAIL: the supervisor restarts us with a fresh device context
+PROGRESS_INTERVAL_S = 0.25  # well under any sensible stall_timeout_s
+# Test and benchmark knob: sleep after every engine step, so a fault can land mid-generation on a model that
+# otherwise finishes 32 tokens in 8 ms.  Never set in production.
+STEP_DELAY_ENV = "OPENARC_DEBUG_STEP_DELAY_S"
+
+
+class Engine:
+    """What every worker kind shares: the inbox the channel reader fills, the outbox sent once per step, and
+    failing requests (and the worker, after a lost device) with a classified fault."""
+
+    def __init__(self, spec: dict[str, Any], channel: BlockingChannel):
+        self.spec = spec
+        self.channel = channel
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.outbox: list[dict[str, Any]] = []
+        self.last_sent = time.monotonic()
+        self.pci_family: str | None = None
+        self.step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+
+    def submit(self, message: dict[str, Any]) -> None:
+        self.inbox.put(("generate", message))
+
+    def cancel(self, request_id: int) -> None:
+        self.inbox.put(("cancel", request_id))
+
+    def drain_inbox(self, block: bool) -> None:
+        """Take what the channel reader queued; block only when there is nothing else to do."""
+        while True:
+            try:
+                op, arg = self.inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if op == "generate":
+                self.on_generate(arg)
+            else:
+                self.on_cancel(arg)
+
+    def on_generate(self, message: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def on_cancel(self, request_id: int) -> None:
+        raise NotImplementedError
+
+    def post(self, frame: dict[str, Any]) -> None:
+        self.outbox.append(frame)
+
+    def flush(self) -> None:
+        """Send what one engine step produced as one frame: one syscall and one wake-up of the front per step.
+
+        While only non-streaming requests run, a step may produce nothing to send: a progress frame at most every
+        PROGRESS_INTERVAL_S tells the front's stall timer that generation goes on.
+        """
+        now = time.monotonic()
+        if not self.outbox:
+            if self.busy() and now - self.last_sent > PROGRESS_INTERVAL_S:
+                self.outbox.append({"op": "progress"})
+            else:
+                return
+        frames, self.outbox = self.outbox, []
+        self.channel.send(frames[0] if len(frames) == 1 else {"op": "batch", "frames": frames})
+        self.last_sent = now
+
+    def busy(self) -> bool:
+        raise NotImplementedError
+
+    def fail(self, request_id: int, fault: faults.Fault, message: str) -> None:
+        self.post({"op": "error", "id": request_id, "kind": fault.kind, "code": fault.code,
+                   "hint": fault.hint, "message": message})
+
+    def exit_if_device_lost(self, fault: faults.Fault) -> None:
+        """After a lost device nothing in this process can be trusted: tell the callers, then leave without
+        destructors and get restarted with a fresh device context."""
+        if fault.kind == "device_lost":
+            self.flush()
+            log.error("device lost: exiting so the supervisor restarts this model with a fresh device context")
+            os._exit(EXIT_DEVICE_LOST)
+
+    def classify(self, message: str) -> faults.Fault:
+        return faults.classify_error(message, device=self.spec["device"], pci_family=self.pci_family)
+
+    def fail_all(self, requests: list, exc: BaseException) -> faults.Fault:
+        message = str(exc).strip() or type(exc).__name__
+        fault = self.classify(message)
+        log.error("generation failed (%s): %s%s", fault.kind, message.splitlines()[-1], fault.hint_suffix)
+        for req in requests:
+            self.fail(req.id, fault, message)
+        return fault
+
+    def pause(self) -> None:
+        if self.step_delay:
+            time.sleep(self.step_delay)

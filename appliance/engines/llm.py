@@ -1,0 +1,304 @@
+"""The LLM worker kind: chat and text completions on ContinuousBatchingPipeline or the stateful LLMPipeline."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance import faults
+from appliance.detokenize import make_detokenizer
+from appliance.engines.base import Engine
+
+log = logging.getLogger("openarc.worker")
+
+
+@dataclass
+class Request:
+    id: int
+    input_ids: Any  # ov.Tensor of shape [1, n]
+    prompt_tokens: int
+    max_tokens: int
+    params: dict[str, Any]
+    generated: list[int] = field(default_factory=list)
+    prefix_offset: int = 0  # detokenizer state (appliance.detokenize)
+    read_offset: int = 0
+    decoder: Any = None
+    stream: bool = True    # a non-streaming request gets its text once, decoded at the end
+    reported: int = 0      # tokens already counted to the front
+    held: str = ""         # text that may be the start of a stop sequence, not yet sent
+    stopped: bool = False  # a stop sequence was found: the request is finished
+
+
+def cut_at_stop(req: Request, text: str) -> str:
+    """Apply the request's stop sequences to newly decoded text: return what may be sent now.
+
+    genai stops generating at a stop string but still streams its tokens, so the cut happens here. Text that
+    could be the beginning of a stop sequence is held back until the next token decides.
+    """
+    stops = req.params.get("stop") or ()
+    buffer = req.held + text
+    hits = [i for i in (buffer.find(s) for s in stops) if i >= 0]
+    if hits:
+        req.held, req.stopped = "", True
+        return buffer[:min(hits)]
+    hold = max((k for s in stops for k in range(1, len(s)) if buffer.endswith(s[:k])), default=0)
+    req.held = buffer[len(buffer) - hold:] if hold else ""
+    return buffer[:len(buffer) - hold]
+
+
+class LLMEngine(Engine):
+    """Shared half of both LLM engines: prompt building, generation config, text replies."""
+
+    def __init__(self, spec: dict[str, Any], channel, tokenizer):
+        super().__init__(spec, channel)
+        self.tokenizer = tokenizer
+        self.detok = make_detokenizer(tokenizer)
+
+    def prepare(self, message: dict[str, Any]) -> Request | None:
+        """Tokenize and check the context limit; reply with an error and return None if the request is invalid."""
+        try:
+            if message["kind"] == "chat":
+                import openvino_genai
+                history = openvino_genai.ChatHistory(message["messages"])
+                text = self.tokenizer.apply_chat_template(history, add_generation_prompt=True)
+                input_ids = self.tokenizer.encode(text, add_special_tokens=False).input_ids
+            else:
+                input_ids = self.tokenizer.encode(message["prompt"]).input_ids
+        except Exception as exc:  # a template or tokenizer error belongs to this request only
+            self.fail(message["id"], self.classify(str(exc)), str(exc))
+            return None
+        prompt_tokens = int(input_ids.get_shape()[1])
+        max_tokens = message["params"].get("max_tokens") or self.spec["default_max_tokens"]
+        limit = self.spec["max_context"]
+        if prompt_tokens + max_tokens > limit:
+            self.fail(message["id"], faults.CONTEXT_LENGTH_EXCEEDED,
+                      f"This model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} "
+                      f"tokens and max_tokens is {max_tokens}.")
+            return None
+        return Request(message["id"], input_ids, prompt_tokens, max_tokens, message["params"],
+                       stream=message.get("stream", True))
+
+    def generation_config(self, req: Request):
+        import openvino_genai
+        config = openvino_genai.GenerationConfig()
+        config.max_new_tokens = req.max_tokens
+        temperature = req.params.get("temperature")
+        if temperature:
+            config.do_sample = True
+            config.temperature = temperature
+            config.top_p = req.params.get("top_p") or 1.0
+        if req.params.get("seed") is not None:
+            config.rng_seed = req.params["seed"]
+        if req.params.get("stop"):
+            config.stop_strings = set(req.params["stop"])
+            config.include_stop_str_in_output = False
+        config.eos_token_id = self.tokenizer.get_eos_token_id()
+        return config
+
+    def post_text(self, req: Request, text: str) -> None:
+        self.post({"op": "tokens", "id": req.id, "text": text, "n": len(req.generated) - req.reported})
+        req.reported = len(req.generated)
+
+    def emit_tokens(self, updates: list[tuple[Request, list[int]]]) -> None:
+        """Post newly generated tokens' text; a request whose stop sequence appeared is finished here.
+
+        Only streaming requests are decoded token by token; a non-streaming one reports just its first token (the
+        front's time to first token) and is decoded once when it finishes.
+        """
+        streamed = []
+        for req, ids in updates:
+            if req.stopped:
+                continue
+            first = not req.generated
+            req.generated.extend(ids)
+            if req.stream:
+                streamed.append(req)
+            elif first:
+                self.post_text(req, "")
+        for req, text in zip(streamed, self.detok.deltas(streamed) if streamed else []):
+            self.post_text(req, cut_at_stop(req, text))
+            if req.stopped:
+                self.finish(req, "stop")
+
+    def finish(self, req: Request, finish_reason: str) -> None:
+        if not req.stream:
+            text = cut_at_stop(req, self.detok.decode(req.generated))
+            self.post_text(req, text + req.held)
+        elif req.held:  # a partial stop sequence that never completed is ordinary text after all
+            self.post_text(req, req.held)
+        req.held = ""
+        self.post({"op": "done", "id": req.id, "finish_reason": finish_reason,
+                   "prompt_tokens": req.prompt_tokens, "completion_tokens": len(req.generated)})
+
+
+class BatchingEngine(LLMEngine):
+    """Continuous batching: every admitted request advances together, one pipeline.step() at a time."""
+
+    def __init__(self, spec, channel):
+        import openvino_genai
+        scheduler = openvino_genai.SchedulerConfig()
+        for key, value in spec["scheduler_config"].items():
+            setattr(scheduler, key, value)
+        self.pipe = openvino_genai.ContinuousBatchingPipeline(spec["path"], scheduler, spec["device"], spec["properties"])
+        super().__init__(spec, channel, self.pipe.get_tokenizer())
+        self.active: dict[int, tuple[Request, Any]] = {}
+
+    def run(self) -> None:
+        while True:
+            self.drain_inbox(block=not self.active)
+            if self.active:
+                self._step()
+            self.flush()
+
+    def _step(self) -> None:
+        try:
+            self.pipe.step()
+        except Exception as exc:  # the whole batch failed inside the plugin
+            fault = self.fail_all([req for req, _ in self.active.values()], exc)
+            self._drop_all()
+            self.exit_if_device_lost(fault)
+            return
+        self._collect()
+        self.pause()
+
+    def busy(self) -> bool:
+        return bool(self.active)
+
+    def on_cancel(self, request_id: int) -> None:
+        if request_id in self.active:
+            self.active.pop(request_id)[1].cancel()
+
+    def on_generate(self, message: dict[str, Any]) -> None:
+        req = self.prepare(message)
+        if req is not None:
+            self.on_generate_prepared(req)
+
+    def on_generate_prepared(self, req: Request) -> None:
+        try:
+            handle = self.pipe.add_request(req.id, req.input_ids, self.generation_config(req))
+        except Exception as exc:
+            self.exit_if_device_lost(self.fail_all([req], exc))
+            return
+        self.active[req.id] = (req, handle)
+
+    def _collect(self) -> None:
+        import openvino_genai
+        status_enum = openvino_genai.GenerationStatus
+        progress = []  # (req, handle, status, finish reason) of every request, read before any text is decoded
+        updates = []
+        for req, handle in self.active.values():
+            status, finish, new_ids = handle.get_status(), None, []
+            # A non-streaming request is read for its first token (the front's time to first token), then only
+            # once it has ended: a dozen pybind calls fewer per step for a batch of sixteen.
+            if req.stream or not req.generated or status != status_enum.RUNNING:
+                while handle.can_read():  # read() returns one step's output; after the end several may wait
+                    for output in handle.read().values():
+                        new_ids += output.generated_ids
+                        finish = output.finish_reason
+            if new_ids:
+                updates.append((req, new_ids))
+            progress.append((req, handle, status, finish))
+        self.emit_tokens(updates)
+        # genai drops every request of a step that schedules no token; the oldest of them is the one that did not fit
+        oldest_ignored = min((req.id for req, _, status, _ in progress if status == status_enum.IGNORED), default=None)
+        for req, handle, status, finish in progress:
+            if req.stopped:  # finished by a stop sequence: done was posted
+                handle.cancel()
+            elif status == status_enum.RUNNING:
+                continue
+            del self.active[req.id]
+            if req.stopped:
+                continue
+            if status == status_enum.IGNORED and req.id != oldest_ignored and not req.generated:
+                self.on_generate_prepared(req)  # dropped with the request that really did not fit: admit it again
+            elif status == status_enum.IGNORED:
+                # A scheduler out-of-memory through the CB API is a status, not an exception.
+                message = f"Request {req.id} was dropped by the scheduler: scheduler ignored the request (out of memory)"
+                self.fail(req.id, self.classify(message), message)
+            elif status == status_enum.FINISHED:
+                self.finish(req, finish_reason_name(finish, req))
+            # CANCEL / STOP: the front already forgot this request
+
+    def _drop_all(self) -> None:
+        for _, handle in self.active.values():
+            try:
+                handle.cancel()
+            except Exception:
+                pass
+        self.active.clear()
+
+
+class SequentialEngine(LLMEngine):
+    """The stateful LLMPipeline (ATTENTION_BACKEND=SDPA): one request at a time, tokens through a streamer."""
+
+    def __init__(self, spec, channel):
+        import openvino_genai
+        self.pipe = openvino_genai.LLMPipeline(spec["path"], spec["device"], **spec["properties"])
+        super().__init__(spec, channel, self.pipe.get_tokenizer())
+        self.cancelled: set[int] = set()
+        self.waiting: list[dict[str, Any]] = []
+        self.generating = False
+
+    def run(self) -> None:
+        while True:
+            self.drain_inbox(block=not self.waiting)
+            if self.waiting:
+                message = self.waiting.pop(0)
+                if message["id"] not in self.cancelled:
+                    self._generate(message)
+            self.flush()
+
+    def busy(self) -> bool:
+        return self.generating
+
+    def on_generate(self, message: dict[str, Any]) -> None:
+        self.waiting.append(message)
+
+    def on_cancel(self, request_id: int) -> None:
+        self.cancelled.add(request_id)
+
+    def _generate(self, message: dict[str, Any]) -> None:
+        import openvino_genai
+        req = self.prepare(message)
+        if req is None:
+            return
+        engine = self
+
+        class Streamer(openvino_genai.StreamerBase):
+            def write(self, token):
+                # An exception here would be printed and swallowed by genai while generation goes on.
+                try:
+                    engine.emit_tokens([(req, token if isinstance(token, list) else [token])])
+                    engine.flush()
+                    engine.drain_inbox(block=False)
+                    engine.pause()
+                    if req.stopped or req.id in engine.cancelled:
+                        return openvino_genai.StreamingStatus.CANCEL
+                    return openvino_genai.StreamingStatus.RUNNING
+                except Exception:
+                    log.exception("streamer failed")
+                    return openvino_genai.StreamingStatus.STOP
+
+            def end(self):
+                pass
+
+        self.generating = True
+        try:
+            self.pipe.generate(req.input_ids, self.generation_config(req), Streamer())
+        except Exception as exc:
+            self.exit_if_device_lost(self.fail_all([req], exc))
+            return
+        finally:
+            self.generating = False
+        if req.id not in self.cancelled and not req.stopped:
+            self.finish(req, "length" if len(req.generated) >= req.max_tokens else "stop")
+        self.cancelled.discard(req.id)
+
+
+def finish_reason_name(reason, req: Request) -> str:
+    """genai's own reason where it gives one (NONE until the last chunk), else judged by the token count."""
+    name = getattr(reason, "name", "NONE")
+    if name in ("STOP", "LENGTH"):
+        return name.lower()
+    return "length" if len(req.generated) >= req.max_tokens else "stop"

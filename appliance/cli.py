@@ -51,6 +51,8 @@ def serve_config(args: argparse.Namespace) -> Config:
 def cmd_serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     setup_logging(config.server.log_level)
+    for warning in config.shared_gpu_warnings():
+        log.warning("%s", warning)
     from appliance.server import Appliance
     appliance = Appliance(config, reload_config=lambda: serve_config(args))
     return asyncio.run(appliance.serve(config.server.host, config.server.port))
@@ -60,6 +62,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.path)
     names = ", ".join(f"{m.name} ({m.device})" for m in config.models) or "no models"
     print(f"{args.path}: OK: {names}")
+    for warning in config.shared_gpu_warnings():
+        print(f"openarc: warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -23,6 +23,10 @@ DEFAULT_CONFIG_PATH = Path("/etc/openarc/openarc.yaml")
 # composite forms, reject anything else here rather than as a C++ exception at load time.
 DEVICE_PATTERN = re.compile(r"^(CPU|NPU|GPU(\.\d+)?|(AUTO|MULTI|HETERO|BATCH)(:[A-Z0-9.,:]+)?)$")
 
+# A GPU a device string names: "GPU.1", or bare "GPU" (OpenVINO's name for GPU.0), also inside composite
+# devices ("HETERO:GPU.1,CPU").
+GPU_IN_DEVICE = re.compile(r"\bGPU(?:\.(\d+))?\b")
+
 # The fields of openvino_genai.SchedulerConfig, listed here so the front never imports OpenVINO.
 SCHEDULER_FIELDS = {
     "num_kv_blocks": int,
@@ -135,11 +139,35 @@ class Config:
         systemd_cache = os.environ.get("CACHE_DIRECTORY")  # set by CacheDirectory=; may list several
         return str(Path(systemd_cache.split(":")[0]) / "ov") if systemd_cache else None
 
+    def shared_gpu_warnings(self) -> list[str]:
+        """One line per GPU that several models are pinned to: each loads its own copy of its weights and KV cache
+        into that card, so one card often cannot hold them (a mistake when the box has a card per model).
+
+        Only configs that name GPU indices pin: where no model says GPU.N (one card, or a Kubernetes pod that sees
+        only its own card), bare "GPU" is the one card there is, and models sharing it are what the user meant.
+        """
+        indexed = any(index is not None for m in self.models for index in _gpu_indices(m.device))
+        if not indexed:
+            return []
+        pinned: dict[int, list[int]] = {}
+        for i, model in enumerate(self.models):
+            for index in _gpu_indices(model.device):
+                pinned.setdefault(index or 0, []).append(i)
+        return [f"{self.source}: {', '.join(f'models[{i}].device' for i in at)}: models "
+                f"{', '.join(repr(self.models[i].name) for i in at)} share GPU.{index} (bare GPU is GPU.0) and its "
+                f"memory; give each model its own card (GPU.0, GPU.1, ...) unless that is meant"
+                for index, at in sorted(pinned.items()) if len(at) > 1]
+
     def only(self, name: str) -> Config:
         """The config of one instance (openarc@NAME): that model alone, on its own port if it has one."""
         model = self.model(name)
         server = dataclasses.replace(self.server, port=model.port or self.server.port)
         return Config(server=server, models=[model], source=self.source)
+
+
+def _gpu_indices(device: str) -> set[int | None]:
+    """The GPUs a device string names: an index, or None for bare GPU."""
+    return {int(index) if index else None for index in GPU_IN_DEVICE.findall(device)}
 
 
 # --- validation --------------------------------------------------------------------------------------

@@ -128,3 +128,40 @@ def test_serve_model_must_exist_in_the_config(tmp_path):
     done = run_cli("serve", "--config", write(tmp_path, FULL), "--model", "nope")
     assert done.returncode == 2
     assert "no model named 'nope' (have: qwen-14b, small)" in done.stderr
+
+
+# --- several GPUs ------------------------------------------------------------------------------------------
+
+def two_models(first_device: str, second_device: str) -> dict:
+    return {"models": [{"name": "a", "path": "/m/a", "device": first_device, "port": 8001},
+                       {"name": "b", "path": "/m/b", "device": second_device, "port": 8002}]}
+
+
+@pytest.mark.parametrize("first,second,gpu", [("GPU.0", "GPU.0", 0), ("GPU", "GPU.0", 0),
+                                              ("HETERO:GPU.1,CPU", "GPU.1", 1)])
+def test_check_config_warns_when_two_models_share_a_gpu(tmp_path, first, second, gpu):
+    path = write(tmp_path, two_models(first, second))
+    done = run_cli("check-config", path)
+    assert done.returncode == 0, done.stderr
+    assert f"OK: a ({first}), b ({second})" in done.stdout
+    assert done.stderr.strip() == (f"openarc: warning: {path}: models[0].device, models[1].device: models 'a', 'b' "
+                                   f"share GPU.{gpu} (bare GPU is GPU.0) and its memory; give each model its own "
+                                   "card (GPU.0, GPU.1, ...) unless that is meant")
+
+
+@pytest.mark.parametrize("first,second", [("GPU.0", "GPU.1"), ("GPU", "GPU"), ("GPU.1", "CPU"), ("AUTO", "GPU.0")])
+def test_check_config_is_quiet_about_one_card_per_model(tmp_path, first, second):
+    """Bare GPU everywhere is one card's box, or Kubernetes pods that each see only their own card."""
+    done = run_cli("check-config", write(tmp_path, two_models(first, second)))
+    assert done.returncode == 0 and done.stderr == ""
+
+
+def test_multi_gpu_example_gives_each_card_its_model_and_port(tmp_path):
+    example = REPO / "units" / "openarc.multi-gpu.yaml"
+    config = load_config(example)
+    assert [(m.device, m.port) for m in config.models] == [("GPU.0", 8001), ("GPU.1", 8002)]
+    assert run_cli("check-config", str(example)).stderr == ""
+    # The same file with both models on one card is what the warning is for.
+    data = yaml.safe_load(example.read_text())
+    data["models"][1]["device"] = "GPU.0"
+    assert "models 'qwen-gpu0', 'qwen-gpu1' share GPU.0" in run_cli("check-config", write(tmp_path, data)).stderr

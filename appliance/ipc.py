@@ -1,8 +1,9 @@
 """The front <-> worker channel: length-prefixed JSON frames over one end each of a socketpair.
 
-A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (one object with an "op").
-Front -> worker ops: generate, cancel, shutdown.  Worker -> front ops: ready, tokens, done, error, telemetry, fatal, and batch
-(the frames of one engine step sent as one).
+A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON: one object with an "op" and
+the fields OPS lists for it. Both sides build frames with `frame()` and check what they receive with `check()`,
+so a frame that is not in this table is a protocol error wherever it shows up.
+
 EOF on the socket is the only liveness signal either side needs: the kernel closes it the moment the peer dies.
 """
 
@@ -13,19 +14,80 @@ import json
 import socket
 import struct
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 HEADER = struct.Struct(">I")
 MAX_FRAME = 64 << 20  # a prompt is bounded by the HTTP body limit; this only guards against garbage
 
 
+@dataclass(frozen=True)
+class Op:
+    sender: str                        # "front" or "worker"
+    required: frozenset[str]
+    optional: frozenset[str] = frozenset()
+    doc: str = ""
+
+
+def _op(sender: str, required: str = "", optional: str = "", doc: str = "") -> Op:
+    return Op(sender, frozenset(required.split()), frozenset(optional.split()), doc)
+
+
+OPS: dict[str, Op] = {
+    # front -> worker
+    "generate": _op("front", "id kind params stream", "messages prompt",
+                    "run one request: kind chat (messages) or completion (prompt), with its sampling params"),
+    "cancel": _op("front", "id", doc="the caller is gone: stop generating for it"),
+    "shutdown": _op("front", doc="leave now (without destructors)"),
+    # worker -> front
+    "ready": _op("worker", "load_seconds", doc="the pipeline is loaded; its own load time"),
+    "fatal": _op("worker", "kind code message", "hint",
+                 "the worker cannot go on (a load error, or an internal error after loading) and exits"),
+    "tokens": _op("worker", "id text n", doc="new text of a request and how many tokens it took"),
+    "done": _op("worker", "id finish_reason prompt_tokens completion_tokens", doc="a request finished"),
+    "error": _op("worker", "id kind code message", "hint", "a request failed; the worker goes on"),
+    "progress": _op("worker", doc="generation goes on though nothing was sent (keeps the stall timer honest)"),
+    "telemetry": _op("worker", "rss_bytes", "device_memory_used_bytes device_memory_total_bytes",
+                     "memory figures, every few seconds"),
+    "batch": _op("worker", "frames", doc="the frames of one engine step, sent as one"),
+}
+
+
 class ProtocolError(RuntimeError):
     pass
+
+
+def frame(op: str, **fields: Any) -> dict[str, Any]:
+    """Build a frame of `op`; a field the table does not list for it is a bug in the sender."""
+    message = {"op": op, **fields}
+    check(message)
+    return message
+
+
+def check(message: Any) -> dict[str, Any]:
+    """The frame itself if it matches the table, else ProtocolError naming what is wrong."""
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a frame must be a JSON object, got {type(message).__name__}")
+    spec = OPS.get(message.get("op"))  # type: ignore[arg-type]
+    if spec is None:
+        raise ProtocolError(f"unknown op {message.get('op')!r}")
+    fields = message.keys() - {"op"}
+    if not spec.required <= fields or not fields <= spec.required | spec.optional:
+        missing, extra = spec.required - fields, fields - spec.required - spec.optional
+        raise ProtocolError(f"op {message['op']!r}: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    return message
 
 
 def encode(message: dict[str, Any]) -> bytes:
     body = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
     return HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    try:
+        return check(json.loads(body))
+    except (ValueError, RecursionError) as exc:  # bad JSON or bad UTF-8
+        raise ProtocolError(f"a frame that is not JSON: {exc}") from None
 
 
 def decode_length(header: bytes) -> int:
@@ -48,9 +110,10 @@ class AsyncChannel:
         return cls(reader, writer)
 
     async def recv(self) -> dict[str, Any] | None:
+        """The next frame, None at EOF; ProtocolError for anything that is not a frame of OPS."""
         try:
             header = await self._reader.readexactly(HEADER.size)
-            return json.loads(await self._reader.readexactly(decode_length(header)))
+            return decode(await self._reader.readexactly(decode_length(header)))
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
 
@@ -82,7 +145,9 @@ class BlockingChannel:
         if len(header) < HEADER.size:
             return None
         body = self._rfile.read(decode_length(header))
-        return json.loads(body) if body is not None else None
+        if body is None or len(body) < HEADER.unpack(header)[0]:
+            return None
+        return decode(body)
 
     def send(self, message: dict[str, Any]) -> None:
         frame = encode(message)

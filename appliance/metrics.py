@@ -12,7 +12,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-MODEL_STATES = ("loading", "ready", "restarting", "failed", "stopped")
+from appliance.lifecycle import ModelState
+
+MODEL_STATES = tuple(state.value for state in ModelState)
 
 
 @dataclass
@@ -38,8 +40,12 @@ class Metrics:
                                 ["model", "endpoint", "status"], registry=r)
         self.request_errors = Counter("openarc_request_errors", "Requests that ended in an error, by kind",
                                       ["model", "kind"], registry=r)
-        self.worker_crashes = Counter("openarc_worker_crashes", "Worker processes that died unexpectedly",
-                                      ["model", "signal"], registry=r)
+        self.worker_crashes = Counter("openarc_worker_crashes", "Worker processes that died unexpectedly, by signal "
+                                      "or exit status and why (crash, worker_error, device_lost, oom_kill)",
+                                      ["model", "signal", "reason"], registry=r)
+        self.worker_exits = Counter("openarc_worker_exits", "Worker lives that ended, by why (appliance.lifecycle."
+                                    "ExitReason: crash, stall, spawn_error, load_timeout, stopped, ...)",
+                                    ["model", "reason"], registry=r)
         self.worker_restarts = Counter("openarc_worker_restarts", "Worker processes started after the first",
                                        ["model"], registry=r)
         self.worker_up = Gauge("openarc_worker_up", "1 while the model's worker is ready", ["model"], registry=r)

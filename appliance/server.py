@@ -169,7 +169,7 @@ class Appliance:
                 self.notifier.extend_start_timeout()
                 last_extend = time.monotonic()
             self.notifier.status("loading: " + self.status_line())
-            await asyncio.sleep(0.05)
+            await self.supervisor.wait_changed(LOAD_EXTEND_EVERY_S)
 
     async def serve(self, host: str, port: int) -> int:
         """Serve until SIGTERM/SIGINT; the exit status: 0 after a clean stop, 1 if no model could load at all."""

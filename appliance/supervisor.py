@@ -1,8 +1,10 @@
 """One supervisor per model: spawns its worker, routes requests to it, reaps it, times it out and restarts it.
 
-Every state change goes through ModelSupervisor._enter(); every way a worker can end goes through _worker_ended().
-Requests never wait on a worker that cannot answer: when the worker's channel reaches EOF (the kernel closes it
-the instant the process dies) or the stall timer fires, every request of the model is failed at once.
+Every state change goes through the model's Lifecycle (appliance.lifecycle, with its table of legal moves);
+every way a worker's life can end becomes one Exit, which ModelSupervisor._on_exit() turns into state, metrics,
+a log line and a backoff. Requests never wait on a worker that cannot answer: when the worker's channel reaches
+EOF (the kernel closes it the instant the process dies) or the stall timer fires, every request of the model is
+failed at once.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
 import itertools
 import json
 import logging
@@ -21,26 +22,19 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-from appliance import faults
+from appliance import faults, ipc
 from appliance.config import Config, ModelConfig
-from appliance.ipc import AsyncChannel
+from appliance.ipc import AsyncChannel, ProtocolError
+from appliance.lifecycle import CRASH_REASONS, Exit, ExitReason, Lifecycle, ModelState, RestartBudget
 from appliance.metrics import Metrics
 
 log = logging.getLogger("openarc.supervisor")
 
-MONITOR_INTERVAL_S = 0.05
 SHUTDOWN_GRACE_S = 3.0
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
-
-
-class ModelState(enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    RESTARTING = "restarting"
-    FAILED = "failed"
-    STOPPED = "stopped"
+EXIT_DEVICE_LOST = 75  # appliance.engines.base: the worker left because its GPU context is lost
 
 
 class RequestFailed(Exception):
@@ -97,6 +91,9 @@ class WorkerProcess:
                 sys.executable, "-m", "appliance.worker", "--fd", str(worker_end.fileno()), "--spec", json.dumps(spec),
                 pass_fds=(worker_end.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
                 start_new_session=True)  # a terminal's Ctrl-C reaches the front only; the front stops workers
+        except BaseException:
+            front_end.close()
+            raise
         finally:
             worker_end.close()
         return cls(proc, await AsyncChannel.open(front_end))
@@ -107,9 +104,11 @@ class WorkerProcess:
         except ProcessLookupError:
             pass
 
-    async def end(self) -> int:
-        """Ask the worker to leave (it os._exit()s, no destructors), SIGKILL it after a grace period."""
-        self.channel.send({"op": "shutdown"})
+    def ask_to_leave(self) -> None:
+        """Ask the worker to leave (it os._exit()s, no destructors); reap() SIGKILLs it after a grace period."""
+        self.channel.send(ipc.frame("shutdown"))
+
+    async def reap(self) -> int:
         try:
             return await asyncio.wait_for(self.proc.wait(), SHUTDOWN_GRACE_S)
         except asyncio.TimeoutError:
@@ -119,173 +118,244 @@ class WorkerProcess:
             self.channel.close()
 
 
-class RestartBudget:
-    """Exponential backoff per consecutive crash, reset after `window_s` of service; failed after too many."""
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip()}" if str(exc).strip() else type(exc).__name__
 
-    def __init__(self, policy):
-        self.policy = policy
-        self.failures: collections.deque[float] = collections.deque()
-        self.consecutive = 0
 
-    def record_failure(self, now: float, served_s: float) -> float | None:
-        """Returns the backoff before the next start, or None when the budget is used up."""
-        if served_s >= self.policy.window_s:
-            self.consecutive = 0
-        self.consecutive += 1
-        self.failures.append(now)
-        while self.failures and now - self.failures[0] > self.policy.window_s:
-            self.failures.popleft()
-        if len(self.failures) >= self.policy.max_failures:
-            return None
-        return min(self.policy.backoff_initial_s * 2 ** (self.consecutive - 1), self.policy.backoff_max_s)
+def describe_exit(exit: Exit) -> str:
+    """The one-line account of a worker's end, for the log and /openarc/status."""
+    how = faults.signal_name(exit.returncode) if exit.returncode is not None else None
+    if exit.reason is ExitReason.CRASH:
+        text = f"worker exited: {how}"
+    elif exit.reason is ExitReason.DEVICE_LOST:
+        text = f"worker exited: device lost ({how}); a fresh worker gets a new device context"
+    elif exit.reason is ExitReason.OOM_KILL:
+        text = f"worker exited: killed by the kernel OOM killer ({how})"
+    else:
+        text = f"worker ended: {exit.reason.value}" + (f" ({how})" if how else "")
+    return text + (f": {exit.detail}" if exit.detail else "")
 
 
 class ModelSupervisor:
-    def __init__(self, model: ModelConfig, config: Config, metrics: Metrics, load_gate: asyncio.Semaphore):
+    """One model: its lifecycle, its worker, and the requests routed to it."""
+
+    def __init__(self, model: ModelConfig, config: Config, metrics: Metrics, load_gate: asyncio.Semaphore,
+                 on_change: Callable[[], None] = lambda: None):
         self.model = model
         self.name = model.name
         self.metrics = metrics
         self.load_gate = load_gate
         self.spec = worker_spec(model, config)
-        self.state = ModelState.STOPPED
+        self.series = metrics.for_model(self.name)
+        self._on_change = on_change  # the Supervisor's "some model changed state" signal
+        self.lifecycle = Lifecycle(self.name, self._state_changed)
+        self.task: asyncio.Task | None = None
         self.worker: WorkerProcess | None = None
+        self.budget = RestartBudget(model.restart)
         self.restarts = 0
         self.crashes = 0
         self.last_error: str | None = None
         self.last_hint: str | None = None
-        self.budget = RestartBudget(model.restart)
+        self.last_exit: Exit | None = None
+        self.load_seconds: float | None = None  # the worker's own measure of its last load
         self.running: dict[int, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.ids = itertools.count(1)
+        self.idle = asyncio.Event()
+        self.idle.set()
         self.last_progress = time.monotonic()
         self.stop_requested = asyncio.Event()
-        # why the worker ended, when it was not a crash: "stall", "stop", "load_timeout" (the front killed it) or
-        # "fatal" (it reported a load error and left)
-        self._ended_by: str | None = None
-        self.series = metrics.for_model(self.name)
+        # Set by whoever decided that the current worker must end (the front), before the process is reaped.
+        self._ending: Exit | None = None
+        self._ready_at: float | None = None
 
     # --- state -------------------------------------------------------------------------------------
 
+    @property
+    def state(self) -> ModelState:
+        return self.lifecycle.state
+
     def _enter(self, state: ModelState, error: str | None = None, hint: str | None = None) -> None:
-        """The one place a model changes state: metrics, log and waiters follow from here."""
         if error is not None:
             self.last_error, self.last_hint = error, hint
-        if state is not self.state:
-            log.info("model %s: %s -> %s%s", self.name, self.state.value, state.value, f" ({error})" if error else "")
-        self.state = state
-        self.metrics.set_state(self.name, state.value)
+        self.lifecycle.enter(state)
+
+    def _state_changed(self, old: ModelState, new: ModelState) -> None:
+        """Every state change, once: log, metrics, and the waiters of the whole Supervisor."""
+        reason = f" ({self.last_error})" if new in (ModelState.FAILED, ModelState.RESTARTING) and self.last_error else ""
+        log.info("model %s: %s -> %s%s", self.name, old.value, new.value, reason)
+        self.metrics.set_state(self.name, new.value)
+        self._on_change()
 
     @property
     def pid(self) -> int | None:
         return self.worker.pid if self.worker else None
 
+    @property
+    def stopping(self) -> bool:
+        return self.stop_requested.is_set()
+
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "state": self.state.value, "pid": self.pid, "device": self.model.device,
                 "pipeline": self.model.pipeline, "restarts": self.restarts, "crashes": self.crashes,
                 "last_error": self.last_error, "hint": self.last_hint,
+                "last_exit": self.last_exit.reason.value if self.last_exit else None,
+                "load_seconds": self.load_seconds,
                 "requests_running": len(self.running), "requests_waiting": len(self.waiting)}
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.run(), name=f"model:{self.name}")
+        self.task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:  # run() guards every life; this is a last resort
+            log.error("model %s: its supervisor task died", self.name, exc_info=task.exception())
+
     async def run(self) -> None:
-        """Start, serve, and restart the worker until stopped or failed."""
-        first = True
+        """Start, serve and restart the worker until stopped or failed: one loop, one exit path."""
         while not self.stopping:
-            self._enter(ModelState.LOADING if first else ModelState.RESTARTING)
-            if not first:
-                self.restarts += 1
-                self.series.worker_restarts.inc()
-            first = False
-            backoff = await self._run_one_worker()
-            if self.stopping:
-                break
-            if backoff is None:
-                self._enter(ModelState.FAILED, f"restart budget used up ({self.model.restart.max_failures} failures "
-                                               f"within {self.model.restart.window_s:g}s); last: {self.last_error}",
-                            self.last_hint)
+            self._enter(ModelState.LOADING)
+            backoff = self._on_exit(await self._one_life())
+            if backoff is None or self.stopping:
                 return
-            self._enter(ModelState.RESTARTING)  # also after a failed load, which never was READY
             await self._sleep_unless_stopping(backoff)
-        self._enter(ModelState.STOPPED)
-
-    async def _run_one_worker(self) -> float | None:
-        """One worker's whole life; returns the backoff before the next one, or None if the model failed."""
-        started = time.monotonic()
-        async with self.load_gate:
             if self.stopping:
-                return 0.0
-            self.worker = await WorkerProcess.spawn(self.spec)
-            ready = await self._await_ready(started)
-        served = 0.0
-        if ready:
-            ready_at = time.monotonic()
-            await self._serve()
-            served = time.monotonic() - ready_at
-        return self._worker_ended(await self.worker.proc.wait(), served)
+                return
+            self.restarts += 1
+            self.series.worker_restarts.inc()
 
-    async def _await_ready(self, started: float) -> bool:
+    async def _one_life(self) -> Exit:
+        """One worker from spawn to reaped, whatever happens in between; never raises."""
+        self._ending, self._ready_at = None, None
+        try:
+            async with self.load_gate:
+                if self.stopping:
+                    return Exit(ExitReason.STOPPED)
+                spawned = time.monotonic()
+                try:
+                    self.worker = await WorkerProcess.spawn(self.spec)
+                except Exception as exc:  # EMFILE, ENOMEM, EACCES, a missing interpreter: nothing to reap
+                    return Exit(ExitReason.SPAWN_ERROR, detail=f"cannot start the worker: {describe(exc)}")
+                ready = await self._await_ready(spawned)
+            if ready:
+                await self._serve()
+            return await self._reap()
+        except Exception as exc:  # a bug in the supervision itself: log it whole, kill the worker, restart
+            log.exception("model %s: supervising worker %s failed", self.name, self.pid)
+            self._end_worker(ExitReason.SUPERVISOR_ERROR, f"internal error in the front: {describe(exc)}")
+            self._fail_all_requests()
+            return await self._reap()
+
+    async def _await_ready(self, spawned: float) -> bool:
         try:
             message = await asyncio.wait_for(self.worker.channel.recv(), self.model.load_timeout_s)
         except asyncio.TimeoutError:
-            self._ended_by = "load_timeout"
-            self.worker.signal(signal.SIGKILL)
-            self.last_error = f"model load took longer than load_timeout_s={self.model.load_timeout_s:g}"
+            self._end_worker(ExitReason.LOAD_TIMEOUT,
+                             f"model load took longer than load_timeout_s={self.model.load_timeout_s:g}")
             return False
-        if message is None or message.get("op") != "ready":
-            if message and message.get("op") == "fatal":  # the worker says why it cannot load, then exits
-                self._ended_by = "fatal"
-                self.last_error, self.last_hint = message["message"], message.get("hint")
+        except ProtocolError as exc:
+            self._end_worker(ExitReason.PROTOCOL_ERROR, f"the worker sent a malformed frame while loading: {exc}")
             return False
-        self.series.model_load.observe(time.monotonic() - started)
+        if message is None:
+            return False  # it died while loading: _reap() tells how
+        if message["op"] == "fatal":  # the worker says why it cannot load, then exits
+            self._end_worker(ExitReason.LOAD_ERROR, message["message"], message.get("hint"), kill=False)
+            return False
+        if message["op"] != "ready":
+            self._end_worker(ExitReason.PROTOCOL_ERROR, f"the worker sent {message['op']!r} before 'ready'")
+            return False
+        self.load_seconds = message["load_seconds"]
+        self.series.model_load.observe(time.monotonic() - spawned)
+        self._ready_at = time.monotonic()
         self._enter(ModelState.READY)
         return True
 
     async def _serve(self) -> None:
-        """Route worker frames until the channel ends; the monitor fails everything if the worker stalls."""
+        """Route worker frames until the channel ends; the monitor ends a worker that stalls."""
         monitor = asyncio.create_task(self._monitor())
         try:
             while (message := await self.worker.channel.recv()) is not None:
                 self._on_frame(message)
+        except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+            self._end_worker(ExitReason.PROTOCOL_ERROR, f"the worker sent a malformed frame: {describe(exc)}")
         finally:
             monitor.cancel()
             # Leave READY before anything awaits, so no request is admitted to a worker that is gone.
-            self._enter(ModelState.STOPPED if self.stopping else ModelState.RESTARTING)
+            self._leave_ready()
             self._fail_all_requests()
 
-    def _worker_ended(self, returncode: int, served_s: float) -> float | None:
-        """Account for a worker that is gone, and decide what happens next."""
-        ended_by, self._ended_by = self._ended_by, None
-        self.worker = None
-        if self.stopping and ended_by in (None, "stop"):
-            return 0.0
-        if ended_by == "stall":
-            self.last_error = f"worker made no progress for stall_timeout_s={self.model.stall_timeout_s:g}; killed"
-            self.last_hint = None
-        elif ended_by is None:  # nobody asked it to go: a crash
-            fault = faults.classify_exit(returncode, during_load=served_s == 0.0)
+    def _leave_ready(self) -> None:
+        if self.state is ModelState.READY:
+            self._enter(ModelState.RESTARTING)
+
+    def _end_worker(self, reason: ExitReason, detail: str, hint: str | None = None, kill: bool = True) -> None:
+        """The front decided this worker's life is over: record why (once), leave READY, and kill it."""
+        if self._ending is None:
+            self._ending = Exit(reason, detail=detail, hint=hint)
+        self._leave_ready()
+        if kill and self.worker:
+            self.worker.signal(signal.SIGKILL)
+
+    async def _reap(self) -> Exit:
+        """Wait for the worker process, and describe how its life ended."""
+        worker, self.worker = self.worker, None
+        returncode = await worker.reap() if worker else None
+        served = time.monotonic() - self._ready_at if self._ready_at is not None else 0.0
+        ending = self._ending or Exit(self._unasked_exit_reason(returncode))
+        return Exit(ending.reason, returncode, ending.detail, ending.hint, self._ready_at is not None, served)
+
+    def _unasked_exit_reason(self, returncode: int | None) -> ExitReason:
+        """Nobody in the front asked this worker to go."""
+        if self.stopping:
+            return ExitReason.STOPPED
+        if returncode == EXIT_DEVICE_LOST:
+            return ExitReason.DEVICE_LOST
+        return ExitReason.CRASH
+
+    def _on_exit(self, exit: Exit) -> float | None:
+        """The one place a worker's end becomes state, metrics and a log line: the backoff before the next
+        start, or None when there is none (stopping, or the model is now failed)."""
+        self.last_exit = exit
+        self.metrics.worker_exits.labels(model=self.name, reason=exit.reason.value).inc()
+        if exit.reason is ExitReason.STOPPED or self.stopping:
+            log.info("model %s: worker ended (%s)", self.name, exit.reason.value)
+            return None
+        fault = faults.classify_exit(exit.returncode or 0, during_load=not exit.ever_ready,
+                                     oom_killed=exit.reason is ExitReason.OOM_KILL)
+        if exit.reason in CRASH_REASONS:
             self.crashes += 1
-            self.metrics.worker_crashes.labels(model=self.name, signal=faults.signal_name(returncode)).inc()
-            self.last_error, self.last_hint = f"worker exited: {faults.signal_name(returncode)}", fault.hint
-            log.error("model %s: worker exited with %s%s", self.name, faults.signal_name(returncode), fault.hint_suffix)
-        return self.budget.record_failure(time.monotonic(), served_s)
+            self.metrics.worker_crashes.labels(model=self.name, signal=faults.signal_name(exit.returncode or 0),
+                                               reason=exit.reason.value).inc()
+            hint = exit.hint or fault.hint
+        else:
+            hint = exit.hint
+        self.last_error, self.last_hint = describe_exit(exit), hint
+        log.error("model %s: %s%s", self.name, self.last_error, f" (hint: {hint})" if hint else "")
+        backoff = self.budget.record_failure(time.monotonic(), exit.served_s)
+        if backoff is None:
+            self._enter(ModelState.FAILED, f"restart budget used up ({self.model.restart.max_failures} failures "
+                                           f"within {self.model.restart.window_s:g}s); last: {self.last_error}", hint)
+            return None
+        self._enter(ModelState.RESTARTING)
+        return backoff
 
     async def _monitor(self) -> None:
-        """Kill a worker that stops making progress while it has work (what a GPU hang looks like)."""
-        while True:
-            await asyncio.sleep(MONITOR_INTERVAL_S)
-            if self.running and time.monotonic() - self.last_progress > self.model.stall_timeout_s:
-                log.error("model %s: no progress for %.1fs, killing worker %s", self.name,
-                          self.model.stall_timeout_s, self.pid)
-                self._ended_by = "stall"
-                self._fail_all_requests(RequestFailed(
-                    504, "stall", f"model {self.name} made no progress for {self.model.stall_timeout_s:g}s; "
-                                  "its worker was killed and is restarting", retry_after=self.model.restart.backoff_initial_s))
-                self.worker.signal(signal.SIGKILL)
-                return
+        """Kill a worker that stops making progress while it has work (what a GPU hang looks like).
 
-    @property
-    def stopping(self) -> bool:
-        return self.stop_requested.is_set()
+        It sleeps until the stall deadline of the oldest progress, not on a polling tick."""
+        stall = self.model.stall_timeout_s
+        while True:
+            overdue = time.monotonic() - self.last_progress
+            if self.running and overdue > stall:
+                break
+            await asyncio.sleep(stall - overdue if self.running else stall)
+        log.error("model %s: no progress for %.1fs, killing worker %s", self.name, stall, self.pid)
+        self._end_worker(ExitReason.STALL, f"worker made no progress for stall_timeout_s={stall:g}; killed")
+        self._fail_all_requests(RequestFailed(
+            504, "stall", f"model {self.name} made no progress for {stall:g}s; its worker was killed and is "
+                          "restarting", retry_after=self.model.restart.backoff_initial_s))
 
     async def _sleep_unless_stopping(self, seconds: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -294,13 +364,18 @@ class ModelSupervisor:
     async def stop(self, drain_timeout_s: float) -> None:
         """Drain: let running and queued requests finish up to the timeout, then end the worker."""
         self.stop_requested.set()
-        deadline = time.monotonic() + drain_timeout_s
-        while (self.running or self.waiting) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        if self.state is not ModelState.STOPPED:
+            self._enter(ModelState.DRAINING)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.idle.wait(), drain_timeout_s)
         self._fail_all_requests(RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1))
         if self.worker:
-            self._ended_by = "stop"
-            await self.worker.end()
+            self._ending = self._ending or Exit(ExitReason.STOPPED)
+            self.worker.ask_to_leave()
+        if self.task:
+            await asyncio.gather(self.task, return_exceptions=True)
+        if self.state is ModelState.DRAINING:
+            self._enter(ModelState.STOPPED)
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -325,7 +400,7 @@ class ModelSupervisor:
         if req in self.waiting:
             self.waiting.remove(req)
         elif self.running.pop(req.id, None) is not None and self.worker:
-            self.worker.channel.send({"op": "cancel", "id": req.id})
+            self.worker.channel.send(ipc.frame("cancel", id=req.id))
         self._dispatch()
 
     async def events(self, req: Request) -> AsyncIterator[Event]:
@@ -367,21 +442,32 @@ class ModelSupervisor:
             self.running[req.id] = req
             self.series.queue_time.observe(req.dispatched - req.submitted)
             try:
-                self.worker.channel.send({"op": "generate", **req.frame})
-            except ValueError as exc:  # a frame that cannot be encoded must not hold a slot forever
+                self.worker.channel.send(ipc.frame("generate", **req.frame))
+            except (ValueError, ProtocolError) as exc:  # a frame that cannot be sent must not hold a slot forever
                 self._finish(req, RequestFailed(500, "internal", f"cannot pass the request to its worker: {exc}"))
         self.series.requests_running.set(len(self.running))
         self.series.requests_waiting.set(len(self.waiting))
+        if self.running or self.waiting:
+            self.idle.clear()
+        else:
+            self.idle.set()
 
     def _on_frame(self, message: dict[str, Any]) -> None:
+        """One frame from a ready worker (checked against ipc.OPS by the channel; a batch's frames here)."""
         op = message["op"]
         if op == "batch":  # everything one engine step produced
             for frame in message["frames"]:
-                self._on_frame(frame)
+                self._on_frame(ipc.check(frame))
             return
         if op == "telemetry":
             self._on_telemetry(message)
             return
+        if op == "fatal":  # an internal error after loading: the worker has failed its requests and exits
+            self._end_worker(ExitReason.WORKER_ERROR, f"{message['kind']}: {message['message']}", message.get("hint"),
+                             kill=False)
+            return
+        if op not in ("tokens", "done", "error", "progress"):
+            raise ProtocolError(f"a ready worker sent {op!r}")
         self.last_progress = time.monotonic()
         req = self.running.get(message.get("id"))
         if req is None:
@@ -434,6 +520,7 @@ class ModelSupervisor:
         self._dispatch()
 
 
+
 def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
     """What a worker needs to know, as JSON on its command line."""
     return {"name": model.name, "path": model.path, "device": model.device, "pipeline": model.pipeline,
@@ -450,22 +537,30 @@ class Supervisor:
         self.metrics = metrics
         self.load_gate = asyncio.Semaphore(config.server.load_concurrency)
         self.models: dict[str, ModelSupervisor] = {}
-        self.tasks: dict[str, asyncio.Task] = {}
+        self._changed = asyncio.Event()
 
     def start(self) -> None:
         for model in self.config.models:
             self._start_model(model)
 
     def _start_model(self, model: ModelConfig) -> None:
-        sup = ModelSupervisor(model, self.config, self.metrics, self.load_gate)
+        sup = ModelSupervisor(model, self.config, self.metrics, self.load_gate, self._model_changed)
         self.models[model.name] = sup
-        self.tasks[model.name] = asyncio.create_task(sup.run(), name=f"model:{model.name}")
+        sup.start()
 
     async def _stop_model(self, name: str, drain_timeout_s: float) -> None:
         # The model stays listed while it drains: its callers get 503 "shutting down", not 404.
         await self.models[name].stop(drain_timeout_s)
-        await asyncio.gather(self.tasks[name], return_exceptions=True)
-        del self.models[name], self.tasks[name]
+        del self.models[name]
+
+    def _model_changed(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Until some model changes state, or the timeout passes."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
 
     async def apply(self, config: Config) -> list[str]:
         """Bring the running models in line with a new config (SIGHUP): stop removed ones, restart changed ones
@@ -495,7 +590,8 @@ class Supervisor:
 
     def healthy(self) -> bool:
         """No model's supervising task has died of a bug (a failed model is a state, not a dead task)."""
-        return all(not t.done() or t.cancelled() or t.exception() is None for t in self.tasks.values())
+        tasks = [m.task for m in self.models.values() if m.task]
+        return all(not t.done() or t.cancelled() or t.exception() is None for t in tasks)
 
     async def stop(self, drain_timeout_s: float) -> None:
         await asyncio.gather(*(self._stop_model(name, drain_timeout_s) for name in list(self.models)))

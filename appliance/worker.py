@@ -24,12 +24,14 @@ import time
 from appliance import faults, telemetry
 from appliance.engines import load_engine
 from appliance.engines.base import Engine
-from appliance.ipc import BlockingChannel
+from appliance.ipc import BlockingChannel, frame
 
 log = logging.getLogger("openarc.worker")
 
 EXIT_LOAD_FAILED = 3
+EXIT_INTERNAL_ERROR = 70  # EX_SOFTWARE: a bug in the worker; the supervisor restarts it
 TELEMETRY_INTERVAL_S = 2.0
+INTERNAL = faults.Fault("internal", "internal_error", None, True)
 
 
 def die_with_parent() -> None:
@@ -82,8 +84,8 @@ def report_telemetry(channel: BlockingChannel, probe: DeviceProbe) -> None:
     while True:
         try:
             used, total = probe.memory(pid)
-            channel.send({"op": "telemetry", "rss_bytes": telemetry.process_rss_bytes(pid),
-                          "device_memory_used_bytes": used, "device_memory_total_bytes": total})
+            channel.send(frame("telemetry", rss_bytes=telemetry.process_rss_bytes(pid),
+                               device_memory_used_bytes=used, device_memory_total_bytes=total))
         except OSError:
             return
         except Exception:  # telemetry must never take a worker down
@@ -91,8 +93,40 @@ def report_telemetry(channel: BlockingChannel, probe: DeviceProbe) -> None:
         time.sleep(TELEMETRY_INTERVAL_S)
 
 
+def fail_loudly(channel: BlockingChannel, thread: str, exc: BaseException, engine: Engine | None = None) -> None:
+    """An exception escaped one of the worker's threads: nothing here can be trusted to go on. Answer the engine's
+    requests (only from the engine thread itself, which owns them), tell the front why, and leave at once: the
+    front fails what is left and restarts the model."""
+    message = f"internal error in the worker's {thread} thread: {type(exc).__name__}: {exc}"
+    log.error("%s; exiting", message, exc_info=exc)
+    try:
+        if engine is not None:
+            for request_id in engine.live_request_ids():
+                engine.fail(request_id, INTERNAL, message)
+            engine.flush()
+        channel.send(frame("fatal", kind=INTERNAL.kind, code=INTERNAL.code, message=message))
+    except Exception as report_exc:  # the front still sees EOF and our exit status
+        log.error("could not report the error to the front: %s", report_exc)
+    finally:
+        os._exit(EXIT_INTERNAL_ERROR)
+
+
+def run_engine(channel: BlockingChannel, engine: Engine) -> None:
+    try:
+        engine.run()
+    except BaseException as exc:
+        fail_loudly(channel, "engine", exc, engine)
+
+
 def serve(channel: BlockingChannel, engine: Engine) -> None:
     """The channel reader: dispatch frames to the engine until EOF (the front is gone) or shutdown."""
+    try:
+        read_frames(channel, engine)
+    except Exception as exc:
+        fail_loudly(channel, "channel reader", exc)
+
+
+def read_frames(channel: BlockingChannel, engine: Engine) -> None:
     while True:
         message = channel.recv()
         if message is None or message["op"] == "shutdown":
@@ -121,12 +155,12 @@ def main(argv: list[str] | None = None) -> None:
         message = str(exc).strip() or type(exc).__name__
         fault = faults.classify_error(message, device=spec["device"])
         log.error("loading %s failed (%s): %s%s", spec["path"], fault.kind, message, fault.hint_suffix)
-        channel.send({"op": "fatal", "kind": fault.kind, "code": fault.code, "hint": fault.hint, "message": message})
+        channel.send(frame("fatal", kind=fault.kind, code=fault.code, hint=fault.hint, message=message))
         os._exit(EXIT_LOAD_FAILED)
     probe = DeviceProbe(spec["device"])
     engine.pci_family = probe.family
-    channel.send({"op": "ready", "load_seconds": time.monotonic() - started})
-    threading.Thread(target=engine.run, name="engine", daemon=True).start()
+    channel.send(frame("ready", load_seconds=time.monotonic() - started))
+    threading.Thread(target=run_engine, args=(channel, engine), name="engine", daemon=True).start()
     threading.Thread(target=report_telemetry, args=(channel, probe), name="telemetry", daemon=True).start()
     try:
         serve(channel, engine)

@@ -65,7 +65,8 @@ def test_counters_match_what_the_test_did(busy_app):
     assert value(scrape, "openarc_request_errors_total", model="demo", kind="invalid_request") == 2
     assert value(scrape, "openarc_request_errors_total", model="", kind="invalid_request") == 2
     assert value(scrape, "openarc_request_errors_total", model="demo", kind="scheduler_oom") == 1
-    assert value(scrape, "openarc_worker_crashes_total", model="demo", signal="SIGABRT") == 1
+    assert value(scrape, "openarc_worker_crashes_total", model="demo", signal="SIGABRT", reason="crash") == 1
+    assert value(scrape, "openarc_worker_exits_total", model="demo", reason="crash") == 1
     assert value(scrape, "openarc_worker_restarts_total", model="demo") == 1
     assert value(scrape, "openarc_worker_up", model="demo") == 1
     assert value(scrape, "openarc_model_state", model="demo", state="ready") == 1

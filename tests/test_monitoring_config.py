@@ -25,7 +25,8 @@ DASHBOARD = REPO / "config" / "grafana" / "openarc-dashboard.json"
 OPENARC_METRICS = {
     "openarc_requests_total": ("counter", ("model", "endpoint", "status")),
     "openarc_request_errors_total": ("counter", ("model", "kind")),
-    "openarc_worker_crashes_total": ("counter", ("model", "signal")),
+    "openarc_worker_crashes_total": ("counter", ("model", "signal", "reason")),
+    "openarc_worker_exits_total": ("counter", ("model", "reason")),
     "openarc_worker_restarts_total": ("counter", ("model",)),
     "openarc_worker_up": ("gauge", ("model",)),
     "openarc_model_state": ("gauge", ("model", "state")),
@@ -44,7 +45,7 @@ OPENARC_METRICS = {
     "openarc_model_load_seconds": ("histogram", ("model",)),
     "openarc_event_loop_lag_seconds": ("gauge", ()),
 }
-MODEL_STATES = ("loading", "ready", "restarting", "failed", "stopped")
+MODEL_STATES = ("loading", "ready", "restarting", "draining", "failed", "stopped")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
@@ -339,7 +340,7 @@ def test_dashboard_queries_pass_promtool_as_recording_rules(promtool, dashboard,
 
 # A healthy, busy server: every metric exported once, one model ready, no 5xx.
 SAMPLE_LABELS = {"model": "demo", "endpoint": "/v1/chat/completions", "status": "200", "kind": "device_oom",
-                 "signal": "SIGSEGV", "device": "GPU.0"}
+                 "signal": "SIGSEGV", "reason": "crash", "device": "GPU.0"}
 SCRAPE_LABELS = {"job": "openarc", "instance": "127.0.0.1:8000"}
 SAMPLE_MINUTES = 90
 HISTOGRAM_BUCKETS = ("0.1", "1", "+Inf")

@@ -13,15 +13,21 @@ import time
 from typing import Any
 
 from appliance import faults
-from appliance.ipc import BlockingChannel
+from appliance.ipc import BlockingChannel, frame
 
 log = logging.getLogger("openarc.worker")
 
 EXIT_DEVICE_LOST = 75  # EX_TEMPFAIL: the supervisor restarts us with a fresh device context
 PROGRESS_INTERVAL_S = 0.25  # well under any sensible stall_timeout_s
-# Test and benchmark knob: sleep after every engine step, so a fault can land mid-generation on a model that
-# otherwise finishes 32 tokens in 8 ms.  Never set in production.
+# Test and benchmark knobs, never set in production: sleep after every engine step, so a fault can land
+# mid-generation on a model that otherwise finishes 32 tokens in 8 ms; and raise inside the engine after that many
+# steps, to prove that an exception in the engine thread (or the stateful streamer) fails loudly.
 STEP_DELAY_ENV = "OPENARC_DEBUG_STEP_DELAY_S"
+RAISE_AFTER_STEPS_ENV = "OPENARC_DEBUG_RAISE_AFTER_STEPS"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the RAISE_AFTER_STEPS_ENV knob."""
 
 
 class Engine:
@@ -36,7 +42,10 @@ class Engine:
         self.last_sent = time.monotonic()
         self.pci_family: str | None = None
         self.step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+        self.raise_after_steps = int(os.environ.get(RAISE_AFTER_STEPS_ENV, "0") or 0)
+        self.steps = 0
 
+    # called from the channel reader thread
     def submit(self, message: dict[str, Any]) -> None:
         self.inbox.put(("generate", message))
 
@@ -74,19 +83,18 @@ class Engine:
         now = time.monotonic()
         if not self.outbox:
             if self.busy() and now - self.last_sent > PROGRESS_INTERVAL_S:
-                self.outbox.append({"op": "progress"})
+                self.outbox.append(frame("progress"))
             else:
                 return
         frames, self.outbox = self.outbox, []
-        self.channel.send(frames[0] if len(frames) == 1 else {"op": "batch", "frames": frames})
+        self.channel.send(frames[0] if len(frames) == 1 else frame("batch", frames=frames))
         self.last_sent = now
 
     def busy(self) -> bool:
         raise NotImplementedError
 
     def fail(self, request_id: int, fault: faults.Fault, message: str) -> None:
-        self.post({"op": "error", "id": request_id, "kind": fault.kind, "code": fault.code,
-                   "hint": fault.hint, "message": message})
+        self.post(frame("error", id=request_id, kind=fault.kind, code=fault.code, hint=fault.hint, message=message))
 
     def exit_if_device_lost(self, fault: faults.Fault) -> None:
         """After a lost device nothing in this process can be trusted: tell the callers, then leave without
@@ -107,6 +115,14 @@ class Engine:
             self.fail(req.id, fault, message)
         return fault
 
-    def pause(self) -> None:
+    def live_request_ids(self) -> list[int]:
+        """The requests this engine holds: what must be answered with an error if the engine dies."""
+        raise NotImplementedError
+
+    def after_step(self) -> None:
+        """The test knobs' hook, called after every engine step."""
+        self.steps += 1
         if self.step_delay:
             time.sleep(self.step_delay)
+        if self.raise_after_steps and self.steps >= self.raise_after_steps:
+            raise InjectedFault(f"{RAISE_AFTER_STEPS_ENV}={self.raise_after_steps} reached")

@@ -9,6 +9,7 @@ from typing import Any
 from appliance import faults
 from appliance.detokenize import make_detokenizer
 from appliance.engines.base import Engine
+from appliance.ipc import frame
 
 log = logging.getLogger("openarc.worker")
 
@@ -97,7 +98,7 @@ class LLMEngine(Engine):
         return config
 
     def post_text(self, req: Request, text: str) -> None:
-        self.post({"op": "tokens", "id": req.id, "text": text, "n": len(req.generated) - req.reported})
+        self.post(frame("tokens", id=req.id, text=text, n=len(req.generated) - req.reported))
         req.reported = len(req.generated)
 
     def emit_tokens(self, updates: list[tuple[Request, list[int]]]) -> None:
@@ -128,8 +129,8 @@ class LLMEngine(Engine):
         elif req.held:  # a partial stop sequence that never completed is ordinary text after all
             self.post_text(req, req.held)
         req.held = ""
-        self.post({"op": "done", "id": req.id, "finish_reason": finish_reason,
-                   "prompt_tokens": req.prompt_tokens, "completion_tokens": len(req.generated)})
+        self.post(frame("done", id=req.id, finish_reason=finish_reason, prompt_tokens=req.prompt_tokens,
+                        completion_tokens=len(req.generated)))
 
 
 class BatchingEngine(LLMEngine):
@@ -160,7 +161,7 @@ class BatchingEngine(LLMEngine):
             self.exit_if_device_lost(fault)
             return
         self._collect()
-        self.pause()
+        self.after_step()
 
     def busy(self) -> bool:
         return bool(self.active)
@@ -221,12 +222,15 @@ class BatchingEngine(LLMEngine):
             # CANCEL / STOP: the front already forgot this request
 
     def _drop_all(self) -> None:
-        for _, handle in self.active.values():
+        for req, handle in self.active.values():
             try:
                 handle.cancel()
-            except Exception:
-                pass
+            except Exception as exc:  # the batch already failed; its callers have their error
+                log.warning("cancelling request %s after a failed step: %s", req.id, exc)
         self.active.clear()
+
+    def live_request_ids(self) -> list[int]:
+        return list(self.active)
 
 
 class SequentialEngine(LLMEngine):
@@ -238,7 +242,7 @@ class SequentialEngine(LLMEngine):
         super().__init__(spec, channel, self.pipe.get_tokenizer())
         self.cancelled: set[int] = set()
         self.waiting: list[dict[str, Any]] = []
-        self.generating = False
+        self.current: Request | None = None
 
     def run(self) -> None:
         while True:
@@ -250,7 +254,10 @@ class SequentialEngine(LLMEngine):
             self.flush()
 
     def busy(self) -> bool:
-        return self.generating
+        return self.current is not None
+
+    def live_request_ids(self) -> list[int]:
+        return [m["id"] for m in self.waiting] + ([self.current.id] if self.current else [])
 
     def on_generate(self, message: dict[str, Any]) -> None:
         self.waiting.append(message)
@@ -266,31 +273,37 @@ class SequentialEngine(LLMEngine):
         engine = self
 
         class Streamer(openvino_genai.StreamerBase):
+            error: BaseException | None = None
+
             def write(self, token):
-                # An exception here would be printed and swallowed by genai while generation goes on.
+                # genai would print and swallow an exception raised here while generation went on: keep it, stop
+                # generating, and raise it once generate() has returned.
                 try:
                     engine.emit_tokens([(req, token if isinstance(token, list) else [token])])
                     engine.flush()
                     engine.drain_inbox(block=False)
-                    engine.pause()
+                    engine.after_step()
                     if req.stopped or req.id in engine.cancelled:
                         return openvino_genai.StreamingStatus.CANCEL
                     return openvino_genai.StreamingStatus.RUNNING
-                except Exception:
-                    log.exception("streamer failed")
-                    return openvino_genai.StreamingStatus.STOP
+                except BaseException as exc:
+                    self.error = exc
+                    return openvino_genai.StreamingStatus.CANCEL
 
             def end(self):
                 pass
 
-        self.generating = True
+        self.current, streamer = req, Streamer()
         try:
-            self.pipe.generate(req.input_ids, self.generation_config(req), Streamer())
+            self.pipe.generate(req.input_ids, self.generation_config(req), streamer)
         except Exception as exc:
-            self.exit_if_device_lost(self.fail_all([req], exc))
-            return
-        finally:
-            self.generating = False
+            if streamer.error is None:
+                self.current = None
+                self.exit_if_device_lost(self.fail_all([req], exc))
+                return
+        if streamer.error is not None:  # our own code failed, not the pipeline: the engine's guard takes it
+            raise streamer.error
+        self.current = None
         if req.id not in self.cancelled and not req.stopped:
             self.finish(req, "length" if len(req.generated) >= req.max_tokens else "stop")
         self.cancelled.discard(req.id)

@@ -9,7 +9,7 @@ PREFIX ?= /opt/openarc
 VENV := $(PREFIX)/venv
 PYTHON := $(VENV)/bin/python
 SYSTEM_PYTHON ?= /usr/bin/python3
-APT_PACKAGES := prometheus debootstrap
+APT_PACKAGES := prometheus debootstrap gdb
 PYTEST_ARGS ?=
 
 .PHONY: install install-test apt-test-deps serve test install-units

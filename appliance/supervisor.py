@@ -268,6 +268,8 @@ class ModelSupervisor:
             return False
         self.load_seconds = message["load_seconds"]
         self.series.model_load.observe(time.monotonic() - spawned)
+        if self.stopping:  # stopped while it loaded: it has been asked to leave, and serves nothing
+            return False
         self._ready_at = time.monotonic()
         self._enter(ModelState.READY)
         return True

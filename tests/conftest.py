@@ -36,6 +36,22 @@ def long_demo_model(tmp_path_factory) -> Path:
     return build_demo_model(tmp_path_factory.mktemp("models") / "long", eos_after=0, max_new_tokens=4096)
 
 
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
+    """Poll predicate() until it returns something truthy (returned) or the timeout passes (AssertionError naming
+    `what`). OSError counts as not yet: the server may not be listening. The one poll loop of the tests."""
+    deadline = time.monotonic() + timeout
+    last_error = None
+    while time.monotonic() < deadline:
+        try:
+            result = predicate()
+        except OSError as exc:
+            result, last_error = None, exc
+        if result:
+            return result
+        time.sleep(interval)
+    raise AssertionError(f"not {what} after {timeout}s" + (f" (last error: {last_error})" if last_error else ""))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,7 +89,8 @@ def pid_alive(pid: int) -> bool:
 class Appliance:
     """A live `openarc serve` on loopback, started from this source tree."""
 
-    def __init__(self, config: dict, tmp: Path, env: dict | None = None, name: str = "openarc"):
+    def __init__(self, config: dict, tmp: Path, env: dict | None = None, name: str = "openarc",
+                 python: str = sys.executable):
         self.port = config.setdefault("server", {}).setdefault("port", free_port())
         config["server"].setdefault("host", "127.0.0.1")
         self.base = f"http://127.0.0.1:{self.port}"
@@ -81,6 +98,7 @@ class Appliance:
         self.config_path.write_text(yaml.safe_dump(config))
         self.log_path = tmp / f"{name}-{self.port}.log"
         self.env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+        self.python = python  # the front's interpreter, and so its workers' (sys.executable)
         self.proc: subprocess.Popen | None = None
         self.worker_pids: set[int] = set()
         key = self.env.get(config["server"].get("api_key_env") or "")
@@ -88,24 +106,21 @@ class Appliance:
 
     def start(self, wait_ready: bool = True) -> Appliance:
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "serve", "--config", str(self.config_path)],
+        self.proc = subprocess.Popen([self.python, "-m", "appliance", "serve", "--config", str(self.config_path)],
                                      cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         if wait_ready:
             self.wait_ready()
         return self
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready():
             assert self.proc.poll() is None, f"appliance exited with {self.proc.returncode}:\n{self.logs()}"
-            try:
-                if http("GET", self.base + "/ready", timeout=2)[0] == 200:
-                    self.remember_workers()
-                    return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"appliance not ready after {timeout}s:\n{self.logs()}")
+            return http("GET", self.base + "/ready", timeout=2)[0] == 200
+        try:
+            wait_until(ready, timeout, "ready", interval=0.05)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}:\n{self.logs()}") from None
+        self.remember_workers()
 
     def logs(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
@@ -130,19 +145,15 @@ class Appliance:
         return pid
 
     def wait_model(self, model: str, state: str, timeout: float = 60, new_pid_not: int | None = None) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                m = self.model_status(model)
-            except OSError:  # not listening yet
-                time.sleep(0.05)
-                continue
-            if m["state"] == state and (new_pid_not is None or (m["pid"] and m["pid"] != new_pid_not)):
-                if m["pid"]:
-                    self.worker_pids.add(m["pid"])
-                return m
-            time.sleep(0.02)
-        raise AssertionError(f"model {model} not {state} after {timeout}s: {self.model_status(model)}\n{self.logs()[-3000:]}")
+        def reached():
+            m = self.model_status(model)
+            if m["pid"]:
+                self.worker_pids.add(m["pid"])
+            return m if m["state"] == state and (new_pid_not is None or m["pid"] not in (None, new_pid_not)) else None
+        try:
+            return wait_until(reached, timeout, f"{model} {state}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {self.model_status(model)}\n{self.logs()[-3000:]}") from None
 
     def metrics(self) -> str:
         status, _, body = http("GET", self.base + "/metrics", headers=self.auth)
@@ -188,8 +199,8 @@ def model_entry(name: str, path: Path, **overrides) -> dict:
 def appliance_factory(tmp_path):
     started: list[Appliance] = []
 
-    def start(config: dict, env: dict | None = None, wait_ready: bool = True) -> Appliance:
-        app = Appliance(config, tmp_path, env)
+    def start(config: dict, env: dict | None = None, wait_ready: bool = True, python: str = sys.executable) -> Appliance:
+        app = Appliance(config, tmp_path, env, python=python)
         started.append(app)
         return app.start(wait_ready)
 

@@ -205,6 +205,8 @@ def test_stalled_worker_fails_a_plain_request_with_504(two_models):
     (status, _, body), waited = request_until_fault(app, "victim", lambda: os.kill(pid, signal.SIGSTOP))
     assert status == 504 and body["error"]["code"] == "stall"
     assert waited < 1.0 + HANG_BOUND_S
+    # the monitor left `ready` before it killed: nothing more was admitted to the stuck worker
+    assert app.model_status("victim")["state"] in ("restarting", "loading")
     app.wait_model("victim", "ready", new_pid_not=pid)
 
 
@@ -325,7 +327,7 @@ def test_each_crash_reports_its_own_signal(appliance_factory, demo_model):
 
 def test_backoff_doubles_per_consecutive_crash_and_resets_after_a_window_of_service():
     from appliance.config import RestartPolicy
-    from appliance.supervisor import RestartBudget
+    from appliance.lifecycle import RestartBudget
     budget = RestartBudget(RestartPolicy(backoff_initial_s=1, backoff_max_s=5, max_failures=5, window_s=60))
     assert [budget.record_failure(t, served_s=1) for t in (0, 1, 2, 3)] == [1, 2, 4, 5]
     assert budget.record_failure(200, served_s=120) == 1  # served a whole window: a fresh start

@@ -77,6 +77,12 @@ class ModelConfig:
     stall_timeout_s: float = 60.0
     load_timeout_s: float = 900.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # Chat formats (appliance.chat_formats); unset = detected from the model's chat template, none = off.
+    tool_parser: Literal["hermes", "qwen3_coder", "llama3_json", "mistral", "none"] | None = None
+    reasoning_parser: Literal["qwen3", "deepseek_r1", "none"] | None = None
+    # A .jinja file that replaces the chat template the model was converted with (converted models often carry
+    # an old or broken one).
+    chat_template: str | None = None
 
     @property
     def is_gpu(self) -> bool:
@@ -284,6 +290,8 @@ def _check_ranges(config: Config) -> None:
                 "a positive number no larger than backoff_max_s")
         require(r.max_failures >= 1 and r.window_s > 0, f"{at}.restart.max_failures",
                 "max_failures >= 1 and window_s > 0")
+        require(m.chat_template is None or os.access(m.chat_template, os.R_OK) and Path(m.chat_template).is_file(),
+                f"{at}.chat_template", f"a readable .jinja file (cannot read {m.chat_template!r})")
         for key, value in m.scheduler_config.items():
             expected = SCHEDULER_FIELDS.get(key)
             require(expected is not None, f"{at}.scheduler_config.{key}",

@@ -17,7 +17,9 @@ What it generates (the contract tests rely on)
   So every request generates exactly `eos_after` text tokens and then EOS, i.e. finish reason "stop" with
   eos_after + 1 generated ids counting the EOS (GenAI's num_generated_tokens), whatever the prompt length; or
   fewer, with finish reason "length", if max_new_tokens is smaller.  eos_after=0 never forces EOS (the counter
-  wraps after 256 phrases).  Sampling gives the same text as greedy (the chosen token leads by 64 logits).
+  wraps after 256 phrases).  Sampling gives the same text as greedy (the chosen token leads by 64 logits), except
+  in a build with a small `logit_scale` (1.0: the chosen token leads the phrases that share a code digit with it
+  by one logit), whose samples vary with temperature and seed while greedy decoding still follows the walk.
   Different prompts (last token or length mod 4) give different texts; the same prompt always the same text.
 * The two transformer layers have random (seeded) weights and do real work, attention over a real KV cache,
   so memory use and scheduling behave like a real model's; they move logits by less than 0.2.
@@ -38,7 +40,7 @@ import numpy as np
 DEMO_MODEL_NAME = "demo"
 MARKER_FILE = "openarc-demo.json"
 # Bump when the model's construction changes, so cached builds of an older recipe are not reused.
-BUILD_FORMAT = 1
+BUILD_FORMAT = 2  # 2: the chat template renders tools
 
 HIDDEN, LAYERS, HEADS, MLP_HIDDEN = 64, 2, 4, 128
 HEAD_DIM = HIDDEN // HEADS
@@ -49,9 +51,34 @@ PAD_ID, EOS_ID = 0, 2
 CLOCK, VARIANTS = 256, 4  # phrase tokens: CLOCK counter states x VARIANTS
 LOGIT_SCALE = 64.0  # the chosen token beats any other by at least this many logits
 PHRASE_BONUS = 8.0  # if the chosen token is banned (e.g. EOS under min_tokens), a phrase token still wins
+# ChatML, and tools the way Qwen2.5/Qwen3 templates render them: a system turn listing the tools, assistant
+# tool calls as <tool_call>{"name", "arguments"}</tool_call>, tool results as <tool_response> in a user turn.
+# Without tools a conversation renders as plain ChatML, as before tools were added.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- if tools %}{{ '<|im_start|>system\n' }}"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content + '\n\n' }}{%- endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\n' }}{{ tool | tojson }}{%- endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\n</tool_call><|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and tools and loop.first %}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls %}"
+    "{%- if call.function %}{%- set call = call.function %}{%- endif %}"
+    "{%- if not loop.first or message.content %}{{ '\n' }}{%- endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
+    "{%- if call.arguments is string %}{{ call.arguments }}{%- else %}{{ call.arguments | tojson }}{%- endif %}"
+    "{{ '}\n</tool_call>' }}{%- endfor %}{{ '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{%- endif %}"
+    "{{ '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}{{ '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
 )
 ADJECTIVES = (
     "amber brave calm dapper eager faint gentle hollow idle jolly keen lucid mellow noble olive patient quiet rapid "
@@ -88,7 +115,7 @@ ops = _LazyOpset()
 
 
 def build_demo_model(dest: os.PathLike, *, eos_after: int = 48, max_new_tokens: int = 64,
-                     seed: int = 0) -> pathlib.Path:
+                     seed: int = 0, logit_scale: float = LOGIT_SCALE) -> pathlib.Path:
     """Write the demo model into `dest` and return `dest`.
 
     `eos_after`: number of text tokens each request generates before the model emits EOS (`<|im_end|>`),
@@ -100,7 +127,7 @@ def build_demo_model(dest: os.PathLike, *, eos_after: int = 48, max_new_tokens: 
     Built in a temporary directory next to `dest` and renamed into place, so `dest` is never half written.
     An existing `dest` is replaced only if it is empty or holds an earlier demo build.
     """
-    params = _checked_params(eos_after=eos_after, max_new_tokens=max_new_tokens, seed=seed)
+    params = _checked_params(eos_after=eos_after, max_new_tokens=max_new_tokens, seed=seed, logit_scale=logit_scale)
     dest = pathlib.Path(dest)
     if dest.exists() and any(dest.iterdir()) and _read_marker(dest) is None:
         raise FileExistsError(f"{dest} exists and is not a demo model build; refusing to replace it")
@@ -138,12 +165,18 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path(xdg) / "openarc"
 
 
-def _checked_params(*, eos_after: int = 48, max_new_tokens: int = 64, seed: int = 0) -> dict:
+def _checked_params(*, eos_after: int = 48, max_new_tokens: int = 64, seed: int = 0,
+                    logit_scale: float = LOGIT_SCALE) -> dict:
     if not 0 <= eos_after <= CLOCK:
         raise ValueError(f"eos_after must be in 0..{CLOCK}, got {eos_after}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    return {"eos_after": int(eos_after), "max_new_tokens": int(max_new_tokens), "seed": int(seed)}
+    if not 0 < logit_scale <= LOGIT_SCALE:
+        raise ValueError(f"logit_scale must be in (0, {LOGIT_SCALE:g}], got {logit_scale}")
+    params = {"eos_after": int(eos_after), "max_new_tokens": int(max_new_tokens), "seed": int(seed)}
+    if logit_scale != LOGIT_SCALE:  # the default keeps the marker (and the cache path) of builds before this knob
+        params["logit_scale"] = float(logit_scale)
+    return params
 
 
 def _marker(params: dict) -> dict:
@@ -175,7 +208,8 @@ def _install_dir(tmp: pathlib.Path, dest: pathlib.Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_model_files(out: pathlib.Path, *, eos_after: int, max_new_tokens: int, seed: int) -> None:
+def _write_model_files(out: pathlib.Path, *, eos_after: int, max_new_tokens: int, seed: int,
+                       logit_scale: float = LOGIT_SCALE) -> None:
     import openvino as ov
     import openvino_tokenizers
 
@@ -190,12 +224,13 @@ def _write_model_files(out: pathlib.Path, *, eos_after: int, max_new_tokens: int
     hf_tokenizer.save_pretrained(out)
     bpe_ends_line = _bpe_ends_line(bpe_spec)
     next_token = _next_token_table(bpe_ends_line, len(phrases), eos_after)
-    ov.save_model(_build_llm(next_token, len(bpe_ends_line), rng), out / "openvino_model.xml")
+    ov.save_model(_build_llm(next_token, len(bpe_ends_line), rng, logit_scale), out / "openvino_model.xml")
     _write_json(out / "config.json", _hf_config(vocab_size))
     _write_json(out / "generation_config.json", {
         "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "max_new_tokens": max_new_tokens, "do_sample": False,
     })
-    _write_json(out / MARKER_FILE, _marker({"eos_after": eos_after, "max_new_tokens": max_new_tokens, "seed": seed}))
+    _write_json(out / MARKER_FILE, _marker(_checked_params(eos_after=eos_after, max_new_tokens=max_new_tokens,
+                                                           seed=seed, logit_scale=logit_scale)))
 
 
 def _write_json(path: pathlib.Path, obj: dict) -> None:
@@ -309,7 +344,7 @@ def _token_codes(vocab_size: int) -> np.ndarray:
     return np.concatenate([high, low], axis=1)
 
 
-def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generator):
+def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generator, logit_scale: float = LOGIT_SCALE):
     """Llama-like stateful decoder with the inputs, outputs and KV-cache pattern GenAI expects (so it also
     converts to PagedAttention), whose logits pick `_next_token`'s choice by a wide margin."""
     import openvino as ov
@@ -328,7 +363,7 @@ def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generato
     for layer in range(LAYERS):
         x = _decoder_layer(x, layer, mask, beam_idx, weight, caches)
     nxt = _next_token(input_ids, position_ids, next_token, phrase_base)
-    logits = ops.result(_logits(x, nxt, len(next_token), phrase_base, rng))
+    logits = ops.result(_logits(x, nxt, len(next_token), phrase_base, rng, logit_scale))
     logits.get_output_tensor(0).set_names({"logits"})
 
     model = ov.Model([logits, *(result for _, result in caches)],
@@ -362,13 +397,13 @@ def _decoder_layer(x, layer: int, mask, beam_idx, weight, caches: list):
     return ops.add(x, ops.matmul(ops.multiply(gate, up), weight(HIDDEN, MLP_HIDDEN), False, True))
 
 
-def _logits(x, nxt, vocab_size: int, phrase_base: int, rng: np.random.Generator):
+def _logits(x, nxt, vocab_size: int, phrase_base: int, rng: np.random.Generator, logit_scale: float = LOGIT_SCALE):
     """One MatMul (the shape GenAI slices to the last token).  Row i of `choose` (scaled code, PHRASE_BONUS)
     meets row j of `lm_head` (code, is-phrase flag, random weights) as
-    LOGIT_SCALE * (2 if i == j else <= 1) + PHRASE_BONUS * (j is a phrase) + a transformer nudge below 0.2."""
+    logit_scale * (2 if i == j else <= 1) + PHRASE_BONUS * (j is a phrase) + a transformer nudge below 0.2."""
     codes = _token_codes(vocab_size)
     is_phrase = (np.arange(vocab_size) >= phrase_base).astype(np.float32)[:, None]
-    choose = np.concatenate([LOGIT_SCALE * codes, np.full_like(is_phrase, PHRASE_BONUS)], 1)
+    choose = np.concatenate([logit_scale * codes, np.full_like(is_phrase, PHRASE_BONUS)], 1)
     nudge = rng.normal(0.0, HIDDEN ** -0.5, (vocab_size, HIDDEN)).astype(np.float32)
     lm_head = np.concatenate([codes, is_phrase, nudge], 1)
     nudge_features = ops.multiply(_rms_norm(x), ops.constant(np.float32(1 / 64)))

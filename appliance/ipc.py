@@ -35,16 +35,20 @@ def _op(sender: str, required: str = "", optional: str = "", doc: str = "") -> O
 
 OPS: dict[str, Op] = {
     # front -> worker
-    "generate": _op("front", "id kind params stream", "messages prompt",
-                    "run one request: kind chat (messages) or completion (prompt), with its sampling params"),
+    "generate": _op("front", "id kind params stream", "messages prompt tools template_kwargs constraint",
+                    "run one request: kind chat (messages, tools, chat_template_kwargs) or completion (prompt), "
+                    "with its sampling params and output constraint"),
     "cancel": _op("front", "id", doc="the caller is gone: stop generating for it"),
     "shutdown": _op("front", doc="leave now (without destructors)"),
     # worker -> front
-    "ready": _op("worker", "load_seconds", doc="the pipeline is loaded; its own load time"),
+    "ready": _op("worker", "load_seconds", "formats",
+                 "the pipeline is loaded; its own load time, and its chat formats (tool_parser, reasoning_parser)"),
     "fatal": _op("worker", "kind code message", "hint",
                  "the worker cannot go on (a load error, or an internal error after loading) and exits"),
-    "tokens": _op("worker", "id text n", doc="new text of a request and how many tokens it took"),
-    "done": _op("worker", "id finish_reason prompt_tokens completion_tokens", doc="a request finished"),
+    "tokens": _op("worker", "id text n", "logprobs",
+                  "new text of a request, how many tokens it took, and their [text, logprob] if asked for"),
+    "done": _op("worker", "id finish_reason prompt_tokens completion_tokens", "reasoning_tokens",
+                "a request finished (reasoning_tokens on a model with a reasoning format)"),
     "error": _op("worker", "id kind code message", "hint", "a request failed; the worker goes on"),
     "progress": _op("worker", doc="generation goes on though nothing was sent (keeps the stall timer honest)"),
     "telemetry": _op("worker", "rss_bytes", "device_memory_used_bytes device_memory_total_bytes",

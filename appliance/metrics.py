@@ -40,6 +40,10 @@ class Metrics:
                                 ["model", "endpoint", "status"], registry=r)
         self.request_errors = Counter("openarc_request_errors", "Requests that ended in an error, by kind",
                                       ["model", "kind"], registry=r)
+        self.tool_calls = Counter("openarc_tool_calls", "Tool calls returned to clients", ["model"], registry=r)
+        self.structured_requests = Counter("openarc_structured_requests",
+                                           "Requests whose output was constrained, by constraint kind",
+                                           ["model", "kind"], registry=r)
         self.worker_crashes = Counter("openarc_worker_crashes", "Worker processes that died unexpectedly, by signal "
                                       "or exit status and why (crash, worker_error, device_lost, oom_kill)",
                                       ["model", "signal", "reason"], registry=r)

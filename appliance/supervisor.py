@@ -37,6 +37,10 @@ PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 EXIT_DEVICE_LOST = 75  # appliance.engines.base: the worker left because its GPU context is lost
 
 
+# Worker error kinds that are the request's fault: HTTP 400.
+CLIENT_ERROR_KINDS = ("invalid_request", "invalid_grammar")
+
+
 class RequestFailed(Exception):
     """A request that ends in an error; the front turns it into an OpenAI error body with `status`."""
 
@@ -56,6 +60,8 @@ class Event:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list | None = None  # [[token text, logprob], ...] when the request asked for them
+    reasoning_tokens: int | None = None  # done, on a model with a reasoning format
 
 
 @dataclass
@@ -168,6 +174,7 @@ class ModelSupervisor:
         # Set by whoever decided that the current worker must end (the front), before the process is reaped.
         self._ending: Exit | None = None
         self._ready_at: float | None = None
+        self.formats: dict[str, Any] | None = None  # the chat formats the worker reported when it became ready
 
     # --- state -------------------------------------------------------------------------------------
 
@@ -201,6 +208,9 @@ class ModelSupervisor:
                 "last_error": self.last_error, "hint": self.last_hint,
                 "last_exit": self.last_exit.reason.value if self.last_exit else None,
                 "load_seconds": self.load_seconds,
+                # chat formats: as the worker resolved them (configured, else detected), or as configured until then
+                "tool_parser": (self.formats or {}).get("tool_parser", self.model.tool_parser),
+                "reasoning_parser": (self.formats or {}).get("reasoning_parser", self.model.reasoning_parser),
                 "requests_running": len(self.running), "requests_waiting": len(self.waiting)}
 
     # --- lifecycle -----------------------------------------------------------------------------------
@@ -271,6 +281,7 @@ class ModelSupervisor:
         if self.stopping:  # stopped while it loaded: it has been asked to leave, and serves nothing
             return False
         self._ready_at = time.monotonic()
+        self.formats = message.get("formats") or {}
         self._enter(ModelState.READY)
         return True
 
@@ -417,7 +428,8 @@ class ModelSupervisor:
             while isinstance(item, Event) and item.op == "tokens" and not req.events.empty():
                 following = req.events.get_nowait()
                 if isinstance(following, Event) and following.op == "tokens":
-                    item = Event("tokens", text=item.text + following.text, n=item.n + following.n)
+                    logprobs = (item.logprobs or []) + (following.logprobs or []) if item.logprobs is not None else None
+                    item = Event("tokens", text=item.text + following.text, n=item.n + following.n, logprobs=logprobs)
                 else:
                     pending = following
                     break
@@ -479,9 +491,10 @@ class ModelSupervisor:
         elif op == "done":
             self.series.prompt_tokens.inc(message["prompt_tokens"])
             self._finish(req, Event("done", finish_reason=message["finish_reason"],
-                                    prompt_tokens=message["prompt_tokens"], completion_tokens=message["completion_tokens"]))
+                                    prompt_tokens=message["prompt_tokens"], completion_tokens=message["completion_tokens"],
+                                    reasoning_tokens=message.get("reasoning_tokens")))
         elif op == "error":
-            status = 400 if message["kind"] == "invalid_request" else 500
+            status = 400 if message["kind"] in CLIENT_ERROR_KINDS else 500
             self._finish(req, RequestFailed(status, message["kind"], message["message"], message.get("code"),
                                             message.get("hint")))
 
@@ -494,7 +507,7 @@ class ModelSupervisor:
             self.series.itl.observe((now - req.last_token) / message["n"])
         req.last_token = now
         self.series.generation_tokens.inc(message["n"])
-        req.events.put_nowait(Event("tokens", text=message["text"], n=message["n"]))
+        req.events.put_nowait(Event("tokens", text=message["text"], n=message["n"], logprobs=message.get("logprobs")))
 
     def _on_telemetry(self, message: dict[str, Any]) -> None:
         self.series.worker_rss.set(message.get("rss_bytes", 0))
@@ -528,6 +541,8 @@ def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
     return {"name": model.name, "path": model.path, "device": model.device, "pipeline": model.pipeline,
             "properties": model.ov_properties(config.ov_cache_dir()), "scheduler_config": model.scheduler_config,
             "max_context": model.max_context, "default_max_tokens": model.default_max_tokens,
+            "tool_parser": model.tool_parser, "reasoning_parser": model.reasoning_parser,
+            "chat_template": model.chat_template,
             "log_level": config.server.log_level}
 
 

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(EXIT_LOAD_FAILED)
     probe = DeviceProbe(spec["device"])
     engine.pci_family = probe.family
-    channel.send(frame("ready", load_seconds=time.monotonic() - started))
+    channel.send(frame("ready", load_seconds=time.monotonic() - started, **engine.ready_info()))
     threading.Thread(target=run_engine, args=(channel, engine), name="engine", daemon=True).start()
     threading.Thread(target=report_telemetry, args=(channel, probe), name="telemetry", daemon=True).start()
     try:

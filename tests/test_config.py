@@ -114,7 +114,8 @@ def test_check_config_exits_nonzero_with_one_clear_line(tmp_path):
     assert done.stderr.strip() == (f"openarc: config error: {path}: models[0].devise: unknown key (expected one of: "
                                    "name, path, device, port, pipeline, runtime_config, scheduler_config, "
                                    "sdpa_optimization, enable_weightless, max_context, default_max_tokens, max_running, "
-                                   "max_queue, stall_timeout_s, load_timeout_s, restart)")
+                                   "max_queue, stall_timeout_s, load_timeout_s, restart, tool_parser, reasoning_parser, "
+                                   "chat_template)")
     assert "Traceback" not in done.stderr
 
 

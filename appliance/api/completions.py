@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.api.errors import InvalidRequest
+from appliance.api.fields import json_object, number, utf8
+from appliance.api.sampling import sampling_params
+from appliance.api.structured import constraint
+from appliance.api.tools import ToolRequest, assistant_tool_calls, name_tool_results, parse_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_SEQUENCES = 4
@@ -24,33 +28,20 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     params: dict[str, Any]
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     prompt: str = ""
+    tools: ToolRequest = field(default_factory=ToolRequest)
+    constraint: dict[str, Any] | None = None  # structured output (appliance.api.structured / tools)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
     def frame(self) -> dict[str, Any]:
         """The generate frame for the worker (the supervisor adds the id)."""
-        body = {"messages": self.messages} if self.kind == "chat" else {"prompt": self.prompt}
-        return {"kind": self.kind, "params": self.params, "stream": self.stream, **body}
-
-
-def _number(body: dict, key: str, low: float, high: float, integer: bool = False) -> float | int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise InvalidRequest(f"'{key}' must be {'an integer' if integer else 'a number'}, got {value!r}", key)
-    if not low <= value <= high:
-        raise InvalidRequest(f"'{key}' must be between {low:g} and {high:g}, got {value!r}", key)
-    return value
-
-
-def _utf8(text: str, where: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequest(f"'{where}' holds an unpaired UTF-16 surrogate (not valid Unicode text)", where) from None
-    return text
+        if self.kind == "chat":
+            body = {"messages": self.messages, "tools": self.tools.tools if self.tools.active else [],
+                    "template_kwargs": self.template_kwargs}
+        else:
+            body = {"prompt": self.prompt}
+        return {"kind": self.kind, "params": self.params, "stream": self.stream, "constraint": self.constraint, **body}
 
 
 def _stop(body: dict) -> list[str]:
@@ -62,23 +53,24 @@ def _stop(body: dict) -> list[str]:
         raise InvalidRequest("'stop' must be a non-empty string or a list of them", "stop")
     if len(stops) > MAX_STOP_SEQUENCES:
         raise InvalidRequest(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences", "stop")
-    return [_utf8(s, "stop") for s in stops]
+    return [utf8(s, "stop") for s in stops]
 
 
-def _common(body: Any) -> tuple[str, dict[str, Any], bool, bool]:
+def _common(body: Any, chat: bool) -> tuple[str, dict[str, Any], bool, bool]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required and must be a string", "model")
-    _number(body, "n", 1, 1, integer=True)  # only n=1 is served: anything else is refused here
+    number(body, "n", 1, 1, integer=True)  # only n=1 is served: anything else is refused here
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     params = {
-        "max_tokens": _number({"max_tokens": max_tokens}, "max_tokens", 1, 1 << 20, integer=True),
-        "temperature": _number(body, "temperature", 0, 2),
-        "top_p": _number(body, "top_p", 0, 1),
-        "seed": _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True),
+        "max_tokens": number({"max_tokens": max_tokens}, "max_tokens", 1, 1 << 20, integer=True),
+        "temperature": number(body, "temperature", 0, 2),
+        "top_p": number(body, "top_p", 0, 1),
+        "seed": number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True),
         "stop": _stop(body),
+        **sampling_params(body, chat),
     }
     if params["seed"] is not None:
         params["seed"] %= 1 << 32  # genai's rng_seed is unsigned
@@ -93,19 +85,19 @@ def _common(body: Any) -> tuple[str, dict[str, Any], bool, bool]:
 
 def _message_text(content: Any, where: str) -> str:
     if isinstance(content, str):
-        return _utf8(content, where)
+        return utf8(content, where)
     if isinstance(content, list):
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise InvalidRequest(f"{where}: only text content parts are supported", where)
-            parts.append(_utf8(part["text"], where))
+            parts.append(utf8(part["text"], where))
         return "".join(parts)
     raise InvalidRequest(f"{where} must be a string or a list of text parts", where)
 
 
 def parse_chat(body: Any) -> GenerationRequest:
-    model, params, stream, include_usage = _common(body)
+    model, params, stream, include_usage = _common(body, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", "messages")
@@ -117,21 +109,47 @@ def parse_chat(body: Any) -> GenerationRequest:
         role = message.get("role")
         if role not in ROLES:
             raise InvalidRequest(f"'{where}.role' must be one of {', '.join(ROLES)}", f"{where}.role")
-        content = message.get("content")
-        text = "" if content is None and role == "assistant" else _message_text(content, f"{where}.content")
-        parsed.append({"role": "system" if role == "developer" else role, "content": text})
-    return GenerationRequest(model, "chat", stream, include_usage, params, messages=parsed)
+        parsed.append(_message(message, role, where))
+    name_tool_results(parsed)
+    tools = parse_tools(body)
+    kwargs = body.get("chat_template_kwargs")
+    req = GenerationRequest(model, "chat", stream, include_usage, params, messages=parsed, tools=tools,
+                            template_kwargs=json_object(kwargs, "chat_template_kwargs") if kwargs is not None else {})
+    tool_constraint, output_constraint = tools.constraint(), constraint(body)
+    if tool_constraint and output_constraint:
+        raise InvalidRequest("a forced or strict tool call cannot be combined with 'response_format'",
+                             "response_format")
+    req.constraint = tool_constraint or output_constraint
+    return req
+
+
+def _message(message: dict, role: str, where: str) -> dict[str, Any]:
+    """One conversation turn in the shape chat templates read: tool calls with their arguments as objects,
+    tool results with the id (and name) of the call they answer."""
+    content = message.get("content")
+    text = "" if content is None and role == "assistant" else _message_text(content, f"{where}.content")
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
+    if role == "assistant" and message.get("tool_calls"):
+        out["tool_calls"] = assistant_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    if role == "assistant" and isinstance(message.get("reasoning_content"), str):
+        out["reasoning_content"] = utf8(message["reasoning_content"], f"{where}.reasoning_content")
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                out[key] = utf8(message[key], f"{where}.{key}")
+    return out
 
 
 def parse_completion(body: Any) -> GenerationRequest:
-    model, params, stream, include_usage = _common(body)
+    model, params, stream, include_usage = _common(body, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise InvalidRequest("'prompt' must be a string (or a list of exactly one string)", "prompt")
-    _utf8(prompt, "prompt")
-    return GenerationRequest(model, "completion", stream, include_usage, params, prompt=prompt)
+    utf8(prompt, "prompt")
+    return GenerationRequest(model, "completion", stream, include_usage, params, prompt=prompt,
+                             constraint=constraint(body))
 
 
 class ResponseShaper:
@@ -143,6 +161,7 @@ class ResponseShaper:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
+        self.text_offset = 0  # completions' logprobs.text_offset runs on across chunks
 
     def _envelope(self, obj: str, choices: list, usage: dict | None) -> dict[str, Any]:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.req.model, "choices": choices}
@@ -151,27 +170,43 @@ class ResponseShaper:
         return out
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+    def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                 "total_tokens": prompt_tokens + completion_tokens}
+        if reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return usage
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-                      "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    def whole(self, answer: dict[str, Any] | str, finish_reason: str, usage: dict,
+              logprobs: list | None = None) -> dict[str, Any]:
+        """`answer`: the chat message (appliance.api.answer), or a completion's text."""
+        key = "message" if self.chat else "text"
+        choice = {"index": 0, key: answer, "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
         return self._envelope(self.object, [choice], usage)
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
+    def chunk(self, delta: dict[str, Any] | str | None = None, finish_reason: str | None = None, first: bool = False,
+              logprobs: list | None = None) -> dict[str, Any]:
+        """`delta`: a chat delta ({"content": ...}, {"tool_calls": [...]}, ...), or a completion's text."""
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            if text:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            delta = {"role": "assistant", "content": "", **(delta or {})} if first else (delta or {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
             return self._envelope("chat.completion.chunk", [choice], None)
-        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": delta or "", "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
         return self._envelope("text_completion", [choice], None)
+
+    def logprobs(self, tokens: list | None) -> dict[str, Any] | None:
+        """Each chosen token's log probability ([text, logprob] pairs from the worker) in the endpoint's shape."""
+        if tokens is None:
+            return None
+        if self.chat:
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                                for t, lp in tokens]}
+        offsets = []
+        for t, _ in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(t)
+        return {"tokens": [t for t, _ in tokens], "token_logprobs": [lp for _, lp in tokens], "top_logprobs": None,
+                "text_offset": offsets}
 
     def usage_chunk(self, usage: dict) -> dict[str, Any]:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage)

@@ -12,8 +12,10 @@ from typing import Any
 
 from aiohttp import web
 
+from appliance.api.answer import AnswerParser
 from appliance.api.completions import GenerationRequest, ResponseShaper, parse_chat, parse_completion
 from appliance.api.errors import ERROR_TYPES, InvalidRequest, error_body
+from appliance.api.tool_parsers import parser_for
 from appliance.supervisor import Event, RequestFailed
 
 
@@ -49,7 +51,10 @@ class GenerationRoutes:
                                                             f"(have: {', '.join(self.appliance.supervisor.models)})")
             if self.appliance.draining:
                 raise RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)
-            response = await (self._stream(request, sup, req) if req.stream else self._whole(sup, req))
+            answer = self._answer_parser(sup, req)
+            if req.constraint:
+                self.appliance.metrics.structured_requests.labels(model=req.model, kind=req.constraint["kind"]).inc()
+            response = await (self._stream(request, sup, req, answer) if req.stream else self._whole(sup, req, answer))
         except InvalidRequest as exc:
             response = self.appliance.failed(
                 model_label, RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"), param=exc.param)
@@ -59,22 +64,51 @@ class GenerationRoutes:
         self.appliance.metrics.request_duration.labels(model=model_label, endpoint=endpoint).observe(time.monotonic() - started)
         return response
 
-    async def _whole(self, sup, req: GenerationRequest) -> web.Response:
+    @staticmethod
+    def _answer_parser(sup, req: GenerationRequest) -> AnswerParser | None:
+        """How this model's answers are split (reasoning, tool calls); None for text completions."""
+        if req.kind != "chat":
+            return None
+        formats = sup.formats or {}
+        tool_parser = formats.get("tool_parser")
+        if req.tools.active and sup.formats is not None and not tool_parser:
+            raise InvalidRequest(f"model '{req.model}' has no known tool-call format: set 'tool_parser' for it in "
+                                 f"the config (models[].tool_parser: hermes, qwen3_coder, llama3_json or mistral)",
+                                 "tools")
+        parser = parser_for(tool_parser, req.tools.schemas()) if req.tools.active else None
+        return AnswerParser(bool(formats.get("reasoning_parser")), parser)
+
+    def _finish_reason(self, req: GenerationRequest, answer: AnswerParser | None, event: Event) -> str:
+        if answer and answer.calls:
+            self.appliance.metrics.tool_calls.labels(model=req.model).inc(len(answer.calls))
+            return "tool_calls"
+        return event.finish_reason
+
+    def _usage(self, shaper: ResponseShaper, event: Event) -> dict[str, Any]:
+        return shaper.usage(event.prompt_tokens, event.completion_tokens, event.reasoning_tokens)
+
+    async def _whole(self, sup, req: GenerationRequest, answer: AnswerParser | None) -> web.Response:
         handle = sup.open(req.frame())
         texts: list[str] = []
+        logprobs: list | None = [] if req.params.get("logprobs") else None
         try:
             async for event in sup.events(handle):
                 if event.op == "tokens":
                     texts.append(event.text)
+                    if logprobs is not None:
+                        logprobs.extend(event.logprobs or ())
                 else:
                     shaper = ResponseShaper(req)
-                    usage = shaper.usage(event.prompt_tokens, event.completion_tokens)
-                    return web.json_response(shaper.whole("".join(texts), event.finish_reason, usage))
+                    text = "".join(texts)
+                    reply = answer.message(text) if answer else text
+                    finish_reason = self._finish_reason(req, answer, event)
+                    return web.json_response(shaper.whole(reply, finish_reason, self._usage(shaper, event), logprobs))
         finally:
             sup.close(handle)
         raise AssertionError("event stream ended without done")
 
-    async def _stream(self, request: web.Request, sup, req: GenerationRequest) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, sup, req: GenerationRequest,
+                      answer: AnswerParser | None) -> web.StreamResponse:
         handle = sup.open(req.frame())
         shaper = ResponseShaper(req)
         events = sup.events(handle)
@@ -90,23 +124,37 @@ class GenerationRoutes:
             if req.kind == "chat":
                 await self._send(response, shaper.chunk(first=True))
             while isinstance(event, Event) and event.op == "tokens":
-                if event.text:
-                    await self._send(response, shaper.chunk(event.text))
+                await self._send_text(response, shaper, answer, event.text, event.logprobs)
                 event = await self._next(events)
             if isinstance(event, RequestFailed):
                 self.appliance.count_error(req.model, event.kind)
                 await self._send(response, error_body(event.message, ERROR_TYPES.get(event.status, "server_error"),
                                                       event.code, hint=event.hint))
             else:
-                await self._send(response, shaper.chunk(finish_reason=event.finish_reason))
+                for delta in answer.finish() if answer else ():
+                    await self._send(response, shaper.chunk(delta))
+                await self._send(response, shaper.chunk(finish_reason=self._finish_reason(req, answer, event)))
                 if req.include_usage:
-                    await self._send(response, shaper.usage_chunk(shaper.usage(event.prompt_tokens,
-                                                                               event.completion_tokens)))
+                    await self._send(response, shaper.usage_chunk(self._usage(shaper, event)))
         finally:
             sup.close(handle)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _send_text(self, response, shaper: ResponseShaper, answer: AnswerParser | None, text: str,
+                         logprobs: list | None) -> None:
+        """One tokens event as chunks: a chat answer's deltas (the event's logprobs ride on the first), or a
+        completion's text."""
+        if answer is None:
+            if text or logprobs:
+                await self._send(response, shaper.chunk(text, logprobs=logprobs))
+            return
+        deltas = answer.feed(text)
+        if logprobs and not deltas:
+            deltas = [{}]
+        for i, delta in enumerate(deltas):
+            await self._send(response, shaper.chunk(delta, logprobs=logprobs if i == 0 else None))
 
     @staticmethod
     async def _next(events) -> Event | RequestFailed:

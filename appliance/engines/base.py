@@ -93,6 +93,10 @@ class Engine:
     def busy(self) -> bool:
         raise NotImplementedError
 
+    def ready_info(self) -> dict[str, Any]:
+        """What the front should know about this worker, sent with the ready frame."""
+        return {}
+
     def fail(self, request_id: int, fault: faults.Fault, message: str) -> None:
         self.post(frame("error", id=request_id, kind=fault.kind, code=fault.code, hint=fault.hint, message=message))
 

@@ -6,12 +6,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance import faults
+from pathlib import Path
+
+from appliance import chat_formats, faults
 from appliance.detokenize import make_detokenizer
 from appliance.engines.base import Engine
+from appliance.engines.constraints import GrammarProbe, InvalidGrammar, grammar_error
 from appliance.ipc import frame
 
 log = logging.getLogger("openarc.worker")
+
+INVALID_GRAMMAR = faults.Fault("invalid_grammar", "invalid_grammar", None, False)
+INVALID_REQUEST = faults.Fault("invalid_request", "invalid_request", None, False)
 
 
 @dataclass
@@ -29,6 +35,10 @@ class Request:
     reported: int = 0      # tokens already counted to the front
     held: str = ""         # text that may be the start of a stop sequence, not yet sent
     stopped: bool = False  # a stop sequence was found: the request is finished
+    structured: Any = None  # openvino_genai.StructuredOutputConfig of a constrained request
+    prefix: str = ""       # text the template already wrote for the answer (an opened <think>), sent first
+    template_opened: bool = False  # the prompt ends inside a think block the template opened
+    logprobs: list[float] | None = None  # per generated token, when the request asked for them
 
 
 def cut_at_stop(req: Request, text: str) -> str:
@@ -55,20 +65,47 @@ class LLMEngine(Engine):
         super().__init__(spec, channel)
         self.tokenizer = tokenizer
         self.detok = make_detokenizer(tokenizer)
+        if spec.get("chat_template"):
+            tokenizer.set_chat_template(Path(spec["chat_template"]).read_text())
+        template = self._template_text()
+        self.formats = {
+            "tool_parser": chat_formats.resolve(spec.get("tool_parser"), chat_formats.detect_tool_parser(template)),
+            "reasoning_parser": chat_formats.resolve(spec.get("reasoning_parser"),
+                                                     chat_formats.detect_reasoning_parser(template)),
+        }
+        self.probe = GrammarProbe(tokenizer)
+
+    def _template_text(self) -> str:
+        try:
+            return self.tokenizer.chat_template or ""
+        except Exception:  # a tokenizer without a template
+            return ""
+
+    def ready_info(self) -> dict[str, Any]:
+        return {"formats": self.formats}
 
     def prepare(self, message: dict[str, Any]) -> Request | None:
         """Tokenize and check the context limit; reply with an error and return None if the request is invalid."""
+        prefix = ""
         try:
             if message["kind"] == "chat":
-                import openvino_genai
-                history = openvino_genai.ChatHistory(message["messages"])
-                text = self.tokenizer.apply_chat_template(history, add_generation_prompt=True)
+                text = self._render(message)
+                if self.formats["reasoning_parser"] and text.rstrip().endswith(chat_formats.THINK_OPEN):
+                    prefix = chat_formats.THINK_OPEN  # the answer starts inside the block the template opened
                 input_ids = self.tokenizer.encode(text, add_special_tokens=False).input_ids
             else:
                 input_ids = self.tokenizer.encode(message["prompt"]).input_ids
         except Exception as exc:  # a template or tokenizer error belongs to this request only
             self.fail(message["id"], self.classify(str(exc)), str(exc))
             return None
+        structured = None
+        if message.get("constraint"):
+            try:
+                structured = self.probe.check(message["constraint"], self.formats["tool_parser"])
+            except InvalidGrammar as exc:
+                log.info("request %s: constraint does not compile: %s", message["id"], exc)
+                self.fail(message["id"], INVALID_GRAMMAR, f"the output constraint cannot be compiled: {exc}")
+                return None
         prompt_tokens = int(input_ids.get_shape()[1])
         max_tokens = message["params"].get("max_tokens") or self.spec["default_max_tokens"]
         limit = self.spec["max_context"]
@@ -77,8 +114,29 @@ class LLMEngine(Engine):
                       f"This model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} "
                       f"tokens and max_tokens is {max_tokens}.")
             return None
-        return Request(message["id"], input_ids, prompt_tokens, max_tokens, message["params"],
-                       stream=message.get("stream", True))
+        if message["params"].get("logprobs") and not self.reports_logprobs:
+            self.fail(message["id"], INVALID_REQUEST, "'logprobs' is not available with pipeline: stateful "
+                                                      "(genai's LLMPipeline streams token ids only)")
+            return None
+        req = Request(message["id"], input_ids, prompt_tokens, max_tokens, message["params"],
+                      stream=message.get("stream", True), structured=structured, prefix=prefix,
+                      template_opened=bool(prefix), logprobs=[] if message["params"].get("logprobs") else None)
+        try:
+            self.generation_config(req).validate()
+        except Exception as exc:  # a combination genai refuses (top_p 0 while sampling, ...): the caller's to fix
+            self.fail(req.id, INVALID_REQUEST, f"invalid sampling parameters: {grammar_error(exc)}")
+            return None
+        return req
+
+    reports_logprobs = True
+
+    def _render(self, message: dict[str, Any]) -> str:
+        """The chat prompt: messages (tool calls and results included), the tools, chat_template_kwargs."""
+        import openvino_genai
+        history = openvino_genai.ChatHistory(message["messages"])
+        return self.tokenizer.apply_chat_template(history, add_generation_prompt=True,
+                                                  tools=message.get("tools") or None,
+                                                  extra_context=message.get("template_kwargs") or None)
 
     def generation_config(self, req: Request):
         import openvino_genai
@@ -91,14 +149,26 @@ class LLMEngine(Engine):
             config.top_p = req.params.get("top_p") or 1.0
         if req.params.get("seed") is not None:
             config.rng_seed = req.params["seed"]
+        for key in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if req.params.get(key) is not None:
+                setattr(config, key, req.params[key])
+        if req.logprobs is not None:
+            config.logprobs = 1
+        if req.structured is not None:
+            config.structured_output_config = req.structured
         if req.params.get("stop"):
             config.stop_strings = set(req.params["stop"])
             config.include_stop_str_in_output = False
-        config.eos_token_id = self.tokenizer.get_eos_token_id()
+        config.set_eos_token_id(self.tokenizer.get_eos_token_id())
         return config
 
     def post_text(self, req: Request, text: str) -> None:
-        self.post(frame("tokens", id=req.id, text=text, n=len(req.generated) - req.reported))
+        tokens = frame("tokens", id=req.id, text=req.prefix + text, n=len(req.generated) - req.reported)
+        if req.logprobs is not None:
+            new = range(req.reported, min(len(req.generated), len(req.logprobs)))
+            tokens["logprobs"] = [[self.tokenizer.decode([req.generated[i]]), req.logprobs[i]] for i in new]
+        req.prefix = ""
+        self.post(tokens)
         req.reported = len(req.generated)
 
     def emit_tokens(self, updates: list[tuple[Request, list[int]]]) -> None:
@@ -129,8 +199,26 @@ class LLMEngine(Engine):
         elif req.held:  # a partial stop sequence that never completed is ordinary text after all
             self.post_text(req, req.held)
         req.held = ""
+        extra = {"reasoning_tokens": self.reasoning_tokens(req)} if self.formats["reasoning_parser"] else {}
         self.post(frame("done", id=req.id, finish_reason=finish_reason, prompt_tokens=req.prompt_tokens,
-                        completion_tokens=len(req.generated)))
+                        completion_tokens=len(req.generated), **extra))
+
+    def reasoning_tokens(self, req: Request) -> int:
+        """Generated tokens up to the one that closes the think block (all of them if it never closes; none if
+        the answer does not start with one). Decoded prefixes only grow, so a binary search finds the close."""
+        opened = req.template_opened or self.detok.decode(req.generated[:16]).lstrip().startswith(chat_formats.THINK_OPEN)
+        if not opened:
+            return 0
+        low, high = 1, len(req.generated)
+        if chat_formats.THINK_CLOSE not in self.detok.decode(req.generated):
+            return high
+        while low < high:
+            middle = (low + high) // 2
+            if chat_formats.THINK_CLOSE in self.detok.decode(req.generated[:middle]):
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
 
 class BatchingEngine(LLMEngine):
@@ -197,6 +285,8 @@ class BatchingEngine(LLMEngine):
                     for output in handle.read().values():
                         new_ids += output.generated_ids
                         finish = output.finish_reason
+                        if req.logprobs is not None:
+                            req.logprobs += output.generated_log_probs
             if new_ids:
                 updates.append((req, new_ids))
             progress.append((req, handle, status, finish))
@@ -243,6 +333,7 @@ class SequentialEngine(LLMEngine):
         self.cancelled: set[int] = set()
         self.waiting: list[dict[str, Any]] = []
         self.current: Request | None = None
+        self.reports_logprobs = False
 
     def run(self) -> None:
         while True:

@@ -1,0 +1,64 @@
+"""A chat answer as the client sees it: the model's text split into reasoning, content and tool calls, either
+whole (one message) or as OpenAI stream deltas.
+
+Parsing happens here in the front, not in the worker: the worker stays a text generator whose frames are the same
+for every request, the front holds the request's tools and the model's formats, and the parsers are plain Python
+(genai's own parsers cover reasoning and Llama 3 only, and produce whole messages rather than OpenAI deltas).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from appliance.api.reasoning import CONTENT, REASONING, ReasoningSplitter
+from appliance.api.tool_parsers import ToolCall, ToolCallParser, ToolCallSplitter
+
+
+class AnswerParser:
+    def __init__(self, reasoning: bool, tool_parser: ToolCallParser | None):
+        self.reasoning = ReasoningSplitter() if reasoning else None
+        self.tools = ToolCallSplitter(tool_parser) if tool_parser else None
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.tools.calls if self.tools else []
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """Deltas for a new piece of text: [{"reasoning_content": ...} | {"content": ...}]."""
+        return self._deltas(self.reasoning.feed(text) if self.reasoning else [(CONTENT, text)], finish=False)
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The held-back rest, then the tool calls as OpenAI streams them: name first, then the arguments."""
+        pieces = self.reasoning.finish() if self.reasoning else []
+        deltas = self._deltas(pieces, finish=True)
+        for index, call in enumerate(self.calls):
+            deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                           "function": {"name": call.name, "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
+        return deltas
+
+    def _deltas(self, pieces: list[tuple[str, str]], finish: bool) -> list[dict[str, Any]]:
+        out = []
+        for field, text in pieces:
+            if field == CONTENT and self.tools:
+                out.extend({CONTENT: t} for _, t in self.tools.feed(text))
+            elif text:
+                out.append({field: text})
+        if finish and self.tools:
+            out.extend({CONTENT: t} for _, t in self.tools.finish())
+        return out
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The whole answer as a chat message."""
+        parts: dict[str, list[str]] = {REASONING: [], CONTENT: []}
+        for delta in self.feed(text) + self.finish():
+            for field in (REASONING, CONTENT):
+                if field in delta:
+                    parts[field].append(delta[field])
+        content = "".join(parts[CONTENT])
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not self.calls else None}
+        if self.reasoning:
+            message[REASONING] = "".join(parts[REASONING]) or None
+        if self.calls:
+            message["tool_calls"] = [call.message() for call in self.calls]
+        return message

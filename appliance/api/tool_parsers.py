@@ -1,0 +1,224 @@
+"""Tool calls in a model's answer, per model family (`tool_parser:`), whole or streamed.
+
+The answer's text before the first call marker is content and streams as it comes; from the marker on, text is
+held until the answer ends and then parsed whole. A call section that does not parse (a model writing a malformed
+call on its own) comes back as content: the client sees what the model wrote, never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.api.reasoning import partial_suffix
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON text, as OpenAI sends it
+
+    def message(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class MalformedCall(ValueError):
+    pass
+
+
+def _call_id(family: str) -> str:
+    if family == "mistral":  # Mistral's templates use exactly the last 9 characters of an id
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return "call_" + secrets.token_hex(12)
+
+
+def _call(family: str, obj: Any, arguments_key: str = "arguments") -> ToolCall:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise MalformedCall("a call is an object with a name")
+    arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise MalformedCall("arguments are not JSON") from None
+    if not isinstance(arguments, dict):
+        raise MalformedCall("arguments are an object")
+    return ToolCall(_call_id(family), obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _json_values(text: str) -> list[Any]:
+    """Consecutive JSON values separated by whitespace, ';' or ','."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and text[at] in " \t\r\n;,":
+            at += 1
+        if at == len(text):
+            return values
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            raise MalformedCall("not JSON") from None
+        values.append(value)
+
+
+class ToolCallParser:
+    """One family's format. `markers`: where a call section may begin; `at_start`: only at the answer's start."""
+
+    family = ""
+    markers: tuple[str, ...] = ()
+    at_start = False
+
+    def __init__(self, schemas: dict[str, dict] | None = None):
+        self.schemas = schemas or {}
+
+    def section_start(self, text: str) -> int:
+        """Index of the first call marker in text, or -1."""
+        if self.at_start:
+            head = len(text) - len(text.lstrip())
+            return head if any(text[head:].startswith(m) for m in self.markers) else -1
+        hits = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+        return min(hits, default=-1)
+
+    def may_start(self, text: str) -> int:
+        """How many trailing characters could begin a marker (held back while streaming)."""
+        if self.at_start:
+            head = text.lstrip()
+            return len(text) if any(m.startswith(head) for m in self.markers) else 0
+        return max((partial_suffix(text, m) for m in self.markers), default=0)
+
+    def parse_section(self, section: str) -> tuple[list[ToolCall], str]:
+        """The calls of a section that starts at a marker, and the content written after them."""
+        raise NotImplementedError
+
+
+class HermesParser(ToolCallParser):
+    family = "hermes"
+    markers = ("<tool_call>",)
+    BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def parse_section(self, section):
+        calls, rest, at = [], [], 0
+        for match in self.BLOCK.finditer(section):
+            rest.append(section[at:match.start()])
+            values = _json_values(match.group(1))
+            if len(values) != 1:
+                raise MalformedCall("one JSON object per <tool_call>")
+            calls.append(_call(self.family, values[0]))
+            at = match.end()
+        rest.append(section[at:])
+        return calls, "".join(rest).strip()
+
+
+class Qwen3CoderParser(ToolCallParser):
+    family = "qwen3_coder"
+    markers = ("<tool_call>",)
+    BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*(?:</tool_call>|$)", re.DOTALL)
+    PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    def parse_section(self, section):
+        calls, rest, at = [], [], 0
+        for match in self.BLOCK.finditer(section):
+            if section[at:match.start()].strip():
+                rest.append(section[at:match.start()])
+            name = match.group(1).strip()
+            properties = (self.schemas.get(name) or {}).get("properties") or {}
+            arguments = {p.strip(): self._value(v, properties.get(p.strip()))
+                         for p, v in self.PARAMETER.findall(match.group(2))}
+            calls.append(_call(self.family, {"name": name, "arguments": arguments}))
+            at = match.end()
+        if not calls:
+            raise MalformedCall("no <function=...> block")
+        rest.append(section[at:])
+        return calls, "".join(rest).strip()
+
+    @staticmethod
+    def _value(text: str, schema: Any) -> Any:
+        """Parameter values are bare text: strings stay text, other types are read as JSON where they parse."""
+        if isinstance(schema, dict) and schema.get("type") == "string":
+            return text
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+
+class Llama3JsonParser(ToolCallParser):
+    family = "llama3_json"
+    markers = ("<|python_tag|>", "{")
+    at_start = True
+
+    def parse_section(self, section):
+        body = section.strip().removeprefix("<|python_tag|>")
+        values = _json_values(body)
+        if not values:
+            raise MalformedCall("no call")
+        return [_call(self.family, v, "parameters") for v in values], ""
+
+
+class MistralParser(ToolCallParser):
+    family = "mistral"
+    markers = ("[TOOL_CALLS]",)
+
+    def section_start(self, text):
+        start = super().section_start(text)
+        if start < 0 and text.lstrip().startswith('[{"name"'):  # the special token itself may be decoded away
+            return len(text) - len(text.lstrip())
+        return start
+
+    def parse_section(self, section):
+        calls = []
+        for block in section.split("[TOOL_CALLS]"):
+            for value in _json_values(block):
+                for obj in value if isinstance(value, list) else [value]:
+                    calls.append(_call(self.family, obj))
+        if not calls:
+            raise MalformedCall("no call")
+        return calls, ""
+
+
+PARSERS = {cls.family: cls for cls in (HermesParser, Qwen3CoderParser, Llama3JsonParser, MistralParser)}
+
+
+def parser_for(family: str, schemas: dict[str, dict] | None = None) -> ToolCallParser:
+    return PARSERS[family](schemas)
+
+
+class ToolCallSplitter:
+    """feed() pieces of an answer's content, then finish(): content streams until a call marker; the section from
+    the marker on is parsed at the end. Returns [("content", text)] pieces; calls are in .calls after finish()."""
+
+    def __init__(self, parser: ToolCallParser):
+        self.parser = parser
+        self.held = ""
+        self.seen = ""        # content already released (an at_start marker must be at the answer's start)
+        self.in_section = False
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self.held += text
+        if self.in_section:
+            return []
+        start = self.parser.section_start(self.held) if not (self.parser.at_start and self.seen.strip()) else -1
+        if start >= 0:
+            self.in_section = True
+            released, self.held = self.held[:start], self.held[start:]
+        else:
+            keep = self.parser.may_start(self.held) if not (self.parser.at_start and self.seen.strip()) else 0
+            released, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        self.seen += released
+        return [("content", released)] if released else []
+
+    def finish(self) -> list[tuple[str, str]]:
+        held, self.held = self.held, ""
+        if not self.in_section:
+            return [("content", held)] if held else []
+        try:
+            self.calls, after = self.parser.parse_section(held)
+        except MalformedCall:
+            return [("content", held)]
+        return [("content", after)] if after else []

@@ -7,7 +7,6 @@ import json
 import re
 import threading
 
-import openai
 import pytest
 from pydantic import BaseModel, Field
 

@@ -132,34 +132,58 @@ def _after_reset(fault: Fault) -> Fault:
     return replace(fault, kind="device_lost", code="device_lost", hint=None, retryable=True)
 
 
+# The worker's exit status after its device was lost (EX_TEMPFAIL): restart it with a fresh device context.
+EXIT_DEVICE_LOST = 75
+
+
 @dataclass(frozen=True)
 class _ExitRule:
     signal: str | None  # signal_name() of the return code, None = any
     during_load: bool | None  # None = either
     oom_killed: bool | None
-    code: str
-    hint: str | None
-    retryable: bool
+    gpu_reset_seen: bool | None
+    fault: Fault
 
 
 # Worker deaths, first match wins. A SIGKILL from the OOM killer while loading is the
 # compile-time host-RAM peak (weights held twice); a crash mid-request is worth one retry.
+# A worker that exits EXIT_DEVICE_LOST said so itself; one that crashes while the kernel
+# logs a reset of a GPU died of the reset (the runtime aborts on a lost context).
 _EXIT_RULES = (
-    _ExitRule("SIGKILL", True, True, "worker_oom_killed", LOAD_OOM_KILL_HINT, False),
-    _ExitRule(None, None, True, "worker_oom_killed", OOM_KILL_HINT, True),
-    _ExitRule(None, True, None, "worker_load_crashed", None, False),
-    _ExitRule(None, None, None, "worker_crashed", None, True),
+    _ExitRule("SIGKILL", True, True, None, Fault("worker_crash", "worker_oom_killed", LOAD_OOM_KILL_HINT, False)),
+    _ExitRule(None, None, True, None, Fault("worker_crash", "worker_oom_killed", OOM_KILL_HINT, True)),
+    _ExitRule(f"exit_{EXIT_DEVICE_LOST}", None, None, None, _DEVICE_LOST),
+    _ExitRule(None, None, None, True, _DEVICE_LOST),
+    _ExitRule(None, True, None, None, Fault("worker_crash", "worker_load_crashed", None, False)),
+    _ExitRule(None, None, None, None, Fault("worker_crash", "worker_crashed", None, True)),
 )
 
 
-def classify_exit(returncode: int, *, during_load: bool = False, oom_killed: bool = False) -> Fault:
-    """Classify a worker death (Popen.returncode: negative = killed by that signal)."""
-    observed = (signal_name(returncode), during_load, oom_killed)
+def classify_exit(returncode: int, *, during_load: bool = False, oom_killed: bool = False,
+                  gpu_reset_seen: bool = False) -> Fault:
+    """Classify a worker death (Popen.returncode: negative = killed by that signal).
+
+    `oom_killed`: appliance.oom said the kernel OOM killer chose it; `gpu_reset_seen`: the kernel
+    log reported a GPU hang/reset shortly before (appliance.telemetry.KernelLog.reset_since).
+    """
+    observed = (signal_name(returncode), during_load, oom_killed, gpu_reset_seen)
     for rule in _EXIT_RULES:
-        wanted = (rule.signal, rule.during_load, rule.oom_killed)
+        wanted = (rule.signal, rule.during_load, rule.oom_killed, rule.gpu_reset_seen)
         if all(want is None or want == seen for want, seen in zip(wanted, observed, strict=True)):
-            return Fault("worker_crash", rule.code, rule.hint, rule.retryable)
+            return rule.fault
     raise AssertionError("the last exit rule matches everything")
+
+
+def crash_label(returncode: int, fault: Fault) -> str:
+    """Value of openarc_worker_crashes_total{signal}: what ended the worker, as precisely as known.
+
+    "oom_kill" for the kernel OOM killer, "device_lost" for a lost GPU, else signal_name().
+    """
+    if fault.code == "worker_oom_killed":
+        return "oom_kill"
+    if fault.kind == "device_lost":
+        return "device_lost"
+    return signal_name(returncode)
 
 
 def signal_name(returncode: int) -> str:

@@ -10,11 +10,13 @@ kernel.dmesg_restrict allows it) are readable by the service user.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -421,12 +423,12 @@ class KmsgWatcher:
 
     def poll(self) -> list[GpuEvent]:
         """GPU events of the kernel's records that arrived since the last poll."""
-        events = []
-        for record in self.poll_records():
-            event = detect_gpu_event(record.text) if record.facility == 0 else None
-            if event:
-                events.append(self._dedupe.admit(event, record.ts_us))
-        return events
+        return [event for record in self.poll_records() if (event := self.gpu_event(record))]
+
+    def gpu_event(self, record: KmsgRecord) -> GpuEvent | None:
+        """The GPU event a record reports, counted by the reset rule; only the kernel's own records count."""
+        event = detect_gpu_event(record.text) if record.facility == 0 else None
+        return self._dedupe.admit(event, record.ts_us) if event else None
 
     def poll_records(self) -> list[KmsgRecord]:
         """All records that arrived since the last poll (poll() uses this)."""
@@ -473,6 +475,66 @@ def _split_kmsg_records(buffer: bytes) -> tuple[list[str], bytes]:
         elif line and not line.startswith(" "):
             records.append([line])
     return ["\n".join(lines) + "\n" for lines in records], rest
+
+
+# ---------------------------------------------------------------------------------------
+# OOM kills: mm/oom_kill.c __oom_kill_process() pr_err("%s: Killed process %d (%s) total-vm:...",
+# message) with message "Out of memory" or "Memory cgroup out of memory" (kernels before 5.0 printed
+# "Killed process %d (%s) ..." alone).
+_OOM_KILLED = re.compile(r"(?:[\w ]+: )?Killed process (?P<pid>\d+) \(")
+
+
+def oom_killed_pid(record: KmsgRecord) -> int | None:
+    """The pid the kernel OOM killer killed, if the record says so; user-space records never count."""
+    match = _OOM_KILLED.match(record.text) if record.facility == 0 else None
+    return int(match["pid"]) if match else None
+
+
+# How long a GPU event in the kernel log explains a worker's failure: a hang is declared ~2.5-8 s after the
+# stuck submission and the reset sequence takes up to ~10 s more (see RESET_WINDOW_US).
+GPU_TROUBLE_RECENT_S = 30.0
+_OOM_KILLS_KEPT = 256
+
+
+class KernelLog:
+    """What the front read from the kernel log, kept to answer questions about a worker that just failed:
+    "was there a GPU hang or reset lately?" and "did the OOM killer kill this pid?".
+
+    The front calls update() every second; each question reads what arrived since, so a line written just before
+    the failure is seen. `on_reset` is called once per counted reset (the log line and the metric).
+    """
+
+    def __init__(self, path: str | Path = "/dev/kmsg", *, on_reset: Callable[[GpuEvent], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.watcher = KmsgWatcher(path)
+        self.on_reset = on_reset
+        self.clock = clock
+        self._gpu_trouble: dict[str | None, tuple[float, GpuEvent]] = {}  # bdf -> (when seen, last event)
+        self._oom_killed: collections.deque[int] = collections.deque(maxlen=_OOM_KILLS_KEPT)
+
+    def update(self) -> None:
+        now = self.clock()
+        for record in self.watcher.poll_records():
+            if event := self.watcher.gpu_event(record):
+                self._gpu_trouble[event.bdf] = (now, event)
+                if event.counts_as_reset and self.on_reset:
+                    self.on_reset(event)
+            elif (pid := oom_killed_pid(record)) is not None:
+                self._oom_killed.append(pid)
+
+    def gpu_trouble(self, within_s: float = GPU_TROUBLE_RECENT_S) -> GpuEvent | None:
+        """The latest GPU hang/reset/wedge line seen in the last `within_s` seconds, of any card."""
+        self.update()
+        since = self.clock() - within_s
+        recent = [(seen, event) for seen, event in self._gpu_trouble.values() if seen >= since]
+        return max(recent, key=lambda item: item[0])[1] if recent else None
+
+    def oom_killed(self, pid: int) -> bool:
+        self.update()
+        return pid in self._oom_killed
+
+    def close(self) -> None:
+        self.watcher.close()
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from appliance.ipc import BlockingChannel, frame
 
 log = logging.getLogger("openarc.worker")
 
-EXIT_DEVICE_LOST = 75  # EX_TEMPFAIL: the supervisor restarts us with a fresh device context
 PROGRESS_INTERVAL_S = 0.25  # well under any sensible stall_timeout_s
 # Test and benchmark knobs, never set in production: sleep after every engine step, so a fault can land
 # mid-generation on a model that otherwise finishes 32 tokens in 8 ms; and raise inside the engine after that many
@@ -106,7 +105,7 @@ class Engine:
         if fault.kind == "device_lost":
             self.flush()
             log.error("device lost: exiting so the supervisor restarts this model with a fresh device context")
-            os._exit(EXIT_DEVICE_LOST)
+            os._exit(faults.EXIT_DEVICE_LOST)
 
     def classify(self, message: str) -> faults.Fault:
         return faults.classify_error(message, device=self.spec["device"], pci_family=self.pci_family)

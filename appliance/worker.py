@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from appliance import faults, telemetry
+from appliance import faults, oom, telemetry
 from appliance.engines import load_engine
 from appliance.engines.base import Engine
 from appliance.ipc import BlockingChannel, frame
@@ -32,6 +32,9 @@ EXIT_LOAD_FAILED = 3
 EXIT_INTERNAL_ERROR = 70  # EX_SOFTWARE: a bug in the worker; the supervisor restarts it
 TELEMETRY_INTERVAL_S = 2.0
 INTERNAL = faults.Fault("internal", "internal_error", None, True)
+# Test knob: touch this many MiB of host RAM before loading, so a test can make the kernel OOM killer end a load
+# inside a small memory cgroup.  Never set in production.
+LOAD_HOG_ENV = "OPENARC_DEBUG_LOAD_HOG_MB"
 
 
 def die_with_parent() -> None:
@@ -61,12 +64,18 @@ class DeviceProbe:
         self._core = openvino.Core()
         self.label = self.device
         try:
-            self.total = int(self._core.get_property(self.device, "GPU_DEVICE_TOTAL_MEM_SIZE"))
             pci = self._core.get_property(self.device, "DEVICE_PCI_INFO")
             self.label = f"{pci.domain:04x}:{pci.bus:02x}:{pci.device:02x}.{pci.function:x}"
         except Exception as exc:  # an older driver or plugin: keep the OpenVINO name as the label
-            log.info("GPU identity of %s incomplete: %s", self.device, exc)
-        self.family = next((g.family for g in telemetry.list_gpus() if g.bdf == self.label), None)
+            log.info("PCI address of %s unknown: %s", self.device, exc)
+        try:
+            self.total = int(self._core.get_property(self.device, "GPU_DEVICE_TOTAL_MEM_SIZE"))
+        except Exception as exc:
+            log.info("VRAM size of %s unknown to OpenVINO: %s", self.device, exc)
+        card = next((gpu for gpu in telemetry.list_gpus() if gpu.bdf == self.label), None)
+        self.family = card.family if card else None
+        if self.total is None and card:  # where OpenVINO cannot tell, the driver's sysfs may
+            self.total = card.memory_total_bytes
 
     def memory(self, pid: int) -> tuple[dict[str, int], dict[str, int]]:
         """(used, total) VRAM by device label."""
@@ -147,10 +156,14 @@ def main(argv: list[str] | None = None) -> None:
     faulthandler.enable()
     from appliance.logs import setup_logging
     setup_logging(spec.get("log_level", "info"), prefix=f"worker[{spec['name']}] ")
+    # Under memory pressure the kernel should end a worker (restarted with backoff), never the front.
+    oom.set_oom_score_adj(oom.WORKER_OOM_SCORE_ADJ)
     channel = BlockingChannel(socket.socket(fileno=args.fd))
     started = time.monotonic()
     try:
+        hog = b"\xff" * (int(os.environ.get(LOAD_HOG_ENV, "0")) << 20)
         engine = load_engine(spec, channel)
+        del hog
     except Exception as exc:
         message = str(exc).strip() or type(exc).__name__
         fault = faults.classify_error(message, device=spec["device"])

@@ -10,13 +10,14 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import os
 import signal
 import time
 from typing import Any, Callable
 
 from aiohttp import web
 
-from appliance import __version__, telemetry
+from appliance import __version__, oom, telemetry
 from appliance.api import generate
 from appliance.api.errors import error_response
 from appliance.config import Config, ConfigError
@@ -28,6 +29,8 @@ log = logging.getLogger("openarc.server")
 
 OPEN_ROUTES = {"/health", "/ready"}
 KMSG_POLL_INTERVAL_S = 1.0
+# Test knob: read kernel log records from this file or FIFO instead of /dev/kmsg. Never set in production.
+KMSG_PATH_ENV = "OPENARC_DEBUG_KMSG_PATH"
 LOAD_EXTEND_EVERY_S = 20.0  # well inside notify.LOAD_EXTEND_USEC
 
 
@@ -40,6 +43,8 @@ class Appliance:
         self.reload_config = reload_config  # reads the config again on SIGHUP (None: reload not supported)
         self.reloading = asyncio.Lock()
         self.metrics = Metrics()
+        # GPU resets and OOM kills, for the metrics and for classifying a worker's failure
+        self.kernel_log = telemetry.KernelLog(os.environ.get(KMSG_PATH_ENV, "/dev/kmsg"), on_reset=self.on_gpu_reset)
         self.supervisor = Supervisor(config, self.metrics)
         self.notifier = Notifier()
         self.loop_health = LoopHealth(self.metrics.event_loop_lag.set)
@@ -152,13 +157,13 @@ class Appliance:
     def healthy(self) -> bool:
         return self.loop_health.healthy() and self.supervisor.healthy()
 
-    async def watch_gpu_resets(self) -> None:
-        watcher = telemetry.KmsgWatcher()
+    def on_gpu_reset(self, event: telemetry.GpuEvent) -> None:
+        log.error("GPU %s on %s: %s", event.kind, event.bdf or "?", event.text)
+        self.metrics.gpu_resets.labels(device=event.bdf or "unknown").inc()
+
+    async def watch_kernel_log(self) -> None:
         while True:
-            for event in watcher.poll():
-                if event.counts_as_reset:
-                    log.error("GPU %s on %s: %s", event.kind, event.bdf or "?", event.text)
-                    self.metrics.gpu_resets.labels(device=event.bdf or "unknown").inc()
+            self.kernel_log.update()
             await asyncio.sleep(KMSG_POLL_INTERVAL_S)
 
     async def await_first_loads(self) -> None:
@@ -183,11 +188,12 @@ class Appliance:
         site = web.TCPSite(runner, host, port)
         await site.start()
         log.info("listening on http://%s:%d", host, port)
+        oom.set_oom_score_adj(oom.FRONT_OOM_SCORE_ADJ)  # before the workers: they raise theirs from here
         self.supervisor.start()
         self.background = [asyncio.create_task(c) for c in (
             self.loop_health.run(),
             watchdog_loop(self.notifier, self.healthy, self.trigger_reason, self.status_line),
-            self.watch_gpu_resets())]
+            self.watch_kernel_log())]
         loads = asyncio.create_task(self.await_first_loads())
         await asyncio.wait([loads, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         status = 0
@@ -233,4 +239,5 @@ class Appliance:
         for task in self.background:
             task.cancel()
         await runner.cleanup()
+        self.kernel_log.close()
         log.info("stopped")

@@ -1,5 +1,5 @@
-"""Readers for Intel GPU telemetry: DRM fdinfo, OpenVINO memory statistics, kernel log,
-DRM uevents, sysfs, process RSS.
+"""Readers for Intel GPU telemetry: DRM fdinfo (VRAM in use), OpenVINO memory statistics, the kernel log
+(GPU hangs and resets, OOM kills), sysfs (cards, VRAM size), process RSS.
 
 Every reader takes its root (`/proc`, `/sys`, `/dev/kmsg`) as a parameter so the tests can
 point it at recorded samples (tests/fixtures/gpu). The kernel / OpenVINO source of each
@@ -50,18 +50,7 @@ _FDINFO_KEYS = {
     "resident": re.compile(r"drm-resident-(?:local|vram)\d+"),
     "memory": re.compile(r"drm-memory-(?:local|vram)\d+"),
     "total": re.compile(r"drm-total-(?:local|vram)\d+"),
-    # engines: i915 "drm-engine-<e>: <ns> ns", xe "drm-cycles-<e>" + "drm-total-cycles-<e>"
-    "busy": re.compile(r"drm-(?:engine-(?!capacity-)|cycles-)(?P<engine>[\w-]+)"),
-    "total_cycles": re.compile(r"drm-total-cycles-(?P<engine>[\w-]+)"),
-    "capacity": re.compile(r"drm-engine-capacity-(?P<engine>[\w-]+)"),
 }
-
-
-@dataclass(frozen=True)
-class EngineBusy:
-    busy: int  # i915: ns the engine class ran this client; xe: GPU cycles
-    total_cycles: int | None  # xe only: utilization = Δbusy / Δtotal_cycles
-    capacity: int = 1  # engines in the class (the line is printed only when > 1)
 
 
 @dataclass(frozen=True)
@@ -73,7 +62,6 @@ class DrmClient:
     client_name: str | None
     vram_resident_bytes: int | None  # None: no device-local memory lines (iGPU, old kernel)
     vram_total_bytes: int | None
-    engines: dict[str, EngineBusy] = field(default_factory=dict)
 
 
 def parse_fdinfo(text: str) -> dict[str, str]:
@@ -100,26 +88,6 @@ def _sum_sizes(fields: Mapping[str, str], family: str) -> int | None:
     return sum(known) if known else None
 
 
-def _per_engine(fields: Mapping[str, str], family: str) -> dict[str, int]:
-    """engine -> the leading number of each key of the family ("346249 ns" -> 346249)."""
-    numbers = {}
-    for key, value in fields.items():
-        match = _FDINFO_KEYS[family].fullmatch(key)
-        number = value.split(maxsplit=1)[0] if value else ""
-        if match and number.isdigit():
-            numbers[match["engine"]] = int(number)
-    return numbers
-
-
-def _engines(fields: Mapping[str, str]) -> dict[str, EngineBusy]:
-    totals = _per_engine(fields, "total_cycles")
-    capacities = _per_engine(fields, "capacity")
-    return {
-        engine: EngineBusy(busy, totals.get(engine), capacities.get(engine, 1))
-        for engine, busy in _per_engine(fields, "busy").items()
-    }
-
-
 def drm_client_from_fdinfo(fields: Mapping[str, str], pid: int) -> DrmClient | None:
     """One DRM client from parsed fdinfo, or None for fds that are not DRM clients."""
     try:
@@ -138,7 +106,6 @@ def drm_client_from_fdinfo(fields: Mapping[str, str], pid: int) -> DrmClient | N
         client_name=fields.get("drm-client-name"),
         vram_resident_bytes=resident,
         vram_total_bytes=_sum_sizes(fields, "total"),
-        engines=_engines(fields),
     )
 
 
@@ -297,7 +264,7 @@ class GpuEvent:
     pid: int | None
     detail: str | None  # reset reason, ecode, recovery methods ...
     counts_as_reset: bool  # see ResetDeduper
-    text: str  # the line (or uevent keys) it came from
+    text: str  # the line it came from
     ts_us: int | None = None  # kmsg timestamp, set by KmsgWatcher
 
 
@@ -536,55 +503,24 @@ class KernelLog:
     def close(self) -> None:
         self.watcher.close()
 
+    def __enter__(self) -> KernelLog:
+        return self
 
-# ---------------------------------------------------------------------------------------
-# DRM uevents (KOBJ_CHANGE on the cardN minor): i915 gt/intel_reset.c
-# intel_gt_reset_global() sends ERROR=1, RESET=1, ERROR=0; drm_drv.c drm_dev_wedged_event()
-# sends WEDGED=<methods> (none = recovered by a driver reset), 2025+ also PID= and TASK=.
-_UEVENT_EVENTS = (
-    # (key, value pattern, kind, counts_as_reset); first match wins
-    ("WEDGED", r"none", "reset", True),
-    ("WEDGED", r".+", "wedged", True),
-    ("RESET", r"1", "reset", True),
-    ("ERROR", r"1", "hang", False),
-    ("ERROR", r"0", "reset", False),
-)
-_UEVENT_DEVPATH = re.compile(rf".*/(?P<bdf>{BDF})/drm/card\d+")
-
-
-def parse_uevent(text: str) -> dict[str, str]:
-    """KEY=value pairs of a uevent: a sysfs uevent file, `udevadm monitor --property` output
-    or a raw netlink message (NUL-separated). Lines without '=' (headers) are skipped."""
-    pairs = (line.strip().split("=", 1) for line in re.split(r"[\n\0]", text) if "=" in line)
-    return {key: value for key, value in pairs}
-
-
-def drm_uevent_event(props: Mapping[str, str]) -> GpuEvent | None:
-    """The GPU event a drm uevent reports, or None."""
-    if props.get("SUBSYSTEM", "drm") != "drm":
-        return None
-    for key, value_pattern, kind, counts in _UEVENT_EVENTS:
-        value = props.get(key)
-        if value is not None and re.fullmatch(value_pattern, value):
-            devpath = _UEVENT_DEVPATH.fullmatch(props.get("DEVPATH", ""))
-            return GpuEvent(
-                kind=kind,
-                bdf=devpath["bdf"] if devpath else None,
-                driver=None,
-                engine=None,
-                comm=props.get("TASK"),
-                pid=int(props["PID"]) if props.get("PID", "").isdigit() else None,
-                detail=value,
-                counts_as_reset=counts,
-                text=f"{key}={value}",
-            )
-    return None
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 # ---------------------------------------------------------------------------------------
 # sysfs: /sys/class/drm/cardN/device/{vendor,device} ("0x%04x\n"), device/driver symlink,
 # device/drm/renderD*, device/uevent (pci_uevent: PCI_SLOT_NAME=...).
 INTEL_VENDOR_ID = 0x8086
+
+
+def parse_uevent(text: str) -> dict[str, str]:
+    """KEY=value pairs of a sysfs uevent file; lines without '=' are skipped."""
+    pairs = (line.strip().split("=", 1) for line in text.splitlines() if "=" in line)
+    return {key: value for key, value in pairs}
+
 
 # PCI device id -> marketing name (None: id known, name not published), per variant.
 # Sources: intel/compute-runtime shared/source/dll/devices/devices_base.inl and
@@ -621,7 +557,7 @@ class GpuInfo:
     family: str  # DG2 | BMG | other
     variant: str | None  # DG2-G10, BMG-G21, ...
     name: str
-    memory_total_bytes: int | None  # only from out-of-tree drivers' sysfs files; usually None
+    memory_total_bytes: int | None  # from sysfs where the driver has it (see _probe_memory_total)
     warning: str | None  # e.g. an Intel id missing from the table
 
 
@@ -656,8 +592,8 @@ def _card_bdf(device_dir: Path) -> str | None:
 
 
 def _probe_memory_total(card_dir: Path) -> int | None:
-    """VRAM size from sysfs files that only out-of-tree drivers create (never required):
-    pre-merge xe / backports tileN/physical_vram_size_bytes, i915 backport lmem_total_bytes."""
+    """VRAM size from sysfs, where the driver has it: xe tileN/physical_vram_size_bytes (xe_tile_sysfs.c; some
+    kernels make it root-only), the i915 backports' lmem_total_bytes. Upstream i915 has neither."""
     tiles = sorted(card_dir.glob("device/tile*/physical_vram_size_bytes"))
     sizes = [int(text) for path in tiles if (text := (_read_text(path) or "").strip()).isdigit()]
     if sizes:

@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 
 from appliance.telemetry import (
+    GPU_TROUBLE_RECENT_S,
     RESET_WINDOW_US,
+    KernelLog,
     KmsgWatcher,
     ResetDeduper,
     detect_gpu_event,
+    oom_killed_pid,
     parse_kmsg_record,
 )
 
@@ -222,6 +225,58 @@ def test_old_records_are_skipped_and_each_record_is_read_once(tmp_path):
         append(source, fixture("kmsg/xe-b580-wedge-gt.kmsg"))
         assert len(watcher.poll()) == 10
         assert watcher.poll() == []
+
+
+# --- KernelLog: what a failing worker is checked against -------------------------------------
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def kernel_log(tmp_path: Path) -> tuple[KernelLog, Path, Clock, list]:
+    """A KernelLog on a file that already holds old records; appended records are what the kernel logs next."""
+    source = tmp_path / "kmsg"
+    source.write_text(fixture("kmsg/dev-kmsg-abi-example.kmsg") + fixture("kmsg/oom-kill-global.kmsg"))
+    clock, resets = Clock(), []
+    return KernelLog(source, on_reset=resets.append, clock=clock), source, clock, resets
+
+
+@pytest.mark.parametrize("name", ["i915-a770-guc-hang.kmsg", "xe-b580-wedge-gt.kmsg", "xe-b580-wedge-tile.kmsg"])
+def test_a_gpu_hang_explains_failures_for_a_while_after_it_was_read(tmp_path, name):
+    log, source, clock, resets = kernel_log(tmp_path)
+    with log:
+        assert log.gpu_trouble() is None
+        append(source, fixture(f"kmsg/{name}"))
+        clock.now += 5  # the worker fails 5 s after the last poll: the question reads the new records itself
+        trouble = log.gpu_trouble()
+        assert trouble is not None and trouble.bdf == "0000:03:00.0"
+        assert [event.counts_as_reset for event in resets] == [True]  # the metric and log line, once
+        clock.now += GPU_TROUBLE_RECENT_S - 0.1
+        assert log.gpu_trouble() == trouble
+        clock.now += 0.2
+        assert log.gpu_trouble() is None
+        assert len(resets) == 1
+
+
+def test_oom_kills_of_the_kernel_are_remembered_by_pid(tmp_path):
+    log, source, _, _ = kernel_log(tmp_path)
+    with log:
+        assert not log.oom_killed(31337)  # killed before the front started: not ours to explain
+        append(source, fixture("kmsg/oom-kill-memcg-v1.kmsg") + fixture("kmsg/oom-kill-global.kmsg"))
+        assert log.oom_killed(9734) and log.oom_killed(31337)
+        assert not log.oom_killed(4040)  # a user-space record claiming a kill
+        assert log.gpu_trouble() is None
+
+
+def test_oom_kill_lines():
+    records = [parse_kmsg_record(line + "\n") for line in fixture("kmsg/oom-kill-global.kmsg").splitlines()]
+    assert [oom_killed_pid(record) for record in records] == [None, None, 31337, None, None]
+    older_kernel = parse_kmsg_record("3,1,2,-;Killed process 77 (python3) total-vm:1024kB, anon-rss:512kB\n")
+    assert oom_killed_pid(older_kernel) == 77
 
 
 def test_fifo_with_records_split_across_writes(tmp_path):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -50,6 +52,23 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
             return result
         time.sleep(interval)
     raise AssertionError(f"not {what} after {timeout}s" + (f" (last error: {last_error})" if last_error else ""))
+
+
+def run_as_nobody(code: str, *modules: str) -> subprocess.CompletedProcess:
+    """Run Python `code` as user nobody with copies of the named appliance modules importable ("telemetry",
+    "oom"): the checkout and pytest's tmp dirs may be private to root. Needs root."""
+    root = Path(tempfile.mkdtemp(prefix="openarc-modules-"))
+    try:
+        (root / "appliance").mkdir()
+        (root / "appliance/__init__.py").write_text("")
+        for module in modules:
+            shutil.copy(REPO / "appliance" / f"{module}.py", root / "appliance" / f"{module}.py")
+        for path in (root, root / "appliance", *root.glob("appliance/*")):
+            path.chmod(0o755)
+        return subprocess.run([sys.executable, "-c", code], user=65534, group=65534, cwd=root,
+                              env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=60)
+    finally:
+        shutil.rmtree(root)
 
 
 def free_port() -> int:

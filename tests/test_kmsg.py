@@ -4,10 +4,6 @@ and KmsgWatcher on regular files, FIFOs and the real /dev/kmsg."""
 import errno
 import logging
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -23,9 +19,9 @@ from appliance.telemetry import (
     oom_killed_pid,
     parse_kmsg_record,
 )
+from conftest import run_as_nobody
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
-REPO = Path(__file__).resolve().parent.parent
 
 
 def fixture(name: str) -> str:
@@ -316,34 +312,15 @@ def test_unreadable_source_is_reported_once(tmp_path, caplog):
     assert len(caplog.records) == 1
 
 
-@pytest.fixture
-def world_readable_telemetry():
-    """A copy of appliance/telemetry.py that user nobody can import (the checkout and
-    pytest's tmp dirs may be private to root)."""
-    root = Path(tempfile.mkdtemp(prefix="openarc-kmsg-"))
-    try:
-        (root / "appliance").mkdir()
-        (root / "appliance/__init__.py").write_text("")
-        shutil.copy(REPO / "appliance/telemetry.py", root / "appliance/telemetry.py")
-        for path in (root, root / "appliance", *root.glob("appliance/*")):
-            path.chmod(0o755)
-        yield root
-    finally:
-        shutil.rmtree(root)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another user")
-def test_real_dev_kmsg_refused_to_an_unprivileged_user(world_readable_telemetry):
+def test_real_dev_kmsg_refused_to_an_unprivileged_user():
     # kernel.dmesg_restrict=1 (or no CAP_SYSLOG) makes open(/dev/kmsg) fail with EPERM.
     code = (
         "from appliance.telemetry import KmsgWatcher\n"
         "watcher = KmsgWatcher()\n"
         "print(watcher.poll(), watcher.poll(), watcher.unavailable)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], user=65534, group=65534, cwd=world_readable_telemetry,
-        env={**os.environ, "PYTHONPATH": str(world_readable_telemetry)}, capture_output=True, text=True, timeout=60,
-    )
+    result = run_as_nobody(code, "telemetry")
     restricted = Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() == "1"
     assert result.returncode == 0, result.stderr
     if restricted:

@@ -12,15 +12,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from appliance import oom
-from appliance.oom import OomCounter, OomWatch, memory_cgroup_counter, set_oom_score_adj
+from appliance.oom import OomCounter, OomWatch, memory_cgroup_counter
 from appliance.telemetry import KernelLog
-from conftest import model_entry
+from conftest import model_entry, run_as_nobody
 from memcg import MemoryCgroup
 
 CGROUP_FIXTURES = Path(__file__).parent / "fixtures" / "cgroup"
@@ -141,27 +140,11 @@ def has_cap_sys_resource() -> bool:
     return bool(int(effective.split()[1], 16) >> CAP_SYS_RESOURCE & 1)
 
 
-@pytest.fixture
-def world_readable_oom():
-    """appliance/oom.py alone where user nobody can import it (the checkout and pytest's tmp dirs may be private)."""
-    root = Path(tempfile.mkdtemp(prefix="openarc-oom-"))
-    try:
-        (root / "appliance").mkdir()
-        (root / "appliance/__init__.py").write_text("")
-        shutil.copy(Path(oom.__file__), root / "appliance/oom.py")
-        for path in (root, root / "appliance", *root.glob("appliance/*")):
-            path.chmod(0o755)
-        yield root
-    finally:
-        shutil.rmtree(root)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another user")
-def test_lowering_oom_score_adj_without_privilege_is_refused_quietly(world_readable_oom):
+def test_lowering_oom_score_adj_without_privilege_is_refused_quietly():
     code = ("from appliance.oom import set_oom_score_adj; "
             "print(set_oom_score_adj(-500), open('/proc/self/oom_score_adj').read().strip(), "
             "set_oom_score_adj(900), open('/proc/self/oom_score_adj').read().strip())")
-    result = subprocess.run([sys.executable, "-c", code], user=65534, group=65534, capture_output=True, text=True,
-                            cwd="/", env={**os.environ, "PYTHONPATH": str(world_readable_oom)}, timeout=60)
+    result = run_as_nobody(code, "oom")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", str(oom_score_adj(os.getpid())), "True", "900"]

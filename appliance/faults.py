@@ -160,30 +160,19 @@ _EXIT_RULES = (
 
 
 def classify_exit(returncode: int, *, during_load: bool = False, oom_killed: bool = False,
-                  gpu_reset_seen: bool = False) -> Fault:
+                  gpu_reset_seen: bool = False, pci_family: str | None = None) -> Fault:
     """Classify a worker death (Popen.returncode: negative = killed by that signal).
 
     `oom_killed`: appliance.oom said the kernel OOM killer chose it; `gpu_reset_seen`: the kernel
-    log reported a GPU hang/reset shortly before (appliance.telemetry.KernelLog.reset_since).
+    log reported a GPU hang/reset shortly before (appliance.telemetry.KernelLog.gpu_trouble), of a
+    card of `pci_family` where known (for its family's hint).
     """
     observed = (signal_name(returncode), during_load, oom_killed, gpu_reset_seen)
     for rule in _EXIT_RULES:
         wanted = (rule.signal, rule.during_load, rule.oom_killed, rule.gpu_reset_seen)
         if all(want is None or want == seen for want, seen in zip(wanted, observed, strict=True)):
-            return rule.fault
+            return replace(rule.fault, hint=rule.fault.hint or _FAMILY_HINTS.get((pci_family, rule.fault.kind)))
     raise AssertionError("the last exit rule matches everything")
-
-
-def crash_label(returncode: int, fault: Fault) -> str:
-    """Value of openarc_worker_crashes_total{signal}: what ended the worker, as precisely as known.
-
-    "oom_kill" for the kernel OOM killer, "device_lost" for a lost GPU, else signal_name().
-    """
-    if fault.code == "worker_oom_killed":
-        return "oom_kill"
-    if fault.kind == "device_lost":
-        return "device_lost"
-    return signal_name(returncode)
 
 
 def signal_name(returncode: int) -> str:

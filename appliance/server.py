@@ -45,7 +45,7 @@ class Appliance:
         self.metrics = Metrics()
         # GPU resets and OOM kills, for the metrics and for classifying a worker's failure
         self.kernel_log = telemetry.KernelLog(os.environ.get(KMSG_PATH_ENV, "/dev/kmsg"), on_reset=self.on_gpu_reset)
-        self.supervisor = Supervisor(config, self.metrics)
+        self.supervisor = Supervisor(config, self.metrics, self.kernel_log)
         self.notifier = Notifier()
         self.loop_health = LoopHealth(self.metrics.event_loop_lag.set)
         self.api_key = config.api_key()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from appliance import faults, ipc
+from appliance import faults, ipc, oom, telemetry
 from appliance.config import Config, ModelConfig
 from appliance.ipc import AsyncChannel, ProtocolError
 from appliance.lifecycle import CRASH_REASONS, Exit, ExitReason, Lifecycle, ModelState, RestartBudget
@@ -34,7 +34,6 @@ log = logging.getLogger("openarc.supervisor")
 
 SHUTDOWN_GRACE_S = 3.0
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
-EXIT_DEVICE_LOST = 75  # appliance.engines.base: the worker left because its GPU context is lost
 
 
 # Worker error kinds that are the request's fault: HTTP 400.
@@ -85,6 +84,7 @@ class WorkerProcess:
         self.proc = proc
         self.channel = channel
         self.pid = proc.pid
+        self.oom_watch = oom.OomWatch.of(proc.pid)  # asked once it is gone: was it the kernel OOM killer?
 
     @classmethod
     async def spawn(cls, spec: dict[str, Any]) -> WorkerProcess:
@@ -146,8 +146,9 @@ class ModelSupervisor:
     """One model: its lifecycle, its worker, and the requests routed to it."""
 
     def __init__(self, model: ModelConfig, config: Config, metrics: Metrics, load_gate: asyncio.Semaphore,
-                 on_change: Callable[[], None] = lambda: None):
+                 on_change: Callable[[], None] = lambda: None, kernel_log: telemetry.KernelLog | None = None):
         self.model = model
+        self.kernel_log = kernel_log  # the front's: GPU resets and OOM kills, to tell why a worker failed
         self.name = model.name
         self.metrics = metrics
         self.load_gate = load_gate
@@ -316,16 +317,29 @@ class ModelSupervisor:
         worker, self.worker = self.worker, None
         returncode = await worker.reap() if worker else None
         served = time.monotonic() - self._ready_at if self._ready_at is not None else 0.0
-        ending = self._ending or Exit(self._unasked_exit_reason(returncode))
+        ending = self._ending or self._unasked_exit(worker, returncode)
         return Exit(ending.reason, returncode, ending.detail, ending.hint, self._ready_at is not None, served)
 
-    def _unasked_exit_reason(self, returncode: int | None) -> ExitReason:
-        """Nobody in the front asked this worker to go."""
+    def _unasked_exit(self, worker: WorkerProcess | None, returncode: int | None) -> Exit:
+        """Nobody in the front asked this worker to go: its exit status, its memory cgroup's OOM counter and the
+        kernel log tell why."""
         if self.stopping:
-            return ExitReason.STOPPED
-        if returncode == EXIT_DEVICE_LOST:
-            return ExitReason.DEVICE_LOST
-        return ExitReason.CRASH
+            return Exit(ExitReason.STOPPED)
+        if worker and returncode is not None and worker.oom_watch.oom_killed(returncode, self.kernel_log):
+            return Exit(ExitReason.OOM_KILL)
+        trouble = self._gpu_trouble()
+        if trouble:  # whatever the worker died of, it died of the reset (the runtime aborts on a lost context)
+            fault = faults.classify_exit(returncode or 0, gpu_reset_seen=True, pci_family=gpu_family(trouble))
+            return Exit(ExitReason.DEVICE_LOST, detail=describe_gpu_trouble(trouble), hint=fault.hint)
+        if returncode == faults.EXIT_DEVICE_LOST:
+            return Exit(ExitReason.DEVICE_LOST)
+        return Exit(ExitReason.CRASH)
+
+    def _gpu_trouble(self) -> telemetry.GpuEvent | None:
+        """The GPU hang or reset the kernel logged lately, for a model on a GPU."""
+        if self.kernel_log is None or "GPU" not in self.model.device.upper():
+            return None
+        return self.kernel_log.gpu_trouble()
 
     def _on_exit(self, exit: Exit) -> float | None:
         """The one place a worker's end becomes state, metrics and a log line: the backoff before the next
@@ -494,9 +508,20 @@ class ModelSupervisor:
                                     prompt_tokens=message["prompt_tokens"], completion_tokens=message["completion_tokens"],
                                     reasoning_tokens=message.get("reasoning_tokens")))
         elif op == "error":
-            status = 400 if message["kind"] in CLIENT_ERROR_KINDS else 500
-            self._finish(req, RequestFailed(status, message["kind"], message["message"], message.get("code"),
-                                            message.get("hint")))
+            self._finish(req, self._request_error(message))
+
+    def _request_error(self, message: dict[str, Any]) -> RequestFailed:
+        """A request's error frame. A device out-of-memory next to a kernel-logged GPU hang was the hang (a hung
+        kernel also ends in CL_OUT_OF_RESOURCES): the device context is lost, so the worker is ended too."""
+        kind, code, hint = message["kind"], message.get("code"), message.get("hint")
+        trouble = self._gpu_trouble() if kind == "device_oom" else None
+        if trouble:
+            fault = faults.classify_error(message["message"], device=self.model.device,
+                                          pci_family=gpu_family(trouble), gpu_reset_seen=True)
+            kind, code, hint = fault.kind, fault.code, fault.hint
+            self._end_worker(ExitReason.DEVICE_LOST, describe_gpu_trouble(trouble), hint)
+        status = 400 if kind in CLIENT_ERROR_KINDS else 500
+        return RequestFailed(status, kind, message["message"], code, hint)
 
     def _on_tokens(self, req: Request, message: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -536,6 +561,15 @@ class ModelSupervisor:
 
 
 
+def gpu_family(event: telemetry.GpuEvent) -> str | None:
+    """The family ("DG2", "BMG") of the card a kernel GPU event names, for its known-issue hint."""
+    return next((gpu.family for gpu in telemetry.list_gpus() if gpu.bdf == event.bdf), None)
+
+
+def describe_gpu_trouble(event: telemetry.GpuEvent) -> str:
+    return f"GPU {event.kind} on {event.bdf or 'an unnamed card'} in the kernel log: {event.text}"
+
+
 def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
     """What a worker needs to know, as JSON on its command line."""
     return {"name": model.name, "path": model.path, "device": model.device, "pipeline": model.pipeline,
@@ -549,9 +583,10 @@ def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
 class Supervisor:
     """All models of this process; the front's only door to them."""
 
-    def __init__(self, config: Config, metrics: Metrics):
+    def __init__(self, config: Config, metrics: Metrics, kernel_log: telemetry.KernelLog | None = None):
         self.config = config
         self.metrics = metrics
+        self.kernel_log = kernel_log
         self.load_gate = asyncio.Semaphore(config.server.load_concurrency)
         self.models: dict[str, ModelSupervisor] = {}
         self._changed = asyncio.Event()
@@ -561,7 +596,7 @@ class Supervisor:
             self._start_model(model)
 
     def _start_model(self, model: ModelConfig) -> None:
-        sup = ModelSupervisor(model, self.config, self.metrics, self.load_gate, self._model_changed)
+        sup = ModelSupervisor(model, self.config, self.metrics, self.load_gate, self._model_changed, self.kernel_log)
         self.models[model.name] = sup
         sup.start()
 

@@ -109,7 +109,8 @@ class Appliance:
     """A live `openarc serve` on loopback, started from this source tree."""
 
     def __init__(self, config: dict, tmp: Path, env: dict | None = None, name: str = "openarc",
-                 python: str = sys.executable):
+                 python: str = sys.executable, prefix: list[str] | None = None):
+        self.prefix = prefix or []  # a command that execs the rest, e.g. tests/memcg.py's entry into a cgroup
         self.port = config.setdefault("server", {}).setdefault("port", free_port())
         config["server"].setdefault("host", "127.0.0.1")
         self.base = f"http://127.0.0.1:{self.port}"
@@ -125,7 +126,8 @@ class Appliance:
 
     def start(self, wait_ready: bool = True) -> Appliance:
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([self.python, "-m", "appliance", "serve", "--config", str(self.config_path)],
+        self.proc = subprocess.Popen([*self.prefix, self.python, "-m", "appliance", "serve",
+                                      "--config", str(self.config_path)],
                                      cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         if wait_ready:
             self.wait_ready()
@@ -218,8 +220,9 @@ def model_entry(name: str, path: Path, **overrides) -> dict:
 def appliance_factory(tmp_path):
     started: list[Appliance] = []
 
-    def start(config: dict, env: dict | None = None, wait_ready: bool = True, python: str = sys.executable) -> Appliance:
-        app = Appliance(config, tmp_path, env, python=python)
+    def start(config: dict, env: dict | None = None, wait_ready: bool = True, python: str = sys.executable,
+              prefix: list[str] | None = None) -> Appliance:
+        app = Appliance(config, tmp_path, env, python=python, prefix=prefix)
         started.append(app)
         return app.start(wait_ready)
 

@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 
 from appliance import oom
+from appliance.faults import LOAD_OOM_KILL_HINT
 from appliance.oom import OomCounter, OomWatch, memory_cgroup_counter
 from appliance.telemetry import KernelLog
-from conftest import model_entry, run_as_nobody
+from appliance.worker import LOAD_HOG_ENV
+from conftest import model_entry, run_as_nobody, wait_until
 from memcg import MemoryCgroup
 
 CGROUP_FIXTURES = Path(__file__).parent / "fixtures" / "cgroup"
@@ -148,3 +150,31 @@ def test_lowering_oom_score_adj_without_privilege_is_refused_quietly():
     result = run_as_nobody(code, "oom")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", str(oom_score_adj(os.getpid())), "True", "900"]
+
+
+# --- a real front whose worker the kernel OOM killer ends --------------------------------------------------
+
+def test_worker_oom_killed_while_loading_is_reported_with_the_host_ram_hint(appliance_factory, demo_model):
+    # The front and its worker share a 512 MiB memory cgroup, as under systemd's MemoryMax=; the worker touches
+    # 1 GiB while loading. The long backoff keeps the model waiting after the first kill, so the front stays up.
+    model = model_entry("big", demo_model, restart={"backoff_initial_s": 60, "backoff_max_s": 60,
+                                                    "max_failures": 5, "window_s": 600})
+    with MemoryCgroup(512 * MiB) as cgroup:
+        app = appliance_factory({"models": [model]}, env={LOAD_HOG_ENV: "1024"}, wait_ready=False,
+                                prefix=cgroup.shell_prefix())
+        status = wait_until(lambda: crashed(app, "big"), 120, "crashed")
+        assert app.proc.pid in cgroup.pids() and app.proc.poll() is None  # the front, in the cgroup, survived
+        assert status["state"] == "restarting"
+        assert status["last_exit"] == "oom_kill"
+        assert status["last_error"] == "worker exited: killed by the kernel OOM killer (SIGKILL)"
+        assert status["hint"] == LOAD_OOM_KILL_HINT
+        assert 'openarc_worker_crashes_total{model="big",reason="oom_kill",signal="SIGKILL"} 1.0' in app.metrics()
+        assert (f"model big: worker exited: killed by the kernel OOM killer (SIGKILL) (hint: {LOAD_OOM_KILL_HINT})"
+                in app.logs())
+        app.stop()
+
+
+def crashed(app, model: str) -> dict | None:
+    assert app.proc.poll() is None, app.logs()
+    status = app.model_status(model)
+    return status if status["crashes"] else None

@@ -1,0 +1,83 @@
+"""A GPU hang or reset in the kernel log classifies a GPU model's worker failure as a lost device.
+
+Recorded i915/xe sequences (tests/fixtures/gpu/kmsg) are replayed through a file the front's KernelLog reads.
+Without a GPU to run a worker on, the failures go through the model's supervisor directly: the exit of a worker
+nobody asked to go (then status, log line and crash metric), and a request's device_oom error frame. A real
+worker's exit 75 is tests/test_lifecycle.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+
+from appliance.config import load_config
+from appliance.faults import OOM_HINT
+from appliance.lifecycle import Exit, ExitReason, ModelState
+from appliance.metrics import Metrics
+from appliance.supervisor import ModelSupervisor
+from appliance.telemetry import KernelLog
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
+OCL_OUT_OF_RESOURCES = (FIXTURES / "errors/ocl-5-clflush-openvino35528.txt").read_text()
+
+
+@pytest.fixture
+def kernel_log(tmp_path):
+    source = tmp_path / "kmsg"
+    source.write_text((FIXTURES / "kmsg/dev-kmsg-abi-example.kmsg").read_text())
+    with KernelLog(source) as log:
+        yield log, source
+
+
+def supervisor(tmp_path, demo_model, kernel_log, device: str) -> tuple[ModelSupervisor, Metrics]:
+    config_path = tmp_path / "openarc.yaml"
+    config_path.write_text(yaml.safe_dump({"models": [{"name": "m", "path": str(demo_model), "device": device}]}))
+    config, metrics = load_config(config_path), Metrics()
+    sup = ModelSupervisor(config.models[0], config, metrics, asyncio.Semaphore(1), kernel_log=kernel_log)
+    sup._enter(ModelState.LOADING)
+    return sup, metrics
+
+
+@pytest.mark.parametrize("sequence", ["i915-a770-guc-hang.kmsg", "xe-b580-wedge-gt.kmsg"])
+def test_a_gpu_workers_crash_after_a_kernel_logged_reset_is_a_lost_device(tmp_path, demo_model, kernel_log, sequence):
+    log, source = kernel_log
+    sup, metrics = supervisor(tmp_path, demo_model, log, "GPU.0")
+    assert sup._unasked_exit(None, -signal.SIGABRT).reason is ExitReason.CRASH
+    with open(source, "a") as kmsg:
+        kmsg.write((FIXTURES / "kmsg" / sequence).read_text())
+    exit = sup._unasked_exit(None, -signal.SIGABRT)
+    assert exit.reason is ExitReason.DEVICE_LOST and "0000:03:00.0 in the kernel log" in exit.detail
+    sup._on_exit(Exit(exit.reason, -signal.SIGABRT, exit.detail, exit.hint, ever_ready=True, served_s=5))
+    assert sup.status()["last_exit"] == "device_lost"
+    assert sup.last_error.startswith("worker exited: device lost (SIGABRT); a fresh worker gets a new device context: "
+                                     "GPU ")
+    assert b'openarc_worker_crashes_total{model="m",reason="device_lost",signal="SIGABRT"} 1.0' in \
+        metrics.exposition()[0]
+
+
+def test_a_cpu_workers_crash_is_not_blamed_on_a_gpu_reset(tmp_path, demo_model, kernel_log):
+    log, source = kernel_log
+    sup, _ = supervisor(tmp_path, demo_model, log, "CPU")
+    with open(source, "a") as kmsg:
+        kmsg.write((FIXTURES / "kmsg/i915-a770-guc-hang.kmsg").read_text())
+    assert sup._unasked_exit(None, -signal.SIGSEGV).reason is ExitReason.CRASH
+
+
+def test_a_device_oom_next_to_a_gpu_hang_is_a_lost_device_and_ends_the_worker(tmp_path, demo_model, kernel_log):
+    log, source = kernel_log
+    sup, _ = supervisor(tmp_path, demo_model, log, "GPU")
+    frame = {"op": "error", "id": 1, "kind": "device_oom", "code": "device_out_of_memory", "hint": OOM_HINT,
+             "message": OCL_OUT_OF_RESOURCES}
+    plain = sup._request_error(frame)
+    assert (plain.status, plain.kind, plain.code, plain.hint) == (500, "device_oom", "device_out_of_memory", OOM_HINT)
+    assert sup._ending is None
+    with open(source, "a") as kmsg:
+        kmsg.write((FIXTURES / "kmsg/xe-b580-wedge-tile.kmsg").read_text())
+    after_hang = sup._request_error(frame)
+    assert (after_hang.status, after_hang.kind, after_hang.code, after_hang.hint) == (500, "device_lost", "device_lost", None)
+    assert sup._ending.reason is ExitReason.DEVICE_LOST  # the worker's context is gone: it is ended and restarted

@@ -34,7 +34,8 @@ OOM_HINT = "reduce context or max_tokens, or set KV_CACHE_PRECISION u8"
 SCHEDULER_OOM_HINT = "raise scheduler_config.cache_size / num_kv_blocks or use the stateful pipeline"
 RUNTIME_MISSING_HINT = "install Intel's compute runtime (intel-opencl-icd)"
 DG2_RESET_HINT = "set sdpa_optimization: false (GPU_ENABLE_SDPA_OPTIMIZATION)"
-LOAD_OOM_KILL_HINT = "enable_weightless (ENABLE_WEIGHTLESS) and serialized loads"
+LOAD_OOM_KILL_HINT = ("the host ran out of RAM while loading: set enable_weightless: true (ENABLE_WEIGHTLESS) "
+                      "and server.load_concurrency: 1")
 INVALID_DEVICE_HINT = "OpenVINO device names are upper-case (CPU, GPU, GPU.0, ...); got {device!r}"
 OOM_KILL_HINT = "the kernel OOM killer stopped the worker: lower max context or run fewer models per host"
 

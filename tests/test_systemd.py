@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from appliance.oom import WORKER_OOM_SCORE_ADJ
 from conftest import REPO, free_port, http
 from systemd_ns import SystemdNamespace, namespace_processes
 
@@ -211,6 +212,9 @@ def test_service_runs_unprivileged_and_sandboxed(boot_service):
         assert proc["NoNewPrivs"] == "1"
         assert proc["Seccomp"] == "2"  # a syscall filter is in force
         assert int(proc["CapEff"], 16) == 0
+    # The worker makes itself the OOM killer's first choice, inside the sandbox too.
+    worker_oom_score_adj = service.ns.run(["cat", f"/proc/{service.status('demo')['pid']}/oom_score_adj"]).stdout
+    assert int(worker_oom_score_adj) == WORKER_OOM_SCORE_ADJ
 
 
 def test_main_process_abort_cuts_requests_and_restarts_the_unit(boot_service):

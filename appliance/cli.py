@@ -73,7 +73,8 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     if args.dir:
         path = demo_model.build_demo_model(Path(args.dir), eos_after=args.eos_after, max_new_tokens=args.max_new_tokens)
     else:
-        path = demo_model.ensure_demo_model(demo_model.default_cache_dir())
+        path = demo_model.ensure_demo_model(demo_model.default_cache_dir(), eos_after=args.eos_after,
+                                            max_new_tokens=args.max_new_tokens)
     print(path)
     return 0
 

@@ -41,6 +41,9 @@ class InProcess:
         config = self.og.GenerationConfig()
         config.max_new_tokens = max_tokens
         config.eos_token_id = self.tokenizer.get_eos_token_id()
+        # Exactly max_tokens, whatever the model: the server's figures are compared only where it produced as
+        # many, so both sides always did the same work.
+        config.ignore_eos = True
         return config
 
     def generate(self, prompts: list[int], max_tokens: int, streamer=None) -> list:
@@ -48,13 +51,13 @@ class InProcess:
         return self.pipe.generate(texts, [self.config(max_tokens)] * len(texts), streamer)
 
 
-def latencies(engine: InProcess, plan: workload.Plan) -> list[float]:
+def latencies(engine: InProcess, plan: workload.Plan, tokens: int) -> list[float]:
     for i in range(plan.warmup):
-        engine.generate([i], workload.OVERHEAD_TOKENS)
+        engine.generate([i], tokens)
     samples = []
     for i in range(plan.overhead_requests):
         started = time.perf_counter()
-        engine.generate([i], workload.OVERHEAD_TOKENS)
+        engine.generate([i], tokens)
         samples.append(time.perf_counter() - started)
     return samples
 
@@ -68,26 +71,31 @@ def stream_rates(engine: InProcess, plan: workload.Plan) -> list[float]:
             times.append(time.perf_counter())
             return engine.og.StreamingStatus.RUNNING
 
+        started = time.perf_counter()
         engine.generate([i], workload.STREAM_TOKENS, on_text)
-        if i:
-            rates.append(workload.decode_rate(times, workload.STREAM_TOKENS))
+        rate = workload.stream_rate(started, times, workload.STREAM_TOKENS)
+        if i and rate is not None:
+            rates.append(rate)
     return rates
 
 
-def aggregate_rates(engine: InProcess, plan: workload.Plan) -> dict[str, float]:
-    """The same number of requests at once, as one batch, `rounds_per_client` times: tokens per second."""
-    rates = {}
+def aggregate_rates(engine: InProcess, plan: workload.Plan) -> tuple[dict[str, float], dict[str, float]]:
+    """The same number of requests at once, as one batch, `rounds_per_client` times (times the blocks a run with
+    peers cuts each figure into): tokens per second, and this process's CPU as a share of one core."""
+    rates, cpu_shares = {}, {}
     for clients in workload.CONCURRENCY_LEVELS:
         prompts = list(range(clients))
         engine.generate(prompts, workload.CONCURRENCY_TOKENS)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         tokens = 0
-        for _ in range(plan.rounds_per_client):
+        for _ in range(plan.rounds_per_client * plan.blocks):
             results = engine.generate(prompts, workload.CONCURRENCY_TOKENS)
             tokens += clients * workload.CONCURRENCY_TOKENS
             assert len(results) == clients
-        rates[str(clients)] = tokens / (time.perf_counter() - started)
-    return rates
+        elapsed = time.perf_counter() - started
+        rates[str(clients)] = tokens / elapsed
+        cpu_shares[str(clients)] = (time.process_time() - cpu) / elapsed
+    return rates, cpu_shares
 
 
 def no_core_dumps() -> None:
@@ -119,8 +127,11 @@ def death_notice(model_path: str) -> float:
 def run(model_path: str, plan: workload.Plan) -> dict:
     engine = InProcess(model_path)
     result = {"pipeline": "ContinuousBatchingPipeline", "load_seconds": engine.load_seconds,
-              "latencies_s": latencies(engine, plan), "stream_tokens_per_s": stream_rates(engine, plan),
-              "aggregate_tokens_per_s": aggregate_rates(engine, plan)}
+              "latencies_s": latencies(engine, plan, workload.OVERHEAD_TOKENS),
+              # after the longer requests, in the same order as against the server (the first ones run slower)
+              "fixed_latencies_s": latencies(engine, plan, workload.FIXED_COST_TOKENS),
+              "stream_tokens_per_s": stream_rates(engine, plan)}
+    result["aggregate_tokens_per_s"], result["aggregate_cpu"] = aggregate_rates(engine, plan)
     # After the same work the worker will have done: the KV cache has grown to the same size.
     result["rss_bytes"] = process_rss_bytes(os.getpid())
     result["death_notice_s"] = [death_notice(model_path) for _ in range(plan.death_trials)]

@@ -1,4 +1,4 @@
-"""`python -m bench [--quick] [--url URL] [--model NAME] [--model-path DIR] [--out DIR]`."""
+"""`python -m bench [--quick] [--url URL] [--peer NAME=URL ...] [--peer-pid NAME=PID ...] [--model-path DIR]`."""
 
 from __future__ import annotations
 
@@ -15,99 +15,216 @@ from pathlib import Path
 import aiohttp
 
 from appliance.telemetry import process_rss_bytes
-from bench import client, figures, report, workload
+from bench import client, figures, phases, report, sidebyside, workload
 from bench.launcher import FAULT_MODEL, PERF_MODEL, RESTART, STALL_TIMEOUT_S, OwnAppliance, child_env
+from bench.phases import CpuWatch, Server, process_tree
 
 RESULTS = Path(__file__).resolve().parent / "results"
+OWN_NAME = "openarc"
+DEMO_MODEL = ("the demo model, built with `openarc demo-model --eos-after 0` (never stops before max_tokens, "
+              "so every reply has the length asked for)")
 NOTES = [
     "Every ratio compares the server with the same model, prompts and token counts driven in process through "
-    "openvino_genai.ContinuousBatchingPipeline (the worker's engine), warm, in a bare process, run just before.",
+    "openvino_genai.ContinuousBatchingPipeline (the worker's engine), warm, in a bare process, run just before. "
+    "The baseline ignores EOS, so it always generates the tokens asked for; a server reply with fewer tokens (its "
+    "usage, else its text chunks) makes that figure 'not comparable' instead of a ratio of unequal work.",
     "Latency: one request at a time over a kept-alive connection, timed at the client from send to parsed body; "
     "the baseline is templating + generate() + decoding. 'Added p99' is p99(server) - p99(baseline).",
-    "Streaming: tokens after the first / time from the first to the last token, for the SSE client and for an "
-    "in-process streamer callback.",
-    "Concurrency: N clients each send requests back to back; the baseline runs N requests as one generate() batch.",
+    "Streaming: tokens / time from the request to the last token, for the SSE client and for an in-process "
+    "streamer callback (not from the first token: a server that falls behind sends queued tokens as one burst).",
+    "Concurrency: N clients each send requests back to back; the baseline runs N requests as one generate() batch. "
+    "CPU: each process's CPU time over the phase's wall time (100 % = one core; the machine has 2).",
     f"Faults hit a second copy of the model (`{FAULT_MODEL}`, stall_timeout_s={STALL_TIMEOUT_S:g}, restart backoff "
     f"{RESTART['backoff_initial_s']:g} s, included in recovery). Recovery ends at the first 200 of a 1-token request "
     "polled every 5 ms; the load time subtracted is that restart's openarc_model_load_seconds (spawn to ready).",
     "Client cost: the load generator's CPU time (asyncio + aiohttp, one process) per request and as a share of one "
-    "core; it runs on the same 2 cores as the server, so it is part of what the server figures pay.",
+    "core; it runs on the same cores as the server, so it is part of what the server figures pay.",
 ]
+PEER_NOTE = ("Side by side: the servers take turns, block by block (the order reversed every other block), with the "
+             "same requests; each cell is that server's own figure, 'median / p99' for latencies. A SIGABRT trial "
+             "signals the process named with --peer-pid (for openarc: the model's worker) once the client has "
+             "seen {chunks} chunks, then polls with one-token requests for up to {wait:g} s; a peer's trial runs "
+             "last, since it may not survive it.")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a few repetitions of each figure (a smoke run, not a measurement)")
     p.add_argument("--url", help="measure the HTTP figures of this OpenAI-compatible server instead of starting one")
+    p.add_argument("--name", default="server", help="with --url: what to call that server in the tables")
     p.add_argument("--model", help="with --url: the model to ask for (default: the first of /v1/models)")
-    p.add_argument("--model-path", help="with --url: the same model on disk, for the in-process baseline and ratios")
+    p.add_argument("--model-path", help="the model on disk, for the in-process baseline and ratios (default: the "
+                                        "bench builds the demo model with --eos-after 0 and, without --url, serves it)")
+    p.add_argument("--peer", action="append", default=[], metavar="NAME=URL[#MODEL]",
+                   help="another OpenAI-compatible server to drive alternately with the same workload (repeatable); "
+                        "#MODEL picks its model (default: the first of its /v1/models)")
+    p.add_argument("--peer-pid", action="append", default=[], metavar="NAME=PID",
+                   help="the main process of a peer (or of the --url server): its memory, its CPU, and a "
+                        "SIGABRT-mid-stream trial that may end it for good")
     p.add_argument("--out", default=str(RESULTS), help="where results.json, results.md and the appliance's log go "
                                                        "(default: bench/results)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.peers = [_named(p, value, "--peer") for value in args.peer]
+    args.peer_pids = {}
+    for value in args.peer_pid:
+        name, pid = _named(p, value, "--peer-pid")
+        if not pid.isdigit():
+            p.error(f"--peer-pid {value}: PID must be a number")
+        args.peer_pids[name] = int(pid)
+    names = [name for name, _ in args.peers] + [args.name if args.url else OWN_NAME]
+    if len(set(names)) != len(names):
+        p.error(f"server names must differ: {', '.join(names)}")
+    if unknown := set(args.peer_pids) - set(names):
+        p.error(f"--peer-pid names no server: {', '.join(sorted(unknown))}")
+    return args
+
+
+def _named(parser: argparse.ArgumentParser, value: str, flag: str) -> tuple[str, str]:
+    name, sep, rest = value.partition("=")
+    if not sep or not name or not rest:
+        parser.error(f"{flag} {value}: expected NAME=VALUE")
+    return name, rest
 
 
 def run_baseline(model_path: Path, plan_name: str) -> dict:
     """The in-process baseline, in a bare process of its own (see bench/baseline.py)."""
     done = subprocess.run([sys.executable, "-m", "bench.baseline", str(model_path), "--plan", plan_name],
-                          env=child_env(), stdout=subprocess.PIPE, check=True, timeout=600)
+                          env=child_env(), stdout=subprocess.PIPE, check=True, timeout=900)
     return json.loads(done.stdout)
 
 
-async def http_figures(session, base: str, model: str, plan, baseline: dict | None) -> list:
-    found = await figures.overhead(session, base, model, plan, baseline)
-    found.append(await figures.streaming(session, base, model, plan, baseline))
-    found += await figures.concurrency(session, base, model, plan, baseline)
-    return found
+async def peer_servers(session: aiohttp.ClientSession, peers: list[tuple[str, str]], pids: dict[str, int]) -> list[Server]:
+    servers = []
+    for name, target in peers:
+        url, _, model = target.partition("#")
+        url = url.rstrip("/")
+        servers.append(Server(name, url, model or await client.first_model(session, url), pids.get(name)))
+    return servers
 
 
-async def against_own_appliance(model_path: Path, out: Path, plan, baseline: dict) -> list:
-    app = OwnAppliance(model_path, out)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
-        try:
-            await app.start(session)
-            for i in range(plan.warmup):
-                await client.completion_tokens(session, app.base, workload.chat_body(PERF_MODEL, i, 8))
-            front_idle = process_rss_bytes(app.pid)
-            peak = figures.PeakRss(app.pid)
-            sampler = asyncio.create_task(peak.run())
-            found = await http_figures(session, app.base, PERF_MODEL, plan, baseline)
-            sampler.cancel()
-            worker = process_rss_bytes(await app.worker_pid(session, PERF_MODEL))
-            aborts = await figures.trials(session, app, signal.SIGABRT, plan.fault_trials)
-            stalls = await figures.trials(session, app, signal.SIGSTOP, plan.stall_trials)
-        finally:
-            app.stop()
-    return found + figures.fault_figures(aborts, stalls, baseline) + figures.memory(front_idle, peak.peak, worker, baseline)
+async def measure(session: aiohttp.ClientSession, servers: list[Server], plan, cpu_probe) -> sidebyside.Measured:
+    for server in servers:
+        await phases.warm(session, server, plan)
+    latency = await phases.latency(session, servers, plan, workload.OVERHEAD_TOKENS)
+    return sidebyside.Measured(
+        fixed=await phases.latency(session, servers, plan, workload.FIXED_COST_TOKENS),
+        latency=latency,
+        streaming=await phases.streaming(session, servers, plan),
+        concurrency=await phases.concurrency(session, servers, plan, cpu_probe))
 
 
-async def against_url(url: str, model: str | None, plan, baseline: dict | None) -> list:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
-        if model is None:
-            async with session.get(url + "/v1/models") as response:
-                model = (await response.json())["data"][0]["id"]
-        found = await http_figures(session, url, model, plan, baseline)
-    return found + figures.http_only("needs the bench's own appliance (not with --url)")
+def primary_figures(measured: sidebyside.Measured, name: str, baseline: dict | None) -> list:
+    base = baseline or {}
+    return (figures.latency(measured.fixed[name], base.get("fixed_latencies_s"), workload.FIXED_COST_TOKENS)
+            + figures.latency(measured.latency[name], base.get("latencies_s"), workload.OVERHEAD_TOKENS)
+            + [figures.streaming(measured.streaming[name], baseline)]
+            + figures.concurrency(measured.concurrency[name], baseline))
+
+
+class Run:
+    """One bench run: the servers, what was measured, and what goes into the report."""
+
+    def __init__(self, args: argparse.Namespace, plan, baseline: dict | None):
+        self.args, self.plan, self.baseline = args, plan, baseline
+        self.servers: list[Server] = []
+        self.processes: dict[str, dict[str, list[int]]] = {}  # server -> {label: pids} for CPU and memory
+        self.rss: dict[str, int | None] = {}
+        self.aborts: dict[str, sidebyside.AbortTrial | None] = {}
+
+    async def cpu_probe(self, server: Server) -> CpuWatch | None:
+        labelled = self.processes.get(server.name)
+        return CpuWatch(labelled) if labelled else None
+
+    def note_peer_processes(self) -> None:
+        for server in self.servers:
+            if server.pid is not None and server.name not in self.processes:
+                self.processes[server.name] = {server.name: process_tree(server.pid)}
+
+    async def abort_peers(self, session: aiohttp.ClientSession) -> None:
+        for server in self.servers:
+            if server.pid is not None and server.name not in self.aborts:
+                self.rss[server.name] = sidebyside.rss_bytes(process_tree(server.pid))
+                self.aborts[server.name] = await sidebyside.abort_trial(
+                    session, server.base, server.model, server.pid, self.plan.revive_timeout_s)
+
+    def side_by_side(self, measured: sidebyside.Measured) -> dict | None:
+        if len(self.servers) < 2:
+            return None
+        rows = sidebyside.rows(self.servers, measured, self.baseline, self.rss, self.aborts)
+        return {"servers": [{"name": s.name, "url": s.base, "model": s.model} for s in self.servers], "rows": rows,
+                "markdown": sidebyside.markdown(self.servers, rows)}
+
+    async def against_own_appliance(self, model_path: Path, out: Path) -> tuple[list, dict | None]:
+        app = OwnAppliance(model_path, out)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
+            try:
+                await app.start(session)
+                worker = await app.worker_pid(session, PERF_MODEL)
+                own = Server(OWN_NAME, app.base, PERF_MODEL, app.pid)
+                self.servers = [own] + await peer_servers(session, self.args.peers, self.args.peer_pids)
+                self.processes[OWN_NAME] = {"front": [app.pid], "worker": [worker]}
+                self.note_peer_processes()
+                await phases.warm(session, own, self.plan)
+                front_idle = process_rss_bytes(app.pid)
+                peak = figures.PeakRss(app.pid)
+                sampler = asyncio.create_task(peak.run())
+                measured = await measure(session, self.servers, self.plan, self.cpu_probe)
+                sampler.cancel()
+                worker_rss = process_rss_bytes(worker)
+                self.rss[OWN_NAME] = process_rss_bytes(app.pid) + worker_rss
+                self.aborts[OWN_NAME] = await sidebyside.abort_trial(
+                    session, app.base, FAULT_MODEL, await app.worker_pid(session, FAULT_MODEL),
+                    self.plan.revive_timeout_s)
+                aborts = await figures.trials(session, app, signal.SIGABRT, self.plan.fault_trials)
+                stalls = await figures.trials(session, app, signal.SIGSTOP, self.plan.stall_trials)
+                await self.abort_peers(session)
+            finally:
+                app.stop()
+        found = (primary_figures(measured, OWN_NAME, self.baseline) + figures.fault_figures(aborts, stalls, self.baseline)
+                 + figures.memory(front_idle, peak.peak, worker_rss, self.baseline))
+        return found, self.side_by_side(measured)
+
+    async def against_url(self, url: str) -> tuple[list, dict | None]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
+            model = self.args.model or await client.first_model(session, url)
+            primary = Server(self.args.name, url, model, self.args.peer_pids.get(self.args.name))
+            self.servers = [primary] + await peer_servers(session, self.args.peers, self.args.peer_pids)
+            self.note_peer_processes()
+            measured = await measure(session, self.servers, self.plan, self.cpu_probe)
+            await self.abort_peers(session)
+        found = primary_figures(measured, primary.name, self.baseline)
+        return found + figures.http_only("needs the bench's own appliance (not with --url)"), self.side_by_side(measured)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan, plan_name = (workload.QUICK, "quick") if args.quick else (workload.FULL, "full")
     started = time.monotonic()
+    load_at_start = report.load_average()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="openarc-bench-") as tmp:
         model_path = Path(args.model_path) if args.model_path else None
+        model_text = str(model_path) if model_path else DEMO_MODEL
         if model_path is None and not args.url:
             from appliance.demo_model import build_demo_model
             model_path = build_demo_model(Path(tmp) / "demo", eos_after=0, max_new_tokens=4096)  # never stops early
+        elif model_path is None:
+            model_text = f"{args.model or 'the first model'} as {args.url} serves it (no in-process baseline)"
         baseline = run_baseline(model_path, plan_name) if model_path else None
+        run = Run(args, plan, baseline)
         if args.url:
             target = args.url.rstrip("/")
-            found = asyncio.run(against_url(target, args.model, plan, baseline))
+            found, side = asyncio.run(run.against_url(target))
         else:
-            target = "its own appliance (python -m appliance serve, demo model, CPU)"
-            found = asyncio.run(against_own_appliance(model_path, out, plan, baseline))
-    meta = {"date": report.now(), "mode": plan_name, "duration_s": time.monotonic() - started, "target": target,
-            "machine": report.machine(), "baseline_load_seconds": baseline and baseline["load_seconds"]}
-    print(report.write(out, meta, found, NOTES))
+            target = "its own appliance (python -m appliance serve, CPU)"
+            found, side = asyncio.run(run.against_own_appliance(model_path, out))
+    names = ", ".join(f"{s.name} ({s.base})" for s in run.servers[1:])
+    meta = {"date": report.now(), "mode": plan_name, "duration_s": time.monotonic() - started,
+            "target": target + (f", alongside {names}" if names else ""), "primary": run.servers[0].name,
+            "model": model_text, "machine": report.machine(),
+            "load": f"{load_at_start} at the start, {report.load_average()} at the end",
+            "baseline_load_seconds": baseline and baseline["load_seconds"]}
+    notes = NOTES + ([PEER_NOTE.format(chunks=sidebyside.ABORT_AFTER_CHUNKS, wait=plan.revive_timeout_s)] if side else [])
+    print(report.write(out, meta, found, notes, side))
     return 0

@@ -1,4 +1,9 @@
-"""The load generator: asyncio + aiohttp, so one client process can keep 16 streams busy on 2 cores."""
+"""The load generator: asyncio + aiohttp, so one client process can keep 16 streams busy on 2 cores.
+
+It reads any OpenAI-compatible server's dialect without trusting it: tokens are the server's `usage` where it
+sends one, else the chunks that carry text (`content`, `reasoning_content` or `reasoning`); anything it does
+not understand is counted as unexpected, kept as a sample, and never raised.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,32 @@ from dataclasses import dataclass, field
 import aiohttp
 
 CHAT_PATH = "/v1/chat/completions"
+TEXT_FIELDS = ("content", "reasoning_content", "reasoning")  # where servers put generated text in a delta/message
+KNOWN_DELTA_FIELDS = {"role", "refusal", "tool_calls", "function_call", *TEXT_FIELDS}
+SAMPLES_KEPT = 3
+
+
+@dataclass
+class Unexpected:
+    """What a server sent that the bench does not understand: how many, and the first few as it sent them."""
+
+    count: int = 0
+    samples: list[str] = field(default_factory=list)
+
+    def add(self, what: str) -> None:
+        self.count += 1
+        if len(self.samples) < SAMPLES_KEPT:
+            self.samples.append(what[:200])
+
+
+@dataclass
+class Reply:
+    """What a client saw of one non-streaming request."""
+
+    status: int
+    tokens: int | None          # usage.completion_tokens; None when the server sends no usage
+    error: dict | None = None
+    unexpected: Unexpected = field(default_factory=Unexpected)
 
 
 @dataclass
@@ -18,69 +49,163 @@ class Stream:
     """What an SSE client saw of one streaming request, with arrival times (time.perf_counter)."""
 
     status: int
-    token_times: list[float] = field(default_factory=list)
-    completion_tokens: int = 0
+    started: float                                          # when the request was sent
+    token_times: list[float] = field(default_factory=list)  # arrivals of chunks that carried text
+    usage_tokens: int | None = None
     error: dict | None = None
     error_at: float | None = None
     done: bool = False
+    broken: str | None = None    # how the stream ended without [DONE]: the connection dropped, or just closed
+    broken_at: float | None = None
+    unexpected: Unexpected = field(default_factory=Unexpected)
+
+    @property
+    def tokens(self) -> int:
+        """The server's own count where it gives one, else one token per text chunk."""
+        return self.usage_tokens if self.usage_tokens is not None else len(self.token_times)
 
 
-async def complete(session: aiohttp.ClientSession, base: str, body: dict) -> tuple[int, dict]:
+async def complete(session: aiohttp.ClientSession, base: str, body: dict) -> Reply:
     async with session.post(base + CHAT_PATH, json=body) as response:
-        return response.status, await response.json(content_type=None)
+        raw = await response.read()
+    reply = Reply(response.status, None)
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        reply.unexpected.add(raw.decode(errors="replace"))
+        return reply
+    if not isinstance(parsed, dict):
+        reply.unexpected.add(raw.decode(errors="replace"))
+        return reply
+    if response.status != 200 or "error" in parsed:
+        reply.error = parsed.get("error") if isinstance(parsed.get("error"), dict) else {"message": str(parsed)}
+        return reply
+    reply.tokens = _usage_tokens(parsed, reply.unexpected)
+    choices = parsed.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        reply.unexpected.add(raw.decode(errors="replace"))
+    return reply
 
 
 async def completion_tokens(session: aiohttp.ClientSession, base: str, body: dict) -> int:
-    status, reply = await complete(session, base, body)
-    if status != 200:
-        raise RuntimeError(f"{status} from the server: {reply}")
-    return reply["usage"]["completion_tokens"]
+    """A request that must succeed (warm-ups): the tokens it produced, 0 when the server does not say."""
+    reply = await complete(session, base, body)
+    if reply.status != 200 or reply.error:
+        raise RuntimeError(f"{reply.status} from the server: {reply.error}")
+    return reply.tokens or 0
 
 
 async def stream(session: aiohttp.ClientSession, base: str, body: dict,
                  on_token: Callable[[int], None] | None = None) -> Stream:
-    """Read one SSE response to its end; on_token(count) runs as each chunk with text arrives."""
+    """Read one SSE response to its end; on_token(count) runs as each chunk with text arrives.
+
+    A dropped connection or a stream that ends without [DONE] is recorded (`broken`), not raised."""
+    started = time.perf_counter()
     async with session.post(base + CHAT_PATH, json=body) as response:
-        seen = Stream(response.status)
+        seen = Stream(response.status, started)
         if response.status != 200:
-            seen.error = (await response.json(content_type=None)).get("error")
+            raw = await response.read()
+            try:
+                seen.error = json.loads(raw).get("error")
+            except (ValueError, AttributeError):
+                seen.unexpected.add(raw.decode(errors="replace"))
+            seen.error = seen.error or {"message": raw.decode(errors="replace")[:200]}
             return seen
-        async for line in response.content:
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                seen.done = True
-                break
-            _record_event(seen, json.loads(data), time.perf_counter(), on_token)
-    if not seen.completion_tokens:  # a server that sends no usage chunk: one chunk per token
-        seen.completion_tokens = len(seen.token_times)
+        try:
+            async for line in response.content:
+                if _read_line(seen, line, on_token):
+                    break
+        except (aiohttp.ClientError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            seen.broken, seen.broken_at = f"connection dropped ({type(exc).__name__})", time.perf_counter()
+            return seen
+    if not seen.done and seen.broken is None:
+        seen.broken, seen.broken_at = "closed without [DONE]", time.perf_counter()
     return seen
 
 
-def _record_event(seen: Stream, event: dict, now: float, on_token: Callable[[int], None] | None) -> None:
-    if "error" in event:
-        seen.error, seen.error_at = event["error"], now
+def _read_line(seen: Stream, line: bytes, on_token: Callable[[int], None] | None) -> bool:
+    """One SSE line; True at [DONE]. Blank lines, comments and event/id/retry fields are plain SSE."""
+    line = line.strip()
+    if not line or line.startswith(b":") or line.split(b":", 1)[0] in (b"event", b"id", b"retry"):
+        return False
+    if not line.startswith(b"data:"):
+        seen.unexpected.add(line.decode(errors="replace"))
+        return False
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        seen.done = True
+        return True
+    try:
+        event = json.loads(data)
+    except ValueError:
+        seen.unexpected.add(data.decode(errors="replace"))
+        return False
+    _record_event(seen, event, time.perf_counter(), on_token)
+    return False
+
+
+def _record_event(seen: Stream, event, now: float, on_token: Callable[[int], None] | None) -> None:
+    if not isinstance(event, dict):
+        seen.unexpected.add(json.dumps(event))
         return
-    if event.get("usage"):
-        seen.completion_tokens = event["usage"]["completion_tokens"]
-    for choice in event.get("choices") or ():
-        if (choice.get("delta") or {}).get("content") or choice.get("text"):
+    if "error" in event:
+        seen.error, seen.error_at = event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}, now
+        return
+    if event.get("usage") is not None:
+        seen.usage_tokens = _usage_tokens(event, seen.unexpected)
+    choices = event.get("choices")
+    if not isinstance(choices, list) or (not choices and event.get("usage") is None):
+        seen.unexpected.add(json.dumps(event))
+        return
+    for choice in choices:
+        if _carries_text(choice, seen.unexpected):
             seen.token_times.append(now)
             if on_token:
                 on_token(len(seen.token_times))
 
 
-async def first_success(session: aiohttp.ClientSession, base: str, model: str, interval_s: float = 0.005,
-                        timeout_s: float = 120) -> float:
-    """Poll with one-token requests until one is answered 200 (503 while restarting); returns when it was.
+def _carries_text(choice, unexpected: Unexpected) -> bool:
+    if not isinstance(choice, dict):
+        unexpected.add(json.dumps(choice))
+        return False
+    if isinstance(choice.get("text"), str):  # /v1/completions chunks
+        return bool(choice["text"])
+    delta = choice.get("delta")
+    if delta is None and "finish_reason" in choice:
+        return False
+    if not isinstance(delta, dict) or not delta.keys() <= KNOWN_DELTA_FIELDS:
+        unexpected.add(json.dumps(choice))
+        return False
+    return any(isinstance(delta.get(key), str) and delta[key] for key in TEXT_FIELDS)
 
-    The deadline only catches a model that never comes back, so the bench still stops what it started."""
+
+def _usage_tokens(body: dict, unexpected: Unexpected) -> int | None:
+    usage = body.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if usage is not None and not isinstance(tokens, int):
+        unexpected.add(json.dumps(usage))
+        return None
+    return tokens
+
+
+async def first_success(session: aiohttp.ClientSession, base: str, model: str, interval_s: float = 0.005,
+                        timeout_s: float = 120) -> float | None:
+    """Poll with one-token requests until one is answered 200; returns when it was, or None at the deadline.
+
+    Refused connections count as "not yet": a server that is restarting may not even listen."""
     body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        status, _ = await complete(session, base, body)
-        if status == 200:
-            return time.perf_counter()
+        try:
+            if (await complete(session, base, body)).status == 200:
+                return time.perf_counter()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+            pass
         await asyncio.sleep(interval_s)
-    raise RuntimeError(f"{model} did not answer 200 within {timeout_s:g}s")
+    return None
+
+
+async def first_model(session: aiohttp.ClientSession, base: str) -> str:
+    async with session.get(base + "/v1/models") as response:
+        listed = await response.json(content_type=None)
+    return listed["data"][0]["id"]

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 MB = 1 << 20
+NOT_COMPARABLE = "not comparable"  # the server did other work than its baseline (stopped early, failed, uncounted)
 
 
 @dataclass
@@ -21,7 +22,7 @@ class Figure:
     unit: str
     baseline: str = ""
     target: str = ""          # empty: reported for information
-    verdict: str = "info"     # PASS | MISS | info | not measured
+    verdict: str = "info"     # PASS | MISS | info | not measured | not comparable
     client: str = ""          # what the load generator cost while measuring this figure
 
 
@@ -58,26 +59,36 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def markdown(meta: dict, figures: list[Figure], notes: list[str]) -> str:
+def markdown(meta: dict, figures: list[Figure], notes: list[str], side_by_side: list[str] | None = None) -> str:
     m = meta["machine"]
     lines = [f"Measured {meta['date']} ({meta['mode']} run, {meta['duration_s']:.0f} s) against {meta['target']}.",
+             f"Model: {meta['model']}.",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM, Linux {m['kernel']}, Python {m['python']}, "
-             f"OpenVINO GenAI {m['openvino_genai']}, client aiohttp {m['aiohttp']}.",
-             "",
-             "| Figure | Measured | In-process baseline | Target | Verdict | Client cost |",
-             "|---|---|---|---|---|---|"]
+             f"OpenVINO GenAI {m['openvino_genai']}, client aiohttp {m['aiohttp']}; load average {meta['load']}.",
+             ""]
+    if side_by_side:
+        lines += side_by_side + ["", f"{meta['primary']} against its in-process baseline:", ""]
+    lines += ["| Figure | Measured | In-process baseline | Target | Verdict | Client cost |",
+              "|---|---|---|---|---|---|"]
     lines += [f"| {f.name} | {f.measured} | {f.baseline} | {f.target} | {f.verdict} | {f.client} |" for f in figures]
     lines += [""] + [f"- {note}" for note in notes]
     return "\n".join(lines) + "\n"
 
 
-def write(out: Path, meta: dict, figures: list[Figure], notes: list[str]) -> str:
+def write(out: Path, meta: dict, figures: list[Figure], notes: list[str], side_by_side: dict | None = None) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(meta, figures, notes)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "figures": [asdict(f) for f in figures],
-                                                  "notes": notes}, indent=2) + "\n")
+    table = markdown(meta, figures, notes, side_by_side and side_by_side["markdown"])
+    result = {"meta": meta, "figures": [asdict(f) for f in figures], "notes": notes}
+    if side_by_side:
+        result["side_by_side"] = {"servers": side_by_side["servers"], "rows": side_by_side["rows"]}
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "results.md").write_text(table)
     return table
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages while the run ended: other work on the cores moves every figure."""
+    return " / ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 def now() -> str:

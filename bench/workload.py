@@ -9,6 +9,7 @@ from dataclasses import dataclass
 PROMPTS = ("Tell me something.", "What is the weather like today?", "Write a short story about a lantern.",
            "List a few words you like.")
 OVERHEAD_TOKENS = 32        # the task's figure: a short non-streaming chat completion
+FIXED_COST_TOKENS = 1       # a one-token request: what the server adds per request, with no per-token part
 STREAM_TOKENS = 512         # long enough that the decode rate, not the first token, dominates
 CONCURRENCY_TOKENS = 128
 CONCURRENCY_LEVELS = (1, 4, 8, 16)
@@ -25,12 +26,14 @@ class Plan:
     fault_trials: int
     stall_trials: int
     death_trials: int        # the baseline of the fault figures: bare processes killed the same way
+    blocks: int              # with peers: each figure's work is split into this many blocks, servers alternating
+    revive_timeout_s: float  # SIGABRT trial on a peer: how long to wait for it to serve again
 
 
 FULL = Plan(warmup=10, overhead_requests=300, stream_requests=10, rounds_per_client=6, fault_trials=50, stall_trials=8,
-            death_trials=20)
+            death_trials=20, blocks=5, revive_timeout_s=30)
 QUICK = Plan(warmup=2, overhead_requests=10, stream_requests=2, rounds_per_client=1, fault_trials=2, stall_trials=1,
-             death_trials=1)
+             death_trials=1, blocks=1, revive_timeout_s=3)
 
 
 def messages(i: int) -> list[dict[str, str]]:
@@ -55,7 +58,17 @@ def distribution(values: list[float]) -> dict[str, float]:
             "min": min(values), "max": max(values)}
 
 
-def decode_rate(token_times: list[float], tokens: int) -> float:
-    """Tokens per second after the first one arrived: the same definition on both sides of every ratio."""
-    span = token_times[-1] - token_times[0]
-    return (tokens - 1) / span if span > 0 and tokens > 1 else 0.0
+def stream_rate(started: float, token_times: list[float], tokens: int) -> float | None:
+    """Tokens per second from the request to the arrival of the last token: the same definition on both sides.
+
+    Counted from the request, not from the first token: a server that falls behind merges queued tokens into
+    fewer, larger chunks, and a rate between the first and the last chunk would then count a burst, not a speed.
+    None when nothing arrived."""
+    span = token_times[-1] - started if token_times else 0.0
+    return tokens / span if span > 0 and tokens else None
+
+
+def split(total: int, blocks: int) -> list[int]:
+    """`total` repetitions in `blocks` nearly equal parts, none empty."""
+    blocks = max(1, min(blocks, total))
+    return [total // blocks + (i < total % blocks) for i in range(blocks)]

@@ -1,23 +1,30 @@
-"""`python -m bench --quick`: a complete, well-formed report, against its own appliance and against a URL.
+"""`python -m bench --quick`: a complete, well-formed report, against its own appliance and against a URL, each
+alongside a peer: a stand-in server (tests/standin_server.py) that streams only `reasoning_content`, stops after
+a few tokens and sends a chunk no client expects.
 
-Only the shape of the output is asserted, never a timing: the quick mode measures too little to mean anything,
-and CI machines differ (the real figures are in the README, Benchmarks).
+Only shapes and counts are asserted, never a timing: the quick mode measures too little to mean anything, and CI
+machines differ (the real figures are in the README, Benchmarks).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, model_entry
+import pytest
+
+from conftest import REPO, free_port, http, model_entry, pid_alive, wait_until
 
 BENCH_TIMEOUT_S = 300  # only catches a hang: the quick run takes ~15 s
-VERDICTS = {"PASS", "MISS", "info", "not measured"}
-TARGETED = ("median ratio", "added median", "Streaming", "Concurrency", "SIGABRT", "Recovery", "SIGSTOP", "Front RSS",
-            "Worker RSS")
+VERDICTS = {"PASS", "MISS", "info", "not measured", "not comparable"}
+STANDIN = Path(__file__).resolve().parent / "standin_server.py"
+STANDIN_TOKENS = 7  # standin_server.STOP_AFTER
+TARGETED = ("median ratio", "1-token chat completion: added median", "Streaming", "Concurrency, 4", "Concurrency, 8 ",
+            "Concurrency, 16", "8 -> 16", "SIGABRT", "Recovery", "SIGSTOP", "Front RSS", "Worker RSS")
 
 
 def run_bench(out: Path, *args: str) -> dict:
@@ -31,11 +38,41 @@ def run_bench(out: Path, *args: str) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
+@pytest.fixture
+def standin():
+    """The stand-in peer as a process of its own (a SIGABRT trial may end it): (url, pid)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(STANDIN), str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _answers(url + "/v1/models"), 30, "the stand-in server to listen")
+        yield url, proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return http("GET", url)[0] == 200
+    except OSError:
+        return False
+
+
 def table_rows(markdown: str) -> list[list[str]]:
-    lines = [line for line in markdown.splitlines() if line.startswith("|")]
-    assert lines[0] == "| Figure | Measured | In-process baseline | Target | Verdict | Client cost |"
-    assert set(lines[1]) <= {"|", "-"}
-    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+    """The rows of the server-against-baseline table (after the side-by-side one, when there is one)."""
+    lines = markdown.splitlines()
+    header = lines.index("| Figure | Measured | In-process baseline | Target | Verdict | Client cost |")
+    table = [line for line in lines[header:] if line.startswith("|")]
+    assert set(table[1]) <= {"|", "-"}
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+
+
+def side_by_side(result: dict, server: str) -> dict[str, str]:
+    """One server's column of the side-by-side table, by row label (the in-process column is 'in process')."""
+    table = result["side_by_side"]
+    names = ["in process"] + [s["name"] for s in table["servers"]]
+    return {row[0]: row[1 + names.index(server)] for row in table["rows"]}
 
 
 def assert_report_matches(result: dict, out: Path) -> None:
@@ -52,15 +89,37 @@ def assert_report_matches(result: dict, out: Path) -> None:
     assert result["meta"]["mode"] == "quick" and result["notes"]
 
 
-def test_quick_bench_reports_every_figure_against_its_baseline(tmp_path):
-    result = run_bench(tmp_path)
+def assert_standin_counted(result: dict) -> None:
+    """The stand-in's replies counted as it sent them: 7 tokens (usage, else reasoning chunks), early stops and its
+    odd chunks reported, nothing crashed."""
+    column = side_by_side(result, "standin")
+    assert f"10 of 10 replies stopped early (median {STANDIN_TOKENS} of 32 tokens)" in column["Tokens per 32-token reply"]
+    stream = column["SSE rate, 512 tokens asked"]  # one odd chunk per stream; the warm-up stream is not counted
+    assert f"2 of 2 replies stopped early (median {STANDIN_TOKENS} of 512 tokens)" in stream and "2 unexpected chunks" in stream
+    assert f"(median {STANDIN_TOKENS} of 128 tokens)" in column["Aggregate, 16 clients x 128 tokens"]
+
+
+def test_quick_bench_alongside_a_peer_reports_every_figure_against_its_baseline(tmp_path, standin):
+    standin_url, standin_pid = standin
+    result = run_bench(tmp_path, "--peer", f"standin={standin_url}", "--peer-pid", f"standin={standin_pid}")
     assert_report_matches(result, tmp_path)
+    assert [s["name"] for s in result["side_by_side"]["servers"]] == ["openarc", "standin"]
+    assert_standin_counted(result)
+    # the peer's SIGABRT trial: the stand-in is one process, so its client saw the connection drop, and it stayed dead
+    trial = side_by_side(result, "standin")["SIGABRT mid-stream (after chunk 5)"]
+    assert trial.startswith("connection dropped") and "not serving" in trial, trial
+    assert not pid_alive(standin_pid)
+    own = side_by_side(result, "openarc")
+    assert own["SIGABRT mid-stream (after chunk 5)"].startswith("SSE error event (worker_crash), then [DONE]"), own
+    assert "serves again after" in own["SIGABRT mid-stream (after chunk 5)"]
+    assert own["Tokens per 32-token reply"] == "32 in all 10 replies"
+    assert own["Resident memory (process and children)"].endswith(" MB")
     verdicts = {f["name"]: f["verdict"] for f in result["figures"]}
     for word in TARGETED:  # every figure with a target got a verdict, none was skipped
         matching = [v for name, v in verdicts.items() if word in name]
         assert matching and set(matching) <= {"PASS", "MISS"}, (word, verdicts)
-    assert sum("Concurrency" in name for name in verdicts) == 4
-    assert all(f["baseline"] for f in result["figures"] if "ratio" in f["name"] or "Concurrency" in f["name"])
+    assert sum("aggregate tokens/s" in name for name in verdicts) == 4
+    assert all(f["baseline"] for f in result["figures"] if "ratio" in f["name"] or "aggregate tokens/s" in f["name"])
     # its appliance stopped cleanly, and took its workers with it
     assert "stopped" in (tmp_path / "appliance.log").read_text()
     assert not [p for p in Path("/proc").glob("[0-9]*") if _cmdline_mentions(p, str(tmp_path))]
@@ -78,7 +137,31 @@ def test_quick_bench_against_a_url_measures_the_http_figures_only(appliance_fact
     assert set(by_verdict) == {"info", "not measured"}
     assert any("Concurrency, 16 clients" in name for name in by_verdict["info"])
     assert any("SIGABRT" in name for name in by_verdict["not measured"])
+    assert "side_by_side" not in result
     assert app.model_status("served")["restarts"] == 0
+
+
+def test_a_server_that_stops_early_is_reported_not_compared(appliance_factory, demo_model, tmp_path, standin):
+    """The demo model stops after 48 tokens: its 32-token latency is compared with the baseline, its 128- and
+    512-token figures are reported as stopping early instead of as ratios of unequal work."""
+    app = appliance_factory({"models": [model_entry("served", demo_model, max_running=16)]})
+    status, _, reply = http("POST", app.base + "/v1/chat/completions",
+                         {"model": "served", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 128})
+    assert status == 200
+    produced = reply["usage"]["completion_tokens"]
+    assert produced < 128
+    standin_url, _ = standin
+    result = run_bench(tmp_path, "--url", app.base, "--name", "demo48", "--model-path", str(demo_model),
+                       "--peer", f"standin={standin_url}")
+    assert_report_matches(result, tmp_path)
+    figures = {f["name"]: f for f in result["figures"]}
+    assert figures["Latency, 32-token chat completion: median ratio"]["verdict"] in ("PASS", "MISS")
+    for name in ("Streaming, 512 tokens over SSE: tokens/s", "Concurrency, 16 clients: aggregate tokens/s"):
+        assert figures[name]["verdict"] == "not comparable", figures[name]
+    assert f"stopped early (median {produced} of 128 tokens)" in figures["Concurrency, 16 clients: aggregate tokens/s"]["measured"]
+    assert side_by_side(result, "demo48")["Tokens per 32-token reply"] == "32 in all 10 replies"
+    assert_standin_counted(result)
+    assert "not measured (no pid)" in side_by_side(result, "standin")["SIGABRT mid-stream (after chunk 5)"]
 
 
 def _cmdline_mentions(proc: Path, text: str) -> bool:

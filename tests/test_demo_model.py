@@ -14,6 +14,7 @@ import pytest
 
 from appliance import demo_model as demo
 from appliance.demo_model import build_demo_model, default_cache_dir, ensure_demo_model
+from conftest import REPO
 
 EOS_AFTER = 48
 WORDS = set(demo.ADJECTIVES) | set(demo.NOUNS)
@@ -256,3 +257,16 @@ def test_default_cache_dir(monkeypatch, env, expected):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert default_cache_dir() == pathlib.Path(expected)
+
+
+def test_cli_builds_a_model_that_never_stops_into_the_cache(tmp_path):
+    """`openarc demo-model --eos-after 0` (no DIR): the cached build has the parameters asked for, not the default
+    ones; the bench's throughput figures rely on such a model."""
+    env = {**os.environ, "OPENARC_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "appliance", "demo-model", "--eos-after", "0", "--max-new-tokens", "80"],
+                          env=env, capture_output=True, text=True, timeout=300, check=True)
+    path = pathlib.Path(done.stdout.strip())
+    assert path.parent == tmp_path / "models"
+    assert json.loads((path / demo.MARKER_FILE).read_text())["params"] == {"eos_after": 0, "max_new_tokens": 80, "seed": 0}
+    result = genai.LLMPipeline(str(path), "CPU").generate(chat("Hi"), max_new_tokens=70)
+    assert len(phrase_words(result.texts[0])) == 2 * 70  # two words a token, and no EOS: it ran to max_new_tokens

@@ -51,8 +51,8 @@ OPS: dict[str, Op] = {
                 "a request finished (reasoning_tokens on a model with a reasoning format)"),
     "error": _op("worker", "id kind code message", "hint", "a request failed; the worker goes on"),
     "progress": _op("worker", doc="generation goes on though nothing was sent (keeps the stall timer honest)"),
-    "telemetry": _op("worker", "rss_bytes", "device_memory_used_bytes device_memory_total_bytes",
-                     "memory figures, every few seconds"),
+    "telemetry": _op("worker", "rss_bytes", "device_memory_used_bytes device_memory_total_bytes kv_cache_usage_ratio",
+                     "memory figures (and the KV cache's use, where the engine has one), every few seconds"),
     "batch": _op("worker", "frames", doc="the frames of one engine step, sent as one"),
 }
 

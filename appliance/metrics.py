@@ -31,6 +31,7 @@ class ModelMetrics:
     itl: Any
     queue_time: Any
     model_load: Any
+    kv_cache_usage: Any
 
 
 class Metrics:
@@ -75,6 +76,9 @@ class Metrics:
                                           buckets=(.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
         self.queue_time = Histogram("openarc_queue_time_seconds", "Time a request waited before reaching the worker",
                                     ["model"], buckets=(.001, .005, .01, .05, .1, .5, 1, 5, 10, 30, 60), registry=r)
+        self.kv_cache_usage = Gauge("openarc_kv_cache_usage_ratio",
+                                    "Share of the model's KV-cache blocks in use by running requests, 0 to 1",
+                                    ["model"], registry=r)
         self.model_load = Histogram("openarc_model_load_seconds", "Time to load a model in its worker", ["model"],
                                     buckets=(.1, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200), registry=r)
         self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",

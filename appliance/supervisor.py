@@ -346,6 +346,7 @@ class ModelSupervisor:
         start, or None when there is none (stopping, or the model is now failed)."""
         self.last_exit = exit
         self.metrics.worker_exits.labels(model=self.name, reason=exit.reason.value).inc()
+        self.series.kv_cache_usage.set(0)  # its cache went with it
         if exit.reason is ExitReason.STOPPED or self.stopping:
             log.info("model %s: worker ended (%s)", self.name, exit.reason.value)
             return None
@@ -536,6 +537,8 @@ class ModelSupervisor:
 
     def _on_telemetry(self, message: dict[str, Any]) -> None:
         self.series.worker_rss.set(message.get("rss_bytes", 0))
+        if "kv_cache_usage_ratio" in message:
+            self.series.kv_cache_usage.set(message["kv_cache_usage_ratio"])
         for device, used in (message.get("device_memory_used_bytes") or {}).items():
             self.metrics.device_memory_used.labels(device=device).set(used)
         for device, total in (message.get("device_memory_total_bytes") or {}).items():

@@ -88,13 +88,14 @@ class DeviceProbe:
         return used, ({self.label: self.total} if self.total else {})
 
 
-def report_telemetry(channel: BlockingChannel, probe: DeviceProbe) -> None:
+def report_telemetry(channel: BlockingChannel, probe: DeviceProbe, engine: Engine) -> None:
     pid = os.getpid()
     while True:
         try:
             used, total = probe.memory(pid)
+            kv_cache = {} if engine.kv_cache_usage_ratio is None else {"kv_cache_usage_ratio": engine.kv_cache_usage_ratio}
             channel.send(frame("telemetry", rss_bytes=telemetry.process_rss_bytes(pid),
-                               device_memory_used_bytes=used, device_memory_total_bytes=total))
+                               device_memory_used_bytes=used, device_memory_total_bytes=total, **kv_cache))
         except OSError:
             return
         except Exception:  # telemetry must never take a worker down
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     engine.pci_family = probe.family
     channel.send(frame("ready", load_seconds=time.monotonic() - started, **engine.ready_info()))
     threading.Thread(target=run_engine, args=(channel, engine), name="engine", daemon=True).start()
-    threading.Thread(target=report_telemetry, args=(channel, probe), name="telemetry", daemon=True).start()
+    threading.Thread(target=report_telemetry, args=(channel, probe, engine), name="telemetry", daemon=True).start()
     try:
         serve(channel, engine)
     finally:

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from appliance.config import parse_config  # noqa: E402
+from appliance.metrics import Metrics  # noqa: E402
 from test_monitoring_config import promtool, run_promtool  # noqa: E402,F401 (a fixture and its runner)
 
 KUBE_DIR = REPO / "containers" / "kubernetes"
@@ -298,6 +299,27 @@ def test_inference_pool_selects_the_model_pods_and_their_port():
     deployment = the("Deployment", "openarc-qwen")
     assert pool["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
     assert pool["targetPorts"] == [{"number": container(deployment)["ports"][0]["containerPort"]}]
+
+
+def exported_metrics() -> set[str]:
+    return {family.name for family in Metrics().registry.collect()}
+
+
+def test_endpoint_picker_reads_metrics_openarc_exports():
+    (config,) = documents(GATEWAY_DIR / "epp-config.yaml")
+    assert (config["apiVersion"], config["kind"]) == ("llm-d.ai/v1alpha1", "EndpointPickerConfig")
+    (extractor,) = [p for p in config["plugins"] if p["type"] == "core-metrics-extractor"]
+    (engine,) = extractor["parameters"]["engineConfigs"]
+    assert extractor["parameters"]["defaultEngine"] == engine["name"] == "openarc"
+    assert {d["spec"]["template"]["metadata"]["labels"]["llm-d.ai/engine-type"] for d in deployments()} == {"openarc"}
+    specs = {key: engine[key] for key in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec")}
+    assert specs == {"queuedRequestsSpec": "openarc_requests_waiting",
+                     "runningRequestsSpec": "openarc_requests_running",
+                     "kvUsageSpec": "openarc_kv_cache_usage_ratio"}
+    missing = set(specs.values()) - exported_metrics()
+    assert not missing, f"the endpoint picker would read metrics openarc does not export: {missing}"
+    scorers = {p["pluginRef"] for profile in config["schedulingProfiles"] for p in profile["plugins"]}
+    assert {"queue-scorer", "kv-cache-utilization-scorer"} <= scorers <= {p["type"] for p in config["plugins"]}
 
 
 # --- the PrometheusRule is the alerts file ----------------------------------------------------------------

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -89,6 +90,37 @@ def test_worker_memory_and_loop_lag_are_reported(busy_app):
     rss = value(scrape, "openarc_worker_resident_memory_bytes", model="demo")
     assert 20e6 < rss < 2e9
     assert ("openarc_event_loop_lag_seconds", ()) in scrape
+
+
+def test_kv_cache_usage_rises_under_load_and_falls_back_when_idle(appliance_factory, long_demo_model):
+    """openarc_kv_cache_usage_ratio, what a cluster's endpoint picker routes on, follows genai's pipeline metrics on
+    a live scrape: 0 while idle, a growing share of the blocks while requests generate, 0 again when they end."""
+    app = appliance_factory({"models": [model_entry("demo", long_demo_model, max_context=4096,
+                                                    scheduler_config={"num_kv_blocks": 256})]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.01"})  # ~100 steps/s: 8 s of generation
+
+    def usage() -> float:
+        return value(samples(app.metrics()), "openarc_kv_cache_usage_ratio", model="demo")
+
+    assert usage() == 0
+    client = app.client()
+    with ThreadPoolExecutor(4) as pool:
+        replies = [pool.submit(client.completions.create, model="demo", prompt=f"Once {i}", max_tokens=800)
+                   for i in range(4)]
+        seen = []
+        while not all(reply.done() for reply in replies):
+            seen.append(usage())
+            time.sleep(0.5)
+        assert all(reply.result().usage.completion_tokens == 800 for reply in replies)
+    under_load = sorted({ratio for ratio in seen if ratio > 0})
+    print(f"KV-cache usage under load: {under_load}")
+    # Telemetry comes every 2 s: several readings, rising as the sequences grow, all within the cache.
+    assert len(under_load) >= 2 and under_load[-1] <= 1, seen
+    assert seen.index(under_load[0]) < seen.index(under_load[-1]), seen
+    deadline = time.monotonic() + 10
+    while usage() != 0:
+        assert time.monotonic() < deadline, "the KV-cache usage stayed up after every request ended"
+        time.sleep(0.2)
 
 
 def test_promtool_accepts_a_live_scrape(busy_app):

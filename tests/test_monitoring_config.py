@@ -36,6 +36,7 @@ OPENARC_METRICS = {
     "openarc_worker_resident_memory_bytes": ("gauge", ("model",)),
     "openarc_requests_running": ("gauge", ("model",)),
     "openarc_requests_waiting": ("gauge", ("model",)),
+    "openarc_kv_cache_usage_ratio": ("gauge", ("model",)),
     "openarc_prompt_tokens_total": ("counter", ("model",)),
     "openarc_generation_tokens_total": ("counter", ("model",)),
     "openarc_time_to_first_token_seconds": ("histogram", ("model",)),

@@ -43,6 +43,8 @@ class Engine:
         self.step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
         self.raise_after_steps = int(os.environ.get(RAISE_AFTER_STEPS_ENV, "0") or 0)
         self.steps = 0
+        # Share of the KV cache in use after the last step, 0 to 1; None for engines that cannot tell.
+        self.kv_cache_usage_ratio: float | None = None
 
     # called from the channel reader thread
     def submit(self, message: dict[str, Any]) -> None:

@@ -232,6 +232,7 @@ class BatchingEngine(LLMEngine):
         self.pipe = openvino_genai.ContinuousBatchingPipeline(spec["path"], scheduler, spec["device"], spec["properties"])
         super().__init__(spec, channel, self.pipe.get_tokenizer())
         self.active: dict[int, tuple[Request, Any]] = {}
+        self.kv_cache_usage_ratio = 0.0
 
     def run(self) -> None:
         while True:
@@ -249,6 +250,9 @@ class BatchingEngine(LLMEngine):
             self.exit_if_device_lost(fault)
             return
         self._collect()
+        # genai's figure is the last step's and stays put once nothing runs; an idle model's blocks are free
+        # for new requests (what a load balancer asks), so idle reads 0.
+        self.kv_cache_usage_ratio = self.pipe.get_metrics().cache_usage / 100 if self.active else 0.0
         self.after_step()
 
     def busy(self) -> bool:

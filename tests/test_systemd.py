@@ -258,8 +258,8 @@ def test_worker_abort_recovers_inside_the_running_unit(boot_service):
     # The crash is an error-priority journal entry, with the journal's timestamp only (no second one of our own).
     errors = service.ns.run(["journalctl", "--no-pager", "-o", "cat", "-p", "err", "-u", "openarc@demo"],
                             check=False, timeout=30).stdout.splitlines()
-    crash = [line for line in errors if "worker exited with SIGABRT" in line]
-    assert crash and crash[0].startswith("openarc.supervisor: model demo: worker exited with SIGABRT"), errors
+    crash = [line for line in errors if "worker exited: SIGABRT" in line]
+    assert crash and crash[0].startswith("openarc.supervisor: model demo: worker exited: SIGABRT"), errors
     assert not any("-> ready" in line for line in errors)  # info lines stay below err
 
 

@@ -272,7 +272,8 @@ class ModelSupervisor:
         if message is None:
             return False  # it died while loading: _reap() tells how
         if message["op"] == "fatal":  # the worker says why it cannot load, then exits
-            self._end_worker(ExitReason.LOAD_ERROR, message["message"], message.get("hint"), kill=False)
+            self._end_worker(ExitReason.LOAD_ERROR, f"{message['kind']}: {message['message']}", message.get("hint"),
+                             kill=False)
             return False
         if message["op"] != "ready":
             self._end_worker(ExitReason.PROTOCOL_ERROR, f"the worker sent {message['op']!r} before 'ready'")
@@ -514,15 +515,18 @@ class ModelSupervisor:
     def _request_error(self, message: dict[str, Any]) -> RequestFailed:
         """A request's error frame. A device out-of-memory next to a kernel-logged GPU hang was the hang (a hung
         kernel also ends in CL_OUT_OF_RESOURCES): the device context is lost, so the worker is ended too."""
-        kind, code, hint = message["kind"], message.get("code"), message.get("hint")
+        kind, code, hint, retryable = message["kind"], message["code"], message.get("hint"), message["retryable"]
         trouble = self._gpu_trouble() if kind == "device_oom" else None
         if trouble:
             fault = faults.classify_error(message["message"], device=self.model.device,
                                           pci_family=gpu_family(trouble), gpu_reset_seen=True)
-            kind, code, hint = fault.kind, fault.code, fault.hint
+            kind, code, hint, retryable = fault.kind, fault.code, fault.hint, fault.retryable
             self._end_worker(ExitReason.DEVICE_LOST, describe_gpu_trouble(trouble), hint)
         status = 400 if kind in CLIENT_ERROR_KINDS else 500
-        return RequestFailed(status, kind, message["message"], code, hint)
+        # A fault that a retry on this model may get past (a scheduler out-of-memory, a lost device the restart
+        # replaces) tells the client when to try again.
+        retry_after = max(1.0, self.model.restart.backoff_initial_s) if retryable else None
+        return RequestFailed(status, kind, message["message"], code, hint, retry_after)
 
     def _on_tokens(self, req: Request, message: dict[str, Any]) -> None:
         now = time.monotonic()

@@ -114,7 +114,7 @@ def fail_loudly(channel: BlockingChannel, thread: str, exc: BaseException, engin
             for request_id in engine.live_request_ids():
                 engine.fail(request_id, INTERNAL, message)
             engine.flush()
-        channel.send(frame("fatal", kind=INTERNAL.kind, code=INTERNAL.code, message=message))
+        channel.send(frame("fatal", kind=INTERNAL.kind, message=message))
     except Exception as report_exc:  # the front still sees EOF and our exit status
         log.error("could not report the error to the front: %s", report_exc)
     finally:
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         message = str(exc).strip() or type(exc).__name__
         fault = faults.classify_error(message, device=spec["device"])
         log.error("loading %s failed (%s): %s%s", spec["path"], fault.kind, message, fault.hint_suffix)
-        channel.send(frame("fatal", kind=fault.kind, code=fault.code, hint=fault.hint, message=message))
+        channel.send(frame("fatal", kind=fault.kind, hint=fault.hint, message=message))
         os._exit(EXIT_LOAD_FAILED)
     probe = DeviceProbe(spec["device"])
     engine.pci_family = probe.family

@@ -77,9 +77,10 @@ def oom_config(demo_model):
 def test_scheduler_oom_is_a_500_with_a_classified_code_and_the_worker_stays(appliance_factory, demo_model):
     app = appliance_factory(oom_config(demo_model))
     pid = app.worker_pid("tight")
-    status, _, body = http("POST", app.base + "/v1/completions", {"model": "tight", "prompt": LONG_PROMPT, "max_tokens": 8})
+    status, headers, body = http("POST", app.base + "/v1/completions", {"model": "tight", "prompt": LONG_PROMPT, "max_tokens": 8})
     assert status == 500
     assert body["error"]["code"] == "scheduler_out_of_memory"
+    assert int(headers["Retry-After"]) >= 1  # a retryable fault: the model stays, a shorter request may fit
     assert "out of memory" in body["error"]["message"]
     assert "num_kv_blocks" in body["error"]["hint"]
     reply = app.client().completions.create(model="tight", prompt="Once", max_tokens=8)
@@ -236,7 +237,7 @@ def test_unloadable_model_fails_with_its_load_error(appliance_factory, demo_mode
                                         model_entry("gpu", demo_model, device="GPU", restart=budget),
                                         model_entry("demo", demo_model)]}, wait_ready=False)
     broken = app.wait_model("broken", "failed")
-    assert "no-such-model" in broken["last_error"]
+    assert "no-such-model" in broken["last_error"] and broken["last_exit"] == "load_error"
     gpu = app.wait_model("gpu", "failed")  # no Intel OpenCL runtime on this machine
     assert "libOpenCL" in gpu["last_error"] or "GPU" in gpu["last_error"]
     assert gpu["hint"]

@@ -99,7 +99,8 @@ class Engine:
         return {}
 
     def fail(self, request_id: int, fault: faults.Fault, message: str) -> None:
-        self.post(frame("error", id=request_id, kind=fault.kind, code=fault.code, hint=fault.hint, message=message))
+        self.post(frame("error", id=request_id, kind=fault.kind, code=fault.code, hint=fault.hint, message=message,
+                        retryable=fault.retryable))
 
     def exit_if_device_lost(self, fault: faults.Fault) -> None:
         """After a lost device nothing in this process can be trusted: tell the callers, then leave without

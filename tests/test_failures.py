@@ -14,7 +14,7 @@ import time
 import openai
 import pytest
 
-from conftest import http, model_entry, pid_alive
+from conftest import http, model_entry, pid_alive, wait_until
 
 HANG_BOUND_S = 3.0  # a client waiting longer than this after a fault is a hang, not a slow error
 SLOW_STEPS = {"OPENARC_DEBUG_STEP_DELAY_S": "0.005"}  # ~200 tokens/s, so faults land mid-generation
@@ -309,8 +309,9 @@ def test_worker_stuck_while_loading_is_killed_after_load_timeout(appliance_facto
     app = appliance_factory({"models": [model_entry("demo", demo_model, load_timeout_s=2.0)]}, wait_ready=False)
     pid = kill_while_loading(app, "demo", signal.SIGSTOP)
     started = time.monotonic()
+    wait_until(lambda: app.model_status("demo")["last_exit"] == "load_timeout", 2.0 + HANG_BOUND_S, "timed out")
+    assert 1.5 < time.monotonic() - started
     ready = app.wait_model("demo", "ready", new_pid_not=pid)
-    assert 1.5 < time.monotonic() - started < 2.0 + HANG_BOUND_S
     assert not pid_alive(pid)
     assert ready["restarts"] == 1 and ready["crashes"] == 0  # our own kill, not a crash
 

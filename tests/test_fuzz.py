@@ -46,7 +46,10 @@ json_values = st.recursive(st.none() | st.booleans() | numbers | texts,
                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
                            max_leaves=8)
 REQUEST_KEYS = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                "stop", "stream", "stream_options", "n")
+                "stop", "stream", "stream_options", "n", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+                "response_format", "structured_outputs", "guided_regex", "guided_choice", "chat_template_kwargs",
+                "logit_bias", "echo", "suffix", "best_of")
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(("system", "developer", "user", "assistant", "tool"))
                                            | texts, "content": texts | json_values}), max_size=3)
 
@@ -70,6 +73,52 @@ def mutated_bodies(draw) -> dict:
             body.pop(key, None)
         else:
             body[key] = draw(messages if key == "messages" else json_values)
+    return body
+
+
+# The new fields in their own shape, with anything inside: schemas, regexes and grammars that may or may not
+# compile, tool definitions and calls, so the worker's constraint probe and the answer parsers see odd input.
+schemas = json_values | st.fixed_dictionaries({"type": st.sampled_from(("object", "string", "array", "integer", 5))},
+                                              optional={"properties": st.dictionaries(texts, json_values, max_size=2),
+                                                        "maxLength": numbers, "pattern": texts,
+                                                        "required": st.lists(texts, max_size=2)})
+functions = st.fixed_dictionaries({"name": st.sampled_from(("f", "get_weather")) | texts},
+                                  optional={"parameters": schemas, "strict": st.booleans() | json_values,
+                                            "description": texts | json_values})
+tools = st.lists(st.fixed_dictionaries({"type": st.just("function") | texts, "function": functions}), max_size=2)
+tool_choices = (st.sampled_from(("none", "auto", "required")) | json_values
+                | st.fixed_dictionaries({"type": st.just("function"),
+                                         "function": st.fixed_dictionaries({"name": st.just("f") | texts})}))
+response_formats = st.fixed_dictionaries(
+    {"type": st.sampled_from(("json_object", "json_schema", "text")) | texts},
+    optional={"json_schema": st.fixed_dictionaries({"name": texts, "schema": schemas},
+                                                   optional={"strict": json_values})})
+regexes = texts | st.sampled_from(("[a-z]{3}", "a(b", "(?=x)y", "\\", "[", "a{2,1}", "x*", ".{5}", "(a|b)+"))
+structured = (st.fixed_dictionaries({}, optional={"regex": regexes, "choice": st.lists(texts, max_size=3) | json_values,
+                                                  "grammar": texts | st.just('root ::= "a" | b'), "json": schemas,
+                                                  "json_object": json_values}))
+tool_turns = st.fixed_dictionaries({
+    "role": st.just("assistant"), "content": st.none() | texts,
+    "tool_calls": st.lists(st.fixed_dictionaries({"id": texts | json_values, "type": st.just("function"),
+                                                  "function": st.fixed_dictionaries({"name": texts | json_values,
+                                                                                     "arguments": texts | json_values})}),
+                           max_size=2) | json_values})
+tool_results = st.fixed_dictionaries({"role": st.just("tool"), "content": texts | json_values,
+                                      "tool_call_id": texts | json_values})
+
+
+@st.composite
+def bodies_with_new_fields(draw) -> dict:
+    body = valid_body(draw(st.sampled_from(ENDPOINTS)))
+    options = {"tools": tools, "tool_choice": tool_choices, "parallel_tool_calls": json_values,
+               "response_format": response_formats, "structured_outputs": structured,
+               "top_k": numbers, "min_p": numbers, "logprobs": json_values, "top_logprobs": numbers,
+               "presence_penalty": numbers, "frequency_penalty": numbers, "repetition_penalty": numbers,
+               "chat_template_kwargs": json_values, "stream": st.booleans()}
+    for key in draw(st.lists(st.sampled_from(sorted(options)), min_size=1, max_size=4, unique=True)):
+        body[key] = draw(options[key])
+    if "messages" in body and draw(st.booleans()):
+        body["messages"] = body["messages"] + draw(st.lists(tool_turns | tool_results, min_size=1, max_size=3))
     return body
 
 
@@ -122,6 +171,19 @@ def test_mutated_valid_bodies_are_served_or_refused_cleanly(app, endpoint, body)
 
 
 @HTTP_FUZZ
+@given(body=bodies_with_new_fields())
+@example(body={"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+               "structured_outputs": {"regex": "a(b"}, "stream": True})
+@example(body={"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+               "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                                     "properties": 5}}}],
+               "tool_choice": "required"})
+def test_tools_constraints_and_sampling_fields_are_served_or_refused_cleanly(app, body):
+    endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    assert_clean(*post(app, endpoint, body))
+
+
+@HTTP_FUZZ
 @given(endpoint=st.sampled_from(ENDPOINTS), raw=st.sampled_from(NASTY_RAW) | st.binary(max_size=200),
        content_type=st.sampled_from(CONTENT_TYPES))
 def test_raw_bytes_and_odd_content_types_are_refused_cleanly(app, endpoint, raw, content_type):
@@ -129,10 +191,12 @@ def test_raw_bytes_and_odd_content_types_are_refused_cleanly(app, endpoint, raw,
 
 
 def test_the_appliance_still_serves_after_the_fuzzing(app):
-    """Runs last in this module: nothing above left the model stuck (a request stranded in a worker slot)."""
+    """Runs last in this module: nothing above left the model stuck (a request stranded in a worker slot) or
+    killed its worker."""
     status, reply = post(app, "/v1/completions", valid_body("/v1/completions"))
     assert status == 200 and reply["usage"]["completion_tokens"] == 4
     assert app.model_status("demo")["requests_running"] == 0
+    assert app.model_status("demo")["restarts"] == 0
 
 
 # --- configs ------------------------------------------------------------------------------------------------

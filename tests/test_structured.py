@@ -110,9 +110,10 @@ def test_a_plain_model_gets_no_reasoning_fields(app):
 
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
-                                                                                      "properties": 5}}}}, None),
-    ({"structured_outputs": {"regex": "a(b"}}, None),
-    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, None),
+                                                                                      "properties": 5}}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs.grammar"),
 ])
 def test_an_uncompilable_constraint_is_a_400_while_a_concurrent_request_completes(app, body, param):
     pid = app.worker_pid("demo")
@@ -128,6 +129,7 @@ def test_an_uncompilable_constraint_is_a_400_while_a_concurrent_request_complete
     thread.join(60)
     assert status == 400, reply
     assert reply["error"]["code"] == "invalid_grammar" and "cannot be compiled" in reply["error"]["message"]
+    assert reply["error"]["param"] == param
     assert done["reply"].usage.completion_tokens == 49  # 48 phrases and EOS: undisturbed
     assert app.worker_pid("demo") == pid
     ok = app.client().chat.completions.create(model="demo", messages=CHAT, max_tokens=20,

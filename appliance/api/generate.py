@@ -37,7 +37,7 @@ class GenerationRoutes:
 
     async def _generate(self, request: web.Request, endpoint: str, parse) -> web.StreamResponse:
         started = time.monotonic()
-        model_label = ""
+        model_label, req = "", None
         try:
             try:
                 body = await request.json(loads=json.loads)
@@ -59,7 +59,9 @@ class GenerationRoutes:
             response = self.appliance.failed(
                 model_label, RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"), param=exc.param)
         except RequestFailed as exc:
-            response = self.appliance.failed(model_label, exc)
+            # a constraint genai cannot compile names the request field it came from
+            param = req.constraint["param"] if exc.kind == "invalid_grammar" and req and req.constraint else None
+            response = self.appliance.failed(model_label, exc, param=param)
         self.appliance.metrics.requests.labels(model=model_label, endpoint=endpoint, status=str(response.status)).inc()
         self.appliance.metrics.request_duration.labels(model=model_label, endpoint=endpoint).observe(time.monotonic() - started)
         return response

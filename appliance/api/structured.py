@@ -21,7 +21,8 @@ ANY_JSON_OBJECT = '{"type": "object"}'
 
 
 def constraint(body: dict) -> dict[str, Any] | None:
-    """The request's output constraint, {"type": json_schema|regex|grammar, ..., "kind": metric label}, or None."""
+    """The request's output constraint, {"type": json_schema|regex|grammar, ..., "kind": metric label, "param":
+    the request field it came from}, or None."""
     found = [c for c in (_response_format(body), _structured_outputs(body)) if c is not None]
     if len(found) > 1:
         raise InvalidRequest("use either 'response_format' or 'structured_outputs', not both", "structured_outputs")
@@ -37,7 +38,7 @@ def _response_format(body: dict) -> dict[str, Any] | None:
     if fmt["type"] == "text":
         return None
     if fmt["type"] == "json_object":
-        return {"type": "json_schema", "schema": ANY_JSON_OBJECT, "kind": "json_object"}
+        return {"type": "json_schema", "schema": ANY_JSON_OBJECT, "kind": "json_object", "param": "response_format"}
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
         raise InvalidRequest("'response_format.json_schema' must be an object with 'name' and 'schema'",
@@ -45,7 +46,7 @@ def _response_format(body: dict) -> dict[str, Any] | None:
     text(spec.get("name"), "response_format.json_schema.name")
     schema = spec.get("schema", {})
     return {"type": "json_schema", "schema": _schema_text(schema, "response_format.json_schema.schema"),
-            "kind": "json_schema"}
+            "kind": "json_schema", "param": "response_format.json_schema.schema"}
 
 
 def _structured_outputs(body: dict) -> dict[str, Any] | None:
@@ -69,12 +70,12 @@ def _structured_outputs(body: dict) -> dict[str, Any] | None:
     kind, value = kinds[0], spec[kinds[0]]
     where = f"structured_outputs.{kind}"
     if kind == "json_object":
-        return {"type": "json_schema", "schema": ANY_JSON_OBJECT, "kind": "json_object"}
+        return {"type": "json_schema", "schema": ANY_JSON_OBJECT, "kind": "json_object", "param": where}
     if kind == "json":
-        return {"type": "json_schema", "schema": _schema_text(value, where), "kind": "json_schema"}
+        return {"type": "json_schema", "schema": _schema_text(value, where), "kind": "json_schema", "param": where}
     if kind == "choice":
-        return {"type": "regex", "regex": choice_regex(value, where), "kind": "choice"}
-    return {"type": kind, kind: text(value, where), "kind": kind}
+        return {"type": "regex", "regex": choice_regex(value, where), "kind": "choice", "param": where}
+    return {"type": kind, kind: text(value, where), "kind": kind, "param": where}
 
 
 def _schema_text(schema: Any, where: str) -> str:

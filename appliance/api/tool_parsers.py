@@ -43,7 +43,7 @@ def _call(family: str, obj: Any, arguments_key: str = "arguments") -> ToolCall:
     arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = json.loads(arguments, strict=False)
         except ValueError:
             raise MalformedCall("arguments are not JSON") from None
     if not isinstance(arguments, dict):
@@ -52,8 +52,9 @@ def _call(family: str, obj: Any, arguments_key: str = "arguments") -> ToolCall:
 
 
 def _json_values(text: str) -> list[Any]:
-    """Consecutive JSON values separated by whitespace, ';' or ','."""
-    decoder, values, at = json.JSONDecoder(), [], 0
+    """Consecutive JSON values separated by whitespace, ';' or ','. Control characters inside strings are
+    accepted (genai's JSON grammar lets a model write a raw tab there); the arguments are re-serialised anyway."""
+    decoder, values, at = json.JSONDecoder(strict=False), [], 0
     while True:
         while at < len(text) and text[at] in " \t\r\n;,":
             at += 1
@@ -127,7 +128,8 @@ class Qwen3CoderParser(ToolCallParser):
                 rest.append(section[at:match.start()])
             name = match.group(1).strip()
             properties = (self.schemas.get(name) or {}).get("properties") or {}
-            arguments = {p.strip(): self._value(v, properties.get(p.strip()))
+            # Whitespace around a value is layout (genai's QwenXMLParametersFormat writes some), not data.
+            arguments = {p.strip(): self._value(v.strip(), properties.get(p.strip()))
                          for p, v in self.PARAMETER.findall(match.group(2))}
             calls.append(_call(self.family, {"name": name, "arguments": arguments}))
             at = match.end()

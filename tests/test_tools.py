@@ -1,0 +1,225 @@
+"""Tool calling through `openarc serve`: requests with tools, constrained calls in each model family's format,
+parsing, streaming deltas the SDK assembles, conversation turns with tool results, and reasoning templates.
+
+The demo model's weights are random, so a well-formed call with schema-valid arguments shows that constrained
+decoding (genai structural tags in the model's own format) reached genai and the answer was parsed back.
+"""
+
+from __future__ import annotations
+
+import json
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from conftest import FIXTURES, Appliance, http, model_entry
+
+TEMPLATES = FIXTURES / "chat-templates"
+CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class WeatherArgs(BaseModel, extra="forbid"):
+    city: str = Field(max_length=10)
+    days: int = Field(ge=1, le=7)
+
+
+class TimeArgs(BaseModel, extra="forbid"):
+    zone: str = Field(max_length=8)
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
+                                      "parameters": WeatherArgs.model_json_schema()}},
+    {"type": "function", "function": {"name": "get_time", "description": "Local time",
+                                      "parameters": TimeArgs.model_json_schema()}},
+]
+ARGS = {"get_weather": WeatherArgs, "get_time": TimeArgs}
+FAMILIES = {"qwen3": ("Qwen-Qwen3-0.6B.jinja", "hermes"), "coder": ("tool_chat_template_qwen3coder.jinja", "qwen3_coder"),
+            "llama": ("meta-llama-Llama-3.3-70B-Instruct.jinja", "llama3_json"),
+            "mistral": ("mistralai-Mistral-Small-3.1-24B-Instruct-2503.jinja", "mistral")}
+
+
+@pytest.fixture(scope="module")
+def app(demo_model, tmp_path_factory):
+    models = [model_entry("demo", demo_model), model_entry("sdpa", demo_model, pipeline="stateful"),
+              model_entry("notools", demo_model, tool_parser="none"),
+              model_entry("r1", demo_model, chat_template=str(TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"))]
+    from appliance.demo_model import build_demo_model
+    varied = build_demo_model(tmp_path_factory.mktemp("models") / "varied", logit_scale=1.0)
+    models.append(model_entry("varied", varied))
+    models += [model_entry(name, demo_model, chat_template=str(TEMPLATES / template))
+               for name, (template, _) in FAMILIES.items()]
+    appliance = Appliance({"models": models}, tmp_path_factory.mktemp("tools")).start()
+    yield appliance
+    appliance.stop()
+
+
+def assert_valid_calls(calls, names=ARGS) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id
+        ARGS[call.function.name].model_validate_json(call.function.arguments)
+        assert call.function.name in names
+
+
+def test_status_shows_each_models_formats_detected_or_configured(app):
+    status = {m["name"]: m for m in app.status()["models"]}
+    assert (status["demo"]["tool_parser"], status["demo"]["reasoning_parser"]) == ("hermes", None)
+    assert status["notools"]["tool_parser"] is None
+    assert (status["qwen3"]["tool_parser"], status["qwen3"]["reasoning_parser"]) == ("hermes", "qwen3")
+    assert (status["r1"]["tool_parser"], status["r1"]["reasoning_parser"]) == (None, "deepseek_r1")
+    for name, (_, family) in FAMILIES.items():
+        assert status[name]["tool_parser"] == family
+
+
+@pytest.mark.parametrize("model", ["demo", "sdpa", *FAMILIES])
+def test_required_tool_choice_returns_schema_valid_calls(app, model):
+    reply = app.client().chat.completions.create(model=model, messages=CHAT, tools=TOOLS, tool_choice="required",
+                                                 max_tokens=300)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert_valid_calls(choice.message.tool_calls)
+
+
+@pytest.mark.parametrize("model", ["demo", "coder", "mistral"])
+def test_a_named_function_is_the_one_called_streamed_too(app, model):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    client = app.client()
+    reply = client.chat.completions.create(model=model, messages=CHAT, tools=TOOLS, tool_choice=named, max_tokens=300)
+    assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["get_time"]
+    assert_valid_calls(reply.choices[0].message.tool_calls, ["get_time"])
+    # the SDK's stream helper assembles the deltas into the same shape
+    with client.chat.completions.stream(model=model, messages=CHAT, tools=TOOLS, tool_choice=named,
+                                        max_tokens=300) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert "tool_calls.function.arguments.done" in events
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert_valid_calls(final.choices[0].message.tool_calls, ["get_time"])
+
+
+def test_streamed_deltas_have_openais_shape(app):
+    chunks = list(app.client().chat.completions.create(model="demo", messages=CHAT, tools=TOOLS, stream=True,
+                                                       tool_choice="required", max_tokens=300))
+    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    first, rest = deltas[0], deltas[1:]
+    assert first.index == 0 and first.id and first.type == "function" and first.function.name
+    assert all(d.id is None and d.function.name is None for d in rest if d.index == first.index)
+    arguments = "".join(d.function.arguments or "" for d in deltas if d.index == 0)
+    ARGS[first.function.name].model_validate_json(arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_parallel_tool_calls_false_allows_one_call(app):
+    """On the demo variant whose samples vary, sampling sometimes goes on after a call (a separator instead of
+    EOS): with parallel calls allowed some answers hold several calls; with parallel_tool_calls false none does."""
+    def calls(seed, parallel):
+        reply = app.client().chat.completions.create(model="varied", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                                     temperature=2.0, seed=seed, parallel_tool_calls=parallel,
+                                                     max_tokens=600)
+        assert reply.choices[0].finish_reason == "tool_calls", reply
+        assert_valid_calls(reply.choices[0].message.tool_calls)
+        return len(reply.choices[0].message.tool_calls)
+    seeds = range(1, 7)
+    assert max(calls(seed, True) for seed in seeds) > 1
+    assert {calls(seed, False) for seed in seeds} == {1}
+
+
+def test_two_turn_conversation_with_a_tool_result_reaches_the_template(app, demo_model):
+    import openvino_genai
+    client = app.client()
+    first = client.chat.completions.create(model="demo", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                           max_tokens=300).choices[0].message
+    call = first.tool_calls[0]
+    history = CHAT + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                      {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    second = client.chat.completions.create(model="demo", messages=history, tools=TOOLS, max_tokens=5)
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+    # The prompt the model saw is the template rendering of that conversation with the call's arguments as an
+    # object and the tool result in a <tool_response> turn, token for token.
+    tokenizer = openvino_genai.Tokenizer(str(demo_model))
+    expected = [*CHAT, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}]},
+        {"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": "sunny, 21 C"}]
+    prompt = tokenizer.apply_chat_template(expected, add_generation_prompt=True, tools=TOOLS)
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt and call.function.arguments in prompt
+    tokens = tokenizer.encode(prompt, add_special_tokens=False).input_ids.get_shape()[1]
+    assert second.usage.prompt_tokens == tokens
+
+
+def test_auto_lets_the_model_write_prose(app):
+    reply = app.client().chat.completions.create(model="demo", messages=CHAT, tools=TOOLS, max_tokens=10)
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].finish_reason == "length" and reply.choices[0].message.content
+
+
+def test_a_call_the_model_writes_itself_is_parsed_and_a_malformed_one_is_content(app):
+    client = app.client()
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{3,8}", "days": [1-7]\}\}\n</tool_call>'
+    reply = client.chat.completions.create(model="demo", messages=CHAT, tools=TOOLS, max_tokens=100,
+                                           extra_body={"structured_outputs": {"regex": call}})
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert_valid_calls(reply.choices[0].message.tool_calls)
+    broken = r'Let me see\. <tool_call>\n\{"name": "get_weather", "arguments": \{"city": [a-z]{3,8}\n</tool_call>'
+    reply = client.chat.completions.create(model="demo", messages=CHAT, tools=TOOLS, max_tokens=100,
+                                           extra_body={"structured_outputs": {"regex": broken}})
+    message = reply.choices[0].message
+    assert message.tool_calls is None and reply.choices[0].finish_reason == "stop"
+    assert message.content.startswith("Let me see. <tool_call>")
+
+
+def test_a_template_that_opens_the_think_block_splits_reasoning(app):
+    client = app.client()
+    reply = client.chat.completions.create(model="r1", messages=CHAT, max_tokens=100,
+                                           extra_body={"structured_outputs": {"regex": r"[a-z ]{5,30}</think>\n\nOK [a-z]{2,5}"}})
+    message = reply.choices[0].message
+    assert message.reasoning_content and "<think>" not in message.reasoning_content
+    assert message.content.startswith("OK "), message
+    assert 0 < reply.usage.completion_tokens_details.reasoning_tokens < reply.usage.completion_tokens
+
+
+def test_chat_template_kwargs_reach_the_template(app):
+    client = app.client()
+    on = client.chat.completions.create(model="qwen3", messages=CHAT, max_tokens=1)
+    off = client.chat.completions.create(model="qwen3", messages=CHAT, max_tokens=1,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage.prompt_tokens > on.usage.prompt_tokens  # the empty <think>\n\n</think>\n\n block
+
+
+def test_tool_calls_are_counted(app):
+    app.client().chat.completions.create(model="demo", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                         max_tokens=300)
+    metrics = app.metrics()
+    assert 'openarc_tool_calls_total{model="demo"}' in metrics
+    assert 'openarc_structured_requests_total{kind="tool_calls",model="demo"}' in metrics
+
+
+def test_tools_on_a_model_without_a_tool_format_are_a_400_naming_the_key(app):
+    with pytest.raises(openai.BadRequestError) as info:
+        app.client().chat.completions.create(model="notools", messages=CHAT, tools=TOOLS)
+    assert "notools" in info.value.body["message"] and "tool_parser" in info.value.body["message"]
+    # tool_choice none needs no format: the tools stay out of the prompt
+    reply = app.client().chat.completions.create(model="notools", messages=CHAT, tools=TOOLS, tool_choice="none",
+                                                 max_tokens=3)
+    assert reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+    ({"tools": {"a": 1}}, "tools"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": "x"}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     "messages[0].tool_calls[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_malformed_tool_requests_are_refused_by_name(app, body, param):
+    status, _, reply = http("POST", app.base + "/v1/chat/completions", {"model": "demo", "messages": CHAT, **body})
+    assert status == 400 and reply["error"]["param"] == param, reply

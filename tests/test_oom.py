@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from appliance import oom
-from appliance.faults import LOAD_OOM_KILL_HINT
+from appliance.faults import LOAD_OOM_KILL_HINT, OOM_KILL_HINT
 from appliance.oom import OomCounter, OomWatch, memory_cgroup_counter
 from appliance.telemetry import KernelLog
 from appliance.worker import LOAD_HOG_ENV
-from conftest import model_entry, run_as_nobody, wait_until
+from conftest import model_entry, pid_alive, run_as_nobody, wait_until
 from memcg import MemoryCgroup
 
 CGROUP_FIXTURES = Path(__file__).parent / "fixtures" / "cgroup"
@@ -172,6 +172,45 @@ def test_worker_oom_killed_while_loading_is_reported_with_the_host_ram_hint(appl
         assert (f"model big: worker exited: killed by the kernel OOM killer (SIGKILL) (hint: {LOAD_OOM_KILL_HINT})"
                 in app.logs())
         app.stop()
+
+
+def test_under_memory_pressure_the_kernel_takes_a_serving_worker_not_the_process_that_asked(appliance_factory,
+                                                                                           demo_model):
+    # A ready front and worker in a 512 MiB memory cgroup; then another process of that cgroup, with the default
+    # oom_score_adj of 0, allocates until the cgroup is full. The kernel must kill someone: it takes the worker
+    # (oom_score_adj 800) although the other process holds more memory; that process stops allocating once the
+    # worker is gone, and it and the front live on.
+    model = model_entry("demo", demo_model, restart={"backoff_initial_s": 60, "backoff_max_s": 60,
+                                                     "max_failures": 5, "window_s": 600})
+    with MemoryCgroup(512 * MiB) as cgroup:
+        app = appliance_factory({"models": [model]}, prefix=cgroup.shell_prefix())
+        worker = app.worker_pid("demo")
+        hog, _ = start_in(cgroup, ALLOCATE_WHILE_ALIVE.format(pid=worker))
+        out, _ = hog.communicate("go\n", timeout=60)
+        assert hog.returncode == 0 and out.startswith("survived with "), out  # it was not killed
+        status = wait_until(lambda: crashed(app, "demo"), 60, "crashed")
+        assert not pid_alive(worker) and app.proc.poll() is None
+        assert status["last_exit"] == "oom_kill"
+        assert status["last_error"] == "worker exited: killed by the kernel OOM killer (SIGKILL)"
+        assert status["hint"] == OOM_KILL_HINT  # it was serving, not loading
+        assert 'openarc_worker_crashes_total{model="demo",reason="oom_kill",signal="SIGKILL"} 1.0' in app.metrics()
+        app.stop()
+
+
+# 16 MiB at a time, until process {pid} is gone (reaped, or a zombie) or 1 GiB is held.
+ALLOCATE_WHILE_ALIVE = """
+import sys
+sys.stdin.readline()
+def alive(pid):
+    try:
+        return open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+held = []
+while alive({pid}) and len(held) < 64:
+    held.append(b"x" * (16 << 20))
+print("survived with", len(held) * 16, "MiB", flush=True)
+"""
 
 
 def crashed(app, model: str) -> dict | None:

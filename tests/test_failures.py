@@ -252,10 +252,7 @@ def test_no_worker_survives_a_killed_front(two_models):
     os.kill(victim, signal.SIGSTOP)  # even a stopped worker must go
     app.proc.kill()
     app.proc.wait()
-    deadline = time.monotonic() + HANG_BOUND_S
-    while (pid_alive(victim) or pid_alive(bystander)) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not pid_alive(victim) and not pid_alive(bystander)
+    wait_until(lambda: not pid_alive(victim) and not pid_alive(bystander), HANG_BOUND_S, "both workers gone")
 
 
 def test_client_disconnect_cancels_its_generation(two_models):
@@ -265,10 +262,7 @@ def test_client_disconnect_cancels_its_generation(two_models):
         if i == 3:
             break
     stream.close()
-    deadline = time.monotonic() + HANG_BOUND_S
-    while app.model_status("victim")["requests_running"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert app.model_status("victim")["requests_running"] == 0
+    wait_until(lambda: app.model_status("victim")["requests_running"] == 0, HANG_BOUND_S, "the request cancelled")
     reply = app.client().chat.completions.create(model="victim", messages=CHAT, max_tokens=5)
     assert reply.choices[0].finish_reason == "length"
 
@@ -284,16 +278,10 @@ def test_a_service_whose_every_model_fails_to_load_exits_nonzero(appliance_facto
 
 def kill_while_loading(app, model: str, sig: int) -> int:
     """Signal the model's worker while it is still loading; returns its pid."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            m = app.model_status(model)
-        except OSError:  # not listening yet
-            continue
-        if m["state"] in ("loading", "restarting") and m["pid"]:
-            os.kill(m["pid"], sig)
-            return m["pid"]
-    raise AssertionError(f"never saw {model} loading with a worker")
+    m = wait_until(lambda: (m := app.model_status(model))["state"] == "loading" and m["pid"] and m, 30,
+                   f"{model} loading with a worker", interval=0)
+    os.kill(m["pid"], sig)
+    return m["pid"]
 
 
 def test_worker_killed_while_loading_is_restarted(appliance_factory, demo_model):

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import free_port, http, model_entry
+from conftest import free_port, http, model_entry, wait_until
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
@@ -81,12 +81,9 @@ def test_counters_match_what_the_test_did(busy_app):
 
 
 def test_worker_memory_and_loop_lag_are_reported(busy_app):
-    deadline = time.monotonic() + 10  # telemetry arrives every 2 s
-    while time.monotonic() < deadline:
-        scrape = samples(busy_app.metrics())
-        if value(scrape, "openarc_worker_resident_memory_bytes", model="demo") > 0:
-            break
-        time.sleep(0.2)
+    # telemetry arrives every 2 s
+    scrape = wait_until(lambda: (s := samples(busy_app.metrics())) and
+                        value(s, "openarc_worker_resident_memory_bytes", model="demo") > 0 and s, 10, "worker RSS")
     rss = value(scrape, "openarc_worker_resident_memory_bytes", model="demo")
     assert 20e6 < rss < 2e9
     assert ("openarc_event_loop_lag_seconds", ()) in scrape
@@ -158,17 +155,11 @@ def test_a_real_prometheus_counts_a_worker_crash(appliance_factory, demo_model, 
         pid = app.worker_pid("demo")
         os.kill(pid, signal.SIGABRT)
         app.wait_model("demo", "ready", new_pid_not=pid)
-        deadline = time.monotonic() + 60
-        result = []
-        while time.monotonic() < deadline:
-            try:
-                result = prometheus_query(base, 'openarc_worker_crashes_total{job="openarc"}')
-            except OSError:
-                result = []
-            if result:
-                break
-            time.sleep(0.5)
-        assert result, (tmp_path / "prometheus.log").read_text()[-2000:]
+        try:
+            result = wait_until(lambda: prometheus_query(base, 'openarc_worker_crashes_total{job="openarc"}'), 60,
+                                "scraped by prometheus", interval=0.5)
+        except AssertionError as exc:
+            raise AssertionError((tmp_path / "prometheus.log").read_text()[-2000:]) from exc
         assert [(r["metric"]["model"], r["metric"]["signal"], r["value"][1]) for r in result] == [("demo", "SIGABRT", "1")]
         up = prometheus_query(base, 'openarc_worker_up{model="demo"}')
         assert up[0]["value"][1] == "1"

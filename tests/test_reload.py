@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import signal
-import time
 
 import yaml
 
-from conftest import http, model_entry
+from conftest import http, model_entry, wait_until
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -18,12 +17,7 @@ def rewrite(app, config: dict) -> None:
 
 
 def wait_for(predicate, what: str, timeout: float = 30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := predicate():
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"no {what} after {timeout}s")
+    return wait_until(predicate, timeout, what)
 
 
 def test_reload_adds_restarts_and_removes_only_what_changed(appliance_factory, demo_model):

@@ -1,4 +1,5 @@
-"""Chaos soak: thousands of OpenAI SDK requests while workers are aborted, killed and frozen and the KV cache overflows.
+"""Chaos soak: thousands of OpenAI SDK requests while workers are aborted, killed, frozen and sent garbage (bytes
+that are not a frame, written into their real channel) and the KV cache overflows.
 
 Concurrent SDK clients (threads) stream and not, against `alpha` and `beta` (the signal victims) and `tight`
 (num_kv_blocks: 4, sent prompts too long for it). A seeded fault schedule signals a worker only while its model
@@ -22,15 +23,18 @@ from pathlib import Path
 
 import openai
 
-from conftest import http, model_entry, pid_alive
+from conftest import http, model_entry, pid_alive, wait_until
 from test_failures import LONG_PROMPT
+from test_lifecycle import steal_fd, worker_channel_fd
 from test_metrics import samples, value
 
 TOTAL_REQUESTS = 2000
 CLIENTS = 10
-FAULTS = 40                      # signals sent to alpha and beta workers
+FAULTS = 40                      # faults dealt to alpha and beta workers
 VICTIMS = ("alpha", "beta")
 SIGNALS = (signal.SIGABRT, signal.SIGKILL, signal.SIGSTOP)
+GARBAGE = "garbage"              # a frame that is not JSON, as if the worker wrote it: a protocol error
+FAULT_KINDS = (*(sig.name for sig in SIGNALS), GARBAGE)
 STALL_TIMEOUT_S = 2.0
 DEADLINE_S = 20.0                # a request still open after this is a hang (stall timeout + a restart + slack)
 RECOVERY_TIMEOUT_S = 60.0        # only catches a model that never comes back
@@ -181,15 +185,10 @@ def client_loop(app, seed: int, index: int, outcomes: list, faults_done: threadi
 
 def next_victim(app, rng: random.Random, signalled: dict) -> tuple[str, int]:
     """A victim model that is ready on a live worker not signalled before (wait for one)."""
-    deadline = time.monotonic() + RECOVERY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        ready = [(m["name"], m["pid"]) for m in app.status()["models"]
-                 if m["name"] in VICTIMS and m["state"] == "ready" and m["pid"] not in signalled.values()]
-        ready = [(name, pid) for name, pid in ready if pid_alive(pid)]
-        if ready:
-            return rng.choice(sorted(ready))
-        time.sleep(0.02)
-    raise AssertionError(f"no victim recovered in {RECOVERY_TIMEOUT_S}s: {app.status()}")
+    def ready_victims():
+        return sorted((m["name"], m["pid"]) for m in app.status()["models"] if m["name"] in VICTIMS
+                      and m["state"] == "ready" and m["pid"] not in signalled.values() and pid_alive(m["pid"]))
+    return rng.choice(wait_until(ready_victims, RECOVERY_TIMEOUT_S, "a victim recovered"))
 
 
 def inject_faults(app, seed: int, sent: collections.Counter, errors: list, faults_done: threading.Event) -> None:
@@ -199,11 +198,16 @@ def inject_faults(app, seed: int, sent: collections.Counter, errors: list, fault
         for _ in range(FAULTS):
             time.sleep(rng.uniform(1.0, 3.0))  # room between faults for traffic that succeeds
             model, pid = next_victim(app, rng, signalled)
-            sig = rng.choice(SIGNALS)
-            os.kill(pid, sig)
+            kind = rng.choice(FAULT_KINDS)
+            if kind == GARBAGE:
+                channel = steal_fd(pid, worker_channel_fd(pid))
+                os.write(channel, b"\x00\x00\x00\x03{{{")
+                os.close(channel)
+            else:
+                os.kill(pid, signal.Signals[kind])
             signalled[model] = pid
             app.worker_pids.add(pid)
-            sent[(model, sig.name)] += 1
+            sent[(model, kind)] += 1
         for model, pid in signalled.items():  # the last victims must come back too (clients still send)
             app.wait_model(model, "ready", RECOVERY_TIMEOUT_S, new_pid_not=pid)
     except BaseException as exc:  # reported by the test, not lost in a thread
@@ -235,13 +239,16 @@ def observed(outcomes: list[Outcome], model: str, code: str | None = None, statu
 
 def check_counters(scrape: dict, outcomes: list[Outcome], sent: collections.Counter) -> None:
     for model in (*VICTIMS, "tight"):
-        faults = {sig.name: sent[(model, sig.name)] for sig in SIGNALS}
-        crashes = {sig: value(scrape, "openarc_worker_crashes_total", model=model, signal=sig) for sig in faults}
+        faults = {kind: sent[(model, kind)] for kind in FAULT_KINDS}
+        crashes = {sig.name: value(scrape, "openarc_worker_crashes_total", model=model, signal=sig.name, reason="crash")
+                   for sig in SIGNALS}
         # Exact: each SIGABRT/SIGKILL hit one live worker once, and nothing else crashed a worker.
         assert crashes["SIGABRT"] == faults["SIGABRT"] and crashes["SIGKILL"] == faults["SIGKILL"], (model, crashes, faults)
         assert crashes["SIGSTOP"] == 0  # a frozen worker is killed by the stall monitor: a stall, not a crash
         assert sum(v for (name, labels), v in scrape.items() if name == "openarc_worker_crashes_total"
                    and dict(labels)["model"] == model) == faults["SIGABRT"] + faults["SIGKILL"]
+        # Exact: each garbage frame ended one worker as a protocol error, which is not a crash.
+        assert value(scrape, "openarc_worker_exits_total", model=model, reason="protocol_error") == faults[GARBAGE]
         # Exact: every fault cost one restart, and nothing else restarted a worker.
         assert value(scrape, "openarc_worker_restarts_total", model=model) == sum(faults.values()), (model, faults)
         errors = {kind: value(scrape, "openarc_request_errors_total", model=model, kind=kind) for kind in ERROR_KINDS.values()}

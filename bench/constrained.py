@@ -1,0 +1,109 @@
+"""`python -m bench.constrained [--quick]`: what constrained decoding costs per token, on the demo model.
+
+One appliance, one model, the same prompts and token counts; streams alternate between an unconstrained request
+and the same request under a JSON schema (an array of short strings, long enough that max_tokens ends it, so
+both sides generate exactly the tokens asked for). Reported: each side's streamed tokens/s (from the request to
+the last token, as the main bench counts it), their ratio, and the first-request latency of a schema the worker
+has not seen (its probe compile plus genai's own) against the same schema again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from bench import client, report, workload
+from bench.launcher import PERF_MODEL, OwnAppliance
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TOKENS = 256
+SCHEMA = {"type": "array", "minItems": 10000, "items": {"type": "string", "maxLength": 12}}
+
+
+def bodies(i: int, tokens: int) -> dict[str, dict]:
+    plain = workload.chat_body(PERF_MODEL, i, tokens, stream=True)
+    schema = {"type": "json_schema", "json_schema": {"name": "words", "schema": SCHEMA}}
+    return {"unconstrained": plain, "json_schema": {**plain, "response_format": schema}}
+
+
+async def stream_rates(session: aiohttp.ClientSession, base: str, rounds: int, tokens: int) -> dict[str, list[float]]:
+    rates: dict[str, list[float]] = {"unconstrained": [], "json_schema": []}
+    for i in range(rounds):
+        order = list(bodies(i, tokens).items())
+        for kind, body in order if i % 2 == 0 else order[::-1]:
+            got = await client.stream(session, base, body)
+            if got.status != 200 or got.error or got.tokens != tokens:
+                raise RuntimeError(f"{kind}: {got.status} {got.error or ''} ({got.tokens} of {tokens} tokens)")
+            rates[kind].append(workload.stream_rate(got.started, got.token_times, got.tokens))
+    return rates
+
+
+async def first_schema_latency(session: aiohttp.ClientSession, base: str) -> tuple[float, float]:
+    """Seconds for a one-token request under a schema never seen, then under the same schema again."""
+    schema = {"type": "object", "properties": {f"field_{time.time_ns()}": {"type": "integer"}}}
+    body = {"model": PERF_MODEL, "messages": workload.messages(0), "max_tokens": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "fresh", "schema": schema}}}
+    seconds = []
+    for _ in range(2):
+        started = time.perf_counter()
+        reply = await client.complete(session, base, body)
+        if reply.status != 200:
+            raise RuntimeError(f"{reply.status}: {reply.error}")
+        seconds.append(time.perf_counter() - started)
+    return seconds[0], seconds[1]
+
+
+async def measure(quick: bool) -> tuple[dict, list[report.Figure]]:
+    rounds = 2 if quick else 12
+    with tempfile.TemporaryDirectory(prefix="openarc-bench-") as tmp:
+        from appliance.demo_model import build_demo_model
+        model = build_demo_model(Path(tmp) / "demo", eos_after=0, max_new_tokens=4096)
+        app = OwnAppliance(model, Path(tmp))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            await app.start(session)
+            try:
+                await stream_rates(session, app.base, 1, TOKENS)  # warm both paths (and compile the schema once)
+                rates = await stream_rates(session, app.base, rounds, TOKENS)
+                fresh, again = await first_schema_latency(session, app.base)
+            finally:
+                app.stop()
+    plain, constrained = (statistics.median(rates[k]) for k in ("unconstrained", "json_schema"))
+    figures = [
+        report.Figure(f"Stream, {TOKENS} tokens, unconstrained", f"{plain:,.0f} tokens/s", plain, "tokens/s"),
+        report.Figure(f"Stream, {TOKENS} tokens, JSON schema", f"{constrained:,.0f} tokens/s", constrained, "tokens/s"),
+        report.Figure("JSON schema / unconstrained", f"{constrained / plain:.0%}", constrained / plain * 100, "%"),
+        report.Figure("Per-token cost of the schema", f"{(1 / constrained - 1 / plain) * 1e6:,.0f} µs",
+                      (1 / constrained - 1 / plain) * 1e6, "µs"),
+        report.Figure("1-token request, new schema", f"{fresh * 1e3:.1f} ms", fresh * 1e3, "ms"),
+        report.Figure("1-token request, same schema again", f"{again * 1e3:.1f} ms", again * 1e3, "ms"),
+    ]
+    meta = {"when": report.now(), "rounds": rounds, "tokens": TOKENS, "quick": quick, **report.machine(),
+            "rates": rates}
+    return meta, figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.constrained", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two rounds: checks the bench, measures nothing")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where constrained.{json,md} go")
+    args = parser.parse_args(argv)
+    meta, figures = asyncio.run(measure(args.quick))
+    table = ["| Figure | Measured |", "|---|---|"] + [f"| {f.name} | {f.measured} |" for f in figures]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "constrained.json").write_text(json.dumps({"meta": meta, "figures": [f.__dict__ for f in figures]},
+                                                          indent=2) + "\n")
+    (args.out / "constrained.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Tiny BERT-like encoders in OpenVINO IR, built from nothing (no hub, no torch) in about a second: the
+embedding and rerank demo models that `openarc demo-model --kind embedding|rerank` writes and tests serve.
+
+Both are what genai's TextEmbeddingPipeline / TextRerankPipeline load from an optimum export of a BERT model:
+`openvino_model.xml` with inputs input_ids, attention_mask, token_type_ids (i64 [batch, seq]), a WordPiece
+tokenizer converted by openvino_tokenizers (`openvino_tokenizer.xml`, paired input for rerank) and config.json.
+
+What they compute (the contract tests rely on)
+----------------------------------------------
+* A real two-layer post-LN transformer (random seeded weights, multi-head attention over the padding mask)
+  runs over every token, so cost grows with batch and length as in a real encoder.  Its output is scaled down
+  (TRANSFORMER_SHARE) and added to a bag-of-words vector: the masked mean of a fixed random vector per word
+  piece, special tokens excluded.  So similarity means shared words, as a user would expect of a real model:
+  "the cat sat on the mat" lies closer to "a cat on a mat" than to "GPU drivers crash".
+* embedding: output `last_hidden_state` [batch, seq, HIDDEN], the bag-of-words vector at every position, so
+  CLS, MEAN and LAST_TOKEN pooling all give (nearly) the same direction.
+* rerank: output `logits` [batch, 1] = RERANK_SCALE * cos(query words, document words) + RERANK_BIAS (query and
+  document told apart by token_type_ids); genai applies a sigmoid, so a document sharing the query's words
+  scores near 1 and an unrelated one near sigmoid(RERANK_BIAS).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+from appliance.demo_model import CORPUS, HEADS, HIDDEN, _split_heads, ops
+
+LAYERS, MLP_HIDDEN = 2, 128  # HIDDEN and HEADS as the chat demo's, whose head split this shares
+MAX_POSITIONS = 512
+WORDPIECE_VOCAB = 2000
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+TRANSFORMER_SHARE = 0.005 # the transformer's part of each vector, next to a bag-of-words part of norm ~1
+RERANK_SCALE, RERANK_BIAS = 8.0, -3.0
+# The Matryoshka sizes the embedding demo is served with: its bag-of-words vectors truncate gracefully.
+MATRYOSHKA_DIMENSIONS = [16, 32, 64]
+
+# Words for everyday retrieval examples, so their vectors are whole words, not '##' pieces.
+ENCODER_CORPUS = CORPUS + [
+    "The cat sat on the mat. A dog ran in the park. Cats and dogs are pets that sleep on the sofa.",
+    "Paris is the capital of France. Berlin is the capital of Germany. Rome is in Italy.",
+    "The GPU driver crashed and the server restarted the worker. Intel Arc graphics cards run OpenVINO models.",
+    "Bake the bread in a hot oven. Boil the pasta in salted water. Fresh tomato soup with basil and garlic.",
+    "The weather today is rainy and cold; tomorrow will be sunny and warm. Snow fell in the mountains.",
+    "Python is a programming language. The function returns a list of numbers. Install the package with pip.",
+    "Football players kick the ball into the goal. Tennis and basketball are popular sports.",
+    "The bank raised interest rates. Stock prices fell, and investors bought gold and bonds.",
+    "Embeddings map text to vectors; a reranker scores how well each document answers a query.",
+    "Speech to text turns audio into words. Music, song, voice, sound, listen, speak, read, write, search.",
+]
+
+
+def write_embedding_model(out: pathlib.Path, *, seed: int) -> None:
+    _write(out, seed, rerank=False)
+
+
+def write_rerank_model(out: pathlib.Path, *, seed: int) -> None:
+    _write(out, seed, rerank=True)
+
+
+def _write(out: pathlib.Path, seed: int, rerank: bool) -> None:
+    import openvino as ov
+    import openvino_tokenizers
+
+    rng = np.random.default_rng(seed)
+    hf_tokenizer = _hf_tokenizer()
+    vocab_size = len(hf_tokenizer)
+    # Rerank tokenizes (query, document) pairs: [CLS] q [SEP] d [SEP] with token_type_ids 0 then 1.
+    ov_tokenizer, ov_detokenizer = openvino_tokenizers.convert_tokenizer(
+        hf_tokenizer, with_detokenizer=True, number_of_inputs=2 if rerank else 1)
+    ov.save_model(ov_tokenizer, out / "openvino_tokenizer.xml")
+    ov.save_model(ov_detokenizer, out / "openvino_detokenizer.xml")
+    hf_tokenizer.save_pretrained(out)
+    ov.save_model(_build_encoder(hf_tokenizer, rng, rerank), out / "openvino_model.xml")
+    config = {
+        "architectures": ["BertForSequenceClassification" if rerank else "BertModel"], "model_type": "bert",
+        "vocab_size": vocab_size, "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "intermediate_size": MLP_HIDDEN, "max_position_embeddings": MAX_POSITIONS, "type_vocab_size": 2,
+        "pad_token_id": 0, "torch_dtype": "float32",
+    }
+    if rerank:
+        config.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    else:
+        config["matryoshka_dimensions"] = MATRYOSHKA_DIMENSIONS
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _hf_tokenizer():
+    """An uncased WordPiece tokenizer trained on ENCODER_CORPUS (deterministic), as transformers' BertTokenizer."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import BertTokenizer
+
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=WORDPIECE_VOCAB, special_tokens=SPECIAL_TOKENS,
+                                        continuing_subword_prefix="##", show_progress=False)
+    wordpiece.train_from_iterator(ENCODER_CORPUS, trainer)
+    return BertTokenizer(vocab=wordpiece.get_vocab(), do_lower_case=True, model_max_length=MAX_POSITIONS)
+
+
+# --- graph -----------------------------------------------------------------------------------------------------
+
+def _build_encoder(hf_tokenizer, rng: np.random.Generator, rerank: bool):
+    import openvino as ov
+
+    def weight(*shape, std=0.02):
+        return ops.constant(rng.normal(0.0, std, shape).astype(np.float32))
+
+    input_ids = ops.parameter([-1, -1], ov.Type.i64, name="input_ids")
+    attention_mask = ops.parameter([-1, -1], ov.Type.i64, name="attention_mask")
+    token_type_ids = ops.parameter([-1, -1], ov.Type.i64, name="token_type_ids")
+    hidden = _transformer(input_ids, attention_mask, token_type_ids, len(hf_tokenizer), weight)
+    word_vectors = _word_vectors(hf_tokenizer, rng)
+    mask = ops.convert(attention_mask, "f32")
+    if rerank:
+        document = ops.convert(token_type_ids, "f32")
+        query_words = _bag_of_words(input_ids, ops.multiply(mask, ops.subtract(ops.constant(np.float32(1)), document)),
+                                    word_vectors)
+        document_words = _bag_of_words(input_ids, ops.multiply(mask, document), word_vectors)
+        cls = ops.gather(hidden, ops.constant(0), 1)
+        nudge = ops.matmul(cls, weight(1, HIDDEN, std=HIDDEN ** -0.5), False, True)
+        logits = ops.add(ops.add(ops.multiply(_cosine(query_words, document_words), ops.constant(np.float32(RERANK_SCALE))),
+                                 ops.constant(np.float32(RERANK_BIAS))),
+                         ops.multiply(nudge, ops.constant(np.float32(TRANSFORMER_SHARE))))
+        output, name = logits, "logits"
+    else:
+        words = ops.unsqueeze(_bag_of_words(input_ids, mask, word_vectors), [1])
+        output, name = ops.add(words, ops.multiply(hidden, ops.constant(np.float32(TRANSFORMER_SHARE)))), "last_hidden_state"
+    result = ops.result(output)
+    result.get_output_tensor(0).set_names({name})
+    return ov.Model([result], [input_ids, attention_mask, token_type_ids], "openarc-demo-" + ("rerank" if rerank else "embedding"))
+
+
+def _transformer(input_ids, attention_mask, token_type_ids, vocab_size: int, weight):
+    """BERT: word + position + token-type embeddings, then LAYERS post-LN blocks of attention and a GELU MLP."""
+    positions = ops.range(ops.constant(np.int64(0)), ops.gather(ops.shape_of(input_ids), ops.constant(1), ops.constant(0)),
+                          ops.constant(np.int64(1)), "i64")
+    x = ops.add(ops.add(ops.gather(weight(vocab_size, HIDDEN, std=1.0), input_ids, 0),
+                        ops.gather(weight(MAX_POSITIONS, HIDDEN, std=1.0), positions, 0)),
+                ops.gather(weight(2, HIDDEN, std=1.0), token_type_ids, 0))
+    x = _layer_norm(x)
+    # [batch, 1, 1, seq]: padding keys are never attended to
+    keep = ops.unsqueeze(ops.not_equal(attention_mask, ops.constant(np.int64(0))), [1, 2])
+    for _ in range(LAYERS):
+        q, k, v = (_split_heads(ops.matmul(x, weight(HIDDEN, HIDDEN, std=HIDDEN ** -0.5), False, True)) for _ in "qkv")
+        attn = ops.scaled_dot_product_attention(q, k, v, keep, causal=False)
+        attn = ops.reshape(ops.transpose(attn, [0, 2, 1, 3]), [0, 0, HIDDEN], special_zero=True)
+        x = _layer_norm(ops.add(x, ops.matmul(attn, weight(HIDDEN, HIDDEN), False, True)))
+        up = ops.gelu(ops.matmul(x, weight(MLP_HIDDEN, HIDDEN, std=HIDDEN ** -0.5), False, True), "erf")
+        x = _layer_norm(ops.add(x, ops.matmul(up, weight(HIDDEN, MLP_HIDDEN), False, True)))
+    return x
+
+
+def _word_vectors(hf_tokenizer, rng: np.random.Generator) -> np.ndarray:
+    """A random vector per token, of length IDF over ENCODER_CORPUS's sentences (so "the" counts for little and
+    "cat" for much), zero for the special tokens: [CLS]/[SEP]/[PAD] carry no meaning."""
+    sentences = [s for text in ENCODER_CORPUS for s in text.split(".") if s.strip()]
+    seen_in = np.zeros(len(hf_tokenizer))
+    for sentence in sentences:
+        seen_in[list(set(hf_tokenizer(sentence, add_special_tokens=False)["input_ids"]))] += 1
+    vectors = rng.normal(0.0, 1.0, (len(hf_tokenizer), HIDDEN)).astype(np.float32)
+    vectors *= (np.log((len(sentences) + 1) / (seen_in + 1)) / np.linalg.norm(vectors, axis=1))[:, None]
+    vectors[:len(SPECIAL_TOKENS)] = 0.0
+    return vectors
+
+
+def _bag_of_words(input_ids, weights, word_vectors: np.ndarray):
+    """[batch, HIDDEN]: the `weights`-masked mean of the tokens' word vectors."""
+    summed = ops.reduce_sum(ops.multiply(ops.gather(ops.constant(word_vectors), input_ids, 0),
+                                         ops.unsqueeze(weights, [2])), [1], False)
+    count = ops.maximum(ops.reduce_sum(weights, [1], True), ops.constant(np.float32(1)))
+    return ops.divide(summed, count)
+
+
+def _cosine(a, b):
+    """[batch, 1] cosine similarity of two [batch, HIDDEN] tensors (0 when either is all zeros)."""
+    def norm(x):
+        return ops.sqrt(ops.add(ops.reduce_sum(ops.multiply(x, x), [1], True), ops.constant(np.float32(1e-12))))
+
+    return ops.divide(ops.reduce_sum(ops.multiply(a, b), [1], True), ops.multiply(norm(a), norm(b)))
+
+
+def _layer_norm(x):
+    centered = ops.subtract(x, ops.reduce_mean(x, [-1], True))
+    variance = ops.reduce_mean(ops.multiply(centered, centered), [-1], True)
+    return ops.divide(centered, ops.sqrt(ops.add(variance, ops.constant(np.float32(1e-12)))))

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from appliance.config import DEFAULT_CONFIG_PATH, Config, ConfigError, demo_config, load_config
+from appliance.config import DEFAULT_CONFIG_PATH, MODEL_KINDS, Config, ConfigError, demo_config, load_config
 from appliance.logs import setup_logging
 
 log = logging.getLogger("openarc")
@@ -21,17 +21,17 @@ log = logging.getLogger("openarc")
 def resolve_config(path: str | None, model: str | None) -> Config:
     """--config PATH, else /etc/openarc/openarc.yaml if it exists, else the built-in demo."""
     if path is None and not DEFAULT_CONFIG_PATH.exists():
-        config = demo_config(model_path="")  # the path is filled in by prepare_demo_model()
+        config = demo_config()  # the paths are filled in by prepare_demo_model()
     else:
         config = load_config(path or DEFAULT_CONFIG_PATH)
     return config.only(model) if model else config
 
 
 def prepare_demo_model(config: Config) -> None:
-    """Build (first start) or find (cached) the demo model in a child process: the front never imports OpenVINO."""
+    """Build (first start) or find (cached) the demo models in a child process: the front never imports OpenVINO."""
     for model in config.models:
         if not model.path:
-            done = subprocess.run([sys.executable, "-m", "appliance", "demo-model"], check=True,
+            done = subprocess.run([sys.executable, "-m", "appliance", "demo-model", "--kind", model.kind], check=True,
                                   stdout=subprocess.PIPE, text=True)
             model.path = done.stdout.strip().splitlines()[-1]
             log.info("demo model: %s", model.path)
@@ -68,13 +68,22 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
-    """Build the demo model into DIR, or into the cache (reused while its build parameters match)."""
+    """Build a demo model into DIR, or into the cache (reused while its build parameters match)."""
     from appliance import demo_model
+    params = {}
+    if args.kind == "llm":
+        params = {key: value for key, value in (("eos_after", args.eos_after), ("max_new_tokens", args.max_new_tokens))
+                  if value is not None}
+    elif args.eos_after is not None or args.max_new_tokens is not None:
+        print("openarc: --eos-after and --max-new-tokens apply to --kind llm only", file=sys.stderr)
+        return 2
+    if args.kind not in demo_model.DEMO_KINDS:
+        print(f"openarc: no demo model of kind {args.kind!r} yet", file=sys.stderr)
+        return 2
     if args.dir:
-        path = demo_model.build_demo_model(Path(args.dir), eos_after=args.eos_after, max_new_tokens=args.max_new_tokens)
+        path = demo_model.build_demo_model(Path(args.dir), args.kind, **params)
     else:
-        path = demo_model.ensure_demo_model(demo_model.default_cache_dir(), eos_after=args.eos_after,
-                                            max_new_tokens=args.max_new_tokens)
+        path = demo_model.ensure_demo_model(demo_model.default_cache_dir(), args.kind, **params)
     print(path)
     return 0
 
@@ -106,10 +115,12 @@ def parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file; exit 1 on any error")
     check.add_argument("path")
     check.set_defaults(func=cmd_check_config)
-    demo = sub.add_parser("demo-model", help="build the tiny demo model into DIR")
+    demo = sub.add_parser("demo-model", help="build a tiny demo model into DIR")
     demo.add_argument("dir", nargs="?", help="where to build it (default: the cache, reused if present)")
-    demo.add_argument("--eos-after", type=int, default=48, help="generated tokens before the model stops by itself")
-    demo.add_argument("--max-new-tokens", type=int, default=64, help="generation_config.json max_new_tokens")
+    demo.add_argument("--kind", choices=MODEL_KINDS, default="llm",
+                      help="the worker kind it is a model for (default llm, the chat demo)")
+    demo.add_argument("--eos-after", type=int, help="llm: generated tokens before the model stops by itself (48)")
+    demo.add_argument("--max-new-tokens", type=int, help="llm: generation_config.json max_new_tokens (64)")
     demo.set_defaults(func=cmd_demo_model)
     health = sub.add_parser("health", help="exit 0 iff the appliance answers /ready with 200")
     health.add_argument("--url", default=os.environ.get("OPENARC_URL", "http://127.0.0.1:8000"))

@@ -27,6 +27,15 @@ DEVICE_PATTERN = re.compile(r"^(CPU|NPU|GPU(\.\d+)?|(AUTO|MULTI|HETERO|BATCH)(:[
 # devices ("HETERO:GPU.1,CPU").
 GPU_IN_DEVICE = re.compile(r"\bGPU(?:\.(\d+))?\b")
 
+# What a model's worker runs: a chat/completion LLM, or one of the request-in, result-out kinds.
+MODEL_KINDS = ("llm", "embedding", "rerank", "transcription")
+# Keys that mean something for one kind only: set for another kind they are a mistake worth naming.
+KIND_ONLY_KEYS = {
+    "pipeline": "llm", "scheduler_config": "llm", "default_max_tokens": "llm", "tool_parser": "llm",
+    "reasoning_parser": "llm", "chat_template": "llm",
+    "pooling": "embedding", "normalize": "embedding", "matryoshka_dimensions": "embedding",
+}
+
 # The fields of openvino_genai.SchedulerConfig, listed here so the front never imports OpenVINO.
 SCHEDULER_FIELDS = {
     "num_kv_blocks": int,
@@ -58,6 +67,7 @@ class RestartPolicy:
 class ModelConfig:
     name: str
     path: str
+    kind: Literal["llm", "embedding", "rerank", "transcription"] = "llm"
     device: str = "CPU"
     # Port of this model's own listener under `openarc serve --model NAME` (openarc@NAME.service).
     port: int | None = None
@@ -70,8 +80,18 @@ class ModelConfig:
     sdpa_optimization: bool | None = None
     # ENABLE_WEIGHTLESS; None means true on GPU (9-17 GB -> ~0.2 GB host RAM per 14B load).
     enable_weightless: bool | None = None
+    # llm: prompt plus completion; embedding, rerank: tokens of one input (a longer one is a 400 unless the
+    # request says truncate: true); never more than the model's own max_position_embeddings.
     max_context: int = 4096
     default_max_tokens: int = 256
+    # embedding: texts per request; rerank: documents per request.
+    max_inputs: int = 2048
+    # embedding: genai's TextEmbeddingPipeline pooling (None: the model's 1_Pooling/config.json, else cls),
+    # L2 normalisation, and the sizes a request's `dimensions` may ask for (Matryoshka-trained models only;
+    # None: the model's config.json `matryoshka_dimensions`, else none).
+    pooling: Literal["cls", "mean", "last_token"] | None = None
+    normalize: bool = True
+    matryoshka_dimensions: list[int] | None = None
     max_running: int = 8
     max_queue: int = 32
     stall_timeout_s: float = 60.0
@@ -260,7 +280,15 @@ def _build(cls: type, data: dict, where: str) -> Any:
     return cls(**kwargs)
 
 
-def _check_ranges(config: Config) -> None:
+def _check_kind_keys(model: ModelConfig, raw: Any, at: str) -> None:
+    """A key written for another kind of model (pooling on an llm, scheduler_config on a reranker) is named."""
+    for key in raw if isinstance(raw, dict) else ():
+        kind = KIND_ONLY_KEYS.get(key)
+        if kind is not None and kind != model.kind:
+            raise ConfigError(f"{at}.{key}: applies to kind {kind!r} models only (this one is kind {model.kind!r})")
+
+
+def _check_ranges(config: Config, raw_models: list) -> None:
     def require(ok: bool, key: str, expected: str) -> None:
         if not ok:
             raise ConfigError(f"{key}: expected {expected}")
@@ -280,9 +308,12 @@ def _check_ranges(config: Config) -> None:
         require(DEVICE_PATTERN.match(m.device) is not None, f"{at}.device",
                 "an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case)")
         require(m.port is None or 0 < m.port < 65536, f"{at}.port", "a port number 1-65535")
-        for key in ("max_context", "default_max_tokens", "max_running"):
+        for key in ("max_context", "default_max_tokens", "max_running", "max_inputs"):
             require(getattr(m, key) >= 1, f"{at}.{key}", "at least 1")
         require(m.max_queue >= 0, f"{at}.max_queue", "a non-negative integer")
+        _check_kind_keys(m, raw_models[i] if i < len(raw_models) else {}, at)
+        require(all(d >= 1 for d in m.matryoshka_dimensions or ()), f"{at}.matryoshka_dimensions",
+                "a list of positive integers")
         require(m.stall_timeout_s > 0 and m.load_timeout_s > 0, f"{at}.stall_timeout_s",
                 "positive timeouts (stall_timeout_s, load_timeout_s)")
         r = m.restart
@@ -306,7 +337,7 @@ def parse_config(data: Any, source: str) -> Config:
         if not isinstance(data, dict):
             raise ConfigError("top level: expected a mapping with 'server' and 'models'")
         config = _build(Config, data, "")
-        _check_ranges(config)
+        _check_ranges(config, data.get("models") or [])
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     config.source = source
@@ -331,8 +362,11 @@ def load_config(path: os.PathLike | str) -> Config:
     return parse_config(data, str(path))
 
 
-def demo_config(model_path: str, **server: Any) -> Config:
-    """The built-in config of `openarc serve` without a config file: the tiny demo model on the CPU."""
-    demo = ModelConfig(name="demo", path=model_path, device="CPU", max_context=2048,
-                       restart=RestartPolicy(backoff_initial_s=0.5, backoff_max_s=10.0, max_failures=10, window_s=300.0))
-    return Config(server=ServerConfig(**server), models=[demo])
+def demo_config(**server: Any) -> Config:
+    """The built-in config of `openarc serve` without a config file: the tiny chat and embedding demo models on
+    the CPU.  Their paths are empty: the CLI builds (or finds in its cache) each kind's demo model."""
+    restart = RestartPolicy(backoff_initial_s=0.5, backoff_max_s=10.0, max_failures=10, window_s=300.0)
+    chat = ModelConfig(name="demo", path="", device="CPU", max_context=2048, restart=restart)
+    embedding = ModelConfig(name="demo-embedding", path="", kind="embedding", device="CPU", max_context=512,
+                            restart=dataclasses.replace(restart))
+    return Config(server=ServerConfig(**server), models=[chat, embedding])

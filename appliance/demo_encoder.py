@@ -21,12 +21,11 @@ What they compute (the contract tests rely on)
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import numpy as np
 
-from appliance.demo_model import CORPUS, HEADS, HIDDEN, _split_heads, ops
+from appliance.demo_model import CORPUS, HEADS, HIDDEN, _split_heads, _write_json, ops
 
 LAYERS, MLP_HIDDEN = 2, 128  # HIDDEN and HEADS as the chat demo's, whose head split this shares
 MAX_POSITIONS = 512
@@ -84,7 +83,7 @@ def _write(out: pathlib.Path, seed: int, rerank: bool) -> None:
         config.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     else:
         config["matryoshka_dimensions"] = MATRYOSHKA_DIMENSIONS
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_json(out / "config.json", config)
 
 
 def _hf_tokenizer():

@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib
 import json
 import os
 import pathlib
 import shutil
 import tempfile
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -114,20 +117,39 @@ class _LazyOpset:
 ops = _LazyOpset()
 
 
-def build_demo_model(dest: os.PathLike, *, eos_after: int = 48, max_new_tokens: int = 64,
-                     seed: int = 0, logit_scale: float = LOGIT_SCALE) -> pathlib.Path:
-    """Write the demo model into `dest` and return `dest`.
+@dataclass(frozen=True)
+class DemoKind:
+    """How to build the demo model of one worker kind: `module.function(out_dir, **params)` writes the files
+    (imported only when building), `check(**params)` returns the complete, validated parameters."""
 
-    `eos_after`: number of text tokens each request generates before the model emits EOS (`<|im_end|>`),
-    counted from the first generated token, independent of the prompt; 0 means never (see the module doc).
-    `max_new_tokens` goes into generation_config.json (GenAI's own default is unlimited).  `seed` fixes the
+    module: str
+    function: str
+    check: Callable[..., dict]
+    format: int  # bump when the kind's construction changes, so cached builds of an older recipe are rebuilt
+
+    def write(self, out: pathlib.Path, params: dict) -> None:
+        getattr(importlib.import_module(self.module), self.function)(out, **params)
+
+
+def _seed_only(*, seed: int = 0) -> dict:
+    return {"seed": int(seed)}
+
+
+def build_demo_model(dest: os.PathLike, kind: str = "llm", **params) -> pathlib.Path:
+    """Write the demo model of worker kind `kind` (a DEMO_KINDS key) into `dest` and return `dest`.
+
+    The chat demo (kind llm) takes `eos_after`: number of text tokens each request generates before the model
+    emits EOS (`<|im_end|>`), counted from the first generated token, independent of the prompt; 0 means never
+    (see the module doc).  `max_new_tokens` goes into generation_config.json (GenAI's own default is unlimited);
+    `logit_scale` below its default makes sampled answers vary (see the module doc).  `seed` fixes the
     random weights and the phrase order: the same parameters give the same model (byte-identical .bin files and
     tokenizer.json; the XML files may differ in OpenVINO's generated node names).
 
     Built in a temporary directory next to `dest` and renamed into place, so `dest` is never half written.
     An existing `dest` is replaced only if it is empty or holds an earlier demo build.
+    The other kinds take only `seed` (see appliance.demo_encoder).
     """
-    params = _checked_params(eos_after=eos_after, max_new_tokens=max_new_tokens, seed=seed, logit_scale=logit_scale)
+    params = _checked(kind, params)
     dest = pathlib.Path(dest)
     if dest.exists() and any(dest.iterdir()) and _read_marker(dest) is None:
         raise FileExistsError(f"{dest} exists and is not a demo model build; refusing to replace it")
@@ -135,22 +157,24 @@ def build_demo_model(dest: os.PathLike, *, eos_after: int = 48, max_new_tokens: 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from a service running as another user
     try:
-        _write_model_files(tmp, **params)
+        DEMO_KINDS[kind].write(tmp, params)
+        _write_json(tmp / MARKER_FILE, _marker(kind, params))
         _install_dir(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
-def ensure_demo_model(cache_dir: os.PathLike, **params) -> pathlib.Path:
-    """Return `<cache_dir>/models/demo-<hash of params>`, building it unless a complete build is there."""
-    params = _checked_params(**params)
-    dest = pathlib.Path(cache_dir) / "models" / f"{DEMO_MODEL_NAME}-{_params_hash(params)}"
-    if _read_marker(dest) == _marker(params):
+def ensure_demo_model(cache_dir: os.PathLike, kind: str = "llm", **params) -> pathlib.Path:
+    """Return `<cache_dir>/models/<demo name>-<hash of params>`, building it unless a complete build is there."""
+    params = _checked(kind, params)
+    marker = _marker(kind, params)
+    dest = pathlib.Path(cache_dir) / "models" / f"{marker['name']}-{_params_hash(marker)}"
+    if _read_marker(dest) == marker:
         return dest
     if dest.exists() and _read_marker(dest) is None:
         shutil.rmtree(dest)  # ours (it is in our cache) but not a finished build: someone tampered with it
-    return build_demo_model(dest, **params)
+    return build_demo_model(dest, kind, **params)
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -179,12 +203,30 @@ def _checked_params(*, eos_after: int = 48, max_new_tokens: int = 64, seed: int 
     return params
 
 
-def _marker(params: dict) -> dict:
-    return {"name": DEMO_MODEL_NAME, "format": BUILD_FORMAT, "params": params}
+DEMO_KINDS = {
+    "llm": DemoKind("appliance.demo_model", "_write_model_files", _checked_params, BUILD_FORMAT),
+    "embedding": DemoKind("appliance.demo_encoder", "write_embedding_model", _seed_only, 1),
+    "rerank": DemoKind("appliance.demo_encoder", "write_rerank_model", _seed_only, 1),
+}
 
 
-def _params_hash(params: dict) -> str:
-    return hashlib.sha256(json.dumps(_marker(params), sort_keys=True).encode()).hexdigest()[:12]
+def demo_model_name(kind: str) -> str:
+    """The demo's model name, in configs and in the cache: "demo" for the chat model, "demo-<kind>" otherwise."""
+    return DEMO_MODEL_NAME if kind == "llm" else f"{DEMO_MODEL_NAME}-{kind}"
+
+
+def _checked(kind: str, params: dict) -> dict:
+    if kind not in DEMO_KINDS:
+        raise ValueError(f"no demo model of kind {kind!r} (have: {', '.join(DEMO_KINDS)})")
+    return DEMO_KINDS[kind].check(**params)
+
+
+def _marker(kind: str, params: dict) -> dict:
+    return {"name": demo_model_name(kind), "format": DEMO_KINDS[kind].format, "params": params}
+
+
+def _params_hash(marker: dict) -> str:
+    return hashlib.sha256(json.dumps(marker, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _read_marker(model_dir: pathlib.Path) -> dict | None:
@@ -229,8 +271,6 @@ def _write_model_files(out: pathlib.Path, *, eos_after: int, max_new_tokens: int
     _write_json(out / "generation_config.json", {
         "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "max_new_tokens": max_new_tokens, "do_sample": False,
     })
-    _write_json(out / MARKER_FILE, _marker(_checked_params(eos_after=eos_after, max_new_tokens=max_new_tokens,
-                                                           seed=seed, logit_scale=logit_scale)))
 
 
 def _write_json(path: pathlib.Path, obj: dict) -> None:

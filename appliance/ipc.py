@@ -38,6 +38,9 @@ OPS: dict[str, Op] = {
     "generate": _op("front", "id kind params stream", "messages prompt tools template_kwargs constraint",
                     "run one request: kind chat (messages, tools, chat_template_kwargs) or completion (prompt), "
                     "with its sampling params and output constraint"),
+    "request": _op("front", "id kind body",
+                   "run one request of a one-answer kind (embedding, rerank, transcription): body holds the fields "
+                   "its route validated, read by appliance.engines.<kind>"),
     "cancel": _op("front", "id", doc="the caller is gone: stop generating for it"),
     "shutdown": _op("front", doc="leave now (without destructors)"),
     # worker -> front
@@ -49,6 +52,8 @@ OPS: dict[str, Op] = {
                   "new text of a request, how many tokens it took, and their [text, logprob] if asked for"),
     "done": _op("worker", "id finish_reason prompt_tokens completion_tokens", "reasoning_tokens",
                 "a request finished (reasoning_tokens on a model with a reasoning format)"),
+    "result": _op("worker", "id result", "counts",
+                  "the one answer of a request op; counts add to the model's counters (supervisor.RESULT_COUNTERS)"),
     "error": _op("worker", "id kind code message retryable", "hint",
                  "a request failed (retryable: a retry may succeed); the worker goes on"),
     "progress": _op("worker", doc="generation goes on though nothing was sent (keeps the stall timer honest)"),

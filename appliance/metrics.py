@@ -32,15 +32,18 @@ class ModelMetrics:
     queue_time: Any
     model_load: Any
     kv_cache_usage: Any
+    embedding_inputs: Any
+    audio_seconds: Any
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        self.model_kinds: dict[str, str] = {}
         self.requests = Counter("openarc_requests", "HTTP requests answered, by final status code",
                                 ["model", "endpoint", "status"], registry=r)
         self.request_errors = Counter("openarc_request_errors", "Requests that ended in an error, by kind",
-                                      ["model", "kind"], registry=r)
+                                      ["model", "kind", "endpoint"], registry=r)
         self.tool_calls = Counter("openarc_tool_calls", "Tool calls returned to clients", ["model"], registry=r)
         self.structured_requests = Counter("openarc_structured_requests",
                                            "Requests whose output was constrained, by constraint kind",
@@ -54,6 +57,9 @@ class Metrics:
         self.worker_restarts = Counter("openarc_worker_restarts", "Worker processes started after the first",
                                        ["model"], registry=r)
         self.worker_up = Gauge("openarc_worker_up", "1 while the model's worker is ready", ["model"], registry=r)
+        # Always 1: joins any per-model series to the model's kind (`* on (model) group_left (kind)`).
+        self.model_info = Gauge("openarc_model_info", "The model's worker kind (llm, embedding, rerank, transcription)",
+                                ["model", "kind"], registry=r)
         self.model_state = Gauge("openarc_model_state", "1 for the model's current state", ["model", "state"], registry=r)
         self.gpu_resets = Counter("openarc_gpu_resets", "GPU hangs and resets seen in the kernel log",
                                   ["device"], registry=r)
@@ -81,12 +87,21 @@ class Metrics:
                                     ["model"], registry=r)
         self.model_load = Histogram("openarc_model_load_seconds", "Time to load a model in its worker", ["model"],
                                     buckets=(.1, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200), registry=r)
+        self.embedding_inputs = Counter("openarc_embedding_inputs", "Texts embedded (inputs of /v1/embeddings)",
+                                        ["model"], registry=r)
+        self.audio_seconds = Counter("openarc_audio_seconds", "Seconds of audio transcribed or translated",
+                                     ["model"], registry=r)
         self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",
                                     registry=r)
 
-    def for_model(self, model: str) -> ModelMetrics:
+    def for_model(self, model: str, kind: str = "llm") -> ModelMetrics:
         """The model's series, created at zero so dashboards and rate() see the model before its first event."""
         self.set_state(model, "stopped")
+        previous = self.model_kinds.get(model)
+        if previous not in (None, kind):  # a reload changed the model's kind
+            self.model_info.remove(model, previous)
+        self.model_kinds[model] = kind
+        self.model_info.labels(model=model, kind=kind).set(1)
         return ModelMetrics(**{name: getattr(self, name).labels(model=model) for name in ModelMetrics.__annotations__})
 
     def set_state(self, model: str, state: str) -> None:

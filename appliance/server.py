@@ -18,7 +18,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from appliance import __version__, oom, telemetry
-from appliance.api import generate
+from appliance.api import embeddings, generate, rerank
 from appliance.api.errors import error_response
 from appliance.config import Config, ConfigError
 from appliance.metrics import Metrics
@@ -64,6 +64,8 @@ class Appliance:
         app.router.add_get("/openarc/status", self.status)
         app.router.add_get("/v1/models", self.list_models)
         generate.add_routes(app, self)
+        embeddings.add_routes(app, self)
+        rerank.add_routes(app, self)
         return app
 
     @web.middleware
@@ -117,8 +119,8 @@ class Appliance:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def list_models(self, request: web.Request) -> web.Response:
-        data = [{"id": name, "object": "model", "created": int(self.started), "owned_by": "openarc"}
-                for name in self.supervisor.models]
+        data = [{"id": name, "object": "model", "created": int(self.started), "owned_by": "openarc",
+                 "kind": sup.model.kind} for name, sup in self.supervisor.models.items()]
         return web.json_response({"object": "list", "data": data})
 
     # --- shared by the route families -----------------------------------------------------------------
@@ -128,13 +130,27 @@ class Appliance:
         model = body.get("model") if isinstance(body, dict) else None
         return model if isinstance(model, str) and model in self.supervisor.models else ""
 
-    def failed(self, model: str, exc: RequestFailed, param: str | None = None) -> web.Response:
-        self.count_error(model, exc.kind)
+    def model_for(self, name: str, endpoint: str, kinds: tuple[str, ...]):
+        """The supervisor of the model a request names, if it exists, is of a kind the route serves, and the
+        server is not draining; else the RequestFailed the client gets."""
+        sup = self.supervisor.get(name)
+        if sup is None:
+            raise RequestFailed(404, "model_not_found", f"the model '{name}' does not exist "
+                                                        f"(have: {', '.join(self.supervisor.models)})")
+        if sup.model.kind not in kinds:
+            raise RequestFailed(400, "invalid_request", f"the model '{name}' is of kind {sup.model.kind}; /v1/{endpoint} "
+                                                        f"needs a model of kind {' or '.join(kinds)}", "wrong_model_kind")
+        if self.draining:
+            raise RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)
+        return sup
+
+    def failed(self, model: str, endpoint: str, exc: RequestFailed, param: str | None = None) -> web.Response:
+        self.count_error(model, endpoint, exc.kind)
         return error_response(exc.status, exc.message, exc.code, param, exc.hint, exc.retry_after)
 
-    def count_error(self, model: str, kind: str) -> None:
+    def count_error(self, model: str, endpoint: str, kind: str) -> None:
         kind = {"model_not_found": "invalid_request", "context_length_exceeded": "invalid_request"}.get(kind, kind)
-        self.metrics.request_errors.labels(model=model, kind=kind).inc()
+        self.metrics.request_errors.labels(model=model, kind=kind, endpoint=endpoint).inc()
 
     # --- lifecycle -----------------------------------------------------------------------------------------
 

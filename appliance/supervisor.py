@@ -34,6 +34,8 @@ log = logging.getLogger("openarc.supervisor")
 
 SHUTDOWN_GRACE_S = 3.0
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+# What a result frame's "counts" may add to the model's counters (ModelMetrics fields).
+RESULT_COUNTERS = frozenset({"prompt_tokens", "embedding_inputs", "audio_seconds"})
 
 
 # Worker error kinds that are the request's fault: HTTP 400.
@@ -53,7 +55,7 @@ class RequestFailed(Exception):
 
 @dataclass
 class Event:
-    op: str            # tokens | done
+    op: str            # tokens | done | result (the one answer of a non-LLM kind's request)
     text: str = ""
     n: int = 0
     finish_reason: str | None = None
@@ -61,6 +63,7 @@ class Event:
     completion_tokens: int = 0
     logprobs: list | None = None  # [[token text, logprob], ...] when the request asked for them
     reasoning_tokens: int | None = None  # done, on a model with a reasoning format
+    result: dict[str, Any] | None = None  # result: the one answer of a one-answer kind
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Request:
 
     id: int
     frame: dict[str, Any]
+    op: str = "generate"  # the ipc op that carries it to the worker
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.monotonic)
     dispatched: float | None = None
@@ -153,7 +157,7 @@ class ModelSupervisor:
         self.metrics = metrics
         self.load_gate = load_gate
         self.spec = worker_spec(model, config)
-        self.series = metrics.for_model(self.name)
+        self.series = metrics.for_model(self.name, model.kind)
         self._on_change = on_change  # the Supervisor's "some model changed state" signal
         self.lifecycle = Lifecycle(self.name, self._state_changed)
         self.task: asyncio.Task | None = None
@@ -204,8 +208,9 @@ class ModelSupervisor:
         return self.stop_requested.is_set()
 
     def status(self) -> dict[str, Any]:
-        return {"name": self.name, "state": self.state.value, "pid": self.pid, "device": self.model.device,
-                "pipeline": self.model.pipeline, "restarts": self.restarts, "crashes": self.crashes,
+        return {"name": self.name, "kind": self.model.kind, "state": self.state.value, "pid": self.pid,
+                "device": self.model.device, "pipeline": self.model.pipeline if self.model.kind == "llm" else None,
+                "restarts": self.restarts, "crashes": self.crashes,
                 "last_error": self.last_error, "hint": self.last_hint,
                 "last_exit": self.last_exit.reason.value if self.last_exit else None,
                 "load_seconds": self.load_seconds,
@@ -408,14 +413,15 @@ class ModelSupervisor:
 
     # --- requests ------------------------------------------------------------------------------------
 
-    def open(self, frame: dict[str, Any]) -> Request:
-        """Admit a request or refuse it at once: nothing waits on a model that cannot serve it."""
+    def open(self, frame: dict[str, Any], op: str = "generate") -> Request:
+        """Admit a request or refuse it at once: nothing waits on a model that cannot serve it.
+        `frame`: the fields of its ipc `op` (generate for an LLM, request for the one-answer kinds) but the id."""
         if self.state is not ModelState.READY or self.stopping:
             raise self._unavailable()
         if len(self.running) >= self.model.effective_max_running and len(self.waiting) >= self.model.max_queue:
             raise RequestFailed(429, "overloaded", f"model {self.name} has {len(self.waiting)} requests queued "
                                                    f"(max_queue={self.model.max_queue}); retry later", retry_after=1)
-        req = Request(next(self.ids), frame)
+        req = Request(next(self.ids), frame, op)
         req.frame["id"] = req.id
         self.waiting.append(req)
         self._dispatch()
@@ -452,7 +458,7 @@ class ModelSupervisor:
             if isinstance(item, RequestFailed):
                 raise item
             yield item
-            if item.op == "done":
+            if item.op in ("done", "result"):
                 return
 
     def _unavailable(self) -> RequestFailed:
@@ -472,7 +478,7 @@ class ModelSupervisor:
             self.running[req.id] = req
             self.series.queue_time.observe(req.dispatched - req.submitted)
             try:
-                self.worker.channel.send(ipc.frame("generate", **req.frame))
+                self.worker.channel.send(ipc.frame(req.op, **req.frame))
             except (ValueError, ProtocolError) as exc:  # a frame that cannot be sent must not hold a slot forever
                 self._finish(req, RequestFailed(500, "internal", f"cannot pass the request to its worker: {exc}"))
         self.series.requests_running.set(len(self.running))
@@ -496,7 +502,7 @@ class ModelSupervisor:
             self._end_worker(ExitReason.WORKER_ERROR, f"{message['kind']}: {message['message']}", message.get("hint"),
                              kill=False)
             return
-        if op not in ("tokens", "done", "error", "progress"):
+        if op not in ("tokens", "done", "result", "error", "progress"):
             raise ProtocolError(f"a ready worker sent {op!r}")
         self.last_progress = time.monotonic()
         req = self.running.get(message.get("id"))
@@ -509,6 +515,11 @@ class ModelSupervisor:
             self._finish(req, Event("done", finish_reason=message["finish_reason"],
                                     prompt_tokens=message["prompt_tokens"], completion_tokens=message["completion_tokens"],
                                     reasoning_tokens=message.get("reasoning_tokens")))
+        elif op == "result":
+            counts = message.get("counts", {})
+            for name in RESULT_COUNTERS.intersection(counts):
+                getattr(self.series, name).inc(counts[name])
+            self._finish(req, Event("result", result=message["result"], prompt_tokens=counts.get("prompt_tokens", 0)))
         elif op == "error":
             self._finish(req, self._request_error(message))
 
@@ -579,7 +590,9 @@ def describe_gpu_trouble(event: telemetry.GpuEvent) -> str:
 
 def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
     """What a worker needs to know, as JSON on its command line."""
-    return {"name": model.name, "path": model.path, "device": model.device, "pipeline": model.pipeline,
+    return {"name": model.name, "kind": model.kind, "path": model.path, "device": model.device,
+            "pipeline": model.pipeline, "max_inputs": model.max_inputs, "pooling": model.pooling,
+            "normalize": model.normalize, "matryoshka_dimensions": model.matryoshka_dimensions,
             "properties": model.ov_properties(config.ov_cache_dir()), "scheduler_config": model.scheduler_config,
             "max_context": model.max_context, "default_max_tokens": model.default_max_tokens,
             "tool_parser": model.tool_parser, "reasoning_parser": model.reasoning_parser,

@@ -141,7 +141,7 @@ def read_frames(channel: BlockingChannel, engine: Engine) -> None:
         message = channel.recv()
         if message is None or message["op"] == "shutdown":
             return
-        if message["op"] == "generate":
+        if message["op"] in ("generate", "request"):
             engine.submit(message)
         elif message["op"] == "cancel":
             engine.cancel(message["id"])

@@ -84,6 +84,18 @@ def test_runtime_config_overrides_first_class_options(tmp_path):
     ({"models": [{"name": "a b", "path": "/a"}]}, "models[0].name: expected letters, digits"),
     ({"models": [{"name": "a", "path": "/a"}, {"name": "a", "path": "/b"}]}, "models[1].name: expected a unique model name"),
     ({"models": {"name": "a"}}, "models: expected a list"),
+    ({"models": [{"name": "a", "path": "/a", "kind": "tts"}]},
+     "models[0].kind: expected one of 'llm', 'embedding', 'rerank', 'transcription', got 'tts'"),
+    ({"models": [{"name": "a", "path": "/a", "pooling": "mean"}]},
+     "models[0].pooling: applies to kind 'embedding' models only (this one is kind 'llm')"),
+    ({"models": [{"name": "a", "path": "/a", "kind": "rerank", "scheduler_config": {}}]},
+     "models[0].scheduler_config: applies to kind 'llm' models only (this one is kind 'rerank')"),
+    ({"models": [{"name": "a", "path": "/a", "kind": "embedding", "pooling": "max"}]},
+     "models[0].pooling: expected one of 'cls', 'mean', 'last_token' or null, got 'max'"),
+    ({"models": [{"name": "a", "path": "/a", "kind": "embedding", "matryoshka_dimensions": [64, 0]}]},
+     "models[0].matryoshka_dimensions: expected a list of positive integers"),
+    ({"models": [{"name": "a", "path": "/a", "kind": "embedding", "max_inputs": 0}]},
+     "models[0].max_inputs: expected at least 1"),
     ("- just\n- a list\n", "top level: expected a mapping"),
     ("server: {port: 80\n", "not valid YAML (line 2, column 1)"),
 ])
@@ -112,10 +124,10 @@ def test_check_config_exits_nonzero_with_one_clear_line(tmp_path):
     done = run_cli("check-config", path)
     assert done.returncode == 2
     assert done.stderr.strip() == (f"openarc: config error: {path}: models[0].devise: unknown key (expected one of: "
-                                   "name, path, device, port, pipeline, runtime_config, scheduler_config, "
-                                   "sdpa_optimization, enable_weightless, max_context, default_max_tokens, max_running, "
-                                   "max_queue, stall_timeout_s, load_timeout_s, restart, tool_parser, reasoning_parser, "
-                                   "chat_template)")
+                                   "name, path, kind, device, port, pipeline, runtime_config, scheduler_config, "
+                                   "sdpa_optimization, enable_weightless, max_context, default_max_tokens, max_inputs, "
+                                   "pooling, normalize, matryoshka_dimensions, max_running, max_queue, stall_timeout_s, "
+                                   "load_timeout_s, restart, tool_parser, reasoning_parser, chat_template)")
     assert "Traceback" not in done.stderr
 
 

@@ -30,7 +30,9 @@ def samples(text: str) -> dict[tuple, float]:
 
 
 def value(scrape: dict, name: str, **labels) -> float:
-    return scrape.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sample with these labels, summed over any label not given (as PromQL's sum without)."""
+    wanted = labels.items()
+    return sum(v for (n, items), v in scrape.items() if n == name and wanted <= dict(items).items())
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ DASHBOARD = REPO / "config" / "grafana" / "openarc-dashboard.json"
 # name -> (type, label names).
 OPENARC_METRICS = {
     "openarc_requests_total": ("counter", ("model", "endpoint", "status")),
-    "openarc_request_errors_total": ("counter", ("model", "kind")),
+    "openarc_request_errors_total": ("counter", ("model", "kind", "endpoint")),
     "openarc_worker_crashes_total": ("counter", ("model", "signal", "reason")),
     "openarc_worker_exits_total": ("counter", ("model", "reason")),
     "openarc_worker_restarts_total": ("counter", ("model",)),
@@ -45,6 +45,9 @@ OPENARC_METRICS = {
     "openarc_queue_time_seconds": ("histogram", ("model",)),
     "openarc_model_load_seconds": ("histogram", ("model",)),
     "openarc_event_loop_lag_seconds": ("gauge", ()),
+    "openarc_model_info": ("gauge", ("model", "kind")),
+    "openarc_embedding_inputs_total": ("counter", ("model",)),
+    "openarc_audio_seconds_total": ("counter", ("model",)),
 }
 MODEL_STATES = ("loading", "ready", "restarting", "draining", "failed", "stopped")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")

@@ -45,23 +45,19 @@ class GenerationRoutes:
                 raise InvalidRequest("the request body is not valid JSON")
             model_label = self.appliance.model_label(body)
             req = parse(body)
-            sup = self.appliance.supervisor.get(req.model)
-            if sup is None:
-                raise RequestFailed(404, "model_not_found", f"the model '{req.model}' does not exist "
-                                                            f"(have: {', '.join(self.appliance.supervisor.models)})")
-            if self.appliance.draining:
-                raise RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)
+            sup = self.appliance.model_for(req.model, endpoint, ("llm",))
             answer = self._answer_parser(sup, req)
             if req.constraint:
                 self.appliance.metrics.structured_requests.labels(model=req.model, kind=req.constraint["kind"]).inc()
-            response = await (self._stream(request, sup, req, answer) if req.stream else self._whole(sup, req, answer))
+            response = await (self._stream(request, sup, req, answer, endpoint) if req.stream else self._whole(sup, req, answer))
         except InvalidRequest as exc:
             response = self.appliance.failed(
-                model_label, RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"), param=exc.param)
+                model_label, endpoint, RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"),
+                param=exc.param)
         except RequestFailed as exc:
             # a constraint genai cannot compile names the request field it came from
             param = req.constraint["param"] if exc.kind == "invalid_grammar" and req and req.constraint else None
-            response = self.appliance.failed(model_label, exc, param=param)
+            response = self.appliance.failed(model_label, endpoint, exc, param=param)
         self.appliance.metrics.requests.labels(model=model_label, endpoint=endpoint, status=str(response.status)).inc()
         self.appliance.metrics.request_duration.labels(model=model_label, endpoint=endpoint).observe(time.monotonic() - started)
         return response
@@ -110,7 +106,7 @@ class GenerationRoutes:
         raise AssertionError("event stream ended without done")
 
     async def _stream(self, request: web.Request, sup, req: GenerationRequest,
-                      answer: AnswerParser | None) -> web.StreamResponse:
+                      answer: AnswerParser | None, endpoint: str) -> web.StreamResponse:
         handle = sup.open(req.frame())
         shaper = ResponseShaper(req)
         events = sup.events(handle)
@@ -129,7 +125,7 @@ class GenerationRoutes:
                 await self._send_text(response, shaper, answer, event.text, event.logprobs)
                 event = await self._next(events)
             if isinstance(event, RequestFailed):
-                self.appliance.count_error(req.model, event.kind)
+                self.appliance.count_error(req.model, endpoint, event.kind)
                 await self._send(response, error_body(event.message, ERROR_TYPES.get(event.status, "server_error"),
                                                       event.code, hint=event.hint))
             else:

@@ -8,7 +8,17 @@ from appliance.engines.base import Engine
 
 
 def load_engine(spec: dict[str, Any], channel) -> Engine:
-    """Build the engine of a worker's spec; loading the pipeline happens here, in the engine's constructor."""
+    """Build the engine of a worker's spec (by its model's kind); loading the pipeline happens here, in the
+    engine's constructor. Each kind's module is imported only by the workers of that kind."""
+    kind = spec.get("kind", "llm")
+    if kind == "embedding":
+        from appliance.engines.embedding import EmbeddingEngine
+        return EmbeddingEngine(spec, channel)
+    if kind == "rerank":
+        from appliance.engines.rerank import RerankEngine
+        return RerankEngine(spec, channel)
+    if kind != "llm":
+        raise ValueError(f"this openarc has no worker for kind {kind!r}")
     from appliance.engines.llm import BatchingEngine, SequentialEngine
     engine_cls = SequentialEngine if spec["pipeline"] == "stateful" else BatchingEngine
     return engine_cls(spec, channel)

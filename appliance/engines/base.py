@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from appliance import faults
@@ -132,3 +133,76 @@ class Engine:
             time.sleep(self.step_delay)
         if self.raise_after_steps and self.steps >= self.raise_after_steps:
             raise InjectedFault(f"{RAISE_AFTER_STEPS_ENV}={self.raise_after_steps} reached")
+
+
+class InvalidInput(ValueError):
+    """Input the worker refuses as the client's to fix (too long, too many, undecodable): a 400 for that request."""
+
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.fault = faults.Fault("invalid_request", code, None, False)
+
+
+class ResultEngine(Engine):
+    """The kinds whose request gets exactly one answer (embedding, rerank, transcription): requests run in
+    arrival order, each through `answer()`, whose dict goes back in one `result` frame.
+
+    InvalidInput from `answer()` is a 400 for that request; any other exception a classified 500 (and a lost
+    device ends the worker, as for an LLM). The stall timer bounds one `answer()` call: a pipeline call that
+    hangs past stall_timeout_s gets the worker killed and restarted.
+    """
+
+    def __init__(self, spec: dict[str, Any], channel: BlockingChannel):
+        super().__init__(spec, channel)
+        self.waiting: list[dict[str, Any]] = []
+        self.current: dict[str, Any] | None = None  # the request in the pipeline
+
+    def run(self) -> None:
+        while True:
+            self.drain_inbox(block=not self.waiting)
+            if self.waiting:
+                self._answer(self.waiting.pop(0))
+            self.flush()
+
+    def live_request_ids(self) -> list[int]:
+        return [m["id"] for m in self.waiting] + ([self.current["id"]] if self.current else [])
+
+    def on_generate(self, message: dict[str, Any]) -> None:
+        self.waiting.append(message)
+
+    def on_cancel(self, request_id: int) -> None:
+        # A request already in the pipeline runs to its end (one call, nothing to stop mid-way); its result
+        # frame then finds no caller and is dropped by the front.
+        self.waiting = [m for m in self.waiting if m["id"] != request_id]
+
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def answer(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        """The result of one request, from the body its route validated (the route shapes the result for the
+        client), and what it adds to the model's counters (supervisor.RESULT_COUNTERS: prompt_tokens, ...);
+        raise InvalidInput for a request the client must fix."""
+        raise NotImplementedError
+
+    def in_batches(self, items: list, size: int):
+        """(offset, slice) of `items`, `size` at a time, for one pipeline call each: a batch is this kind's engine
+        step, so after each comes a progress frame if one is due (the stall timer sees a long request advance)."""
+        for start in range(0, len(items), size):
+            yield start, items[start:start + size]
+            self.flush()
+            self.after_step()
+
+    def _answer(self, message: dict[str, Any]) -> None:
+        self.current = message
+        try:
+            result, counts = self.answer(message["body"])
+        except InvalidInput as exc:
+            self.fail(message["id"], exc.fault, str(exc))
+        except InjectedFault:
+            raise  # the test knob proves that an engine-thread exception fails the worker loudly
+        except Exception as exc:  # a pipeline error belongs to this request; the worker goes on serving
+            self.exit_if_device_lost(self.fail_all([SimpleNamespace(id=message["id"])], exc))
+        else:
+            self.post(frame("result", id=message["id"], result=result, counts=counts))
+        self.current = None
+

@@ -1,0 +1,118 @@
+"""The embedding worker kind: openvino_genai.TextEmbeddingPipeline, one request's inputs embedded as batches.
+
+Request frame: {"input": [text, ...] or [[token id, ...], ...], "dimensions": int | None, "truncate": bool}.
+Result: {"embeddings": [base64 of little-endian float32, ...]}: base64 keeps a big batch's frame small and its
+floats exact; the front decodes it when the client asked for floats.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from appliance.engines.base import InvalidInput, ResultEngine
+
+# Inputs per pipeline call: padding to the longest of a batch is paid by all of it, and a progress frame between
+# batches keeps a long request clear of the stall timer.
+BATCH_SIZE = 32
+# sentence-transformers' pooling config (1_Pooling/config.json) key -> genai PoolingType name
+SENTENCE_TRANSFORMERS_POOLING = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN",
+                                 "pooling_mode_lasttoken": "LAST_TOKEN"}
+
+
+def model_json(path: str, name: str) -> dict[str, Any]:
+    """A JSON file of the model directory, {} if it is missing or unreadable (it only refines defaults)."""
+    try:
+        data = json.loads((Path(path) / name).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def input_token_limit(spec: dict[str, Any]) -> int:
+    """Tokens one input may have: max_context, never more than the model's position embeddings."""
+    positions = model_json(spec["path"], "config.json").get("max_position_embeddings")
+    return min(spec["max_context"], positions) if isinstance(positions, int) and positions > 0 else spec["max_context"]
+
+
+def token_counts(tokenizer, *texts: list[str]) -> list[int]:
+    """Tokens of each input as the pipeline sees it (special tokens included); two lists are encoded as pairs."""
+    return [int(n) for n in tokenizer.encode(*texts).attention_mask.data.sum(axis=1)]
+
+
+def check_token_limit(counts: list[int], limit: int, truncate: bool, what: str) -> None:
+    if truncate:
+        return
+    for i, count in enumerate(counts):
+        if count > limit:
+            raise InvalidInput(f"{what}[{i}] has {count} tokens; this model takes at most {limit} per input "
+                               "(send truncate: true to cut it)", "context_length_exceeded")
+
+
+class EmbeddingEngine(ResultEngine):
+    def __init__(self, spec: dict[str, Any], channel):
+        import openvino_genai
+        super().__init__(spec, channel)
+        self.limit = input_token_limit(spec)
+        config = openvino_genai.TextEmbeddingPipeline.Config()
+        config.pooling_type = getattr(openvino_genai.TextEmbeddingPipeline.PoolingType, self._pooling())
+        config.normalize = spec["normalize"]
+        config.max_length = self.limit  # only reached by a request that asked to be truncated
+        self.pipe = openvino_genai.TextEmbeddingPipeline(spec["path"], spec["device"], config, **spec["properties"])
+        self.tokenizer = openvino_genai.Tokenizer(spec["path"])
+        self.vocab_size = len(self.tokenizer.get_vocab())
+        # One embedding at load: the model's own size, and the first call's one-off costs paid before `ready`.
+        self.native_dimensions = len(self.pipe.embed_documents(["openarc"])[0])
+        dimensions = spec["matryoshka_dimensions"]
+        if dimensions is None:
+            dimensions = model_json(spec["path"], "config.json").get("matryoshka_dimensions") or []
+        self.dimensions = sorted({int(d) for d in dimensions if int(d) <= self.native_dimensions})
+
+    def _pooling(self) -> str:
+        """The configured pooling, else what the model's sentence-transformers config says, else CLS."""
+        if self.spec["pooling"]:
+            return self.spec["pooling"].upper()
+        pooling = model_json(self.spec["path"], "1_Pooling/config.json")
+        return next((mode for key, mode in SENTENCE_TRANSFORMERS_POOLING.items() if pooling.get(key)), "CLS")
+
+    def answer(self, message: dict[str, Any]) -> dict[str, Any]:
+        texts = self._texts(message["input"])
+        counts = token_counts(self.tokenizer, texts)
+        check_token_limit(counts, self.limit, message.get("truncate", False), "input")
+        dimensions = self._checked_dimensions(message.get("dimensions"))
+        vectors = []
+        for start in range(0, len(texts), BATCH_SIZE):
+            vectors.append(np.asarray(self.pipe.embed_documents(texts[start:start + BATCH_SIZE]), dtype=np.float32))
+            self.flush()  # a progress frame, if this request has been quiet for a while
+        matrix = np.concatenate(vectors)
+        if dimensions:
+            matrix = matrix[:, :dimensions]
+            matrix /= np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
+        embeddings = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in matrix]
+        return {"embeddings": embeddings}, {"prompt_tokens": sum(min(count, self.limit) for count in counts),
+                                            "embedding_inputs": len(texts)}
+
+    def _texts(self, inputs: list) -> list[str]:
+        """Text inputs as they are; token-id inputs decoded to text (genai's pipeline takes text only)."""
+        if not inputs or isinstance(inputs[0], str):
+            return inputs
+        for i, ids in enumerate(inputs):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidInput(f"input[{i}] holds token id {bad}, outside this model's vocabulary "
+                                   f"(0..{self.vocab_size - 1})")
+        return self.tokenizer.decode(inputs, skip_special_tokens=True)
+
+    def _checked_dimensions(self, dimensions: int | None) -> int | None:
+        """None for the model's own size; else a Matryoshka size the model was trained for, or a 400."""
+        if dimensions is None or dimensions == self.native_dimensions:
+            return None
+        if dimensions not in self.dimensions:
+            allowed = ", ".join(str(d) for d in sorted({*self.dimensions, self.native_dimensions}))
+            raise InvalidInput(f"this model cannot give dimensions={dimensions}: it gives {allowed}",
+                               "invalid_dimensions")
+        return dimensions

@@ -1,0 +1,39 @@
+"""The rerank worker kind: openvino_genai.TextRerankPipeline scores (query, document) pairs with a cross-encoder.
+
+Request frame: {"query": str, "documents": [str, ...], "truncate": bool}.
+Result: {"scores": [relevance of each document, in the order sent]}; the front sorts them and
+applies top_n, so every document is scored (genai's own top_n is set to the model's max_inputs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from appliance.engines.base import ResultEngine
+from appliance.engines.embedding import check_token_limit, input_token_limit, token_counts
+
+BATCH_SIZE = 32  # documents per pipeline call (see embedding.BATCH_SIZE)
+
+
+class RerankEngine(ResultEngine):
+    def __init__(self, spec: dict[str, Any], channel):
+        import openvino_genai
+        super().__init__(spec, channel)
+        self.limit = input_token_limit(spec)
+        config = openvino_genai.TextRerankPipeline.Config()
+        config.top_n = BATCH_SIZE
+        config.max_length = self.limit  # genai truncates each pair to it; a longer pair is refused unless asked
+        self.pipe = openvino_genai.TextRerankPipeline(spec["path"], spec["device"], config, **spec["properties"])
+        self.tokenizer = openvino_genai.Tokenizer(spec["path"])
+        self.pipe.rerank("openarc", ["openarc"])  # the first call's one-off costs, paid before `ready`
+
+    def answer(self, message: dict[str, Any]) -> dict[str, Any]:
+        query, documents = message["query"], message["documents"]
+        counts = token_counts(self.tokenizer, [query], documents)
+        check_token_limit(counts, self.limit, message.get("truncate", False), "documents")
+        scores = [0.0] * len(documents)
+        for start in range(0, len(documents), BATCH_SIZE):
+            for index, score in self.pipe.rerank(query, documents[start:start + BATCH_SIZE]):
+                scores[start + index] = float(score)
+            self.flush()  # a progress frame, if this request has been quiet for a while
+        return {"scores": scores}, {"prompt_tokens": sum(min(count, self.limit) for count in counts)}

@@ -25,16 +25,17 @@ import pathlib
 
 import numpy as np
 
-from appliance.demo_model import CORPUS, HEADS, HIDDEN, _split_heads, _write_json, ops
+from appliance.demo_model import CORPUS, _write_json, ops
 
-LAYERS, MLP_HIDDEN = 2, 128  # HIDDEN and HEADS as the chat demo's, whose head split this shares
+HIDDEN, LAYERS, HEADS, MLP_HIDDEN = 128, 2, 4, 256  # 128 dimensions: random word vectors nearly orthogonal
 MAX_POSITIONS = 512
 WORDPIECE_VOCAB = 2000
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 TRANSFORMER_SHARE = 0.005 # the transformer's part of each vector, next to a bag-of-words part of norm ~1
 RERANK_SCALE, RERANK_BIAS = 8.0, -3.0
 # The Matryoshka sizes the embedding demo is served with: its bag-of-words vectors truncate gracefully.
-MATRYOSHKA_DIMENSIONS = [16, 32, 64]
+MATRYOSHKA_DIMENSIONS = [32, 64, 128]
+PIECE_WEIGHT = 0.25  # word pieces ("##s") and single letters mean less than whole words
 
 # Words for everyday retrieval examples, so their vectors are whole words, not '##' pieces.
 ENCODER_CORPUS = CORPUS + [
@@ -155,13 +156,17 @@ def _transformer(input_ids, attention_mask, token_type_ids, vocab_size: int, wei
 
 def _word_vectors(hf_tokenizer, rng: np.random.Generator) -> np.ndarray:
     """A random vector per token, of length IDF over ENCODER_CORPUS's sentences (so "the" counts for little and
-    "cat" for much), zero for the special tokens: [CLS]/[SEP]/[PAD] carry no meaning."""
+    "cat" for much; less again for word pieces), zero for the special tokens: [CLS]/[SEP]/[PAD] carry no meaning."""
     sentences = [s for text in ENCODER_CORPUS for s in text.split(".") if s.strip()]
     seen_in = np.zeros(len(hf_tokenizer))
     for sentence in sentences:
         seen_in[list(set(hf_tokenizer(sentence, add_special_tokens=False)["input_ids"]))] += 1
     vectors = rng.normal(0.0, 1.0, (len(hf_tokenizer), HIDDEN)).astype(np.float32)
-    vectors *= (np.log((len(sentences) + 1) / (seen_in + 1)) / np.linalg.norm(vectors, axis=1))[:, None]
+    weights = np.log((len(sentences) + 1) / (seen_in + 1))
+    for token, i in hf_tokenizer.get_vocab().items():
+        if token.startswith("##") or len(token) == 1:
+            weights[i] *= PIECE_WEIGHT
+    vectors *= (weights / np.linalg.norm(vectors, axis=1))[:, None]
     vectors[:len(SPECIAL_TOKENS)] = 0.0
     return vectors
 
@@ -186,3 +191,8 @@ def _layer_norm(x):
     centered = ops.subtract(x, ops.reduce_mean(x, [-1], True))
     variance = ops.reduce_mean(ops.multiply(centered, centered), [-1], True)
     return ops.divide(centered, ops.sqrt(ops.add(variance, ops.constant(np.float32(1e-12)))))
+
+
+def _split_heads(x):
+    """[batch, seq, HIDDEN] -> [batch, HEADS, seq, HIDDEN / HEADS]"""
+    return ops.transpose(ops.reshape(x, [0, 0, HEADS, -1], special_zero=True), [0, 2, 1, 3])

@@ -38,6 +38,20 @@ def long_demo_model(tmp_path_factory) -> Path:
     return build_demo_model(tmp_path_factory.mktemp("models") / "long", eos_after=0, max_new_tokens=4096)
 
 
+@pytest.fixture(scope="session")
+def embedding_model(tmp_path_factory) -> Path:
+    """The embedding demo model (appliance.demo_encoder): 128 dimensions, Matryoshka sizes 32 and 64."""
+    from appliance.demo_model import build_demo_model
+    return build_demo_model(tmp_path_factory.mktemp("models") / "embedding", "embedding")
+
+
+@pytest.fixture(scope="session")
+def rerank_model(tmp_path_factory) -> Path:
+    """The rerank demo model (appliance.demo_encoder): scores documents by the query words they share."""
+    from appliance.demo_model import build_demo_model
+    return build_demo_model(tmp_path_factory.mktemp("models") / "rerank", "rerank")
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
     """Poll predicate() until it returns something truthy (returned) or the timeout passes (AssertionError naming
     `what`). OSError counts as not yet: the server may not be listening. The one poll loop of the tests."""

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from appliance.config import Config, ConfigError, load_config, parse_config
 from conftest import Appliance, http, model_entry
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank")
 HTTP_FUZZ = settings(max_examples=120, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
                      suppress_health_check=[HealthCheck.too_slow])
 CONFIG_FUZZ = settings(max_examples=300, deadline=None, database=None,
@@ -30,8 +30,11 @@ REQUEST_TIMEOUT_S = 30  # only catches a hang: the demo model answers in millise
 
 
 @pytest.fixture(scope="module")
-def app(demo_model, tmp_path_factory):
-    config = {"server": {"max_body_bytes": 65536}, "models": [model_entry("demo", demo_model, max_context=512)]}
+def app(demo_model, embedding_model, rerank_model, tmp_path_factory):
+    config = {"server": {"max_body_bytes": 65536}, "models": [
+        model_entry("demo", demo_model, max_context=512),
+        model_entry("embed", embedding_model, kind="embedding", max_context=64, max_inputs=16),
+        model_entry("rank", rerank_model, kind="rerank", max_context=64, max_inputs=16)]}
     appliance = Appliance(config, tmp_path_factory.mktemp("fuzz")).start()
     yield appliance
     appliance.stop()
@@ -49,12 +52,19 @@ REQUEST_KEYS = ("model", "messages", "prompt", "max_tokens", "max_completion_tok
                 "stop", "stream", "stream_options", "n", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                 "response_format", "structured_outputs", "guided_regex", "guided_choice", "chat_template_kwargs",
-                "logit_bias", "echo", "suffix", "best_of")
+                "logit_bias", "echo", "suffix", "best_of",
+                "input", "encoding_format", "dimensions", "truncate", "query", "documents", "top_n",
+                "return_documents")
+MODELS = ("demo", "embed", "rank")
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(("system", "developer", "user", "assistant", "tool"))
                                            | texts, "content": texts | json_values}), max_size=3)
 
 
 def valid_body(endpoint: str) -> dict:
+    if endpoint.endswith("embeddings"):
+        return {"model": "embed", "input": ["Hi", "a cat"], "dimensions": 32}
+    if endpoint.endswith("rerank"):
+        return {"model": "rank", "query": "Hi", "documents": ["Hi there", {"text": "a cat"}], "top_n": 1}
     body = {"model": "demo", "max_tokens": 4}
     if endpoint.endswith("chat/completions"):
         body["messages"] = [{"role": "user", "content": "Hi"}]
@@ -72,7 +82,7 @@ def mutated_bodies(draw) -> dict:
         if draw(st.booleans()):
             body.pop(key, None)
         else:
-            body[key] = draw(messages if key == "messages" else json_values)
+            body[key] = draw(messages if key == "messages" else st.sampled_from(MODELS) if key == "model" else json_values)
     return body
 
 
@@ -143,8 +153,8 @@ def assert_clean(status: int, body) -> None:
         assert error["type"] in ERROR_TYPES and {"param", "code"} <= set(error), error
     elif isinstance(body, str):  # a stream
         assert body.endswith("data: [DONE]\n\n"), body[-200:]
-    else:
-        assert body["choices"] and "usage" in body, body
+    else:  # completions have choices, embeddings data, rerank results
+        assert (body.get("choices") or body.get("data") or body.get("results")) and "usage" in body, body
 
 
 def post(app, endpoint: str, body=None, raw: bytes | None = None, content_type: str = "application/json"):
@@ -166,6 +176,11 @@ def test_random_json_bodies_get_a_4xx_error_body_never_a_5xx(app, endpoint, body
 @example(endpoint="/v1/completions", body={"model": "demo", "prompt": "\ud800", "max_tokens": 4})
 @example(endpoint="/v1/chat/completions", body={"model": "demo", "messages": [{"role": "user", "content": "Hi"}],
                                                 "max_tokens": 4, "stop": ["\udfff"]})
+@example(endpoint="/v1/embeddings", body={"model": "embed", "input": ["\ud800"]})
+@example(endpoint="/v1/embeddings", body={"model": "embed", "input": [[0, 1, 2, 3, 4]], "truncate": True})
+@example(endpoint="/v1/embeddings", body={"model": "embed", "input": "\x00 \u200b \U0001f600" * 30, "truncate": True})
+@example(endpoint="/v1/rerank", body={"model": "rank", "query": "\x00", "documents": ["", "\U0001f600" * 200],
+                                      "truncate": True})
 def test_mutated_valid_bodies_are_served_or_refused_cleanly(app, endpoint, body):
     assert_clean(*post(app, endpoint, body))
 
@@ -195,15 +210,19 @@ def test_the_appliance_still_serves_after_the_fuzzing(app):
     killed its worker."""
     status, reply = post(app, "/v1/completions", valid_body("/v1/completions"))
     assert status == 200 and reply["usage"]["completion_tokens"] == 4
-    assert app.model_status("demo")["requests_running"] == 0
-    assert app.model_status("demo")["restarts"] == 0
+    assert post(app, "/v1/embeddings", valid_body("/v1/embeddings"))[0] == 200
+    assert post(app, "/v1/rerank", valid_body("/v1/rerank"))[0] == 200
+    for model in MODELS:
+        status = app.model_status(model)
+        assert (status["requests_running"], status["crashes"], status["restarts"]) == (0, 0, 0), status
 
 
 # --- configs ------------------------------------------------------------------------------------------------
 
 CONFIG_KEYS = ("server", "models", "name", "path", "device", "port", "host", "pipeline", "restart", "scheduler_config",
                "runtime_config", "max_context", "max_running", "max_queue", "stall_timeout_s", "backoff_initial_s",
-               "num_kv_blocks", "log_level", "api_key_env")
+               "num_kv_blocks", "log_level", "api_key_env", "kind", "max_inputs", "pooling", "normalize",
+               "matryoshka_dimensions")
 yaml_scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-(10 ** 400), max_value=10 ** 400)
                 | st.floats() | texts | st.dates())
 config_values = st.recursive(yaml_scalars, lambda inner: st.lists(inner, max_size=3)
@@ -213,7 +232,9 @@ VALID_CONFIG = {
                "drain_timeout_s": 5, "load_concurrency": 1, "log_level": "info"},
     "models": [{"name": "demo", "path": "/models/demo", "device": "GPU.0", "pipeline": "stateful", "max_context": 2048,
                 "scheduler_config": {"num_kv_blocks": 4}, "runtime_config": {"KV_CACHE_PRECISION": "u8"},
-                "restart": {"backoff_initial_s": 1, "backoff_max_s": 2, "max_failures": 3, "window_s": 60}}],
+                "restart": {"backoff_initial_s": 1, "backoff_max_s": 2, "max_failures": 3, "window_s": 60}},
+               {"name": "embed", "path": "/models/embed", "kind": "embedding", "max_context": 512, "max_inputs": 64,
+                "pooling": "mean", "normalize": True, "matryoshka_dimensions": [256, 512]}],
 }
 
 

@@ -84,11 +84,8 @@ class EmbeddingEngine(ResultEngine):
         counts = token_counts(self.tokenizer, texts)
         check_token_limit(counts, self.limit, message.get("truncate", False), "input")
         dimensions = self._checked_dimensions(message.get("dimensions"))
-        vectors = []
-        for start in range(0, len(texts), BATCH_SIZE):
-            vectors.append(np.asarray(self.pipe.embed_documents(texts[start:start + BATCH_SIZE]), dtype=np.float32))
-            self.flush()  # a progress frame, if this request has been quiet for a while
-        matrix = np.concatenate(vectors)
+        matrix = np.concatenate([np.asarray(self.pipe.embed_documents(batch), dtype=np.float32)
+                                 for _, batch in self.in_batches(texts, BATCH_SIZE)])
         if dimensions:
             matrix = matrix[:, :dimensions]
             matrix /= np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)

@@ -32,8 +32,7 @@ class RerankEngine(ResultEngine):
         counts = token_counts(self.tokenizer, [query], documents)
         check_token_limit(counts, self.limit, message.get("truncate", False), "documents")
         scores = [0.0] * len(documents)
-        for start in range(0, len(documents), BATCH_SIZE):
-            for index, score in self.pipe.rerank(query, documents[start:start + BATCH_SIZE]):
+        for start, batch in self.in_batches(documents, BATCH_SIZE):
+            for index, score in self.pipe.rerank(query, batch):
                 scores[start + index] = float(score)
-            self.flush()  # a progress frame, if this request has been quiet for a while
         return {"scores": scores}, {"prompt_tokens": sum(min(count, self.limit) for count in counts)}

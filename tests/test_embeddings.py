@@ -11,6 +11,8 @@ import os
 import shutil
 import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,7 +20,7 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import Appliance, http, model_entry
+from conftest import REPO, Appliance, http, model_entry
 
 DOCS = ["the cat sat on the mat", "a cat on a mat", "GPU drivers crash", "Paris is the capital of France"]
 MAX_TOKENS = 64  # the test models' max_context: tokens per input
@@ -294,3 +296,55 @@ def test_sigabrt_mid_request_fails_it_fast_restarts_the_worker_and_chat_keeps_an
     status, _, reply = http("POST", app.base + path, {"model": model, **body, **(
         {"input": DOCS} if "input" in body else {"documents": DOCS})})
     assert status == 200, reply
+
+
+# --- the demo models -------------------------------------------------------------------------------------------
+
+class ConfiglessAppliance(Appliance):
+    """`openarc serve` as a first-time user runs it: no config file at all (the default path made not to exist)."""
+
+    def start(self, wait_ready: bool = True) -> Appliance:
+        self.log = open(self.log_path, "w")
+        code = ("import sys, appliance.cli as cli; cli.DEFAULT_CONFIG_PATH = cli.Path('/nonexistent/openarc.yaml'); "
+                f"sys.exit(cli.main(['serve', '--port', '{self.port}']))")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=self.env, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        if wait_ready:
+            self.wait_ready()
+        return self
+
+
+def test_serve_without_a_config_serves_the_chat_and_the_embedding_demo(tmp_path):
+    app = ConfiglessAppliance({}, tmp_path, env={"OPENARC_CACHE_DIR": str(tmp_path / "cache")})
+    try:
+        app.start()
+        assert {m.id: m.kind for m in app.client().models.list()} == {"demo": "llm", "demo-embedding": "embedding"}
+        client = app.client()
+        chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello"}])
+        assert chat.choices[0].finish_reason == "stop" and chat.choices[0].message.content
+        vectors = client.embeddings.create(model="demo-embedding", input=DOCS[:3]).data
+        assert cosine(vectors[0].embedding, vectors[1].embedding) > cosine(vectors[0].embedding, vectors[2].embedding)
+        assert len(client.embeddings.create(model="demo-embedding", input="x", dimensions=32).data[0].embedding) == 32
+    finally:
+        app.stop()
+
+
+@pytest.mark.parametrize("kind", ["embedding", "rerank"])
+def test_demo_model_cli_builds_each_kind_for_its_genai_pipeline(tmp_path, kind):
+    import openvino_genai
+    done = subprocess.run([sys.executable, "-m", "appliance", "demo-model", "--kind", kind, str(tmp_path / kind)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    path = done.stdout.strip().splitlines()[-1]
+    if kind == "embedding":
+        vectors = openvino_genai.TextEmbeddingPipeline(path, "CPU").embed_documents(DOCS)
+        assert len(vectors) == 4 and len(vectors[0]) == 128
+    else:
+        ranked = openvino_genai.TextRerankPipeline(path, "CPU").rerank("capital of France", DOCS)
+        assert ranked[0][0] == 3
+
+
+def test_demo_model_cli_refuses_llm_options_for_other_kinds(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "appliance", "demo-model", "--kind", "rerank", "--eos-after", "3",
+                           str(tmp_path / "x")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "apply to --kind llm only" in done.stderr

@@ -1,6 +1,6 @@
 """The embedding worker kind: openvino_genai.TextEmbeddingPipeline, one request's inputs embedded as batches.
 
-Request frame: {"input": [text, ...] or [[token id, ...], ...], "dimensions": int | None, "truncate": bool}.
+Request body: {"input": [text, ...] or [[token id, ...], ...], "dimensions": int | None, "truncate": bool}.
 Result: {"embeddings": [base64 of little-endian float32, ...]}: base64 keeps a big batch's frame small and its
 floats exact; the front decodes it when the client asked for floats.
 """
@@ -79,11 +79,11 @@ class EmbeddingEngine(ResultEngine):
         pooling = model_json(self.spec["path"], "1_Pooling/config.json")
         return next((mode for key, mode in SENTENCE_TRANSFORMERS_POOLING.items() if pooling.get(key)), "CLS")
 
-    def answer(self, message: dict[str, Any]) -> dict[str, Any]:
-        texts = self._texts(message["input"])
+    def answer(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        texts = self._texts(body["input"])
         counts = token_counts(self.tokenizer, texts)
-        check_token_limit(counts, self.limit, message.get("truncate", False), "input")
-        dimensions = self._checked_dimensions(message.get("dimensions"))
+        check_token_limit(counts, self.limit, body.get("truncate", False), "input")
+        dimensions = self._checked_dimensions(body.get("dimensions"))
         matrix = np.concatenate([np.asarray(self.pipe.embed_documents(batch), dtype=np.float32)
                                  for _, batch in self.in_batches(texts, BATCH_SIZE)])
         if dimensions:

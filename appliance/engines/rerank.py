@@ -1,6 +1,6 @@
 """The rerank worker kind: openvino_genai.TextRerankPipeline scores (query, document) pairs with a cross-encoder.
 
-Request frame: {"query": str, "documents": [str, ...], "truncate": bool}.
+Request body: {"query": str, "documents": [str, ...], "truncate": bool}.
 Result: {"scores": [relevance of each document, in the order sent]}; the front sorts them and
 applies top_n, so every document is scored (genai's own top_n is set to the model's max_inputs).
 """
@@ -27,10 +27,10 @@ class RerankEngine(ResultEngine):
         self.tokenizer = openvino_genai.Tokenizer(spec["path"])
         self.pipe.rerank("openarc", ["openarc"])  # the first call's one-off costs, paid before `ready`
 
-    def answer(self, message: dict[str, Any]) -> dict[str, Any]:
-        query, documents = message["query"], message["documents"]
+    def answer(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        query, documents = body["query"], body["documents"]
         counts = token_counts(self.tokenizer, [query], documents)
-        check_token_limit(counts, self.limit, message.get("truncate", False), "documents")
+        check_token_limit(counts, self.limit, body.get("truncate", False), "documents")
         scores = [0.0] * len(documents)
         for start, batch in self.in_batches(documents, BATCH_SIZE):
             for index, score in self.pipe.rerank(query, batch):

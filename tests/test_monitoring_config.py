@@ -46,6 +46,8 @@ OPENARC_METRICS = {
     "openarc_model_load_seconds": ("histogram", ("model",)),
     "openarc_event_loop_lag_seconds": ("gauge", ()),
     "openarc_model_info": ("gauge", ("model", "kind")),
+    "openarc_tool_calls_total": ("counter", ("model",)),
+    "openarc_structured_requests_total": ("counter", ("model", "kind")),
     "openarc_embedding_inputs_total": ("counter", ("model",)),
     "openarc_audio_seconds_total": ("counter", ("model",)),
 }

@@ -135,7 +135,7 @@ def test_an_uncompilable_constraint_is_a_400_while_a_concurrent_request_complete
     ok = app.client().chat.completions.create(model="demo", messages=CHAT, max_tokens=20,
                                               extra_body={"structured_outputs": {"regex": "[a-z]{4}"}})
     assert re.fullmatch("[a-z]{4}", ok.choices[0].message.content)
-    assert 'openarc_request_errors_total{kind="invalid_grammar",model="demo"}' in app.metrics()
+    assert 'openarc_request_errors_total{endpoint="chat/completions",kind="invalid_grammar",model="demo"}' in app.metrics()
 
 
 @pytest.mark.parametrize("body, param", [

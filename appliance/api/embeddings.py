@@ -14,9 +14,9 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.api.completions import _number, _utf8
+from appliance.api import fields
 from appliance.api.errors import InvalidRequest
-from appliance.api.results import ResultRequest, ResultRoute, model_name, optional_bool
+from appliance.api.results import ResultRequest, ResultRoute, model_name
 from appliance.supervisor import Event
 
 ENCODING_FORMATS = ("float", "base64")
@@ -33,9 +33,9 @@ def parse(body: Any) -> ResultRequest:
     encoding = body.get("encoding_format", "float")
     if encoding not in ENCODING_FORMATS:
         raise InvalidRequest(f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}", "encoding_format")
-    dimensions = _number(body, "dimensions", 1, 1 << 16, integer=True)
+    dimensions = fields.number(body, "dimensions", 1, 1 << 16, integer=True)
     return ResultRequest(model, len(inputs), {"input": inputs, "dimensions": dimensions, "encoding_format": encoding,
-                                              "truncate": optional_bool(body, "truncate")})
+                                              "truncate": fields.flag(body, "truncate")})
 
 
 def _inputs(value: Any) -> list:
@@ -51,7 +51,7 @@ def _inputs(value: Any) -> list:
         if not item:
             raise InvalidRequest(f"'input[{i}]' is empty", "input")
         if texts:
-            _utf8(item, f"input[{i}]")
+            fields.utf8(item, f"input[{i}]")
     return value
 
 

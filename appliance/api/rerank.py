@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.api.completions import _number, _utf8
+from appliance.api import fields
 from appliance.api.errors import InvalidRequest
 from appliance.api.results import ResultRequest, ResultRoute, model_name
 from appliance.supervisor import Event
@@ -28,15 +28,11 @@ def add_routes(app: web.Application, appliance) -> None:
 
 def parse(body: Any) -> ResultRequest:
     model = model_name(body)
-    query = body.get("query")
-    if not isinstance(query, str) or not query:
-        raise InvalidRequest("'query' must be a non-empty string", "query")
+    query = fields.text(body.get("query"), "query")
     documents = _documents(body.get("documents"))
-    top_n = _number(body, "top_n", 1, 1 << 31, integer=True)
-    return_documents = body.get("return_documents", True)
-    if not isinstance(return_documents, bool):
-        raise InvalidRequest("'return_documents' must be true or false", "return_documents")
-    return ResultRequest(model, len(documents), {"query": _utf8(query, "query"), "documents": documents,
+    top_n = fields.number(body, "top_n", 1, 1 << 31, integer=True)
+    return_documents = body.get("return_documents") is None or fields.flag(body, "return_documents")
+    return ResultRequest(model, len(documents), {"query": query, "documents": documents,
                                                  "truncate": _truncate(body), "top_n": top_n,
                                                  "return_documents": return_documents})
 
@@ -49,7 +45,7 @@ def _documents(value: Any) -> list[str]:
         text = document.get("text") if isinstance(document, dict) else document
         if not isinstance(text, str):
             raise InvalidRequest(f"'documents[{i}]' must be a string or an object with a string 'text'", "documents")
-        texts.append(_utf8(text, f"documents[{i}]"))
+        texts.append(fields.utf8(text, f"documents[{i}]"))
     return texts
 
 

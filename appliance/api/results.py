@@ -38,13 +38,6 @@ def model_name(body: Any) -> str:
     return model
 
 
-def optional_bool(body: dict, key: str) -> bool:
-    value = body.get(key, False)
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"'{key}' must be true or false", key)
-    return value
-
-
 async def json_body(request: web.Request) -> Any:
     try:
         return await request.json(loads=json.loads)

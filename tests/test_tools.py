@@ -187,6 +187,23 @@ def test_chat_template_kwargs_reach_the_template(app):
     assert off.usage.prompt_tokens > on.usage.prompt_tokens  # the empty <think>\n\n</think>\n\n block
 
 
+def test_a_conversation_the_template_refuses_is_a_400(app):
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+             for i in range(2)]
+    history = CHAT + [{"role": "assistant", "content": None, "tool_calls": calls}]
+    with pytest.raises(openai.BadRequestError) as info:  # Llama 3's template allows one call per message
+        app.client().chat.completions.create(model="llama", messages=history, tools=TOOLS)
+    assert "single tool-calls" in info.value.body["message"]
+    assert app.client().chat.completions.create(model="qwen3", messages=history, tools=TOOLS, max_tokens=2)
+
+
+def test_auto_with_a_strict_tool_is_constrained_only_once_a_call_starts(app):
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}, TOOLS[1]]
+    reply = app.client().chat.completions.create(model="demo", messages=CHAT, tools=strict, max_tokens=10)
+    assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
+    assert 'openarc_structured_requests_total{kind="tool_calls",model="demo"}' in app.metrics()
+
+
 def test_tool_calls_are_counted(app):
     app.client().chat.completions.create(model="demo", messages=CHAT, tools=TOOLS, tool_choice="required",
                                          max_tokens=300)

@@ -24,28 +24,35 @@ class AnswerParser:
         return self.tools.calls if self.tools else []
 
     def feed(self, text: str) -> list[dict[str, Any]]:
-        """Deltas for a new piece of text: [{"reasoning_content": ...} | {"content": ...}]."""
+        """Deltas for a new piece of text: {"reasoning_content": ...}, {"content": ...}, or a call's two deltas."""
         return self._deltas(self.reasoning.feed(text) if self.reasoning else [(CONTENT, text)], finish=False)
 
     def finish(self) -> list[dict[str, Any]]:
-        """The held-back rest, then the tool calls as OpenAI streams them: name first, then the arguments."""
-        pieces = self.reasoning.finish() if self.reasoning else []
-        deltas = self._deltas(pieces, finish=True)
-        for index, call in enumerate(self.calls):
-            deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                                           "function": {"name": call.name, "arguments": ""}}]})
-            deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
-        return deltas
+        """Deltas for the held-back rest of the answer."""
+        return self._deltas(self.reasoning.finish() if self.reasoning else [], finish=True)
 
     def _deltas(self, pieces: list[tuple[str, str]], finish: bool) -> list[dict[str, Any]]:
-        out = []
+        out: list[dict[str, Any]] = []
         for field, text in pieces:
             if field == CONTENT and self.tools:
-                out.extend({CONTENT: t} for _, t in self.tools.feed(text))
+                out += self._tool_deltas(self.tools.feed(text))
             elif text:
                 out.append({field: text})
         if finish and self.tools:
-            out.extend({CONTENT: t} for _, t in self.tools.finish())
+            out += self._tool_deltas(self.tools.finish())
+        return out
+
+    def _tool_deltas(self, pieces: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+        """Content as it is; a call as OpenAI streams one: index, id, type and name first, then the arguments."""
+        out: list[dict[str, Any]] = []
+        for kind, value in pieces:
+            if kind == CONTENT:
+                out.append({CONTENT: value})
+                continue
+            index = self.calls.index(value)
+            out.append({"tool_calls": [{"index": index, "id": value.id, "type": "function",
+                                        "function": {"name": value.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": index, "function": {"arguments": value.arguments}}]})
         return out
 
     def message(self, text: str) -> dict[str, Any]:

@@ -72,6 +72,7 @@ class ToolCallParser:
 
     family = ""
     markers: tuple[str, ...] = ()
+    end_marker: str | None = None  # where one call ends, when the format marks it (calls then stream one by one)
     at_start = False
 
     def __init__(self, schemas: dict[str, dict] | None = None):
@@ -100,6 +101,7 @@ class ToolCallParser:
 class HermesParser(ToolCallParser):
     family = "hermes"
     markers = ("<tool_call>",)
+    end_marker = "</tool_call>"
     BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def parse_section(self, section):
@@ -118,6 +120,7 @@ class HermesParser(ToolCallParser):
 class Qwen3CoderParser(ToolCallParser):
     family = "qwen3_coder"
     markers = ("<tool_call>",)
+    end_marker = "</tool_call>"
     BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*(?:</tool_call>|$)", re.DOTALL)
     PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
@@ -191,20 +194,22 @@ def parser_for(family: str, schemas: dict[str, dict] | None = None) -> ToolCallP
 
 
 class ToolCallSplitter:
-    """feed() pieces of an answer's content, then finish(): content streams until a call marker; the section from
-    the marker on is parsed at the end. Returns [("content", text)] pieces; calls are in .calls after finish()."""
+    """feed() pieces of an answer's content, then finish(). Content streams until a call marker. From there, in a
+    format whose calls have an end marker, each call goes out as soon as it is complete; the rest of the section
+    is parsed when the answer ends. Returns ("content", text) and ("call", ToolCall) pieces; .calls has them all."""
 
     def __init__(self, parser: ToolCallParser):
         self.parser = parser
         self.held = ""
         self.seen = ""        # content already released (an at_start marker must be at the answer's start)
         self.in_section = False
+        self.broken = False   # a call that does not parse: the rest of the section is content
         self.calls: list[ToolCall] = []
 
-    def feed(self, text: str) -> list[tuple[str, str]]:
+    def feed(self, text: str) -> list[tuple[str, Any]]:
         self.held += text
         if self.in_section:
-            return []
+            return self._complete_calls()
         start = self.parser.section_start(self.held) if not (self.parser.at_start and self.seen.strip()) else -1
         if start >= 0:
             self.in_section = True
@@ -213,14 +218,38 @@ class ToolCallSplitter:
             keep = self.parser.may_start(self.held) if not (self.parser.at_start and self.seen.strip()) else 0
             released, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         self.seen += released
-        return [("content", released)] if released else []
+        return ([("content", released)] if released else []) + (self._complete_calls() if self.in_section else [])
 
-    def finish(self) -> list[tuple[str, str]]:
+    def _complete_calls(self) -> list[tuple[str, Any]]:
+        """The calls whose end marker has arrived, parsed one by one off the front of the section."""
+        out: list[tuple[str, Any]] = []
+        end_marker = self.parser.end_marker
+        while end_marker and not self.broken:
+            block = self.held.lstrip()
+            if not block.startswith(self.parser.markers) or end_marker not in block:
+                break
+            end = block.index(end_marker) + len(end_marker)
+            try:
+                calls, after = self.parser.parse_section(block[:end])
+            except MalformedCall:
+                self.broken = True
+                break
+            self.held = after + block[end:]
+            out += self._add(calls)
+        return out
+
+    def _add(self, calls: list[ToolCall]) -> list[tuple[str, Any]]:
+        self.calls += calls
+        return [("call", call) for call in calls]
+
+    def finish(self) -> list[tuple[str, Any]]:
         held, self.held = self.held, ""
-        if not self.in_section:
+        if not self.in_section or self.broken:
             return [("content", held)] if held else []
+        if not held.strip():
+            return []
         try:
-            self.calls, after = self.parser.parse_section(held)
+            calls, after = self.parser.parse_section(held)
         except MalformedCall:
             return [("content", held)]
-        return [("content", after)] if after else []
+        return self._add(calls) + ([("content", after)] if after else [])

@@ -86,16 +86,19 @@ class LLMEngine(Engine):
 
     def prepare(self, message: dict[str, Any]) -> Request | None:
         """Tokenize and check the context limit; reply with an error and return None if the request is invalid."""
-        prefix = ""
-        try:
-            if message["kind"] == "chat":
+        prefix, text = "", message.get("prompt", "")
+        if message["kind"] == "chat":
+            try:
                 text = self._render(message)
-                if self.formats["reasoning_parser"] and text.rstrip().endswith(chat_formats.THINK_OPEN):
-                    prefix = chat_formats.THINK_OPEN  # the answer starts inside the block the template opened
-                input_ids = self.tokenizer.encode(text, add_special_tokens=False).input_ids
-            else:
-                input_ids = self.tokenizer.encode(message["prompt"]).input_ids
-        except Exception as exc:  # a template or tokenizer error belongs to this request only
+            except Exception as exc:  # the template refused this conversation (raise_exception, a missing field)
+                self.fail(message["id"], INVALID_REQUEST,
+                          f"the model's chat template cannot render this conversation: {grammar_error(exc)}")
+                return None
+            if self.formats["reasoning_parser"] and text.rstrip().endswith(chat_formats.THINK_OPEN):
+                prefix = chat_formats.THINK_OPEN  # the answer starts inside the block the template opened
+        try:
+            input_ids = self.tokenizer.encode(text, add_special_tokens=message["kind"] != "chat").input_ids
+        except Exception as exc:  # a tokenizer error belongs to this request only
             self.fail(message["id"], self.classify(str(exc)), str(exc))
             return None
         structured = None

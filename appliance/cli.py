@@ -55,7 +55,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.warning("%s", warning)
     from appliance.server import Appliance
     appliance = Appliance(config, reload_config=lambda: serve_config(args))
-    return asyncio.run(appliance.serve(config.server.host, config.server.port))
+    # An address given on the command line is bound even under socket activation (listen.start_sites).
+    also_bind = bool(args.host or args.port)
+    return asyncio.run(appliance.serve(config.server.host, config.server.port, also_bind))
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:

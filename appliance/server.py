@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from appliance import __version__, oom, telemetry
+from appliance import __version__, listen, oom, telemetry
 from appliance.api import embeddings, generate, rerank
 from appliance.api.errors import error_response
 from appliance.config import Config, ConfigError
@@ -52,6 +52,7 @@ class Appliance:
         self.draining = False
         self.started = time.time()
         self.background: list[asyncio.Task] = []
+        self.sites: list[web.BaseSite] = []
 
     # --- app -----------------------------------------------------------------------------------------
 
@@ -192,8 +193,10 @@ class Appliance:
             self.notifier.status("loading: " + self.status_line())
             await self.supervisor.wait_changed(LOAD_EXTEND_EVERY_S)
 
-    async def serve(self, host: str, port: int) -> int:
-        """Serve until SIGTERM/SIGINT; the exit status: 0 after a clean stop, 1 if no model could load at all."""
+    async def serve(self, host: str, port: int, also_bind: bool = False) -> int:
+        """Serve until SIGTERM/SIGINT; the exit status: 0 after a clean stop, 1 if no model could load at all.
+
+        Listens on the sockets systemd passed, else on host:port (on both with also_bind: listen.start_sites)."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -201,9 +204,7 @@ class Appliance:
         loop.add_signal_handler(signal.SIGHUP, lambda: self.background.append(asyncio.create_task(self.reload())))
         runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        log.info("listening on http://%s:%d", host, port)
+        self.sites = await listen.start_sites(runner, host, port, also_bind)
         oom.set_oom_score_adj(oom.FRONT_OOM_SCORE_ADJ)  # before the workers: they raise theirs from here
         self.supervisor.start()
         self.background = [asyncio.create_task(c) for c in (
@@ -251,6 +252,9 @@ class Appliance:
         log.info("stopping: draining requests for up to %gs", self.config.server.drain_timeout_s)
         self.draining = True
         self.notifier.stopping()
+        # Socket activation: new connections wait in systemd's socket for the next start instead of getting 503.
+        for site in listen.activated(self.sites):
+            await site.stop()
         await self.supervisor.stop(self.config.server.drain_timeout_s)
         for task in self.background:
             task.cancel()

@@ -66,6 +66,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"{args.path}: OK: {names}")
     for warning in config.shared_gpu_warnings():
         print(f"openarc: warning: {warning}", file=sys.stderr)
+    from appliance.listen import socket_unit_warnings
+    for warning in socket_unit_warnings(config):
+        print(f"openarc: warning: {warning}", file=sys.stderr)
     return 0
 
 

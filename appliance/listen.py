@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
 
 from aiohttp import web
 
-from appliance.config import ConfigError
+from appliance.config import Config, ConfigError
 
 log = logging.getLogger("openarc.listen")
 
@@ -61,7 +62,7 @@ async def start_sites(runner: web.AppRunner, host: str, port: int, also_bind: bo
     passed = systemd_sockets()
     sites: list[web.BaseSite] = [web.SockSite(runner, sock, backlog=BACKLOG) for sock in passed]
     if passed and not also_bind and port not in (_port_of(sock) for sock in passed):
-        log.warning("the socket unit's %s is what serves; the config's port %d is not bound",
+        log.warning("serving on the socket systemd passed (%s); the config's port %d is not bound",
                     ", ".join(address(sock) for sock in passed), port)
     if not passed or also_bind:
         sites.append(web.TCPSite(runner, host, port, backlog=BACKLOG))
@@ -78,3 +79,46 @@ def activated(sites: list[web.BaseSite]) -> list[web.BaseSite]:
 
 def _port_of(sock: socket.socket) -> int | None:
     return None if sock.family == socket.AF_UNIX else sock.getsockname()[1]
+
+
+# --- openarc check-config: does an enabled socket unit listen where the config says? ------------------------
+
+def socket_unit_warnings(config: Config) -> list[str]:
+    """One line per socket unit, active or enabled, that listens on no port of the config: openarc.socket against
+    server.port, openarc@NAME.socket against that model's `port:`. systemctl reads the units with their drop-ins;
+    without a running systemd there is nothing to check."""
+    expected = {"openarc.socket": ("server.port", config.server.port)}
+    for i, model in enumerate(config.models):
+        expected[f"openarc@{model.name}.socket"] = ((f"models[{i}].port", model.port) if model.port
+                                                    else ("server.port", config.server.port))
+    warnings = []
+    for unit in _socket_units(list(expected)):
+        if unit.get("LoadState") != ["loaded"] or not ({"active"} & set(unit["ActiveState"]) or
+                                                      {"enabled"} & set(unit["UnitFileState"])):
+            continue
+        key, port = expected[unit["Id"][0]]
+        addresses = [listen.rsplit(" (", 1)[0] for listen in unit.get("Listen", [])]
+        if not any(address.rpartition(":")[2] == str(port) for address in addresses):
+            warnings.append(f"{unit['Id'][0]} listens on {', '.join(addresses) or 'nothing'}, but {key} is {port}: "
+                            f"set its ListenStream= in a drop-in (README: Socket activation)")
+    return warnings
+
+
+def _socket_units(names: list[str]) -> list[dict[str, list[str]]]:
+    """`systemctl show` of the units, one {property: [values]} each; [] when systemctl cannot answer."""
+    try:
+        done = subprocess.run(["systemctl", "show", "--property=Id,LoadState,ActiveState,UnitFileState,Listen",
+                               "--", *names], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if done.returncode != 0:
+        return []
+    units = []
+    for block in done.stdout.strip().split("\n\n"):
+        unit: dict[str, list[str]] = {"ActiveState": [], "UnitFileState": []}
+        for line in block.splitlines():
+            key, _, value = line.partition("=")
+            unit.setdefault(key, []).append(value)
+        if "Id" in unit:
+            units.append(unit)
+    return units

@@ -54,6 +54,32 @@ def test_template_instance_verifies_without_any_warning(tmp_path):
     assert (result.returncode, result.stderr) == (0, "")
 
 
+SOCKET_UNITS = ("openarc.socket", "openarc@.socket")
+PORT_DROPIN = "[Socket]\nListenStream=\nListenStream=127.0.0.1:8002\n"  # README: Socket activation
+
+
+@pytest.mark.parametrize("unit", SOCKET_UNITS)
+def test_socket_unit_verifies_without_any_warning(unit):
+    result = verify(UNITS_DIR / unit)
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_socket_instance_with_its_port_dropin_verifies(tmp_path):
+    """openarc@qwen.socket plus the README's port.conf, as systemd loads it, next to the service it starts."""
+    shutil.copy(UNITS_DIR / "openarc@.service", tmp_path / "openarc@.service")
+    combined = tmp_path / "openarc@qwen.socket"
+    combined.write_text((UNITS_DIR / "openarc@.socket").read_text() + PORT_DROPIN)
+    result = verify(combined)
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_socket_backlog_matches_what_the_server_listens_with():
+    """asyncio calls listen() again on the passed socket: the server must not shrink the unit's Backlog=."""
+    from appliance.listen import BACKLOG
+    for unit in SOCKET_UNITS:
+        assert ("Socket", "Backlog", str(BACKLOG)) in unit_settings(UNITS_DIR / unit)
+
+
 def exposure(unit_path: Path) -> float:
     result = subprocess.run(["systemd-analyze", "security", "--offline=true", "--no-pager", str(unit_path)],
                             capture_output=True, text=True, timeout=60)

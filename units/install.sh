@@ -12,6 +12,8 @@ demo_model=/var/lib/openarc/models/demo
 
 install -D -m 0644 "$units_dir/openarc.service" /etc/systemd/system/openarc.service
 install -D -m 0644 "$units_dir/openarc@.service" /etc/systemd/system/openarc@.service
+install -D -m 0644 "$units_dir/openarc.socket" /etc/systemd/system/openarc.socket
+install -D -m 0644 "$units_dir/openarc@.socket" /etc/systemd/system/openarc@.socket
 install -D -m 0644 "$units_dir/openarc.sysusers.conf" /etc/sysusers.d/openarc.conf
 install -D -m 0644 "$units_dir/openarc.tmpfiles.conf" /etc/tmpfiles.d/openarc.conf
 
@@ -33,3 +35,4 @@ if [ "$(cat /proc/1/comm 2>/dev/null)" = systemd ]; then
     systemctl daemon-reload
 fi
 echo "installed: systemctl start openarc  (all models)  or  systemctl start openarc@demo"
+echo "  kept listening across restarts: systemctl enable --now openarc.socket  (README: Socket activation)"

@@ -1,0 +1,124 @@
+"""Zero downtime under the real systemd 252 (tests/systemd_ns.py): socket activation, and what a client sees
+across a crash of the main process and across `systemctl reload`.
+
+The units and the namespace are those of tests/test_systemd.py (boot_service). The load is one client sending
+short chat requests back to back, each on a new connection, for a few seconds around the event; it counts what
+a user would: refused connections, failed requests, the slowest answer.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+from http.client import HTTPConnection, HTTPException
+
+import pytest
+
+from conftest import http
+from test_systemd import HANG_S, OPENARC, CONFIG, boot_service  # noqa: F401 (boot_service is a fixture)
+
+pytestmark = pytest.mark.systemd
+
+SOCKET_ACTIVATION = "(socket activation)"
+
+
+def port_dropin(port: int) -> str:
+    """The README's openarc@NAME.socket.d/port.conf."""
+    return f"[Socket]\nListenStream=\nListenStream=127.0.0.1:{port}\n"
+
+
+def listen_on_model_port(service, model: str) -> None:
+    """Give openarc@MODEL.socket the model's port, as the README says, and start it."""
+    dropin = service.ns.path(f"/etc/systemd/system/openarc@{model}.socket.d/port.conf")
+    dropin.parent.mkdir(parents=True, exist_ok=True)
+    dropin.write_text(port_dropin(service.port(model)))
+    service.ns.systemctl("daemon-reload")
+    service.ns.systemctl("start", f"openarc@{model}.socket")
+
+
+def check_config(service) -> tuple[int, str]:
+    done = service.ns.run(["env", "PYTHONPATH=/srv/openarc-src", OPENARC, "check-config", CONFIG], check=False)
+    return done.returncode, done.stderr
+
+
+class Load:
+    """One client sending short chat requests back to back, each on a new connection, until stopped."""
+
+    def __init__(self, port: int, model: str):
+        self.port, self.model = port, model
+        self.outcomes: list[tuple[str, float]] = []  # (200, 503, refused, a cut connection's error; seconds)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Load:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        self.thread.join(HANG_S)
+
+    def _run(self) -> None:
+        body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            conn = HTTPConnection("127.0.0.1", self.port, timeout=HANG_S)
+            try:
+                conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                response.read()
+                outcome = str(response.status)
+            except ConnectionRefusedError:
+                outcome = "refused"
+            except (HTTPException, OSError) as exc:
+                outcome = type(exc).__name__
+            finally:
+                conn.close()
+            self.outcomes.append((outcome, time.monotonic() - started))
+            if outcome == "refused":
+                time.sleep(0.01)  # as a client's retry loop would; keeps the count meaningful
+
+    def wait_for_answers(self, count: int) -> None:
+        deadline = time.monotonic() + HANG_S
+        start = len(self.outcomes)
+        while len(self.outcomes) - start < count:
+            assert time.monotonic() < deadline, f"no {count} answers in {HANG_S}s: {self.summary()}"
+            time.sleep(0.05)
+
+    def summary(self) -> dict:
+        counts = collections.Counter(outcome for outcome, _ in self.outcomes)
+        return {"requests": len(self.outcomes), "ok": counts.pop("200", 0), "refused": counts.pop("refused", 0),
+                "failed": dict(counts), "slowest_s": round(max((s for _, s in self.outcomes), default=0), 2)}
+
+
+# --- socket activation -----------------------------------------------------------------------------------
+
+def test_socket_unit_starts_the_service_on_its_listener_and_without_it_the_service_binds_itself(boot_service):
+    service = boot_service()
+    listen_on_model_port(service, "demo")
+    # Nothing started openarc@demo.service: the first connection does, and is answered by it.
+    status, reply = service.chat("demo")
+    assert status in (200, 503), reply
+    service.wait_ready("demo")
+    assert service.chat("demo")[0] == 200
+    main_pid = service.ns.main_pid("openarc@demo.service")
+    assert main_pid and service.ns.show("openarc@demo.service", "ActiveState") == "active"
+    assert SOCKET_ACTIVATION in service.ns.journal("openarc@demo.service")
+    # The listener is systemd's: fd 3 of the main process, and the service bound nothing of its own.
+    assert service.ns.run(["readlink", f"/proc/{main_pid}/fd/3"]).stdout.startswith("socket:")
+    listeners = service.ns.run(["ss", "-Hltnp", f"sport = :{service.port('demo')}"]).stdout
+    assert "systemd" in listeners and len(listeners.splitlines()) == 1, listeners
+    assert check_config(service) == (0, "")
+
+    # openarc@long without its socket unit: binds the model's port itself and serves.
+    service.start("openarc@long.service")
+    assert service.chat("long")[0] == 200
+    assert SOCKET_ACTIVATION not in service.ns.journal("openarc@long.service")
+    # An enabled socket unit still on its default address: check-config says the port differs.
+    service.ns.systemctl("enable", "openarc@long.socket")
+    returncode, warnings = check_config(service)
+    assert returncode == 0
+    assert (f"warning: openarc@long.socket listens on /run/openarc/long.sock, but models[1].port is "
+            f"{service.port('long')}") in warnings

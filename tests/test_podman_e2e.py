@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
+from load_client import Load
 from systemd_ns import SystemdNamespace
 
 pytestmark = [pytest.mark.slow, pytest.mark.systemd]
@@ -168,8 +170,9 @@ def image_store() -> Path:
 # --- a booted trixie with the quadlet installed ------------------------------------------------------------
 
 @contextlib.contextmanager
-def booted(image_store: Path, tmp_path: Path, service_dropin: str = "", container_dropin: str = ""):
-    """trixie booted with openarc@.container (plus test drop-ins), dbus and the container storage up."""
+def booted(image_store: Path, tmp_path: Path, service_dropin: str = "", container_dropin: str = "",
+           extra_files: dict[str, str] | None = None):
+    """trixie booted with openarc@.container (plus test drop-ins and extra_files), dbus and the container storage up."""
     empty = tmp_path / "empty"
     empty.mkdir(exist_ok=True)
     quadlets = "/etc/containers/systemd"
@@ -182,6 +185,7 @@ def booted(image_store: Path, tmp_path: Path, service_dropin: str = "", containe
     }
     if service_dropin:
         files[f"{quadlets}/openarc@.container.d/60-test.conf"] = "[Service]\n" + service_dropin
+    files.update(extra_files or {})
     ns = SystemdNamespace(lower=TRIXIE, units={"var-lib-containers.mount": CONTAINERS_TMPFS}, files=files,
                         binds={str(image_store): "/var/lib/openarc-images"}, name="openarc-e2e", boot_timeout=60)
     with ns:
@@ -297,3 +301,31 @@ def test_unready_container_is_killed_by_its_health_check_and_restarted(image_sto
         ns.wait_for(lambda: container_state(ns).get("Health", {}).get("Status") == "healthy", timeout=120,
                     what="the restarted container healthy")
         assert container_identity(ns) != first_id
+
+
+def test_socket_activated_quadlet_answers_every_request_across_a_killed_container(image_store, tmp_path):
+    """openarc@.socket in front of openarc@.container: systemd's listener reaches the server inside the container
+    (podman passes LISTEN_FDS on), and it stays open while the unit restarts a killed container."""
+    port = free_port()
+    socket_unit = {"/etc/systemd/system/openarc@.socket": (REPO / "units/openarc@.socket").read_text(),
+                   # The README's drop-ins: the instance's port, and no PublishPort= (the socket publishes).
+                   "/etc/systemd/system/openarc@demo.socket.d/port.conf":
+                       f"[Socket]\nListenStream=\nListenStream=127.0.0.1:{port}\n"}
+    with booted(image_store, tmp_path, container_dropin="PublishPort=\n", extra_files=socket_unit) as ns:
+        ns.systemctl("start", "openarc@demo.socket")
+        with Load(port, "demo") as load:  # its first connection starts the unit
+            load.wait_for_answers(10)
+            first = container_identity(ns)
+            logs = ns.run(["podman", "logs", "openarc-demo"])
+            assert "(socket activation)" in logs.stdout + logs.stderr
+            killed = time.monotonic()
+            ns.run(["podman", "kill", "--signal", "KILL", "openarc-demo"])
+            ns.wait_for(lambda: ns.show("openarc@demo", "NRestarts") == "1", timeout=60, what="a unit restart")
+            ns.wait_for(lambda: container_state(ns).get("Running") and container_identity(ns) != first, timeout=120,
+                        what="a new container")
+            load.wait_for_answers(10)
+            print(f"container killed, answered again after {time.monotonic() - killed:.1f} s")
+        summary = load.summary()
+        print(f"socket-activated quadlet, SIGKILL of the container under load: {summary}")
+        assert summary["refused"] == 0, summary
+        assert sum(summary["failed"].values()) <= 1, summary  # only the request in flight when it died

@@ -8,16 +8,10 @@ a user would: refused connections, failed requests, the slowest answer.
 
 from __future__ import annotations
 
-import collections
-import json
-import threading
-import time
-from http.client import HTTPConnection, HTTPException
-
 import pytest
 
-from conftest import http
-from test_systemd import HANG_S, OPENARC, CONFIG, boot_service  # noqa: F401 (boot_service is a fixture)
+from load_client import Load
+from test_systemd import CONFIG, OPENARC, boot_service  # noqa: F401 (boot_service is a fixture)
 
 pytestmark = pytest.mark.systemd
 
@@ -41,56 +35,6 @@ def listen_on_model_port(service, model: str) -> None:
 def check_config(service) -> tuple[int, str]:
     done = service.ns.run(["env", "PYTHONPATH=/srv/openarc-src", OPENARC, "check-config", CONFIG], check=False)
     return done.returncode, done.stderr
-
-
-class Load:
-    """One client sending short chat requests back to back, each on a new connection, until stopped."""
-
-    def __init__(self, port: int, model: str):
-        self.port, self.model = port, model
-        self.outcomes: list[tuple[str, float]] = []  # (200, 503, refused, a cut connection's error; seconds)
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Load:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopping.set()
-        self.thread.join(HANG_S)
-
-    def _run(self) -> None:
-        body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
-        while not self.stopping.is_set():
-            started = time.monotonic()
-            conn = HTTPConnection("127.0.0.1", self.port, timeout=HANG_S)
-            try:
-                conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-                response = conn.getresponse()
-                response.read()
-                outcome = str(response.status)
-            except ConnectionRefusedError:
-                outcome = "refused"
-            except (HTTPException, OSError) as exc:
-                outcome = type(exc).__name__
-            finally:
-                conn.close()
-            self.outcomes.append((outcome, time.monotonic() - started))
-            if outcome == "refused":
-                time.sleep(0.01)  # as a client's retry loop would; keeps the count meaningful
-
-    def wait_for_answers(self, count: int) -> None:
-        deadline = time.monotonic() + HANG_S
-        start = len(self.outcomes)
-        while len(self.outcomes) - start < count:
-            assert time.monotonic() < deadline, f"no {count} answers in {HANG_S}s: {self.summary()}"
-            time.sleep(0.05)
-
-    def summary(self) -> dict:
-        counts = collections.Counter(outcome for outcome, _ in self.outcomes)
-        return {"requests": len(self.outcomes), "ok": counts.pop("200", 0), "refused": counts.pop("refused", 0),
-                "failed": dict(counts), "slowest_s": round(max((s for _, s in self.outcomes), default=0), 2)}
 
 
 # --- socket activation -----------------------------------------------------------------------------------

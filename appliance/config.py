@@ -49,6 +49,9 @@ SCHEDULER_FIELDS = {
 }
 
 
+MAX_READY_WAIT_S = 3600.0
+
+
 class ConfigError(ValueError):
     """An invalid config; str() is the one line shown to the user."""
 
@@ -96,6 +99,10 @@ class ModelConfig:
     max_queue: int = 32
     stall_timeout_s: float = 60.0
     load_timeout_s: float = 900.0
+    # A request for this model while it loads or restarts waits this long for it to be ready, then gets 503 with
+    # Retry-After. 60 s covers a worker restart on a GPU box (backoff, then a cached-compile load of a 7-14B
+    # model) and a whole-service restart behind the socket unit; 0 answers 503 at once.
+    ready_wait_s: float = 60.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     # Chat formats (appliance.chat_formats); unset = detected from the model's chat template, none = off.
     tool_parser: Literal["hermes", "qwen3_coder", "llama3_json", "mistral", "none"] | None = None
@@ -316,6 +323,8 @@ def _check_ranges(config: Config, raw_models: list) -> None:
                 "a list of positive integers")
         require(m.stall_timeout_s > 0 and m.load_timeout_s > 0, f"{at}.stall_timeout_s",
                 "positive timeouts (stall_timeout_s, load_timeout_s)")
+        require(0 <= m.ready_wait_s <= MAX_READY_WAIT_S, f"{at}.ready_wait_s",
+                f"0 to {MAX_READY_WAIT_S:g} seconds (a request never waits unbounded)")
         r = m.restart
         require(0 < r.backoff_initial_s <= r.backoff_max_s, f"{at}.restart.backoff_initial_s",
                 "a positive number no larger than backoff_max_s")

@@ -131,19 +131,26 @@ class Appliance:
         model = body.get("model") if isinstance(body, dict) else None
         return model if isinstance(model, str) and model in self.supervisor.models else ""
 
-    def model_for(self, name: str, endpoint: str, kinds: tuple[str, ...]):
+    async def model_for(self, name: str, endpoint: str, kinds: tuple[str, ...]):
         """The supervisor of the model a request names, if it exists, is of a kind the route serves, and the
-        server is not draining; else the RequestFailed the client gets."""
+        server is not draining, once the model is ready (Supervisor.ready_model waits out a load, a restart or a
+        replacement, up to the model's ready_wait_s); else the RequestFailed the client gets."""
         sup = self.supervisor.get(name)
         if sup is None:
-            raise RequestFailed(404, "model_not_found", f"the model '{name}' does not exist "
-                                                        f"(have: {', '.join(self.supervisor.models)})")
+            raise self._not_found(name)
         if sup.model.kind not in kinds:
             raise RequestFailed(400, "invalid_request", f"the model '{name}' is of kind {sup.model.kind}; /v1/{endpoint} "
                                                         f"needs a model of kind {' or '.join(kinds)}", "wrong_model_kind")
         if self.draining:
             raise RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)
-        return sup
+        ready = await self.supervisor.ready_model(name)
+        if ready is None:  # removed by a reload while the request waited
+            raise self._not_found(name)
+        return ready
+
+    def _not_found(self, name: str) -> RequestFailed:
+        return RequestFailed(404, "model_not_found", f"the model '{name}' does not exist "
+                                                     f"(have: {', '.join(self.supervisor.models)})")
 
     def failed(self, model: str, endpoint: str, exc: RequestFailed, param: str | None = None) -> web.Response:
         self.count_error(model, endpoint, exc.kind)

@@ -171,6 +171,7 @@ class ModelSupervisor:
         self.load_seconds: float | None = None  # the worker's own measure of its last load
         self.running: dict[int, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
+        self.awaiting_ready = 0  # requests waiting for this model to become ready (Supervisor.ready_model)
         self.ids = itertools.count(1)
         self.idle = asyncio.Event()
         self.idle.set()
@@ -217,7 +218,7 @@ class ModelSupervisor:
                 # chat formats: as the worker resolved them (configured, else detected), or as configured until then
                 "tool_parser": (self.formats or {}).get("tool_parser", self.model.tool_parser),
                 "reasoning_parser": (self.formats or {}).get("reasoning_parser", self.model.reasoning_parser),
-                "requests_running": len(self.running), "requests_waiting": len(self.waiting)}
+                "requests_running": len(self.running), "requests_waiting": len(self.waiting) + self.awaiting_ready}
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -413,6 +414,13 @@ class ModelSupervisor:
 
     # --- requests ------------------------------------------------------------------------------------
 
+    def admits(self) -> bool:
+        return self.state is ModelState.READY and not self.stopping
+
+    def coming_up(self) -> bool:
+        """Loading, restarting, or not started yet: a request may wait for it (a draining or failed one, not)."""
+        return not self.stopping and self.state in (ModelState.LOADING, ModelState.RESTARTING, ModelState.STOPPED)
+
     def open(self, frame: dict[str, Any], op: str = "generate") -> Request:
         """Admit a request or refuse it at once: nothing waits on a model that cannot serve it.
         `frame`: the fields of its ipc `op` (generate for an LLM, request for the one-answer kinds) but the id."""
@@ -481,12 +489,15 @@ class ModelSupervisor:
                 self.worker.channel.send(ipc.frame(req.op, **req.frame))
             except (ValueError, ProtocolError) as exc:  # a frame that cannot be sent must not hold a slot forever
                 self._finish(req, RequestFailed(500, "internal", f"cannot pass the request to its worker: {exc}"))
-        self.series.requests_running.set(len(self.running))
-        self.series.requests_waiting.set(len(self.waiting))
+        self.publish_queue()
         if self.running or self.waiting:
             self.idle.clear()
         else:
             self.idle.set()
+
+    def publish_queue(self) -> None:
+        self.series.requests_running.set(len(self.running))
+        self.series.requests_waiting.set(len(self.waiting) + self.awaiting_ready)
 
     def _on_frame(self, message: dict[str, Any]) -> None:
         """One frame from a ready worker (checked against ipc.OPS by the channel; a batch's frames here)."""
@@ -600,6 +611,16 @@ def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
             "log_level": config.server.log_level}
 
 
+def _count_waiter(counted: ModelSupervisor | None, current: ModelSupervisor | None) -> ModelSupervisor | None:
+    """Move one waiting request's count from the supervisor it was counted on to `current`."""
+    if counted is not current:
+        for sup, step in ((counted, -1), (current, 1)):
+            if sup is not None:
+                sup.awaiting_ready += step
+                sup.publish_queue()
+    return current
+
+
 class Supervisor:
     """All models of this process; the front's only door to them."""
 
@@ -649,6 +670,30 @@ class Supervisor:
 
     def get(self, name: str) -> ModelSupervisor | None:
         return self.models.get(name)
+
+    async def ready_model(self, name: str) -> ModelSupervisor | None:
+        """The model's supervisor once it can take a request; None when there is no such model.
+
+        A model that is loading, restarting or being replaced is waited for up to its ready_wait_s (counted in
+        openarc_requests_waiting), then its 503 is raised; a failed or draining one raises at once. A client that
+        hangs up cancels the wait (the front runs with aiohttp's handler cancellation)."""
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        counted: ModelSupervisor | None = None
+        try:
+            while (sup := self.models.get(name)) is not None:
+                if sup.admits():
+                    return sup
+                if deadline is None:
+                    deadline = loop.time() + sup.model.ready_wait_s
+                remaining = deadline - loop.time()
+                if remaining <= 0 or not sup.coming_up():
+                    raise sup._unavailable()
+                counted = _count_waiter(counted, sup)  # the model's current supervisor, across a replacement
+                await self.wait_changed(remaining)
+            return None
+        finally:
+            _count_waiter(counted, None)
 
     def all_ready(self) -> bool:
         return all(m.state is ModelState.READY for m in self.models.values())

@@ -173,8 +173,8 @@ def test_queued_requests_fail_with_the_running_ones(appliance_factory, long_demo
     assert [r[0] for r in results] == [503, 503, 503]
 
 
-def test_requests_while_restarting_get_503_not_a_wait(appliance_factory, demo_model):
-    app = appliance_factory({"models": [model_entry("demo", demo_model,
+def test_requests_while_restarting_get_503_at_once_with_ready_wait_s_0(appliance_factory, demo_model):
+    app = appliance_factory({"models": [model_entry("demo", demo_model, ready_wait_s=0,
                                                     restart={"backoff_initial_s": 5, "backoff_max_s": 5,
                                                              "max_failures": 5, "window_s": 60})]})
     pid = app.worker_pid("demo")

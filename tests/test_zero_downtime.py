@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from load_client import Load
-from test_systemd import CONFIG, OPENARC, boot_service  # noqa: F401 (boot_service is a fixture)
+from test_systemd import CONFIG, HANG_S, OPENARC, RESTART_SEC, boot_service  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.systemd
 
@@ -66,3 +66,23 @@ def test_socket_unit_starts_the_service_on_its_listener_and_without_it_the_servi
     assert returncode == 0
     assert (f"warning: openarc@long.socket listens on /run/openarc/long.sock, but models[1].port is "
             f"{service.port('long')}") in warnings
+
+
+# --- whole-service restarts ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sig", ["ABRT", "KILL"])
+def test_a_killed_main_process_refuses_no_connection_and_fails_only_the_request_in_flight(boot_service, sig):
+    service = boot_service()
+    listen_on_model_port(service, "demo")
+    service.start("openarc@demo.service")
+    with Load(service.port("demo"), "demo") as load:
+        load.wait_for_answers(20)
+        service.ns.kill(service.ns.main_pid("openarc@demo.service"), sig)
+        service.ns.wait_for(lambda: service.restarts("openarc@demo.service") == 1, HANG_S, what="a unit restart")
+        load.wait_for_answers(20)  # the requests that waited in the backlog, and some after
+    summary = load.summary()
+    print(f"SIG{sig} of the main process under load, behind openarc@demo.socket: {summary}")
+    assert summary["refused"] == 0, summary
+    assert sum(summary["failed"].values()) <= 1, summary  # only the request in flight when it died
+    # Whatever arrived during the restart waited (RestartSec=2, then a start and a load) and was answered.
+    assert summary["slowest_s"] >= RESTART_SEC, summary

@@ -45,7 +45,7 @@ class GenerationRoutes:
                 raise InvalidRequest("the request body is not valid JSON")
             model_label = self.appliance.model_label(body)
             req = parse(body)
-            sup = self.appliance.model_for(req.model, endpoint, ("llm",))
+            sup = await self.appliance.model_for(req.model, endpoint, ("llm",))
             answer = self._answer_parser(sup, req)
             if req.constraint:
                 self.appliance.metrics.structured_requests.labels(model=req.model, kind=req.constraint["kind"]).inc()

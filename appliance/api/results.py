@@ -63,7 +63,7 @@ class ResultRoute:
             body = await self.read(request)
             model_label = self.appliance.model_label(body)
             req = self.parse(body)
-            sup = self.appliance.model_for(req.model, self.endpoint, self.kinds)
+            sup = await self.appliance.model_for(req.model, self.endpoint, self.kinds)
             if req.inputs > sup.model.max_inputs:
                 raise InvalidRequest(f"{req.inputs} inputs exceed this model's max_inputs={sup.model.max_inputs}",
                                      code="too_many_inputs")

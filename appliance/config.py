@@ -103,6 +103,10 @@ class ModelConfig:
     # Retry-After. 60 s covers a worker restart on a GPU box (backoff, then a cached-compile load of a 7-14B
     # model) and a whole-service restart behind the socket unit; 0 answers 503 at once.
     ready_wait_s: float = 60.0
+    # How `systemctl reload` replaces this model when its settings change: `side_by_side` loads the new worker
+    # while the old one serves, then switches (two copies in memory for a moment); `restart` drains the old one
+    # first, for models two of which do not fit, and requests wait out the gap (ready_wait_s).
+    reload: Literal["side_by_side", "restart"] = "side_by_side"
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     # Chat formats (appliance.chat_formats); unset = detected from the model's chat template, none = off.
     tool_parser: Literal["hermes", "qwen3_coder", "llama3_json", "mistral", "none"] | None = None

@@ -181,6 +181,9 @@ class ModelSupervisor:
         self._ending: Exit | None = None
         self._ready_at: float | None = None
         self.formats: dict[str, Any] | None = None  # the chat formats the worker reported when it became ready
+        # False while this is a replacement not yet switched to, and once replaced: the model's gauges show the
+        # supervisor that serves its name (Supervisor._replace).
+        self.reports = True
 
     # --- state -------------------------------------------------------------------------------------
 
@@ -197,7 +200,8 @@ class ModelSupervisor:
         """Every state change, once: log, metrics, and the waiters of the whole Supervisor."""
         reason = f" ({self.last_error})" if new in (ModelState.FAILED, ModelState.RESTARTING) and self.last_error else ""
         log.info("model %s: %s -> %s%s", self.name, old.value, new.value, reason)
-        self.metrics.set_state(self.name, new.value)
+        if self.reports:
+            self.metrics.set_state(self.name, new.value)
         self._on_change()
 
     @property
@@ -496,6 +500,8 @@ class ModelSupervisor:
             self.idle.set()
 
     def publish_queue(self) -> None:
+        if not self.reports:
+            return
         self.series.requests_running.set(len(self.running))
         self.series.requests_waiting.set(len(self.waiting) + self.awaiting_ready)
 
@@ -630,6 +636,7 @@ class Supervisor:
         self.kernel_log = kernel_log
         self.load_gate = asyncio.Semaphore(config.server.load_concurrency)
         self.models: dict[str, ModelSupervisor] = {}
+        self.replacements: set[ModelSupervisor] = set()  # loading beside the model they will replace
         self._changed = asyncio.Event()
 
     def start(self) -> None:
@@ -656,17 +663,60 @@ class Supervisor:
             await asyncio.wait_for(self._changed.wait(), timeout)
 
     async def apply(self, config: Config) -> list[str]:
-        """Bring the running models in line with a new config (SIGHUP): stop removed ones, restart changed ones
-        after draining them, start added ones, and leave every unchanged model and its worker alone."""
+        """Bring the running models in line with a new config (SIGHUP): start added ones, replace changed ones
+        (_replace), stop removed ones after draining them, and leave every unchanged model and its worker alone."""
         wanted = {m.name: m for m in config.models}
-        changed = [name for name, sup in self.models.items()
-                   if name not in wanted or wanted[name] != sup.model or worker_spec(wanted[name], config) != sup.spec]
-        await asyncio.gather(*(self._stop_model(name, config.server.drain_timeout_s) for name in changed))
+        removed = [name for name in self.models if name not in wanted]
+        changed = [name for name, sup in self.models.items() if name in wanted and
+                   (wanted[name] != sup.model or worker_spec(wanted[name], config) != sup.spec)]
+        added = [model for name, model in wanted.items() if name not in self.models]
         self.config = config
-        started = [model for name, model in wanted.items() if name not in self.models]
-        for model in started:
+        for model in added:
             self._start_model(model)
-        return sorted(set(changed) | {model.name for model in started})
+        drain_s = config.server.drain_timeout_s
+        await asyncio.gather(*(self._stop_model(name, drain_s) for name in removed),
+                             *(self._replace(wanted[name], config) for name in changed))
+        return sorted([*removed, *changed, *(model.name for model in added)])
+
+    async def _replace(self, model: ModelConfig, config: Config) -> None:
+        """Swap a changed model's supervisor for a new one without its name ever answering 404.
+
+        side_by_side: the new worker loads while the old one serves; the switch comes when it is ready, then the
+        old one drains (a new worker that cannot load is dropped and the old one goes on serving). restart: the
+        old one drains first and requests wait for the new one (ready_wait_s)."""
+        old = self.models[model.name]
+        new = ModelSupervisor(model, config, self.metrics, self.load_gate, self._model_changed)
+        new.reports = False
+        self.metrics.set_state(model.name, old.state.value)  # creating the new one's series reset it
+        if model.reload == "restart":
+            self.models[model.name] = new  # requests now wait for the new one while the old one drains
+            self._model_changed()
+            await old.stop(config.server.drain_timeout_s)
+            self._switch(old, new)
+            new.start()
+            return
+        self.replacements.add(new)
+        new.start()
+        try:
+            await new.lifecycle.wait_for({ModelState.READY, ModelState.FAILED, ModelState.DRAINING}, None)
+        finally:
+            self.replacements.discard(new)
+        if new.state is not ModelState.READY:
+            log.error("model %s: its new settings do not load (%s); still serving the previous ones",
+                      model.name, new.last_error)
+            await new.stop(0)
+            return
+        self._switch(old, new)
+        await old.stop(config.server.drain_timeout_s)
+
+    def _switch(self, old: ModelSupervisor, new: ModelSupervisor) -> None:
+        """From now on `new` serves the name: requests, gauges, and waiters (woken to look again)."""
+        old.reports, new.reports = False, True
+        self.models[new.name] = new
+        self.metrics.set_state(new.name, new.state.value)
+        new.publish_queue()
+        log.info("model %s: switched to its new worker%s", new.name, f" {new.pid}" if new.pid else "")
+        self._model_changed()
 
     def get(self, name: str) -> ModelSupervisor | None:
         return self.models.get(name)
@@ -711,4 +761,5 @@ class Supervisor:
         return all(not t.done() or t.cancelled() or t.exception() is None for t in tasks)
 
     async def stop(self, drain_timeout_s: float) -> None:
-        await asyncio.gather(*(self._stop_model(name, drain_timeout_s) for name in list(self.models)))
+        await asyncio.gather(*(self._stop_model(name, drain_timeout_s) for name in list(self.models)),
+                             *(sup.stop(0) for sup in list(self.replacements)))

@@ -49,11 +49,15 @@ class Load:
                 time.sleep(0.01)  # as a client's retry loop would; keeps the count meaningful
 
     def wait_for_answers(self, count: int) -> None:
+        """Until `count` more requests have been answered 200."""
         deadline = time.monotonic() + HANG_S
-        start = len(self.outcomes)
-        while len(self.outcomes) - start < count:
-            assert time.monotonic() < deadline, f"no {count} answers in {HANG_S}s: {self.summary()}"
+        start = self.ok()
+        while self.ok() - start < count:
+            assert time.monotonic() < deadline, f"not {count} more answers in {HANG_S}s: {self.summary()}"
             time.sleep(0.05)
+
+    def ok(self) -> int:
+        return sum(1 for outcome, _ in self.outcomes if outcome == "200")
 
     def summary(self) -> dict:
         counts = collections.Counter(outcome for outcome, _ in self.outcomes)

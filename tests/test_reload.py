@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 import yaml
 
-from conftest import http, model_entry, wait_until
+from conftest import http, model_entry, pid_alive, wait_until
+from load_client import Load
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -53,4 +55,36 @@ def test_an_invalid_config_on_reload_changes_nothing(appliance_factory, demo_mod
     wait_for(lambda: "reload refused" in app.logs(), "refusal in the log")
     assert "models[0].devise: unknown key" in app.logs()
     assert app.worker_pid("demo") == pid
+    assert app.client().chat.completions.create(model="demo", messages=CHAT, max_tokens=2).usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("mode", ["side_by_side", "restart"])
+def test_a_model_changed_under_load_is_replaced_without_a_failed_request(appliance_factory, demo_model, mode):
+    config = {"models": [model_entry("demo", demo_model, max_context=1024, reload=mode)]}
+    app = appliance_factory(config)
+    old = app.worker_pid("demo")
+    with Load(app.port, "demo") as load:
+        load.wait_for_answers(10)
+        config["models"][0]["max_context"] = 512
+        rewrite(app, config)
+        app.wait_model("demo", "ready", new_pid_not=old)
+        load.wait_for_answers(10)
+    summary = load.summary()
+    print(f"reload ({mode}) of a changed model under load: {summary}")
+    assert summary["failed"] == {} and summary["refused"] == 0, summary  # no 503, no 404, no cut connection
+    wait_for(lambda: not pid_alive(old), "the old worker to leave")
+    status, _, body = http("POST", app.base + "/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 600})
+    assert status == 400 and "512" in body["error"]["message"]
+
+
+def test_new_settings_that_do_not_load_leave_the_old_worker_serving(appliance_factory, demo_model, tmp_path):
+    config = {"models": [model_entry("demo", demo_model)]}
+    app = appliance_factory(config)
+    old = app.worker_pid("demo")
+    config["models"][0].update(path=str(tmp_path / "no-such-model"),
+                               restart={"backoff_initial_s": 0.05, "backoff_max_s": 0.1, "max_failures": 2, "window_s": 60})
+    rewrite(app, config)
+    wait_for(lambda: "do not load" in app.logs(), "the refusal in the log")
+    assert "no-such-model" in app.logs()
+    assert app.model_status("demo")["pid"] == old and app.model_status("demo")["state"] == "ready"
     assert app.client().chat.completions.create(model="demo", messages=CHAT, max_tokens=2).usage.completion_tokens == 2

@@ -9,6 +9,7 @@ a user would: refused connections, failed requests, the slowest answer.
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from load_client import Load
 from test_systemd import CONFIG, HANG_S, OPENARC, RESTART_SEC, boot_service  # noqa: F401 (a fixture)
@@ -86,3 +87,23 @@ def test_a_killed_main_process_refuses_no_connection_and_fails_only_the_request_
     assert sum(summary["failed"].values()) <= 1, summary  # only the request in flight when it died
     # Whatever arrived during the restart waited (RestartSec=2, then a start and a load) and was answered.
     assert summary["slowest_s"] >= RESTART_SEC, summary
+
+
+# --- reloads ------------------------------------------------------------------------------------------------
+
+def test_systemctl_reload_of_a_changed_model_under_load_fails_no_request(boot_service):
+    service = boot_service()
+    service.start("openarc.service")
+    port = service.port()  # all models on server.port
+    old = service.status("demo", port=port)["pid"]
+    with Load(port, "demo") as load:
+        load.wait_for_answers(20)
+        service.config["models"][0]["max_context"] = 256
+        service.ns.path(CONFIG).write_text(yaml.safe_dump(service.config))
+        service.ns.systemctl("reload", "openarc.service", timeout=HANG_S)
+        service.wait_new_worker("demo", old, port)
+        load.wait_for_answers(20)
+    summary = load.summary()
+    print(f"systemctl reload of a changed model under load: {summary}")
+    assert summary["failed"] == {} and summary["refused"] == 0, summary
+    assert service.restarts("openarc.service") == 0

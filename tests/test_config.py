@@ -84,6 +84,8 @@ def test_runtime_config_overrides_first_class_options(tmp_path):
     ({"models": [{"name": "a b", "path": "/a"}]}, "models[0].name: expected letters, digits"),
     ({"models": [{"name": "a", "path": "/a", "ready_wait_s": -1}]}, "models[0].ready_wait_s: expected 0 to 3600 seconds"),
     ("models: [{name: a, path: /a, ready_wait_s: .inf}]\n", "models[0].ready_wait_s: expected 0 to 3600 seconds"),
+    ({"models": [{"name": "a", "path": "/a", "reload": "rolling"}]},
+     "models[0].reload: expected one of 'side_by_side', 'restart', got 'rolling'"),
     ({"models": [{"name": "a", "path": "/a"}, {"name": "a", "path": "/b"}]}, "models[1].name: expected a unique model name"),
     ({"models": {"name": "a"}}, "models: expected a list"),
     ({"models": [{"name": "a", "path": "/a", "kind": "tts"}]},
@@ -129,7 +131,7 @@ def test_check_config_exits_nonzero_with_one_clear_line(tmp_path):
                                    "name, path, kind, device, port, pipeline, runtime_config, scheduler_config, "
                                    "sdpa_optimization, enable_weightless, max_context, default_max_tokens, max_inputs, "
                                    "pooling, normalize, matryoshka_dimensions, max_running, max_queue, stall_timeout_s, "
-                                   "load_timeout_s, ready_wait_s, restart, tool_parser, reasoning_parser, chat_template)")
+                                   "load_timeout_s, ready_wait_s, reload, restart, tool_parser, reasoning_parser, chat_template)")
     assert "Traceback" not in done.stderr
 
 

@@ -8,6 +8,8 @@ import threading
 import time
 from http.client import HTTPConnection, HTTPException
 
+from conftest import wait_until
+
 HANG_S = 60  # bounds that only catch hangs
 
 
@@ -50,11 +52,8 @@ class Load:
 
     def wait_for_answers(self, count: int) -> None:
         """Until `count` more requests have been answered 200."""
-        deadline = time.monotonic() + HANG_S
-        start = self.ok()
-        while self.ok() - start < count:
-            assert time.monotonic() < deadline, f"not {count} more answers in {HANG_S}s: {self.summary()}"
-            time.sleep(0.05)
+        target = self.ok() + count
+        wait_until(lambda: self.ok() >= target, HANG_S, f"{count} more answers", interval=0.05)
 
     def ok(self) -> int:
         return sum(1 for outcome, _ in self.outcomes if outcome == "200")

@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 
-from conftest import http, model_entry
+from conftest import http, model_entry, wait_until
 
 HANG_BOUND_S = 30  # catches hangs only
 SLOW_RESTART = {"backoff_initial_s": 4, "backoff_max_s": 4, "max_failures": 5, "window_s": 60}
@@ -61,17 +61,13 @@ def test_waiting_requests_are_counted_and_a_client_that_gives_up_leaves_the_coun
     clients = [threading.Thread(target=impatient_client) for _ in range(2)]
     for client in clients:
         client.start()
-    deadline = time.monotonic() + HANG_BOUND_S
-    while waiting_gauge(app, "demo") < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: waiting_gauge(app, "demo") == 2, HANG_BOUND_S, "2 requests waiting")
     assert app.model_status("demo")["requests_waiting"] == 2
     for client in clients:
         client.join(HANG_BOUND_S)
     assert len(gave_up) == 2
-    while waiting_gauge(app, "demo") != 0:  # dropped from the wait at once, not when the model comes back
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    # Dropped from the wait at once, not when the model comes back.
+    wait_until(lambda: waiting_gauge(app, "demo") == 0, HANG_BOUND_S, "no request waiting")
     assert app.model_status("demo")["state"] == "restarting"
 
 
@@ -88,12 +84,6 @@ def test_a_failed_model_answers_at_once(appliance_factory, demo_model, tmp_path)
 
 def test_a_request_while_the_model_first_loads_waits_for_it(appliance_factory, demo_model):
     app = appliance_factory({"models": [model_entry("demo", demo_model)]}, wait_ready=False)
-    deadline = time.monotonic() + HANG_BOUND_S
-    while True:  # the first moment the front listens: the model is still loading
-        try:
-            status, _, body, _ = complete(app)
-            break
-        except OSError:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+    # The first moment the front listens, the model is still loading.
+    status, _, body, _ = wait_until(lambda: complete(app), HANG_BOUND_S, "the front listening", interval=0.01)
     assert status == 200, body

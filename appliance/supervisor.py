@@ -685,7 +685,7 @@ class Supervisor:
         old one drains (a new worker that cannot load is dropped and the old one goes on serving). restart: the
         old one drains first and requests wait for the new one (ready_wait_s)."""
         old = self.models[model.name]
-        new = ModelSupervisor(model, config, self.metrics, self.load_gate, self._model_changed)
+        new = ModelSupervisor(model, config, self.metrics, self.load_gate, self._model_changed, self.kernel_log)
         new.reports = False
         self.metrics.set_state(model.name, old.state.value)  # creating the new one's series reset it
         if model.reload == "restart":

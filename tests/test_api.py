@@ -131,7 +131,7 @@ def assert_openai_error(response, status: int, code: str | None = None):
     ({"model": "demo", "messages": CHAT, "stop": [1]}, "stop"),
     ({"model": "demo", "messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": "demo", "messages": CHAT, "stream": "yes"}, "stream"),
-    ({"model": "demo", "messages": CHAT, "n": 2}, "n"),
+    ({"model": "demo", "messages": CHAT, "n": 9}, "n"),
     ({"messages": CHAT}, "model"),
     ({"model": 3, "messages": CHAT}, "model"),
 ])

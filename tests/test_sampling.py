@@ -52,6 +52,11 @@ def test_seed_makes_sampling_repeatable_and_different_seeds_differ(app):
     assert {letters(app, temperature=2.0, seed=s) for s in (1, 2, 3)} != {letters(app)}
 
 
+def test_sampling_without_a_seed_differs_from_request_to_request(app):
+    # genai's own default seed is 0: without a seed of our own every "regenerate" would give the same answer
+    assert len({varied(app, temperature=1.0) for _ in range(4)}) > 1
+
+
 @pytest.mark.parametrize("knob", [{"top_k": 1}, {"min_p": 0.5}, {"temperature": 0.05}])
 def test_narrow_sampling_gives_the_greedy_answer(app, knob):
     greedy = varied(app, temperature=0)
@@ -84,6 +89,33 @@ def test_completions_take_the_same_knobs(app):
     assert complete(temperature=2.0, seed=7) == complete(temperature=2.0, seed=7)
 
 
+def test_n_choices_are_sampled_apart_and_counted_together(app):
+    reply = app.client().chat.completions.create(model="varied", messages=CHAT, max_tokens=12, temperature=1.0,
+                                                 seed=5, n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    texts = [c.message.content for c in reply.choices]
+    assert len(set(texts)) > 1
+    assert texts[0] == varied(app, temperature=1.0, seed=5)  # choice i is the request with seed + i
+    assert texts[1] == varied(app, temperature=1.0, seed=6)
+    assert reply.usage.completion_tokens == 36 and reply.usage.prompt_tokens == reply.usage.total_tokens - 36
+
+
+def test_n_choices_stream_side_by_side(app):
+    chunks = list(app.client().completions.create(model="varied", prompt="Once", max_tokens=10, temperature=1.0,
+                                                  seed=9, n=2, stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    finished = set()
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1} and texts[0] != texts[1]
+    whole = app.client().completions.create(model="varied", prompt="Once", max_tokens=10, temperature=1.0, seed=9, n=2)
+    assert [c.text for c in whole.choices] == [texts[0], texts[1]]
+    assert chunks[-1].usage.completion_tokens == 20
+
+
 def test_chat_logprobs_are_each_chosen_tokens_log_probability(app):
     client = app.client()
     plain = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=6, logprobs=True)
@@ -111,7 +143,8 @@ def test_streamed_completion_logprobs_line_up_with_the_text(app):
     ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
     ({"top_logprobs": 1}, "top_logprobs"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"n": 2}, "n"),
+    ({"n": 9}, "n"),
+    ({"n": 0}, "n"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"min_p": 1.5}, "min_p"),

@@ -19,6 +19,7 @@ from appliance.api.tools import ToolRequest, assistant_tool_calls, name_tool_res
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_SEQUENCES = 4
+MAX_CHOICES = 8  # `n`: each choice is its own request in the worker's batch
 
 
 @dataclass
@@ -33,6 +34,19 @@ class GenerationRequest:
     tools: ToolRequest = field(default_factory=ToolRequest)
     constraint: dict[str, Any] | None = None  # structured output (appliance.api.structured / tools)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+    n: int = 1
+
+    def frames(self) -> list[dict[str, Any]]:
+        """One generate frame per choice: `n` choices are `n` requests batched together (genai's
+        num_return_sequences would give n sequences of one request, which the stream and stop-sequence handling
+        of one sequence per request do not follow). A seeded request gives choice i the seed + i."""
+        frames = []
+        for i in range(self.n):
+            frame = self.frame()
+            if self.params.get("seed") is not None:
+                frame["params"] = {**self.params, "seed": (self.params["seed"] + i) % (1 << 32)}
+            frames.append(frame)
+        return frames
 
     def frame(self) -> dict[str, Any]:
         """The generate frame for the worker (the supervisor adds the id)."""
@@ -56,13 +70,13 @@ def _stop(body: dict) -> list[str]:
     return [utf8(s, "stop") for s in stops]
 
 
-def _common(body: Any, chat: bool) -> tuple[str, dict[str, Any], bool, bool]:
+def _common(body: Any, chat: bool) -> tuple[str, dict[str, Any], bool, bool, int]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required and must be a string", "model")
-    number(body, "n", 1, 1, integer=True)  # only n=1 is served: anything else is refused here
+    choices = number(body, "n", 1, MAX_CHOICES, integer=True) or 1
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     params = {
         "max_tokens": number({"max_tokens": max_tokens}, "max_tokens", 1, 1 << 20, integer=True),
@@ -80,7 +94,7 @@ def _common(body: Any, chat: bool) -> tuple[str, dict[str, Any], bool, bool]:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise InvalidRequest("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
-    return model, params, stream, bool(options.get("include_usage"))
+    return model, params, stream, bool(options.get("include_usage")), choices
 
 
 def _message_text(content: Any, where: str) -> str:
@@ -97,7 +111,7 @@ def _message_text(content: Any, where: str) -> str:
 
 
 def parse_chat(body: Any) -> GenerationRequest:
-    model, params, stream, include_usage = _common(body, chat=True)
+    model, params, stream, include_usage, choices = _common(body, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", "messages")
@@ -114,7 +128,8 @@ def parse_chat(body: Any) -> GenerationRequest:
     tools = parse_tools(body)
     kwargs = body.get("chat_template_kwargs")
     req = GenerationRequest(model, "chat", stream, include_usage, params, messages=parsed, tools=tools,
-                            template_kwargs=json_object(kwargs, "chat_template_kwargs") if kwargs is not None else {})
+                            template_kwargs=json_object(kwargs, "chat_template_kwargs") if kwargs is not None else {},
+                            n=choices)
     tool_constraint, output_constraint = tools.constraint(), constraint(body)
     if tool_constraint and output_constraint:
         raise InvalidRequest("a forced or strict tool call cannot be combined with 'response_format'",
@@ -141,7 +156,7 @@ def _message(message: dict, role: str, where: str) -> dict[str, Any]:
 
 
 def parse_completion(body: Any) -> GenerationRequest:
-    model, params, stream, include_usage = _common(body, chat=False)
+    model, params, stream, include_usage, choices = _common(body, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -149,7 +164,7 @@ def parse_completion(body: Any) -> GenerationRequest:
         raise InvalidRequest("'prompt' must be a string (or a list of exactly one string)", "prompt")
     utf8(prompt, "prompt")
     return GenerationRequest(model, "completion", stream, include_usage, params, prompt=prompt,
-                             constraint=constraint(body))
+                             constraint=constraint(body), n=choices)
 
 
 class ResponseShaper:
@@ -161,7 +176,7 @@ class ResponseShaper:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
-        self.text_offset = 0  # completions' logprobs.text_offset runs on across chunks
+        self.text_offsets: dict[int, int] = {}  # completions' logprobs.text_offset runs on across chunks, per choice
 
     def _envelope(self, obj: str, choices: list, usage: dict | None) -> dict[str, Any]:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.req.model, "choices": choices}
@@ -177,34 +192,40 @@ class ResponseShaper:
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return usage
 
-    def whole(self, answer: dict[str, Any] | str, finish_reason: str, usage: dict,
-              logprobs: list | None = None) -> dict[str, Any]:
-        """`answer`: the chat message (appliance.api.answer), or a completion's text."""
+    def choice(self, index: int, answer: dict[str, Any] | str, finish_reason: str,
+               logprobs: list | None = None) -> dict[str, Any]:
+        """One choice of a whole response; `answer`: the chat message (appliance.api.answer), or a completion's
+        text."""
         key = "message" if self.chat else "text"
-        choice = {"index": 0, key: answer, "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
-        return self._envelope(self.object, [choice], usage)
+        return {"index": index, key: answer, "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs, index)}
+
+    def whole(self, choices: list[dict[str, Any]], usage: dict) -> dict[str, Any]:
+        return self._envelope(self.object, choices, usage)
 
     def chunk(self, delta: dict[str, Any] | str | None = None, finish_reason: str | None = None, first: bool = False,
-              logprobs: list | None = None) -> dict[str, Any]:
+              logprobs: list | None = None, index: int = 0) -> dict[str, Any]:
         """`delta`: a chat delta ({"content": ...}, {"tool_calls": [...]}, ...), or a completion's text."""
         if self.chat:
             delta = {"role": "assistant", "content": "", **(delta or {})} if first else (delta or {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
+            choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
+                      "logprobs": self.logprobs(logprobs, index)}
             return self._envelope("chat.completion.chunk", [choice], None)
-        choice = {"index": 0, "text": delta or "", "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
+        choice = {"index": index, "text": delta or "", "finish_reason": finish_reason,
+                  "logprobs": self.logprobs(logprobs, index)}
         return self._envelope("text_completion", [choice], None)
 
-    def logprobs(self, tokens: list | None) -> dict[str, Any] | None:
+    def logprobs(self, tokens: list | None, index: int = 0) -> dict[str, Any] | None:
         """Each chosen token's log probability ([text, logprob] pairs from the worker) in the endpoint's shape."""
         if tokens is None:
             return None
         if self.chat:
             return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                                 for t, lp in tokens]}
-        offsets = []
+        offsets, offset = [], self.text_offsets.get(index, 0)
         for t, _ in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(t)
+            offsets.append(offset)
+            offset += len(t)
+        self.text_offsets[index] = offset
         return {"tokens": [t for t, _ in tokens], "token_logprobs": [lp for _, lp in tokens], "top_logprobs": None,
                 "text_offset": offsets}
 

@@ -6,6 +6,7 @@ A request is validated (appliance.api.completions), handed to its model's superv
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -46,10 +47,11 @@ class GenerationRoutes:
             model_label = self.appliance.model_label(body)
             req = parse(body)
             sup = await self.appliance.model_for(req.model, endpoint, ("llm",))
-            answer = self._answer_parser(sup, req)
+            answers = [self._answer_parser(sup, req) for _ in range(req.n)]
             if req.constraint:
                 self.appliance.metrics.structured_requests.labels(model=req.model, kind=req.constraint["kind"]).inc()
-            response = await (self._stream(request, sup, req, answer, endpoint) if req.stream else self._whole(sup, req, answer))
+            response = await (self._stream(request, sup, req, answers, endpoint) if req.stream
+                              else self._whole(sup, req, answers))
         except InvalidRequest as exc:
             response = self.appliance.failed(
                 model_label, endpoint, RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"),
@@ -82,77 +84,127 @@ class GenerationRoutes:
             return "tool_calls"
         return event.finish_reason
 
-    def _usage(self, shaper: ResponseShaper, event: Event) -> dict[str, Any]:
-        return shaper.usage(event.prompt_tokens, event.completion_tokens, event.reasoning_tokens)
+    @staticmethod
+    def _usage(shaper: ResponseShaper, done: list[Event]) -> dict[str, Any]:
+        """One usage for all choices: the prompt once (as OpenAI counts it), the completions summed."""
+        reasoning = [e.reasoning_tokens for e in done if e.reasoning_tokens is not None]
+        return shaper.usage(done[0].prompt_tokens, sum(e.completion_tokens for e in done),
+                            sum(reasoning) if reasoning else None)
 
-    async def _whole(self, sup, req: GenerationRequest, answer: AnswerParser | None) -> web.Response:
-        handle = sup.open(req.frame())
+    @staticmethod
+    def _open(sup, req: GenerationRequest) -> list:
+        """One handle per choice; if one cannot be admitted (queue full), none is."""
+        handles = []
+        try:
+            for frame in req.frames():
+                handles.append(sup.open(frame))
+        except RequestFailed:
+            for handle in handles:
+                sup.close(handle)
+            raise
+        return handles
+
+    async def _whole(self, sup, req: GenerationRequest, answers: list[AnswerParser | None]) -> web.Response:
+        handles = self._open(sup, req)
+        collecting = [asyncio.create_task(self._collect(sup, handle, req)) for handle in handles]
+        try:
+            results = await asyncio.gather(*collecting)
+        finally:  # one choice failed (or the client left): the others stop too
+            for task in collecting:
+                task.cancel()
+            for handle in handles:
+                sup.close(handle)
+        shaper = ResponseShaper(req)
+        choices = []
+        for index, ((text, logprobs, done), answer) in enumerate(zip(results, answers)):
+            reply = answer.message(text) if answer else text
+            choices.append(shaper.choice(index, reply, self._finish_reason(req, answer, done), logprobs))
+        return web.json_response(shaper.whole(choices, self._usage(shaper, [done for _, _, done in results])))
+
+    @staticmethod
+    async def _collect(sup, handle, req: GenerationRequest) -> tuple[str, list | None, Event]:
+        """A choice's whole text, its logprobs if asked for, and its done event."""
         texts: list[str] = []
         logprobs: list | None = [] if req.params.get("logprobs") else None
-        try:
-            async for event in sup.events(handle):
-                if event.op == "tokens":
-                    texts.append(event.text)
-                    if logprobs is not None:
-                        logprobs.extend(event.logprobs or ())
-                else:
-                    shaper = ResponseShaper(req)
-                    text = "".join(texts)
-                    reply = answer.message(text) if answer else text
-                    finish_reason = self._finish_reason(req, answer, event)
-                    return web.json_response(shaper.whole(reply, finish_reason, self._usage(shaper, event), logprobs))
-        finally:
-            sup.close(handle)
+        async for event in sup.events(handle):
+            if event.op == "done":
+                return "".join(texts), logprobs, event
+            texts.append(event.text)
+            if logprobs is not None:
+                logprobs.extend(event.logprobs or ())
         raise AssertionError("event stream ended without done")
 
     async def _stream(self, request: web.Request, sup, req: GenerationRequest,
-                      answer: AnswerParser | None, endpoint: str) -> web.StreamResponse:
-        handle = sup.open(req.frame())
+                      answers: list[AnswerParser | None], endpoint: str) -> web.StreamResponse:
+        handles = self._open(sup, req)
         shaper = ResponseShaper(req)
-        events = sup.events(handle)
+        merged: asyncio.Queue = asyncio.Queue()  # (choice index, Event or RequestFailed) of every choice
+        pumps = [asyncio.create_task(self._pump(sup, handle, index, merged)) for index, handle in enumerate(handles)]
         try:
-            # Headers wait for the first event, so a request the worker refuses (context too long) is still a
-            # plain 400; once admitted, a failed generation is an SSE error event followed by [DONE].
-            event = await self._next(events)
+            # Headers wait for the first event, so a request the worker refuses (context too long, a schema that
+            # does not compile) is still a plain 400; once admitted, a failed generation is an SSE error event
+            # followed by [DONE].
+            index, event = await merged.get()
             if isinstance(event, RequestFailed) and event.status == 400:
                 raise event
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                    "X-Accel-Buffering": "no"})
             await response.prepare(request)
             if req.kind == "chat":
-                await self._send(response, shaper.chunk(first=True))
-            while isinstance(event, Event) and event.op == "tokens":
-                await self._send_text(response, shaper, answer, event.text, event.logprobs)
-                event = await self._next(events)
-            if isinstance(event, RequestFailed):
-                self.appliance.count_error(req.model, endpoint, event.kind)
-                await self._send(response, error_body(event.message, ERROR_TYPES.get(event.status, "server_error"),
-                                                      event.code, hint=event.hint))
-            else:
-                for delta in answer.finish() if answer else ():
-                    await self._send(response, shaper.chunk(delta))
-                await self._send(response, shaper.chunk(finish_reason=self._finish_reason(req, answer, event)))
-                if req.include_usage:
-                    await self._send(response, shaper.usage_chunk(self._usage(shaper, event)))
+                for choice in range(req.n):
+                    await self._send(response, shaper.chunk(first=True, index=choice))
+            done: list[Event] = []
+            while True:
+                if isinstance(event, RequestFailed):
+                    self.appliance.count_error(req.model, endpoint, event.kind)
+                    await self._send(response, error_body(event.message, ERROR_TYPES.get(event.status, "server_error"),
+                                                          event.code, hint=event.hint))
+                    break
+                answer = answers[index]
+                if event.op == "tokens":
+                    await self._send_text(response, shaper, answer, event.text, event.logprobs, index)
+                else:
+                    for delta in answer.finish() if answer else ():
+                        await self._send(response, shaper.chunk(delta, index=index))
+                    await self._send(response, shaper.chunk(finish_reason=self._finish_reason(req, answer, event),
+                                                            index=index))
+                    done.append(event)
+                    if len(done) == req.n:
+                        if req.include_usage:
+                            await self._send(response, shaper.usage_chunk(self._usage(shaper, done)))
+                        break
+                index, event = await merged.get()
         finally:
-            sup.close(handle)
+            for pump in pumps:
+                pump.cancel()
+            for handle in handles:
+                sup.close(handle)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
+    async def _pump(self, sup, handle, index: int, merged: asyncio.Queue) -> None:
+        """Move one choice's events into the merged queue until it is done or failed."""
+        events = sup.events(handle)
+        while True:
+            event = await self._next(events)
+            merged.put_nowait((index, event))
+            if isinstance(event, RequestFailed) or event.op == "done":
+                return
+
     async def _send_text(self, response, shaper: ResponseShaper, answer: AnswerParser | None, text: str,
-                         logprobs: list | None) -> None:
+                         logprobs: list | None, index: int = 0) -> None:
         """One tokens event as chunks: a chat answer's deltas (the event's logprobs ride on the first), or a
         completion's text."""
         if answer is None:
             if text or logprobs:
-                await self._send(response, shaper.chunk(text, logprobs=logprobs))
+                await self._send(response, shaper.chunk(text, logprobs=logprobs, index=index))
             return
         deltas = answer.feed(text)
         if logprobs and not deltas:
             deltas = [{}]
         for i, delta in enumerate(deltas):
-            await self._send(response, shaper.chunk(delta, logprobs=logprobs if i == 0 else None))
+            await self._send(response, shaper.chunk(delta, logprobs=logprobs if i == 0 else None, index=index))
 
     @staticmethod
     async def _next(events) -> Event | RequestFailed:

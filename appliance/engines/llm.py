@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,9 @@ class Request:
     structured: Any = None  # openvino_genai.StructuredOutputConfig of a constrained request
     prefix: str = ""       # text the template already wrote for the answer (an opened <think>), sent first
     template_opened: bool = False  # the prompt ends inside a think block the template opened
+    # genai's rng_seed defaults to 0, which would sample every unseeded request alike ("regenerate" giving the
+    # same answer): a request without a seed gets a random one.
+    seed: int = field(default_factory=lambda: random.getrandbits(32))
     logprobs: list[float] | None = None  # per generated token, when the request asked for them
 
 
@@ -124,6 +128,8 @@ class LLMEngine(Engine):
         req = Request(message["id"], input_ids, prompt_tokens, max_tokens, message["params"],
                       stream=message.get("stream", True), structured=structured, prefix=prefix,
                       template_opened=bool(prefix), logprobs=[] if message["params"].get("logprobs") else None)
+        if message["params"].get("seed") is not None:
+            req.seed = message["params"]["seed"]
         try:
             self.generation_config(req).validate()
         except Exception as exc:  # a combination genai refuses (top_p 0 while sampling, ...): the caller's to fix
@@ -150,8 +156,7 @@ class LLMEngine(Engine):
             config.do_sample = True
             config.temperature = temperature
             config.top_p = req.params.get("top_p") or 1.0
-        if req.params.get("seed") is not None:
-            config.rng_seed = req.params["seed"]
+        config.rng_seed = req.seed
         for key in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if req.params.get(key) is not None:
                 setattr(config, key, req.params[key])

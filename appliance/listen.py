@@ -67,7 +67,10 @@ async def start_sites(runner: web.AppRunner, host: str, port: int, also_bind: bo
     if not passed or also_bind:
         sites.append(web.TCPSite(runner, host, port, backlog=BACKLOG))
     for site in sites:
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # the address is taken or not ours: one line, not a traceback
+            raise ListenError(f"cannot listen on {site.name}: {os.strerror(exc.errno) if exc.errno else exc}") from None
         log.info("listening on %s%s", site.name, " (socket activation)" if isinstance(site, web.SockSite) else "")
     return sites
 

@@ -635,16 +635,21 @@ class Supervisor:
         self.metrics = metrics
         self.kernel_log = kernel_log
         self.load_gate = asyncio.Semaphore(config.server.load_concurrency)
-        self.models: dict[str, ModelSupervisor] = {}
+        # Every model exists from here on, before start() and before the front listens: a request that arrives
+        # first (under socket activation, one that waited in the backlog) finds it coming up and waits, not a 404.
+        self.models: dict[str, ModelSupervisor] = {model.name: self._new_model(model, config) for model in config.models}
         self.replacements: set[ModelSupervisor] = set()  # loading beside the model they will replace
         self._changed = asyncio.Event()
 
     def start(self) -> None:
-        for model in self.config.models:
-            self._start_model(model)
+        for sup in self.models.values():
+            sup.start()
+
+    def _new_model(self, model: ModelConfig, config: Config) -> ModelSupervisor:
+        return ModelSupervisor(model, config, self.metrics, self.load_gate, self._model_changed, self.kernel_log)
 
     def _start_model(self, model: ModelConfig) -> None:
-        sup = ModelSupervisor(model, self.config, self.metrics, self.load_gate, self._model_changed, self.kernel_log)
+        sup = self._new_model(model, self.config)
         self.models[model.name] = sup
         sup.start()
 
@@ -685,7 +690,7 @@ class Supervisor:
         old one drains (a new worker that cannot load is dropped and the old one goes on serving). restart: the
         old one drains first and requests wait for the new one (ready_wait_s)."""
         old = self.models[model.name]
-        new = ModelSupervisor(model, config, self.metrics, self.load_gate, self._model_changed, self.kernel_log)
+        new = self._new_model(model, config)
         new.reports = False
         self.metrics.set_state(model.name, old.state.value)  # creating the new one's series reset it
         if model.reload == "restart":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -139,6 +140,19 @@ def test_serve_refuses_an_invalid_config_without_starting(tmp_path):
     done = run_cli("serve", "--config", write(tmp_path, {"server": {"port": 0}}))
     assert done.returncode == 2
     assert "server.port: expected a port number" in done.stderr
+
+
+def test_serve_on_a_taken_port_is_one_line_and_starts_no_worker(tmp_path, demo_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_cli("serve", "--config", write(tmp_path, {"models": [{"name": "demo", "path": str(demo_model)}]}),
+                       "--port", str(port))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (f"openarc: config error: cannot listen on http://127.0.0.1:{port}: "
+                                                    "Address already in use")
+    assert "Traceback" not in done.stderr and "stopped -> loading" not in done.stderr
 
 
 def test_serve_model_must_exist_in_the_config(tmp_path):

@@ -133,6 +133,10 @@ class AudioDecoder:
                 line = await asyncio.wait_for(proc.stdout.readline(), DECODE_TIMEOUT_S)
             except (ConnectionError, asyncio.TimeoutError):
                 line = b""
+            except asyncio.CancelledError:  # the client left mid-decode: its reply must not reach the next upload
+                proc.kill()
+                self._proc = None
+                raise
             if not line:
                 await self._discard(proc)
                 raise AudioError("undecodable", "The audio could not be decoded (the decoder failed on this file).")

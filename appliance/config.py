@@ -34,6 +34,7 @@ KIND_ONLY_KEYS = {
     "pipeline": "llm", "scheduler_config": "llm", "default_max_tokens": "llm", "tool_parser": "llm",
     "reasoning_parser": "llm", "chat_template": "llm",
     "pooling": "embedding", "normalize": "embedding", "matryoshka_dimensions": "embedding",
+    "max_audio_seconds": "transcription", "max_upload_bytes": "transcription", "word_timestamps": "transcription",
 }
 
 # The fields of openvino_genai.SchedulerConfig, listed here so the front never imports OpenVINO.
@@ -95,6 +96,12 @@ class ModelConfig:
     pooling: Literal["cls", "mean", "last_token"] | None = None
     normalize: bool = True
     matryoshka_dimensions: list[int] | None = None
+    # transcription: the longest audio (decoded) and the largest upload a request may send (413 beyond), and
+    # whether the pipeline is built for word timestamps (genai then decomposes the cross-attention to read
+    # its alignment heads: slower decoding, so off unless asked for).
+    max_audio_seconds: float = 1800.0
+    max_upload_bytes: int = 25 << 20
+    word_timestamps: bool = False
     max_running: int = 8
     max_queue: int = 32
     stall_timeout_s: float = 60.0
@@ -325,6 +332,8 @@ def _check_ranges(config: Config, raw_models: list) -> None:
         _check_kind_keys(m, raw_models[i] if i < len(raw_models) else {}, at)
         require(all(d >= 1 for d in m.matryoshka_dimensions or ()), f"{at}.matryoshka_dimensions",
                 "a list of positive integers")
+        require(m.max_audio_seconds > 0, f"{at}.max_audio_seconds", "a positive number of seconds")
+        require(m.max_upload_bytes >= 1024, f"{at}.max_upload_bytes", "at least 1024")
         require(m.stall_timeout_s > 0 and m.load_timeout_s > 0, f"{at}.stall_timeout_s",
                 "positive timeouts (stall_timeout_s, load_timeout_s)")
         require(0 <= m.ready_wait_s <= MAX_READY_WAIT_S, f"{at}.ready_wait_s",

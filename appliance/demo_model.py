@@ -207,6 +207,7 @@ DEMO_KINDS = {
     "llm": DemoKind("appliance.demo_model", "_write_model_files", _checked_params, BUILD_FORMAT),
     "embedding": DemoKind("appliance.demo_encoder", "write_embedding_model", _seed_only, 1),
     "rerank": DemoKind("appliance.demo_encoder", "write_rerank_model", _seed_only, 1),
+    "transcription": DemoKind("appliance.demo_whisper", "write_whisper_model", _seed_only, 1),
 }
 
 

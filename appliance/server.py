@@ -18,7 +18,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from appliance import __version__, listen, oom, telemetry
-from appliance.api import embeddings, generate, rerank
+from appliance.api import audio, embeddings, generate, rerank
 from appliance.api.errors import error_response
 from appliance.config import Config, ConfigError
 from appliance.metrics import Metrics
@@ -67,6 +67,7 @@ class Appliance:
         generate.add_routes(app, self)
         embeddings.add_routes(app, self)
         rerank.add_routes(app, self)
+        audio.add_routes(app, self)
         return app
 
     @web.middleware

@@ -613,7 +613,7 @@ def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
             "properties": model.ov_properties(config.ov_cache_dir()), "scheduler_config": model.scheduler_config,
             "max_context": model.max_context, "default_max_tokens": model.default_max_tokens,
             "tool_parser": model.tool_parser, "reasoning_parser": model.reasoning_parser,
-            "chat_template": model.chat_template,
+            "chat_template": model.chat_template, "word_timestamps": model.word_timestamps,
             "log_level": config.server.log_level}
 
 

@@ -92,7 +92,7 @@ class AudioRoutes:
             form = await read_form(request, self._upload_cap())
             model_label = self.appliance.model_label(form.fields)
             req = parse(form, task)
-            sup = self.appliance.model_for(req.model, endpoint, (KIND,))
+            sup = await self.appliance.model_for(req.model, endpoint, (KIND,))
             check_model_limits(req, sup.model)
             try:
                 decoded = await self.decoder.decode(req.file, sup.model.max_audio_seconds, audio_path)

@@ -17,6 +17,9 @@ def load_engine(spec: dict[str, Any], channel) -> Engine:
     if kind == "rerank":
         from appliance.engines.rerank import RerankEngine
         return RerankEngine(spec, channel)
+    if kind == "transcription":
+        from appliance.engines.transcription import TranscriptionEngine
+        return TranscriptionEngine(spec, channel)
     if kind != "llm":
         raise ValueError(f"this openarc has no worker for kind {kind!r}")
     from appliance.engines.llm import BatchingEngine, SequentialEngine

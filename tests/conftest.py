@@ -52,6 +52,13 @@ def rerank_model(tmp_path_factory) -> Path:
     return build_demo_model(tmp_path_factory.mktemp("models") / "rerank", "rerank")
 
 
+@pytest.fixture(scope="session")
+def demo_whisper(tmp_path_factory) -> Path:
+    """The tiny Whisper-shaped model: any sound is " hello world from a tiny model.", silence is ""."""
+    from appliance.demo_model import build_demo_model
+    return build_demo_model(tmp_path_factory.mktemp("models") / "whisper", "transcription")
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
     """Poll predicate() until it returns something truthy (returned) or the timeout passes (AssertionError naming
     `what`). OSError counts as not yet: the server may not be listening. The one poll loop of the tests."""

@@ -123,41 +123,54 @@ class AudioDecoder:
 
     async def decode(self, data: bytes, max_seconds: float, out_path: str) -> DecodedAudio:
         """Decode `data` into `out_path`; AudioError for anything that is not usable audio."""
+        header = json.dumps({"bytes": len(data), "max_seconds": max_seconds, "out": out_path}).encode() + b"\n"
         async with self._lock:
-            proc = await self._process()
-            header = json.dumps({"bytes": len(data), "max_seconds": max_seconds, "out": out_path})
-            try:
-                proc.stdin.write(header.encode() + b"\n")
-                proc.stdin.write(data)
-                await proc.stdin.drain()
-                line = await asyncio.wait_for(proc.stdout.readline(), DECODE_TIMEOUT_S)
-            except (ConnectionError, asyncio.TimeoutError):
-                line = b""
-            except asyncio.CancelledError:  # the client left mid-decode: its reply must not reach the next upload
-                proc.kill()
-                self._proc = None
-                raise
-            if not line:
-                await self._discard(proc)
-                raise AudioError("undecodable", "The audio could not be decoded (the decoder failed on this file).")
+            # A decoder that died since the last upload, or on this one, gets one more try in a fresh process.
+            for _ in range(2):
+                proc = await self.start()
+                try:
+                    line = await self._exchange(proc, header, data)
+                except asyncio.TimeoutError:
+                    await self._discard(proc, "hung")
+                    raise AudioError("undecodable", f"Decoding took longer than {DECODE_TIMEOUT_S:g} s.") from None
+                if line:
+                    break
+                await self._discard(proc, "died")
+            else:
+                raise AudioError("undecodable", "The audio could not be decoded (the decoder crashed on this file).")
         reply = json.loads(line)
         if "error" in reply:
             raise AudioError(reply["error"], reply["message"])
         return DecodedAudio(out_path, reply["seconds"])
 
-    async def _process(self) -> asyncio.subprocess.Process:
+    async def start(self) -> asyncio.subprocess.Process:
+        """The decoder process, started if there is none (the front starts it early when it serves audio)."""
         if self._proc is None or self._proc.returncode is not None:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "appliance.audio_decoder",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         return self._proc
 
-    async def _discard(self, proc: asyncio.subprocess.Process) -> None:
-        """Kill a decoder that crashed or hung, and reap it; the next upload starts a new one."""
+    async def _exchange(self, proc: asyncio.subprocess.Process, header: bytes, data: bytes) -> bytes:
+        """One request and its reply line; b"" if the process died on it."""
+        try:
+            proc.stdin.write(header)
+            proc.stdin.write(data)
+            await proc.stdin.drain()
+            return await asyncio.wait_for(proc.stdout.readline(), DECODE_TIMEOUT_S)
+        except ConnectionError:
+            return b""
+        except asyncio.CancelledError:  # the client left mid-decode: its reply must not reach the next upload
+            proc.kill()
+            self._proc = None
+            raise
+
+    async def _discard(self, proc: asyncio.subprocess.Process, how: str) -> None:
+        """Kill a decoder that died or hung, and reap it."""
         if proc.returncode is None:
             proc.kill()
         returncode = await proc.wait()
-        log.warning("audio decoder process %d ended (%d) on an upload; starting a new one", proc.pid, returncode)
+        log.warning("audio decoder process %d %s on an upload (exit %d); starting a new one", proc.pid, how, returncode)
         self._proc = None
 
     async def close(self) -> None:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 from appliance.api.errors import ERROR_TYPES, InvalidRequest, error_body
 from appliance.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESPONSE_FORMATS, Transcript
@@ -38,6 +38,7 @@ def add_routes(app: web.Application, appliance) -> None:
     audio = AudioRoutes(appliance)
     app.router.add_post("/v1/audio/transcriptions", audio.transcriptions)
     app.router.add_post("/v1/audio/translations", audio.translations)
+    app.on_startup.append(audio.start)
     app.on_cleanup.append(audio.close)
 
 
@@ -72,6 +73,11 @@ class AudioRoutes:
         self.decoder = AudioDecoder()
         self.spool = tempfile.mkdtemp(prefix="openarc-audio-")
         self.serial = 0
+
+    async def start(self, app: web.Application) -> None:
+        """Start the decoder with the server when it serves audio, so the first upload does not wait for it."""
+        if any(model.kind == KIND for model in self.appliance.config.models):
+            await self.decoder.start()
 
     async def close(self, app: web.Application) -> None:
         await self.decoder.close()
@@ -183,9 +189,9 @@ async def read_form(request: web.Request, max_file_bytes: int) -> Form:
                     form.granularities.append(value)
                 elif part.name:
                     form.fields[part.name] = value
-    except (ValueError, AssertionError, KeyError, LookupError) as exc:
-        if isinstance(exc, InvalidRequest):
-            raise
+    except InvalidRequest:
+        raise
+    except (ValueError, LookupError, http_exceptions.HttpProcessingError) as exc:  # (UnicodeDecodeError too)
         raise InvalidRequest(f"the multipart form could not be read: {exc}") from None
     return form
 

@@ -53,8 +53,8 @@ class TranscriptionEngine(ResultEngine):
         return {
             "text": result.texts[0] if result.texts else "",
             "language": (result.language or "").strip("<|>") or message["language"],
-            "segments": [[c.start_ts, c.end_ts, c.text] for c in (result.chunks or [])],
-            "words": [[w.word, w.start_ts, w.end_ts] for w in words],
+            "segments": [[round(c.start_ts, 3), round(c.end_ts, 3), c.text] for c in (result.chunks or [])],
+            "words": [[w.word, round(w.start_ts, 3), round(w.end_ts, 3)] for w in words],
         }, {"audio_seconds": audio.size / SAMPLE_RATE}
 
     def _generation_config(self, message: dict[str, Any]):

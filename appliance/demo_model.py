@@ -421,17 +421,9 @@ def _decoder_layer(x, layer: int, mask, beam_idx, weight, caches: list):
 
     h = _rms_norm(x)
     q, k, v = (_split_heads(ops.matmul(h, weight(HIDDEN, HIDDEN, std=HIDDEN ** -0.5), False, True)) for _ in "qkv")
-    keys_values = []
-    for kind, new in (("key", k), ("value", v)):
-        past = ops.parameter([-1, HEADS, -1, HEAD_DIM], ov.Type.f32, name=f"past_key_values.{layer}.{kind}")
-        full = ops.concat([ops.gather(past, beam_idx, 0), new], 2)
-        present = ops.result(full)
-        present.get_output_tensor(0).set_names({f"present.{layer}.{kind}"})
-        caches.append((past, present))
-        keys_values.append(full)
+    keys_values = _kv_cache(k, v, str(layer), beam_idx, caches)
     attn = ops.scaled_dot_product_attention(q, *keys_values, mask, causal=False)
-    attn = ops.reshape(ops.transpose(attn, [0, 2, 1, 3]), [0, 0, HIDDEN], special_zero=True)
-    x = ops.add(x, ops.matmul(attn, weight(HIDDEN, HIDDEN), False, True))
+    x = ops.add(x, ops.matmul(_merge_heads(attn), weight(HIDDEN, HIDDEN), False, True))
     h = _rms_norm(x)
     gate = ops.swish(ops.matmul(h, weight(MLP_HIDDEN, HIDDEN, std=HIDDEN ** -0.5), False, True))
     up = ops.matmul(h, weight(MLP_HIDDEN, HIDDEN, std=HIDDEN ** -0.5), False, True)
@@ -473,6 +465,27 @@ def _attention_mask(input_ids, attention_mask):
     not_padding = ops.unsqueeze(ops.not_equal(attention_mask, ops.constant(np.int64(0))), [1, 2])
     visible = ops.logical_and(ops.less_equal(cols, rows), not_padding)
     return ops.logical_or(visible, ops.equal(cols, rows))
+
+
+def _kv_cache(k, v, layer: str, beam_idx, caches: list) -> list:
+    """[past + new keys, past + new values], the past (a state once the model is made stateful) reordered by
+    beam_idx; appends each (past_key_values.<layer>.key|value parameter, present.<layer>.* result) to `caches`."""
+    import openvino as ov
+
+    keys_values = []
+    for kind, new in (("key", k), ("value", v)):
+        past = ops.parameter([-1, HEADS, -1, HEAD_DIM], ov.Type.f32, name=f"past_key_values.{layer}.{kind}")
+        full = ops.concat([ops.gather(past, beam_idx, 0), new], 2)
+        present = ops.result(full)
+        present.get_output_tensor(0).set_names({f"present.{layer}.{kind}"})
+        caches.append((past, present))
+        keys_values.append(full)
+    return keys_values
+
+
+def _merge_heads(x):
+    """[batch, HEADS, seq, HEAD_DIM] -> [batch, seq, HIDDEN]"""
+    return ops.reshape(ops.transpose(x, [0, 2, 1, 3]), [0, 0, HIDDEN], special_zero=True)
 
 
 def _rms_norm(x):

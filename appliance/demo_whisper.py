@@ -30,8 +30,9 @@ import pathlib
 
 import numpy as np
 
-# HIDDEN, HEADS and HEAD_DIM as the chat demo's, whose attention helpers this shares.
-from appliance.demo_model import HEAD_DIM, HEADS, HIDDEN, _rms_norm, _split_heads, _write_json, _zero_initial_state, ops
+# HIDDEN and the attention heads as the chat demo's, whose attention helpers this shares.
+from appliance.demo_model import (HEADS, HIDDEN, _kv_cache, _merge_heads, _rms_norm, _split_heads, _write_json,
+                                  _zero_initial_state, ops)
 
 TRANSCRIPT = " hello world from a tiny model."
 
@@ -272,28 +273,13 @@ def _build_decoder(state_logits, layout: _Layout, rng: np.random.Generator):
 
 
 def _self_attention(h, cache_position, beam_idx, rng, caches: list):
-    import openvino as ov
-
-    q, k, v = (_split_heads(ops.matmul(h, _weight(rng, HIDDEN, HIDDEN), False, True))
-               for _ in "qkv")
-    keys_values = []
-    for kind, new in (("key", k), ("value", v)):
-        past = ops.parameter([-1, HEADS, -1, HEAD_DIM], ov.Type.f32, name=f"past_key_values.0.decoder.{kind}")
-        full = ops.concat([ops.gather(past, beam_idx, 0), new], 2)
-        present = ops.result(full)
-        present.get_output_tensor(0).set_names({f"present.0.decoder.{kind}"})
-        caches.append((past, present))
-        keys_values.append(full)
+    q, k, v = (_split_heads(ops.matmul(h, _weight(rng, HIDDEN, HIDDEN), False, True)) for _ in "qkv")
+    keys_values = _kv_cache(k, v, "0.decoder", beam_idx, caches)
     total = ops.gather(ops.shape_of(keys_values[0]), ops.constant(2), ops.constant(0))
     columns = ops.range(ops.constant(np.int64(0)), total, ops.constant(np.int64(1)), "i64")
     causal = ops.less_equal(ops.unsqueeze(columns, [0]), ops.unsqueeze(cache_position, [1]))  # [new, total]
     attn = ops.scaled_dot_product_attention(q, *keys_values, causal, causal=False)
     return ops.matmul(_merge_heads(attn), _weight(rng, HIDDEN, HIDDEN), False, True)
-
-
-def _merge_heads(x):
-    """[batch, HEADS, seq, HEAD_DIM] -> [batch, seq, HIDDEN]"""
-    return ops.reshape(ops.transpose(x, [0, 2, 1, 3]), [0, 0, HIDDEN], special_zero=True)
 
 
 def _cross_attention(h, audio, rng):

@@ -61,7 +61,8 @@ class AudioRequest:
     words: bool
     stream: bool
 
-    def frame(self, audio_path: str) -> dict[str, Any]:
+    def body(self, audio_path: str) -> dict[str, Any]:
+        """The body of the worker's `request` frame (appliance.engines.transcription)."""
         return {"audio_path": audio_path, "task": self.task, "language": self.language, "prompt": self.prompt,
                 "temperature": self.temperature, "timestamps": self.response_format in ("srt", "vtt", "verbose_json"),
                 "words": self.words, "stream": self.stream}
@@ -105,7 +106,7 @@ class AudioRoutes:
             except AudioError as exc:
                 status = 413 if exc.kind == "too_long" else 400
                 raise RequestFailed(status, "invalid_request", str(exc), f"audio_{exc.kind}") from None
-            frame = req.frame(audio_path)
+            frame = {"kind": KIND, "body": req.body(audio_path)}
             response = await (self._stream(request, sup, req, frame, decoded.seconds, endpoint) if req.stream
                               else self._whole(sup, req, frame, decoded.seconds))
         except InvalidRequest as exc:
@@ -130,7 +131,7 @@ class AudioRoutes:
                     if sup.model.kind == KIND), default=0)
 
     async def _whole(self, sup, req: AudioRequest, frame: dict[str, Any], seconds: float) -> web.Response:
-        handle = sup.open(frame)
+        handle = sup.open(frame, op="request")
         try:
             async for event in sup.events(handle):
                 if event.op == "result":
@@ -142,7 +143,7 @@ class AudioRoutes:
 
     async def _stream(self, request: web.Request, sup, req: AudioRequest, frame: dict[str, Any], seconds: float,
                       endpoint: str) -> web.StreamResponse:
-        handle = sup.open(frame)
+        handle = sup.open(frame, op="request")
         events = sup.events(handle)
         try:
             # Headers wait for the first event, so a request the worker refuses is still a plain 4xx.

@@ -1,6 +1,6 @@
 """The transcription worker kind: openvino_genai.WhisperPipeline turns 16 kHz mono audio into text.
 
-Request frame: {"audio_path": float32 samples the front's decoder wrote (appliance.audio_decoder), "task":
+Request body (ipc op `request`): {"audio_path": float32 samples the front's decoder wrote (appliance.audio_decoder), "task":
 "transcribe" | "translate", "language": an ISO code or None (detect), "prompt": str or None (Whisper's
 initial prompt), "temperature": float, "timestamps": bool (segments), "words": bool (word timestamps),
 "stream": bool}.
@@ -16,6 +16,7 @@ import logging
 from typing import Any
 
 from appliance.engines.base import InvalidInput, ResultEngine
+from appliance.ipc import frame
 
 log = logging.getLogger("openarc.worker")
 
@@ -32,69 +33,72 @@ class TranscriptionEngine(ResultEngine):
         defaults = self.pipe.get_generation_config()
         self.multilingual = defaults.is_multilingual
         self.languages = set(defaults.lang_to_id)
-        self.current: int | None = None
-        self.cancelled = False
+        self.cancelled = False  # the request in the pipeline lost its caller
         self.pipe.generate(np.zeros(SAMPLE_RATE, np.float32))  # the first call's one-off costs, paid before `ready`
 
     def on_cancel(self, request_id: int) -> None:
         super().on_cancel(request_id)
-        self.cancelled = self.cancelled or request_id == self.current
+        self.cancelled = self.cancelled or (self.current is not None and request_id == self.current["id"])
 
-    def answer(self, message: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+    def answer(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
         import numpy as np
-        audio = np.fromfile(message["audio_path"], dtype=np.float32)
-        config = self._generation_config(message)
-        self.current, self.cancelled = message["id"], False
-        try:
-            result = self.pipe.generate(audio, config, self._streamer(message))
-        finally:
-            self.current = None
-        words = (result.words or []) if message["words"] else []
+        audio = np.fromfile(body["audio_path"], dtype=np.float32)
+        config = self._generation_config(body)
+        self.cancelled = False
+        streamer = Streamer(self, self.current["id"], body["stream"])
+        result = self.pipe.generate(audio, config, streamer)
+        if streamer.error is not None:  # our own code failed, not the pipeline: raised now that genai returned
+            raise streamer.error
+        words = (result.words or []) if body["words"] else []
         return {
             "text": result.texts[0] if result.texts else "",
-            "language": (result.language or "").strip("<|>") or message["language"],
+            "language": (result.language or "").strip("<|>") or body["language"],
             "segments": [[round(c.start_ts, 3), round(c.end_ts, 3), c.text] for c in (result.chunks or [])],
             "words": [[w.word, round(w.start_ts, 3), round(w.end_ts, 3)] for w in words],
         }, {"audio_seconds": audio.size / SAMPLE_RATE}
 
-    def _generation_config(self, message: dict[str, Any]):
+    def _generation_config(self, body: dict[str, Any]):
         config = self.pipe.get_generation_config()
-        if message["task"] == "translate":
+        if body["task"] == "translate":
             if not self.multilingual:
                 raise InvalidInput(f"the model '{self.spec['name']}' is English-only and cannot translate",
                                    "unsupported_task")
             config.task = "translate"
-        if message["language"]:
-            token = f"<|{message['language']}|>"
+        if body["language"]:
+            token = f"<|{body['language']}|>"
             if token not in self.languages:
-                raise InvalidInput(f"language '{message['language']}' is not one this model knows",
+                raise InvalidInput(f"language '{body['language']}' is not one this model knows",
                                    "unsupported_language")
             config.language = token
-        if message["prompt"]:
-            config.initial_prompt = message["prompt"]
-        if message["temperature"]:
+        if body["prompt"]:
+            config.initial_prompt = body["prompt"]
+        if body["temperature"]:
             config.do_sample = True
-            config.temperature = message["temperature"]
-        config.return_timestamps = message["timestamps"]
-        config.word_timestamps = message["words"]
+            config.temperature = body["temperature"]
+        config.return_timestamps = body["timestamps"]
+        config.word_timestamps = body["words"]
         return config
 
-    def _streamer(self, message: dict[str, Any]):
-        """Called by genai with each piece of new text: forward it to a streaming caller, keep the stall timer
-        fed, and stop a request whose caller went away."""
+
+class Streamer:
+    """Called by genai with each piece of new text: forwards it to a streaming caller, keeps the stall timer fed,
+    and stops a request whose caller went away.  genai would print and swallow an exception raised here while
+    generation went on: it is kept, generation stops, and answer() raises it."""
+
+    def __init__(self, engine: TranscriptionEngine, request_id: int, stream: bool):
+        self.engine, self.request_id, self.stream = engine, request_id, stream
+        self.error: BaseException | None = None
+
+    def __call__(self, text: str):
         import openvino_genai
-
-        def write(text: str):
-            # An exception here would be printed and swallowed by genai while generation goes on.
-            try:
-                if message["stream"] and text:
-                    self.post({"op": "tokens", "id": message["id"], "text": text, "n": 1})
-                self.flush()
-                self.drain_inbox(block=False)
-                self.pause()
-            except Exception:
-                log.exception("streamer failed")
-                return openvino_genai.StreamingStatus.STOP
-            return openvino_genai.StreamingStatus.CANCEL if self.cancelled else openvino_genai.StreamingStatus.RUNNING
-
-        return write
+        engine = self.engine
+        try:
+            if self.stream and text:
+                engine.post(frame("tokens", id=self.request_id, text=text, n=1))
+            engine.flush()
+            engine.drain_inbox(block=False)
+            engine.after_step()
+        except BaseException as exc:
+            self.error = exc
+            return openvino_genai.StreamingStatus.CANCEL
+        return openvino_genai.StreamingStatus.CANCEL if engine.cancelled else openvino_genai.StreamingStatus.RUNNING

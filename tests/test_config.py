@@ -101,6 +101,12 @@ def test_runtime_config_overrides_first_class_options(tmp_path):
      "models[0].matryoshka_dimensions: expected a list of positive integers"),
     ({"models": [{"name": "a", "path": "/a", "kind": "embedding", "max_inputs": 0}]},
      "models[0].max_inputs: expected at least 1"),
+    ({"models": [{"name": "a", "path": "/a", "word_timestamps": True}]},
+     "models[0].word_timestamps: applies to kind 'transcription' models only (this one is kind 'llm')"),
+    ({"models": [{"name": "a", "path": "/a", "kind": "transcription", "max_audio_seconds": 0}]},
+     "models[0].max_audio_seconds: expected a positive number of seconds"),
+    ({"models": [{"name": "a", "path": "/a", "kind": "transcription", "max_upload_bytes": 100}]},
+     "models[0].max_upload_bytes: expected at least 1024"),
     ("- just\n- a list\n", "top level: expected a mapping"),
     ("server: {port: 80\n", "not valid YAML (line 2, column 1)"),
 ])
@@ -131,8 +137,9 @@ def test_check_config_exits_nonzero_with_one_clear_line(tmp_path):
     assert done.stderr.strip() == (f"openarc: config error: {path}: models[0].devise: unknown key (expected one of: "
                                    "name, path, kind, device, port, pipeline, runtime_config, scheduler_config, "
                                    "sdpa_optimization, enable_weightless, max_context, default_max_tokens, max_inputs, "
-                                   "pooling, normalize, matryoshka_dimensions, max_running, max_queue, stall_timeout_s, "
-                                   "load_timeout_s, ready_wait_s, reload, restart, tool_parser, reasoning_parser, chat_template)")
+                                   "pooling, normalize, matryoshka_dimensions, max_audio_seconds, max_upload_bytes, "
+                                   "word_timestamps, max_running, max_queue, stall_timeout_s, load_timeout_s, "
+                                   "ready_wait_s, reload, restart, tool_parser, reasoning_parser, chat_template)")
     assert "Traceback" not in done.stderr
 
 

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from appliance import __version__, listen, oom, telemetry
 from appliance.api import audio, embeddings, generate, rerank
-from appliance.api.errors import error_response
+from appliance.api.errors import InvalidRequest, error_response
 from appliance.config import Config, ConfigError
 from appliance.metrics import Metrics
 from appliance.notify import LoopHealth, Notifier, watchdog_loop
@@ -153,7 +153,12 @@ class Appliance:
         return RequestFailed(404, "model_not_found", f"the model '{name}' does not exist "
                                                      f"(have: {', '.join(self.supervisor.models)})")
 
-    def failed(self, model: str, endpoint: str, exc: RequestFailed, param: str | None = None) -> web.Response:
+    def failed(self, model: str, endpoint: str, exc: RequestFailed | InvalidRequest,
+               param: str | None = None) -> web.Response:
+        """The error response of a request refused by its route (InvalidRequest: a 400 naming the parameter) or
+        failed on its way through a model (RequestFailed, naming `param` if given), counted."""
+        if isinstance(exc, InvalidRequest):
+            exc, param = RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"), exc.param
         self.count_error(model, endpoint, exc.kind)
         return error_response(exc.status, exc.message, exc.code, param, exc.hint, exc.retry_after)
 

@@ -109,11 +109,7 @@ class AudioRoutes:
             frame = {"kind": KIND, "body": req.body(audio_path)}
             response = await (self._stream(request, sup, req, frame, decoded.seconds, endpoint) if req.stream
                               else self._whole(sup, req, frame, decoded.seconds))
-        except InvalidRequest as exc:
-            response = self.appliance.failed(
-                model_label, endpoint, RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"),
-                param=exc.param)
-        except RequestFailed as exc:
+        except (InvalidRequest, RequestFailed) as exc:
             response = self.appliance.failed(model_label, endpoint, exc)
         finally:
             try:

@@ -53,9 +53,7 @@ class GenerationRoutes:
             response = await (self._stream(request, sup, req, answers, endpoint) if req.stream
                               else self._whole(sup, req, answers))
         except InvalidRequest as exc:
-            response = self.appliance.failed(
-                model_label, endpoint, RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"),
-                param=exc.param)
+            response = self.appliance.failed(model_label, endpoint, exc)
         except RequestFailed as exc:
             # a constraint genai cannot compile names the request field it came from
             param = req.constraint["param"] if exc.kind == "invalid_grammar" and req and req.constraint else None

@@ -68,11 +68,7 @@ class ResultRoute:
                 raise InvalidRequest(f"{req.inputs} inputs exceed this model's max_inputs={sup.model.max_inputs}",
                                      code="too_many_inputs")
             response = self.shape(req, await self._result(sup, req))
-        except InvalidRequest as exc:
-            response = self.appliance.failed(
-                model_label, self.endpoint, RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"),
-                param=exc.param)
-        except RequestFailed as exc:
+        except (InvalidRequest, RequestFailed) as exc:
             response = self.appliance.failed(model_label, self.endpoint, exc)
         metrics = self.appliance.metrics
         metrics.requests.labels(model=model_label, endpoint=self.endpoint, status=str(response.status)).inc()

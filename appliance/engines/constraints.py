@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from typing import Any
 
 log = logging.getLogger("openarc.worker")
@@ -83,6 +84,15 @@ class GrammarProbe:
         self.tokenizer = tokenizer
         self.pipe = None
         self.compiled: dict[str, None] = {}  # insertion-ordered: the oldest is forgotten first
+        self.lock = threading.Lock()  # the probe pipeline runs one compile at a time, whichever thread asks
+
+    @staticmethod
+    def _key(constraint: dict[str, Any], tool_parser: str | None) -> str:
+        return json.dumps([constraint, tool_parser], sort_keys=True)
+
+    def known(self, constraint: dict[str, Any], tool_parser: str | None) -> bool:
+        """Compiled before (and still remembered)."""
+        return self._key(constraint, tool_parser) in self.compiled
 
     def check(self, constraint: dict[str, Any], tool_parser: str | None):
         """The constraint's StructuredOutputConfig, compiled once by the probe; InvalidGrammar if it cannot be."""
@@ -92,19 +102,20 @@ class GrammarProbe:
             raise
         except Exception as exc:  # genai refused to even build the config
             raise InvalidGrammar(grammar_error(exc)) from None
-        key = json.dumps([constraint, tool_parser], sort_keys=True)
+        key = self._key(constraint, tool_parser)
         if key in self.compiled:
             return config
         import openvino_genai
         generation = openvino_genai.GenerationConfig(max_new_tokens=1)
         generation.structured_output_config = config
-        try:
-            self._pipeline().generate(self._prompt(), generation)
-        except Exception as exc:
-            raise InvalidGrammar(grammar_error(exc)) from None
-        self.compiled[key] = None
-        if len(self.compiled) > PROBE_CACHE_SIZE:
-            del self.compiled[next(iter(self.compiled))]
+        with self.lock:
+            try:
+                self._pipeline().generate(self._prompt(), generation)
+            except Exception as exc:
+                raise InvalidGrammar(grammar_error(exc)) from None
+            self.compiled[key] = None
+            if len(self.compiled) > PROBE_CACHE_SIZE:
+                self.compiled.pop(next(iter(self.compiled)), None)
         return config
 
     def _pipeline(self):

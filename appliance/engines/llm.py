@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import queue
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +80,37 @@ class LLMEngine(Engine):
                                                      chat_formats.detect_reasoning_parser(template)),
         }
         self.probe = GrammarProbe(tokenizer)
+        # Constraints never compiled before are probed on a thread of their own (genai releases the GIL), so a
+        # slow compile does not hold up the batch that is generating; the request joins the inbox afterwards.
+        self.probe_jobs: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.probing: set[int] = set()  # request ids on the probe thread
+        self.cancelled_while_probing: set[int] = set()
+        threading.Thread(target=self._probe_loop, name="grammar-probe", daemon=True).start()
+
+    def submit(self, message: dict[str, Any]) -> None:
+        """(channel reader thread) A request with a constraint not compiled yet goes by the probe thread."""
+        constraint = message.get("constraint")
+        if constraint and not self.probe.known(constraint, self.formats["tool_parser"]):
+            self.probing.add(message["id"])
+            self.probe_jobs.put(message)
+        else:
+            super().submit(message)
+
+    def _probe_loop(self) -> None:
+        while True:
+            message = self.probe_jobs.get()
+            try:
+                self.probe.check(message["constraint"], self.formats["tool_parser"])
+            except InvalidGrammar as exc:
+                message["probe_error"] = str(exc)
+            except Exception as exc:  # never lose a request: the engine thread reports whatever this was
+                message["probe_error"] = f"the grammar probe failed: {exc}"
+            super().submit(message)
+
+    def cancel_probing(self, request_id: int) -> None:
+        """A cancel that overtook its request (still on the probe thread): drop the request when it arrives."""
+        if request_id in self.probing:
+            self.cancelled_while_probing.add(request_id)
 
     def _template_text(self) -> str:
         try:
@@ -90,6 +123,10 @@ class LLMEngine(Engine):
 
     def prepare(self, message: dict[str, Any]) -> Request | None:
         """Tokenize and check the context limit; reply with an error and return None if the request is invalid."""
+        self.probing.discard(message["id"])
+        if message["id"] in self.cancelled_while_probing:
+            self.cancelled_while_probing.discard(message["id"])
+            return None
         prefix, text = "", message.get("prompt", "")
         if message["kind"] == "chat":
             try:
@@ -108,6 +145,8 @@ class LLMEngine(Engine):
         structured = None
         if message.get("constraint"):
             try:
+                if "probe_error" in message:
+                    raise InvalidGrammar(message["probe_error"])
                 structured = self.probe.check(message["constraint"], self.formats["tool_parser"])
             except InvalidGrammar as exc:
                 log.info("request %s: constraint does not compile: %s", message["id"], exc)
@@ -269,6 +308,8 @@ class BatchingEngine(LLMEngine):
     def on_cancel(self, request_id: int) -> None:
         if request_id in self.active:
             self.active.pop(request_id)[1].cancel()
+        else:
+            self.cancel_probing(request_id)
 
     def on_generate(self, message: dict[str, Any]) -> None:
         req = self.prepare(message)

@@ -192,6 +192,10 @@ def test_rerank_top_n_return_documents_text_objects_and_the_bare_route(app):
     assert top["results"] == [{k: v for k, v in r.items() if k != "document"} for r in full["results"][:2]]
     _, more = rerank(app, query="cat", documents=DOCS[:2], top_n=10)
     assert len(more["results"]) == 2
+    # the openai SDK has no rerank call; its generic post reaches the route as README shows
+    via_sdk = app.client().post("/rerank", body={"model": "rank", "query": "cat on a mat", "documents": DOCS},
+                                cast_to=object)
+    assert [r["index"] for r in via_sdk["results"]] == [r["index"] for r in full["results"]]
 
 
 @pytest.mark.parametrize("body, code", [

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -96,13 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where constrained.{json,md} go")
     args = parser.parse_args(argv)
     meta, figures = asyncio.run(measure(args.quick))
-    table = ["| Figure | Measured |", "|---|---|"] + [f"| {f.name} | {f.measured} |" for f in figures]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "constrained.json").write_text(json.dumps({"meta": meta, "figures": [f.__dict__ for f in figures]},
-                                                          indent=2) + "\n")
-    (args.out / "constrained.md").write_text("\n".join(table) + "\n")
-    print("\n".join(table))
-    sys.stdout.flush()
+    print(report.write_side_bench(args.out, "constrained", meta, figures, ("name", "measured")), end="", flush=True)
 
 
 if __name__ == "__main__":

@@ -48,11 +48,15 @@ def child_env() -> dict[str, str]:
 
 
 class OwnAppliance:
-    def __init__(self, model_path: Path, workdir: Path):
+    def __init__(self, model_path: Path, workdir: Path, models: list[dict] | None = None):
+        """`models`: the config's models instead of the two copies of `model_path` (another bench's own)."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.config_path = workdir / "appliance.yaml"
-        self.config_path.write_text(yaml.safe_dump(appliance_config(model_path, self.port)))
+        config = appliance_config(model_path, self.port)
+        if models is not None:
+            config["models"] = models
+        self.config_path.write_text(yaml.safe_dump(config))
         self.log_path = workdir / "appliance.log"
         self.proc: subprocess.Popen | None = None
 

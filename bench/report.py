@@ -86,6 +86,19 @@ def write(out: Path, meta: dict, figures: list[Figure], notes: list[str], side_b
     return table
 
 
+def write_side_bench(out: Path, stem: str, meta: dict, figures: list[Figure], columns: tuple[str, ...]) -> str:
+    """A side bench's (bench.constrained, bench.embeddings) figures: a table of the Figure fields `columns` as
+    <stem>.md, everything as <stem>.json; returns the table."""
+    rows = [" | ".join(str(getattr(f, column)) for column in columns) for f in figures]
+    headers = ("Figure" if column == "name" else column.capitalize() for column in columns)
+    table = "\n".join([f"| {' | '.join(headers)} |",
+                       "|" + "---|" * len(columns)] + [f"| {row} |" for row in rows]) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "figures": [asdict(f) for f in figures]}, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(table)
+    return table
+
+
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages while the run ended: other work on the cores moves every figure."""
     return " / ".join(f"{v:.2f}" for v in os.getloadavg())

@@ -144,12 +144,12 @@ class InvalidInput(ValueError):
 
 
 class ResultEngine(Engine):
-    """The kinds whose request gets exactly one answer (embedding, rerank, transcription): requests run in
-    arrival order, each through `answer()`, whose dict goes back in one `result` frame.
+    """The kinds whose request gets exactly one answer (embedding, rerank, transcription): requests run one at a
+    time in arrival order, each through `answer()`, whose dict goes back in one `result` frame.
 
     InvalidInput from `answer()` is a 400 for that request; any other exception a classified 500 (and a lost
-    device ends the worker, as for an LLM). The stall timer bounds one `answer()` call: a pipeline call that
-    hangs past stall_timeout_s gets the worker killed and restarted.
+    device ends the worker, as for an LLM). The stall timer bounds one pipeline call (a batch of `in_batches`): a
+    call that hangs past stall_timeout_s gets the worker killed and restarted.
     """
 
     def __init__(self, spec: dict[str, Any], channel: BlockingChannel):
@@ -204,5 +204,5 @@ class ResultEngine(Engine):
             self.exit_if_device_lost(self.fail_all([SimpleNamespace(id=message["id"])], exc))
         else:
             self.post(frame("result", id=message["id"], result=result, counts=counts))
-        self.current = None
-
+        finally:
+            self.current = None

@@ -53,16 +53,35 @@ def check_token_limit(counts: list[int], limit: int, truncate: bool, what: str) 
                                "(send truncate: true to cut it)", "context_length_exceeded")
 
 
+def pipeline_config(spec: dict[str, Any]):
+    """The TextEmbeddingPipeline.Config of a model's spec (also what the bench's in-process baseline runs)."""
+    import openvino_genai
+    config = openvino_genai.TextEmbeddingPipeline.Config()
+    config.pooling_type = getattr(openvino_genai.TextEmbeddingPipeline.PoolingType, pooling(spec))
+    config.normalize = spec["normalize"]
+    config.max_length = input_token_limit(spec)  # only reached by a request that asked to be truncated
+    return config
+
+
+def pooling(spec: dict[str, Any]) -> str:
+    """The configured pooling, else what the model's sentence-transformers config says, else CLS."""
+    if spec["pooling"]:
+        return spec["pooling"].upper()
+    pooling_config = model_json(spec["path"], "1_Pooling/config.json")
+    return next((mode for key, mode in SENTENCE_TRANSFORMERS_POOLING.items() if pooling_config.get(key)), "CLS")
+
+
 class EmbeddingEngine(ResultEngine):
+    """One request at a time, its inputs BATCH_SIZE per pipeline call. Requests are not coalesced: embedding the
+    texts of concurrent requests in one call was measured no faster through the server (bench.embeddings; the
+    README's Benchmarks), and it would make each request wait for its neighbours' inputs."""
+
     def __init__(self, spec: dict[str, Any], channel):
         import openvino_genai
         super().__init__(spec, channel)
         self.limit = input_token_limit(spec)
-        config = openvino_genai.TextEmbeddingPipeline.Config()
-        config.pooling_type = getattr(openvino_genai.TextEmbeddingPipeline.PoolingType, self._pooling())
-        config.normalize = spec["normalize"]
-        config.max_length = self.limit  # only reached by a request that asked to be truncated
-        self.pipe = openvino_genai.TextEmbeddingPipeline(spec["path"], spec["device"], config, **spec["properties"])
+        self.pipe = openvino_genai.TextEmbeddingPipeline(spec["path"], spec["device"], pipeline_config(spec),
+                                                         **spec["properties"])
         self.tokenizer = openvino_genai.Tokenizer(spec["path"])
         self.vocab_size = len(self.tokenizer.get_vocab())
         # One embedding at load: the model's own size, and the first call's one-off costs paid before `ready`.
@@ -71,13 +90,6 @@ class EmbeddingEngine(ResultEngine):
         if dimensions is None:
             dimensions = model_json(spec["path"], "config.json").get("matryoshka_dimensions") or []
         self.dimensions = sorted({int(d) for d in dimensions if int(d) <= self.native_dimensions})
-
-    def _pooling(self) -> str:
-        """The configured pooling, else what the model's sentence-transformers config says, else CLS."""
-        if self.spec["pooling"]:
-            return self.spec["pooling"].upper()
-        pooling = model_json(self.spec["path"], "1_Pooling/config.json")
-        return next((mode for key, mode in SENTENCE_TRANSFORMERS_POOLING.items() if pooling.get(key)), "CLS")
 
     def answer(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
         texts = self._texts(body["input"])

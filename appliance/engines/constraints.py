@@ -71,7 +71,7 @@ def _tool_call_tags(constraint: dict[str, Any], tool_parser: str | None):
     return config.TriggeredTags([trigger], tags, at_least_one=False, stop_after_first=single)
 
 
-def grammar_error(exc: BaseException) -> str:
+def genai_message(exc: BaseException) -> str:
     """genai's message without the C++ source locations it starts its lines with."""
     lines = [SOURCE_LOCATION.sub("", line).strip() for line in str(exc).splitlines()]
     return " ".join(line for line in lines if line) or type(exc).__name__
@@ -101,7 +101,7 @@ class GrammarProbe:
         except InvalidGrammar:
             raise
         except Exception as exc:  # genai refused to even build the config
-            raise InvalidGrammar(grammar_error(exc)) from None
+            raise InvalidGrammar(genai_message(exc)) from None
         key = self._key(constraint, tool_parser)
         if key in self.compiled:
             return config
@@ -112,7 +112,7 @@ class GrammarProbe:
             try:
                 self._pipeline().generate(self._prompt(), generation)
             except Exception as exc:
-                raise InvalidGrammar(grammar_error(exc)) from None
+                raise InvalidGrammar(genai_message(exc)) from None
             self.compiled[key] = None
             if len(self.compiled) > PROBE_CACHE_SIZE:
                 self.compiled.pop(next(iter(self.compiled)), None)

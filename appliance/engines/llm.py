@@ -14,13 +14,21 @@ from pathlib import Path
 from appliance import chat_formats, faults
 from appliance.detokenize import make_detokenizer
 from appliance.engines.base import Engine
-from appliance.engines.constraints import GrammarProbe, InvalidGrammar, grammar_error
+from appliance.engines.constraints import GrammarProbe, InvalidGrammar, genai_message
 from appliance.ipc import frame
 
 log = logging.getLogger("openarc.worker")
 
 INVALID_GRAMMAR = faults.Fault("invalid_grammar", "invalid_grammar", None, False)
 INVALID_REQUEST = faults.Fault("invalid_request", "invalid_request", None, False)
+
+
+class Refused(Exception):
+    """A request the worker will not run, and why (its fault): answered with an error frame."""
+
+    def __init__(self, fault: faults.Fault, message: str):
+        super().__init__(message)
+        self.fault = fault
 
 
 @dataclass
@@ -122,59 +130,69 @@ class LLMEngine(Engine):
         return {"formats": self.formats}
 
     def prepare(self, message: dict[str, Any]) -> Request | None:
-        """Tokenize and check the context limit; reply with an error and return None if the request is invalid."""
+        """The request ready to generate, or None after replying with why it cannot be (the request's own fault
+        alone: the worker goes on)."""
         self.probing.discard(message["id"])
         if message["id"] in self.cancelled_while_probing:
             self.cancelled_while_probing.discard(message["id"])
             return None
+        try:
+            return self._request(message)
+        except Refused as refused:
+            self.fail(message["id"], refused.fault, str(refused))
+            return None
+
+    def _request(self, message: dict[str, Any]) -> Request:
+        params = message["params"]
+        input_ids, prefix = self._prompt(message)
+        prompt_tokens = int(input_ids.get_shape()[1])
+        max_tokens = params.get("max_tokens") or self.spec["default_max_tokens"]
+        limit = self.spec["max_context"]
+        if prompt_tokens + max_tokens > limit:
+            raise Refused(faults.CONTEXT_LENGTH_EXCEEDED,
+                          f"This model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} "
+                          f"tokens and max_tokens is {max_tokens}.")
+        if params.get("logprobs") and not self.reports_logprobs:
+            raise Refused(INVALID_REQUEST, "'logprobs' is not available with pipeline: stateful "
+                                           "(genai's LLMPipeline streams token ids only)")
+        req = Request(message["id"], input_ids, prompt_tokens, max_tokens, params,
+                      stream=message.get("stream", True), structured=self._structured(message), prefix=prefix,
+                      template_opened=bool(prefix), logprobs=[] if params.get("logprobs") else None)
+        if params.get("seed") is not None:
+            req.seed = params["seed"]
+        try:
+            self.generation_config(req).validate()
+        except Exception as exc:  # a combination genai refuses: the caller's to fix
+            raise Refused(INVALID_REQUEST, f"invalid sampling parameters: {genai_message(exc)}") from None
+        return req
+
+    def _prompt(self, message: dict[str, Any]) -> tuple[Any, str]:
+        """The prompt's token ids, and the text the template already wrote for the answer (an opened <think>)."""
         prefix, text = "", message.get("prompt", "")
         if message["kind"] == "chat":
             try:
                 text = self._render(message)
             except Exception as exc:  # the template refused this conversation (raise_exception, a missing field)
-                self.fail(message["id"], INVALID_REQUEST,
-                          f"the model's chat template cannot render this conversation: {grammar_error(exc)}")
-                return None
+                raise Refused(INVALID_REQUEST, "the model's chat template cannot render this conversation: "
+                                               f"{genai_message(exc)}") from None
             if self.formats["reasoning_parser"] and text.rstrip().endswith(chat_formats.THINK_OPEN):
                 prefix = chat_formats.THINK_OPEN  # the answer starts inside the block the template opened
         try:
-            input_ids = self.tokenizer.encode(text, add_special_tokens=message["kind"] != "chat").input_ids
+            return self.tokenizer.encode(text, add_special_tokens=message["kind"] != "chat").input_ids, prefix
         except Exception as exc:  # a tokenizer error belongs to this request only
-            self.fail(message["id"], self.classify(str(exc)), str(exc))
+            raise Refused(self.classify(str(exc)), str(exc)) from None
+
+    def _structured(self, message: dict[str, Any]):
+        """The request's StructuredOutputConfig (compiled by the probe already, or now), or None."""
+        if not message.get("constraint"):
             return None
-        structured = None
-        if message.get("constraint"):
-            try:
-                if "probe_error" in message:
-                    raise InvalidGrammar(message["probe_error"])
-                structured = self.probe.check(message["constraint"], self.formats["tool_parser"])
-            except InvalidGrammar as exc:
-                log.info("request %s: constraint does not compile: %s", message["id"], exc)
-                self.fail(message["id"], INVALID_GRAMMAR, f"the output constraint cannot be compiled: {exc}")
-                return None
-        prompt_tokens = int(input_ids.get_shape()[1])
-        max_tokens = message["params"].get("max_tokens") or self.spec["default_max_tokens"]
-        limit = self.spec["max_context"]
-        if prompt_tokens + max_tokens > limit:
-            self.fail(message["id"], faults.CONTEXT_LENGTH_EXCEEDED,
-                      f"This model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} "
-                      f"tokens and max_tokens is {max_tokens}.")
-            return None
-        if message["params"].get("logprobs") and not self.reports_logprobs:
-            self.fail(message["id"], INVALID_REQUEST, "'logprobs' is not available with pipeline: stateful "
-                                                      "(genai's LLMPipeline streams token ids only)")
-            return None
-        req = Request(message["id"], input_ids, prompt_tokens, max_tokens, message["params"],
-                      stream=message.get("stream", True), structured=structured, prefix=prefix,
-                      template_opened=bool(prefix), logprobs=[] if message["params"].get("logprobs") else None)
-        if message["params"].get("seed") is not None:
-            req.seed = message["params"]["seed"]
         try:
-            self.generation_config(req).validate()
-        except Exception as exc:  # a combination genai refuses (top_p 0 while sampling, ...): the caller's to fix
-            self.fail(req.id, INVALID_REQUEST, f"invalid sampling parameters: {grammar_error(exc)}")
-            return None
-        return req
+            if "probe_error" in message:
+                raise InvalidGrammar(message["probe_error"])
+            return self.probe.check(message["constraint"], self.formats["tool_parser"])
+        except InvalidGrammar as exc:
+            log.info("request %s: constraint does not compile: %s", message["id"], exc)
+            raise Refused(INVALID_GRAMMAR, f"the output constraint cannot be compiled: {exc}") from None
 
     reports_logprobs = True
 

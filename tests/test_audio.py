@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from audio_samples import COMPRESSED, TRANSCRIPT, encoded, tone, wav_bytes
-from conftest import Appliance, http, model_entry, pid_alive
+from conftest import Appliance, http, model_entry, pid_alive, wait_until
 
 HANG_BOUND_S = 3.0  # a client waiting longer than this after a fault is a hang, not a slow error
 LIMITED = {"max_upload_bytes": 200_000, "max_audio_seconds": 10}
@@ -194,10 +194,7 @@ def test_worker_abort_mid_transcription_is_fast_and_chat_keeps_answering(applian
     result: list = []
     thread = threading.Thread(target=lambda: result.append(post_form(app, {"model": "whisper", "file": files["wav"]})))
     thread.start()
-    deadline = time.monotonic() + 30
-    while app.model_status("whisper")["requests_running"] == 0:
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.01)
+    wait_until(lambda: app.model_status("whisper")["requests_running"], 30, "transcribing")
     time.sleep(0.5)
     os.kill(pid, signal.SIGABRT)
     aborted = time.monotonic()

@@ -1,5 +1,5 @@
 """Test audio made here: numpy signals written as WAV by the standard library's `wave`, and as compressed files
-(flac, mp3, ogg/opus, webm/opus, m4a/aac) by FFmpeg's encoders through PyAV."""
+(flac, mp3, ogg/opus, webm/opus, m4a/aac) by FFmpeg's encoders through PyAV; and multipart forms to upload them."""
 
 from __future__ import annotations
 
@@ -53,3 +53,15 @@ def encoded(name: str, seconds: float = 2.0, silent: bool = False) -> bytes:
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))
     return buffer.getvalue()
+
+
+def multipart(fields: dict) -> tuple[str, bytes]:
+    """(content type, body) of a multipart/form-data form; bytes values are sent as files."""
+    boundary = "openarc-test-boundary"
+    parts = []
+    for name, value in fields.items():
+        filename = f'; filename="{name}.bin"' if isinstance(value, bytes) else ""
+        data = value if isinstance(value, bytes) else str(value).encode()
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"{filename}\r\n\r\n'.encode()
+                     + data + b"\r\n")
+    return f"multipart/form-data; boundary={boundary}", b"".join(parts) + f"--{boundary}--\r\n".encode()

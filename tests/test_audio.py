@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from audio_samples import COMPRESSED, TRANSCRIPT, encoded, tone, wav_bytes
+from audio_samples import COMPRESSED, TRANSCRIPT, encoded, multipart, tone, wav_bytes
 from conftest import Appliance, http, model_entry, pid_alive, wait_until
 
 HANG_BOUND_S = 3.0  # a client waiting longer than this after a fault is a hang, not a slow error
@@ -225,18 +225,6 @@ def post_form(app, fields: dict, path: str = "/v1/audio/transcriptions") -> tupl
     status, _, body = http("POST", app.base + path, raw=multipart(fields)[1],
                            headers={"Content-Type": multipart(fields)[0]})
     return status, body
-
-
-def multipart(fields: dict) -> tuple[str, bytes]:
-    """(content type, body) of a multipart/form-data form; bytes values are sent as files."""
-    boundary = "openarc-test-boundary"
-    parts = []
-    for name, value in fields.items():
-        filename = f'; filename="{name}.bin"' if isinstance(value, bytes) else ""
-        data = value if isinstance(value, bytes) else str(value).encode()
-        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"{filename}\r\n\r\n'.encode()
-                     + data + b"\r\n")
-    return f"multipart/form-data; boundary={boundary}", b"".join(parts) + f"--{boundary}--\r\n".encode()
 
 
 def decoder_pid(app) -> int:

@@ -12,9 +12,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from appliance.audio_decoder import FORMATS
-from audio_samples import COMPRESSED, TRANSCRIPT, encoded, tone, wav_bytes
+from audio_samples import COMPRESSED, TRANSCRIPT, encoded, multipart, tone, wav_bytes
 from conftest import Appliance, http, model_entry
-from test_audio import multipart
 
 FUZZ = settings(max_examples=60, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

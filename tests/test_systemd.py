@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from appliance.oom import WORKER_OOM_SCORE_ADJ
+from audio_samples import TRANSCRIPT, encoded, multipart
 from conftest import REPO, free_port, http
 from systemd_ns import SystemdNamespace, namespace_processes
 
@@ -106,20 +107,25 @@ def model_entry(name: str, restart: dict) -> dict:
 
 @pytest.fixture
 def boot_service(demo_model, long_demo_model):
-    """boot(restart=..., dropins={name: text}, devices=(), with_config=True) -> Service.
+    """boot(restart=..., dropins={name: text}, devices=(), with_config=True, extra_models={}) -> Service.
 
-    The config has two models: `demo` (stops after 48 tokens) and `long` (never stops by itself).
+    The config has two models: `demo` (stops after 48 tokens) and `long` (never stops by itself), plus
+    `extra_models` ({name: (model dir, config overrides)}).
     `dropins` are added to both units; every namespace ends with the test."""
     assert Path(OPENARC).exists(), f"{OPENARC} missing: run `make install` first (the units' ExecStart)"
     with contextlib.ExitStack() as namespaces:
         def boot(restart: dict = QUICK_RESTARTS, dropins: dict[str, str] | None = None, devices=(),
-                 with_config: bool = True) -> Service:
+                 with_config: bool = True, extra_models: dict[str, tuple[Path, dict]] | None = None) -> Service:
+            extra_models = extra_models or {}
             config = {"server": {"host": "127.0.0.1", "port": free_port()},
-                      "models": [model_entry("demo", restart), model_entry("long", restart)]}
+                      "models": [model_entry("demo", restart), model_entry("long", restart),
+                                 *({**model_entry(name, restart), **overrides}
+                                   for name, (_, overrides) in extra_models.items())]}
             unit_dropins = {"50-test.conf": f"[Service]\nEnvironment=PYTHONPATH={SRC}\n", **(dropins or {})}
             files = {}
             if with_config:
-                files = {CONFIG: yaml.safe_dump(config), f"{MODELS}/demo": demo_model, f"{MODELS}/long": long_demo_model}
+                files = {CONFIG: yaml.safe_dump(config), f"{MODELS}/demo": demo_model, f"{MODELS}/long": long_demo_model,
+                         **{f"{MODELS}/{name}": path for name, (path, _) in extra_models.items()}}
             ns = namespaces.enter_context(SystemdNamespace(
                 dropins={unit: unit_dropins for unit in ("openarc@.service", "openarc.service")},
                 files=files, binds={REPO: SRC}, devices=devices))
@@ -215,6 +221,17 @@ def test_service_runs_unprivileged_and_sandboxed(boot_service):
     # The worker makes itself the OOM killer's first choice, inside the sandbox too.
     worker_oom_score_adj = service.ns.run(["cat", f"/proc/{service.status('demo')['pid']}/oom_score_adj"]).stdout
     assert int(worker_oom_score_adj) == WORKER_OOM_SCORE_ADJ
+
+
+def test_transcription_decodes_and_transcribes_inside_the_sandbox(boot_service, demo_whisper):
+    """The audio decoder (a child of the front) and the Whisper worker share the unit's private /tmp spool and
+    run under its syscall filter."""
+    service = boot_service(extra_models={"whisper": (demo_whisper, {"kind": "transcription"})})
+    service.start("openarc@whisper")
+    content_type, body = multipart({"model": "whisper", "file": encoded("mp3")})
+    status, _, reply = http("POST", service.url("/v1/audio/transcriptions", "whisper"), raw=body,
+                            headers={"Content-Type": content_type}, timeout=HANG_S)
+    assert status == 200 and reply["text"] == TRANSCRIPT, reply
 
 
 def test_main_process_abort_cuts_requests_and_restarts_the_unit(boot_service):

@@ -2,7 +2,8 @@
 that are not a frame, written into their real channel) and the KV cache overflows.
 
 Concurrent SDK clients (threads) stream and not, against `alpha` and `beta` (the signal victims) and `tight`
-(num_kv_blocks: 4, sent prompts too long for it). A seeded fault schedule signals a worker only while its model
+(num_kv_blocks: 4, sent prompts too long for it), and embed and rerank against `vectors` and `ranker` (signal
+victims of the other worker kinds). A seeded fault schedule signals a worker only while its model
 is ready and that worker has not been signalled yet, so every signal hits exactly one live worker and causes
 exactly one restart: that is what makes the counters in /metrics checkable exactly.
 
@@ -31,7 +32,7 @@ from test_metrics import samples, value
 TOTAL_REQUESTS = 2000
 CLIENTS = 10
 FAULTS = 40                      # faults dealt to alpha and beta workers
-VICTIMS = ("alpha", "beta")
+VICTIMS = ("alpha", "beta", "vectors", "ranker")
 SIGNALS = (signal.SIGABRT, signal.SIGKILL, signal.SIGSTOP)
 GARBAGE = "garbage"              # a frame that is not JSON, as if the worker wrote it: a protocol error
 FAULT_KINDS = (*(sig.name for sig in SIGNALS), GARBAGE)
@@ -130,8 +131,27 @@ def too_long_for_the_cache(client: openai.OpenAI, rng: random.Random, model: str
     raise Malformed("a prompt larger than the KV cache was served")
 
 
-ACTIONS = [(whole, VICTIMS, 30), (sdk_stream, VICTIMS, 15), (raw_stream, VICTIMS, 15), (disconnect, ("alpha",), 10),
-           (whole, ("tight",), 10), (raw_stream, ("tight",), 10), (too_long_for_the_cache, ("tight",), 10)]
+def embed(client: openai.OpenAI, rng: random.Random, model: str) -> Outcome:
+    texts = [rng.choice(("a cat on a mat", "GPU drivers crash", "Paris is in France")) for _ in range(rng.randint(1, 8))]
+    reply = client.embeddings.create(model=model, input=texts)
+    if [d.index for d in reply.data] != list(range(len(texts))) or any(len(d.embedding) != 128 for d in reply.data):
+        raise Malformed(f"embeddings of the wrong shape: {len(reply.data)} for {len(texts)} inputs")
+    return Outcome(model, "embed", 200)
+
+
+def rerank(client: openai.OpenAI, rng: random.Random, model: str) -> Outcome:
+    documents = ["the cat sat on the mat", "GPU drivers crash", "Paris is the capital of France"][:rng.randint(1, 3)]
+    reply = client.post("/rerank", body={"model": model, "query": "cat", "documents": documents}, cast_to=object)
+    scores = [r["relevance_score"] for r in reply["results"]]
+    if sorted(r["index"] for r in reply["results"]) != list(range(len(documents))) or scores != sorted(scores)[::-1]:
+        raise Malformed(f"a rerank answer out of order: {reply}")
+    return Outcome(model, "rerank", 200)
+
+
+LLM_VICTIMS = ("alpha", "beta")
+ACTIONS = [(whole, LLM_VICTIMS, 30), (sdk_stream, LLM_VICTIMS, 15), (raw_stream, LLM_VICTIMS, 15),
+           (disconnect, ("alpha",), 10), (whole, ("tight",), 10), (raw_stream, ("tight",), 10),
+           (too_long_for_the_cache, ("tight",), 10), (embed, ("vectors",), 15), (rerank, ("ranker",), 10)]
 
 
 def run_one(client: openai.OpenAI, rng: random.Random) -> Outcome:
@@ -269,14 +289,16 @@ def check_counters(scrape: dict, outcomes: list[Outcome], sent: collections.Coun
             assert counted == observed(outcomes, model, status=status), (model, status, counted)
 
 
-def test_chaos_soak(appliance_factory, long_demo_model, demo_model):
+def test_chaos_soak(appliance_factory, long_demo_model, demo_model, embedding_model, rerank_model):
     seed = int(os.environ.get("OPENARC_SOAK_SEED") or random.SystemRandom().randrange(1 << 32))
     print(f"\nsoak seed: {seed} (rerun with OPENARC_SOAK_SEED={seed})")
     victim = {"max_running": 4, "max_queue": 4, "stall_timeout_s": STALL_TIMEOUT_S, "restart": RESTART}
     app = appliance_factory({"models": [
         model_entry("alpha", long_demo_model, **victim),
         model_entry("beta", demo_model, **victim),
-        model_entry("tight", demo_model, scheduler_config={"num_kv_blocks": 4}, max_running=2, max_queue=64)]},
+        model_entry("tight", demo_model, scheduler_config={"num_kv_blocks": 4}, max_running=2, max_queue=64),
+        model_entry("vectors", embedding_model, kind="embedding", **victim),
+        model_entry("ranker", rerank_model, kind="rerank", **victim)]},
         env=STEP_DELAY)
     outcomes: list[Outcome] = []
     sent: collections.Counter = collections.Counter()

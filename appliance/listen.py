@@ -48,14 +48,6 @@ def systemd_sockets() -> list[socket.socket]:
     return sockets
 
 
-def address(sock: socket.socket) -> str:
-    name = sock.getsockname()
-    if sock.family == socket.AF_UNIX:
-        return name if isinstance(name, str) else name.decode(errors="replace")
-    host, port = name[:2]
-    return f"[{host}]:{port}" if sock.family == socket.AF_INET6 else f"{host}:{port}"
-
-
 async def start_sites(runner: web.AppRunner, host: str, port: int, also_bind: bool) -> list[web.BaseSite]:
     """Serve on systemd's sockets if it passed any, else on host:port; on both when also_bind (an address given
     on the command line: a container's own loopback, where its health check connects)."""
@@ -63,7 +55,7 @@ async def start_sites(runner: web.AppRunner, host: str, port: int, also_bind: bo
     sites: list[web.BaseSite] = [web.SockSite(runner, sock, backlog=BACKLOG) for sock in passed]
     if passed and not also_bind and port not in (_port_of(sock) for sock in passed):
         log.warning("serving on the socket systemd passed (%s); the config's port %d is not bound",
-                    ", ".join(address(sock) for sock in passed), port)
+                    ", ".join(site.name for site in sites), port)
     if not passed or also_bind:
         sites.append(web.TCPSite(runner, host, port, backlog=BACKLOG))
     for site in sites:

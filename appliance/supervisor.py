@@ -706,6 +706,8 @@ class Supervisor:
             await new.lifecycle.wait_for({ModelState.READY, ModelState.FAILED, ModelState.DRAINING}, None)
         finally:
             self.replacements.discard(new)
+        if new.stopping:  # the server is shutting down
+            return
         if new.state is not ModelState.READY:
             log.error("model %s: its new settings do not load (%s); still serving the previous ones",
                       model.name, new.last_error)

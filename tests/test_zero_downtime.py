@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from load_client import Load
-from test_systemd import CONFIG, HANG_S, OPENARC, RESTART_SEC, boot_service  # noqa: F401 (a fixture)
+from test_systemd import CONFIG, HANG_S, OPENARC, RESTART_SEC, SHORT_WATCHDOG, boot_service  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.systemd
 
@@ -71,9 +71,10 @@ def test_socket_unit_starts_the_service_on_its_listener_and_without_it_the_servi
 
 # --- whole-service restarts ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sig", ["ABRT", "KILL"])
+@pytest.mark.parametrize("sig", ["ABRT", "KILL", "STOP"])
 def test_a_killed_main_process_refuses_no_connection_and_fails_only_the_request_in_flight(boot_service, sig):
-    service = boot_service()
+    """SIGSTOP: the watchdog (WatchdogSec=3 here) kills the wedged process."""
+    service = boot_service(dropins={"60-watchdog.conf": SHORT_WATCHDOG} if sig == "STOP" else None)
     listen_on_model_port(service, "demo")
     service.start("openarc@demo.service")
     with Load(service.port("demo"), "demo") as load:

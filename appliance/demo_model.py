@@ -205,8 +205,8 @@ def _checked_params(*, eos_after: int = 48, max_new_tokens: int = 64, seed: int 
 
 DEMO_KINDS = {
     "llm": DemoKind("appliance.demo_model", "_write_model_files", _checked_params, BUILD_FORMAT),
-    "embedding": DemoKind("appliance.demo_encoder", "write_embedding_model", _seed_only, 1),
-    "rerank": DemoKind("appliance.demo_encoder", "write_rerank_model", _seed_only, 1),
+    "embedding": DemoKind("appliance.demo_encoder", "write_embedding_model", _seed_only, 2),
+    "rerank": DemoKind("appliance.demo_encoder", "write_rerank_model", _seed_only, 2),
     "transcription": DemoKind("appliance.demo_whisper", "write_whisper_model", _seed_only, 1),
 }
 

@@ -70,7 +70,7 @@ class Metrics:
         self.worker_rss = Gauge("openarc_worker_resident_memory_bytes", "Host RAM resident in the model's worker",
                                 ["model"], registry=r)
         self.requests_running = Gauge("openarc_requests_running", "Requests generating in the worker", ["model"], registry=r)
-        self.requests_waiting = Gauge("openarc_requests_waiting", "Requests queued in the front", ["model"], registry=r)
+        self.requests_waiting = Gauge("openarc_requests_waiting", "Requests queued in the front, or waiting for the model to be ready", ["model"], registry=r)
         self.prompt_tokens = Counter("openarc_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
         self.generation_tokens = Counter("openarc_generation_tokens", "Tokens generated", ["model"], registry=r)
         self.ttft = Histogram("openarc_time_to_first_token_seconds", "Time from request to its first token", ["model"],

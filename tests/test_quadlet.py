@@ -314,6 +314,15 @@ def test_per_instance_port_drop_in(quadlet_root, tmp_path):
     assert rendered_run(rendered, "openarc@demo.service", "demo").values("--publish") == ["127.0.0.1:8000:8000"]
 
 
+
+def test_socket_activation_drop_in_leaves_publishing_to_the_socket(quadlet_root, tmp_path):
+    """README "Socket activation" (Podman): the socket unit holds the port, so the container publishes none."""
+    rendered = render(quadlet_root, tmp_path, extra={"openarc@qwen.container.d/socket.conf": "[Container]\nPublishPort=\n"},
+                      links={"openarc@demo.container": "openarc@.container", "openarc@qwen.container": "openarc@.container"})
+    assert rendered.returncode == 0, rendered.stderr
+    assert rendered_run(rendered, "openarc@qwen.service", "qwen").values("--publish") == []
+    assert rendered_run(rendered, "openarc@demo.service", "demo").values("--publish") == ["127.0.0.1:8000:8000"]
+
 # --- the image the quadlets run --------------------------------------------------------------------------
 
 def containerfile_instructions() -> list[tuple[str, str]]:

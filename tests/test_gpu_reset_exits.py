@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from appliance import ipc
 from appliance.config import load_config
 from appliance.faults import OOM_HINT
 from appliance.lifecycle import Exit, ExitReason, ModelState
@@ -71,8 +72,8 @@ def test_a_cpu_workers_crash_is_not_blamed_on_a_gpu_reset(tmp_path, demo_model, 
 def test_a_device_oom_next_to_a_gpu_hang_is_a_lost_device_and_ends_the_worker(tmp_path, demo_model, kernel_log):
     log, source = kernel_log
     sup, _ = supervisor(tmp_path, demo_model, log, "GPU")
-    frame = {"op": "error", "id": 1, "kind": "device_oom", "code": "device_out_of_memory", "hint": OOM_HINT,
-             "message": OCL_OUT_OF_RESOURCES}
+    frame = ipc.frame("error", id=1, kind="device_oom", code="device_out_of_memory", hint=OOM_HINT,
+                      message=OCL_OUT_OF_RESOURCES, retryable=False)
     plain = sup._request_error(frame)
     assert (plain.status, plain.kind, plain.code, plain.hint) == (500, "device_oom", "device_out_of_memory", OOM_HINT)
     assert sup._ending is None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.api.errors import InvalidRequest
-from appliance.api.fields import json_object, number, utf8
+from appliance.api.fields import json_object, model_name, number, utf8
 from appliance.api.sampling import sampling_params
 from appliance.api.structured import constraint
 from appliance.api.tools import ToolRequest, assistant_tool_calls, name_tool_results, parse_tools
@@ -71,11 +71,7 @@ def _stop(body: dict) -> list[str]:
 
 
 def _common(body: Any, chat: bool) -> tuple[str, dict[str, Any], bool, bool, int]:
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required and must be a string", "model")
+    model = model_name(body)
     choices = number(body, "n", 1, MAX_CHOICES, integer=True) or 1
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     params = {

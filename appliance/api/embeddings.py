@@ -16,7 +16,7 @@ from aiohttp import web
 
 from appliance.api import fields
 from appliance.api.errors import InvalidRequest
-from appliance.api.results import ResultRequest, ResultRoute, model_name
+from appliance.api.results import ResultRequest, ResultRoute
 from appliance.supervisor import Event
 
 ENCODING_FORMATS = ("float", "base64")
@@ -28,7 +28,7 @@ def add_routes(app: web.Application, appliance) -> None:
 
 
 def parse(body: Any) -> ResultRequest:
-    model = model_name(body)
+    model = fields.model_name(body)
     inputs = _inputs(body.get("input"))
     encoding = body.get("encoding_format", "float")
     if encoding not in ENCODING_FORMATS:

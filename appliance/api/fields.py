@@ -1,11 +1,31 @@
-"""Checks of single request fields, shared by every route family's validation: each raises InvalidRequest
-(-> HTTP 400) naming the parameter."""
+"""Checks of a request's JSON body and its single fields, shared by every route family's validation: each
+raises InvalidRequest (-> HTTP 400) naming the parameter."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from aiohttp import web
+
 from appliance.api.errors import InvalidRequest
+
+
+async def json_body(request: web.Request) -> Any:
+    try:
+        return await request.json(loads=json.loads)
+    except (ValueError, RecursionError, LookupError):  # bad JSON, too deep, too long a number, bad charset
+        raise InvalidRequest("the request body is not valid JSON") from None
+
+
+def model_name(body: Any) -> str:
+    """The body's `model`, checking first that the body is a JSON object."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required and must be a string", "model")
+    return model
 
 
 def number(body: dict, key: str, low: float, high: float, integer: bool = False) -> float | int | None:

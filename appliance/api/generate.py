@@ -16,6 +16,7 @@ from aiohttp import web
 from appliance.api.answer import AnswerParser
 from appliance.api.completions import GenerationRequest, ResponseShaper, parse_chat, parse_completion
 from appliance.api.errors import ERROR_TYPES, InvalidRequest, error_body
+from appliance.api.fields import json_body
 from appliance.api.tool_parsers import parser_for
 from appliance.supervisor import Event, RequestFailed
 
@@ -40,10 +41,7 @@ class GenerationRoutes:
         started = time.monotonic()
         model_label, req = "", None
         try:
-            try:
-                body = await request.json(loads=json.loads)
-            except (ValueError, RecursionError, LookupError):  # bad JSON, too deep, too long a number, bad charset
-                raise InvalidRequest("the request body is not valid JSON")
+            body = await json_body(request)
             model_label = self.appliance.model_label(body)
             req = parse(body)
             sup = await self.appliance.model_for(req.model, endpoint, ("llm",))

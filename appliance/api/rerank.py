@@ -14,7 +14,7 @@ from aiohttp import web
 
 from appliance.api import fields
 from appliance.api.errors import InvalidRequest
-from appliance.api.results import ResultRequest, ResultRoute, model_name
+from appliance.api.results import ResultRequest, ResultRoute
 from appliance.supervisor import Event
 
 COHERE_TRUNCATE = {"END": True, "NONE": False}
@@ -27,7 +27,7 @@ def add_routes(app: web.Application, appliance) -> None:
 
 
 def parse(body: Any) -> ResultRequest:
-    model = model_name(body)
+    model = fields.model_name(body)
     query = fields.text(body.get("query"), "query")
     documents = _documents(body.get("documents"))
     top_n = fields.number(body, "top_n", 1, 1 << 31, integer=True)

@@ -2,12 +2,12 @@
 refuse too many inputs, hand one frame to its worker, wait for its one `result`, count it, shape it.
 
 A route module supplies a parse function (body -> a ResultRequest) and a shape function (request, the result
-Event: its `result` dict and `prompt_tokens` -> web.Response); failures become OpenAI error bodies exactly as on the generation routes.
+Event: its `result` dict and `prompt_tokens` -> web.Response); failures become OpenAI error bodies exactly as on
+the generation routes.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -15,6 +15,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from appliance.api.errors import InvalidRequest
+from appliance.api.fields import json_body
 from appliance.supervisor import Event, RequestFailed
 
 
@@ -26,23 +27,6 @@ class ResultRequest:
     model: str
     inputs: int
     body: dict[str, Any]
-
-
-def model_name(body: Any) -> str:
-    """The body's `model`, once the body is known to be a JSON object."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required and must be a string", "model")
-    return model
-
-
-async def json_body(request: web.Request) -> Any:
-    try:
-        return await request.json(loads=json.loads)
-    except (ValueError, RecursionError, LookupError):  # bad JSON, too deep, too long a number, bad charset
-        raise InvalidRequest("the request body is not valid JSON") from None
 
 
 class ResultRoute:

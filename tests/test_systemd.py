@@ -234,6 +234,22 @@ def test_transcription_decodes_and_transcribes_inside_the_sandbox(boot_service, 
     assert status == 200 and reply["text"] == TRANSCRIPT, reply
 
 
+def test_embedding_and_rerank_instances_serve_inside_the_sandbox(boot_service, embedding_model, rerank_model):
+    """openarc@NAME for the other worker kinds: the hardened unit runs their pipelines as it runs an LLM's."""
+    service = boot_service(extra_models={"embed": (embedding_model, {"kind": "embedding"}),
+                                         "rank": (rerank_model, {"kind": "rerank"})})
+    service.start("openarc@embed")
+    service.start("openarc@rank")
+    assert service.status("embed")["kind"] == "embedding" and service.status("rank")["kind"] == "rerank"
+    status, _, reply = http("POST", service.url("/v1/embeddings", "embed"),
+                            {"model": "embed", "input": ["a cat on a mat", "GPU drivers crash"]}, timeout=HANG_S)
+    assert status == 200 and [len(d["embedding"]) for d in reply["data"]] == [128, 128], reply
+    status, _, reply = http("POST", service.url("/v1/rerank", "rank"),
+                            {"model": "rank", "query": "cat", "documents": ["GPU drivers crash", "a cat on a mat"]},
+                            timeout=HANG_S)
+    assert status == 200 and reply["results"][0]["index"] == 1, reply
+
+
 def test_main_process_abort_cuts_requests_and_restarts_the_unit(boot_service):
     service = boot_service()
     service.start("openarc@long")

@@ -117,6 +117,11 @@ tool_results = st.fixed_dictionaries({"role": st.just("tool"), "content": texts 
                                       "tool_call_id": texts | json_values})
 
 
+DEEP_SCHEMA: dict = {"type": "string"}
+for _ in range(400):  # deep enough to take genai's schema compiler many seconds, and Python's json.dumps to its limit
+    DEEP_SCHEMA = {"type": "object", "properties": {"a": DEEP_SCHEMA}}
+
+
 @st.composite
 def bodies_with_new_fields(draw) -> dict:
     body = valid_body(draw(st.sampled_from(ENDPOINTS)))
@@ -196,6 +201,19 @@ def test_mutated_valid_bodies_are_served_or_refused_cleanly(app, endpoint, body)
 def test_tools_constraints_and_sampling_fields_are_served_or_refused_cleanly(app, body):
     endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     assert_clean(*post(app, endpoint, body))
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": DEEP_SCHEMA}}},
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a":' * 900 + "1" + "}" * 900}}]}]},
+], ids=["deep schema", "deep tool-call arguments"])
+def test_deeply_nested_json_is_refused_before_it_costs_anything(app, body):
+    """Not generated (hypothesis cannot print a value this deep): a schema nested 400 levels takes genai's
+    compiler many seconds, and Python's own JSON encoder stops near 500."""
+    status, reply = post(app, "/v1/chat/completions", {**valid_body("/v1/chat/completions"), **body})
+    assert_clean(status, reply)
+    assert status == 400 and "deeper than" in reply["error"]["message"], reply
 
 
 @HTTP_FUZZ

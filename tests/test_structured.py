@@ -14,6 +14,9 @@ from conftest import Appliance, http, model_entry
 
 CHAT = [{"role": "user", "content": "Describe the weather."}]
 THINK = r"<think>[a-z ]{5,40}</think>\nHello [a-z]{3,10}"
+DEEP = {"type": "string"}
+for _ in range(300):  # 300 levels took genai 8 s to compile: refused up front
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
 
 
 class Weather(BaseModel):
@@ -146,6 +149,7 @@ def test_an_uncompilable_constraint_is_a_400_while_a_concurrent_request_complete
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": DEEP}}, "structured_outputs.json"),
 ])
 def test_malformed_constraints_are_refused_by_name(app, body, param):
     status, _, reply = http("POST", app.base + "/v1/chat/completions", {"model": "demo", "messages": CHAT, **body})

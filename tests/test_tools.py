@@ -16,6 +16,9 @@ from conftest import FIXTURES, Appliance, http, model_entry
 
 TEMPLATES = FIXTURES / "chat-templates"
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+DEEP: list = []
+for _ in range(40):
+    DEEP = [DEEP]
 
 
 class WeatherArgs(BaseModel, extra="forbid"):
@@ -236,6 +239,8 @@ def test_tools_on_a_model_without_a_tool_format_are_a_400_naming_the_key(app):
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}]},
      "messages[0].tool_calls[0].function.name"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "default": DEEP}}}]},
+     "tools[0].function.parameters"),
 ])
 def test_malformed_tool_requests_are_refused_by_name(app, body, param):
     status, _, reply = http("POST", app.base + "/v1/chat/completions", {"model": "demo", "messages": CHAT, **body})

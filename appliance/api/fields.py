@@ -64,21 +64,25 @@ def text(value: Any, where: str, empty: bool = False) -> str:
     return utf8(value, where)
 
 
+MAX_JSON_DEPTH = 32  # schemas nest far less; genai's schema compile time grows steeply with depth (8 s at 300)
+
+
 def json_object(value: Any, where: str) -> dict:
-    """A JSON object whose strings are valid Unicode throughout (it is serialised for the worker and genai)."""
+    """A JSON object, at most MAX_JSON_DEPTH deep, whose strings are valid Unicode throughout (it is serialised for
+    the worker and compiled by genai)."""
     if not isinstance(value, dict):
         raise InvalidRequest(f"'{where}' must be a JSON object", where)
-    _check_strings(value, where)
+    pending = [(value, 1)]  # iterative: a deep value must not exhaust Python's recursion limit here
+    while pending:
+        item, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(f"'{where}' nests deeper than {MAX_JSON_DEPTH} levels", where)
+        if isinstance(item, str):
+            utf8(item, where)
+        elif isinstance(item, dict):
+            for key in item:
+                utf8(key, where)
+            pending += [(child, depth + 1) for child in item.values()]
+        elif isinstance(item, list):
+            pending += [(child, depth + 1) for child in item]
     return value
-
-
-def _check_strings(value: Any, where: str) -> None:
-    if isinstance(value, str):
-        utf8(value, where)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            utf8(key, where)
-            _check_strings(item, where)
-    elif isinstance(value, list):
-        for item in value:
-            _check_strings(item, where)

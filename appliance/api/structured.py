@@ -87,8 +87,9 @@ def _schema_text(schema: Any, where: str) -> str:
             raise InvalidRequest(f"'{where}' is not valid JSON", where) from None
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
+    json_object(schema, where)
     try:
-        return json.dumps(json_object(schema, where), allow_nan=False)
+        return json.dumps(schema, allow_nan=False)
     except ValueError:
         raise InvalidRequest(f"'{where}' holds a number JSON cannot carry (NaN or infinity)", where) from None
 

@@ -106,19 +106,26 @@ def assistant_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
             raise InvalidRequest(f"'{at}' must be {{\"id\", \"type\": \"function\", \"function\": {{...}}}}", at)
         function = call["function"]
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                parsed = json.loads(text(arguments, f"{at}.function.arguments", empty=True) or "{}")
-            except ValueError:
-                parsed = arguments  # not JSON: the template gets the text as it was
-            arguments = parsed
-        elif not isinstance(arguments, dict):
-            raise InvalidRequest(f"'{at}.function.arguments' must be a JSON string", f"{at}.function.arguments")
+        arguments = _arguments(function.get("arguments", "{}"), f"{at}.function.arguments")
         call_id = call.get("id")
         out.append({"id": text(call_id, f"{at}.id") if call_id is not None else f"call_{i}", "type": "function",
                     "function": {"name": text(function.get("name"), f"{at}.function.name"), "arguments": arguments}})
     return out
+
+
+def _arguments(raw: Any, where: str) -> dict | str:
+    """A call's arguments as an object where they are one (a JSON object, or its text); other text as it was."""
+    if isinstance(raw, str):
+        try:
+            parsed = json.loads(text(raw, where, empty=True) or "{}")
+        except (ValueError, RecursionError):
+            return raw
+        if not isinstance(parsed, dict):
+            return raw
+        raw = parsed
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"'{where}' must be a JSON string", where)
+    return json_object(raw, where)
 
 
 def name_tool_results(messages: list[dict[str, Any]]) -> None:

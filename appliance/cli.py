@@ -62,7 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.path)
-    names = ", ".join(f"{m.name} ({m.device})" for m in config.models) or "no models"
+    names = ", ".join(f"{m.name} ({m.device}{'' if m.kind == 'llm' else ', ' + m.kind})" for m in config.models)
+    names = names or "no models"
     print(f"{args.path}: OK: {names}")
     for warning in config.shared_gpu_warnings():
         print(f"openarc: warning: {warning}", file=sys.stderr)

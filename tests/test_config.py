@@ -130,6 +130,15 @@ def test_check_config_exits_zero_on_a_valid_file(tmp_path):
     assert "OK: qwen-14b (GPU.0), small (CPU)" in done.stdout
 
 
+def test_check_config_names_each_model_kind_but_llm(tmp_path):
+    data = {"models": [{"name": "chat", "path": "/m/chat"},
+                       {"name": "bge", "path": "/m/bge", "kind": "embedding", "device": "GPU.0", "pooling": "mean"},
+                       {"name": "rank", "path": "/m/rank", "kind": "rerank"}]}
+    done = run_cli("check-config", write(tmp_path, data))
+    assert done.returncode == 0, done.stderr
+    assert "OK: chat (CPU), bge (GPU.0, embedding), rank (CPU, rerank)" in done.stdout
+
+
 def test_check_config_exits_nonzero_with_one_clear_line(tmp_path):
     path = write(tmp_path, {"models": [{"name": "a", "path": "/a", "devise": "GPU"}]})
     done = run_cli("check-config", path)

@@ -27,3 +27,17 @@ def test_demo_model_serves_on_the_gpu_and_reports_vram(appliance_factory, demo_m
     assert used and total, "no VRAM figures from the worker"
     device = dict(next(iter(total))[1])["device"]
     assert any(dict(k[1])["device"] == device for k in used)  # one label for a card: its PCI address
+
+
+def test_embedding_and_rerank_models_serve_on_the_gpu(appliance_factory, embedding_model, rerank_model):
+    """The other worker kinds on the card: the same genai pipelines, compiled for the GPU plugin."""
+    app = appliance_factory({"models": [model_entry("embed", embedding_model, kind="embedding", device="GPU"),
+                                        model_entry("rank", rerank_model, kind="rerank", device="GPU")]})
+    vectors = [d.embedding for d in app.client().embeddings.create(model="embed", input=["a cat on a mat",
+                                                                                         "the cat sat on the mat",
+                                                                                         "GPU drivers crash"]).data]
+    similarity = [sum(a * b for a, b in zip(vectors[0], v)) for v in vectors[1:]]  # unit vectors: dot = cosine
+    assert similarity[0] > similarity[1] + 0.3
+    reply = app.client().post("/rerank", body={"model": "rank", "query": "cat",
+                                               "documents": ["GPU drivers crash", "a cat on a mat"]}, cast_to=object)
+    assert reply["results"][0]["index"] == 1

@@ -75,10 +75,13 @@ def test_status_shows_each_models_formats_detected_or_configured(app):
         assert status[name]["tool_parser"] == family
 
 
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}  # Qwen3's template closes the think block
+
+
 @pytest.mark.parametrize("model", ["demo", "sdpa", *FAMILIES])
 def test_required_tool_choice_returns_schema_valid_calls(app, model):
     reply = app.client().chat.completions.create(model=model, messages=CHAT, tools=TOOLS, tool_choice="required",
-                                                 max_tokens=300)
+                                                 max_tokens=300, extra_body=NO_THINKING)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert_valid_calls(choice.message.tool_calls)
@@ -180,6 +183,32 @@ def test_a_template_that_opens_the_think_block_splits_reasoning(app):
     assert message.reasoning_content and "<think>" not in message.reasoning_content
     assert message.content.startswith("OK "), message
     assert 0 < reply.usage.completion_tokens_details.reasoning_tokens < reply.usage.completion_tokens
+
+
+@pytest.mark.parametrize("model, field", [("qwen3", "tools"), ("qwen3", "response_format"),
+                                          ("r1", "response_format")])
+def test_a_reasoning_model_thinks_before_a_forced_answer(app, model, field):
+    """Forced calls and response_format apply after the think block (the template's or the model's own): the
+    demo model, which never closes the block by itself, is made to open one and then thinks on until max_tokens."""
+    extra = ({"tools": TOOLS, "tool_choice": "required"} if field == "tools"
+             else {"response_format": {"type": "json_object"}})
+    reply = app.client().chat.completions.create(model=model, messages=CHAT, max_tokens=12, **extra)
+    message = reply.choices[0].message
+    assert message.reasoning_content and not message.content and not message.tool_calls, message
+    assert not message.reasoning_content.lstrip().startswith(("{", "<tool_call>"))  # free thought, not the answer
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 12
+    # with thinking off, the same request answers at once
+    if model == "qwen3":
+        reply = app.client().chat.completions.create(model=model, messages=CHAT, max_tokens=300, extra_body=NO_THINKING,
+                                                     **extra)
+        assert reply.choices[0].message.tool_calls or json.loads(reply.choices[0].message.content) is not None
+
+
+def test_structured_outputs_constrain_a_reasoning_models_whole_answer(app):
+    reply = app.client().chat.completions.create(model="qwen3", messages=CHAT, max_tokens=20,
+                                                 extra_body={"structured_outputs": {"regex": "[a-z]{5}"}})
+    assert reply.choices[0].message.content and len(reply.choices[0].message.content) == 5
 
 
 def test_chat_template_kwargs_reach_the_template(app):

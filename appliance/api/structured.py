@@ -22,7 +22,8 @@ ANY_JSON_OBJECT = '{"type": "object"}'
 
 def constraint(body: dict) -> dict[str, Any] | None:
     """The request's output constraint, {"type": json_schema|regex|grammar, ..., "kind": metric label, "param":
-    the request field it came from}, or None."""
+    the request field it came from, "after_reasoning": true for response_format (on a reasoning model the answer
+    after the think block is constrained; structured_outputs constrains the whole output as written)}, or None."""
     found = [c for c in (_response_format(body), _structured_outputs(body)) if c is not None]
     if len(found) > 1:
         raise InvalidRequest("use either 'response_format' or 'structured_outputs', not both", "structured_outputs")
@@ -38,7 +39,8 @@ def _response_format(body: dict) -> dict[str, Any] | None:
     if fmt["type"] == "text":
         return None
     if fmt["type"] == "json_object":
-        return {"type": "json_schema", "schema": ANY_JSON_OBJECT, "kind": "json_object", "param": "response_format"}
+        return {"type": "json_schema", "schema": ANY_JSON_OBJECT, "kind": "json_object", "param": "response_format",
+                "after_reasoning": True}
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
         raise InvalidRequest("'response_format.json_schema' must be an object with 'name' and 'schema'",
@@ -46,7 +48,7 @@ def _response_format(body: dict) -> dict[str, Any] | None:
     text(spec.get("name"), "response_format.json_schema.name")
     schema = spec.get("schema", {})
     return {"type": "json_schema", "schema": _schema_text(schema, "response_format.json_schema.schema"),
-            "kind": "json_schema", "param": "response_format.json_schema.schema"}
+            "kind": "json_schema", "param": "response_format.json_schema.schema", "after_reasoning": True}
 
 
 def _structured_outputs(body: dict) -> dict[str, Any] | None:

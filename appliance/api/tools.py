@@ -43,7 +43,7 @@ class ToolRequest:
         if not self.active or (self.choice == "auto" and not strict):
             return None
         names = [self.named] if self.named else list(self.schemas())
-        return {"type": "tool_calls", "kind": "tool_calls", "param": "tools",
+        return {"type": "tool_calls", "kind": "tool_calls", "param": "tools", "after_reasoning": True,
                 "tools": [{"name": n, "parameters": json.dumps(self.schemas()[n])} for n in names],
                 "required": self.choice != "auto", "single": not self.parallel or self.named is not None}
 

@@ -17,6 +17,8 @@ import re
 import threading
 from typing import Any
 
+from appliance.chat_formats import THINK_CLOSE, THINK_OPEN
+
 log = logging.getLogger("openarc.worker")
 
 PROBE_CACHE_SIZE = 256
@@ -52,6 +54,21 @@ def structured_output_config(constraint: dict[str, Any], tool_parser: str | None
     if kind == "tool_calls":
         return config(structural_tags_config=_tool_call_tags(constraint, tool_parser))
     raise InvalidGrammar(f"unknown constraint type {kind!r}")
+
+
+def after_reasoning(constraint: dict[str, Any], tool_parser: str | None, opened: bool):
+    """The constraint applied after a think block the model writes freely (opened by the template already, or
+    by the model): reasoning models are trained to think before they answer or call a tool, and a JSON grammar
+    from the first token would forbid it."""
+    import openvino_genai
+    config = openvino_genai.StructuredOutputConfig
+    kind = constraint["type"]
+    answer = {"json_schema": lambda: config.JSONSchema(constraint["schema"]),
+              "regex": lambda: config.Regex(constraint.get("regex", "")),
+              "grammar": lambda: config.EBNF(constraint.get("grammar", "")),
+              "tool_calls": lambda: _tool_call_tags(constraint, tool_parser)}[kind]()
+    think = config.Tag("" if opened else THINK_OPEN, config.AnyText(), THINK_CLOSE)
+    return config(structural_tags_config=config.Concat(think, config.Regex(r"\s*"), answer))
 
 
 def _tool_call_tags(constraint: dict[str, Any], tool_parser: str | None):

@@ -14,7 +14,7 @@ from pathlib import Path
 from appliance import chat_formats, faults
 from appliance.detokenize import make_detokenizer
 from appliance.engines.base import Engine
-from appliance.engines.constraints import GrammarProbe, InvalidGrammar, genai_message
+from appliance.engines.constraints import GrammarProbe, InvalidGrammar, after_reasoning, genai_message
 from appliance.ipc import frame
 
 log = logging.getLogger("openarc.worker")
@@ -144,7 +144,7 @@ class LLMEngine(Engine):
 
     def _request(self, message: dict[str, Any]) -> Request:
         params = message["params"]
-        input_ids, prefix = self._prompt(message)
+        input_ids, prefix, thinking = self._prompt(message)
         prompt_tokens = int(input_ids.get_shape()[1])
         max_tokens = params.get("max_tokens") or self.spec["default_max_tokens"]
         limit = self.spec["max_context"]
@@ -156,7 +156,8 @@ class LLMEngine(Engine):
             raise Refused(INVALID_REQUEST, "'logprobs' is not available with pipeline: stateful "
                                            "(genai's LLMPipeline streams token ids only)")
         req = Request(message["id"], input_ids, prompt_tokens, max_tokens, params,
-                      stream=message.get("stream", True), structured=self._structured(message), prefix=prefix,
+                      stream=message.get("stream", True), structured=self._structured(message, thinking, opened=bool(prefix)),
+                      prefix=prefix,
                       template_opened=bool(prefix), logprobs=[] if params.get("logprobs") else None)
         if params.get("seed") is not None:
             req.seed = params["seed"]
@@ -166,30 +167,41 @@ class LLMEngine(Engine):
             raise Refused(INVALID_REQUEST, f"invalid sampling parameters: {genai_message(exc)}") from None
         return req
 
-    def _prompt(self, message: dict[str, Any]) -> tuple[Any, str]:
-        """The prompt's token ids, and the text the template already wrote for the answer (an opened <think>)."""
-        prefix, text = "", message.get("prompt", "")
+    def _prompt(self, message: dict[str, Any]) -> tuple[Any, str, bool]:
+        """The prompt's token ids, the text the template already wrote for the answer (an opened <think>), and
+        whether the answer starts with reasoning (a reasoning model whose template did not close the block, as
+        Qwen3's does for enable_thinking: false)."""
+        prefix, text, thinking = "", message.get("prompt", ""), False
         if message["kind"] == "chat":
             try:
                 text = self._render(message)
             except Exception as exc:  # the template refused this conversation (raise_exception, a missing field)
                 raise Refused(INVALID_REQUEST, "the model's chat template cannot render this conversation: "
                                                f"{genai_message(exc)}") from None
-            if self.formats["reasoning_parser"] and text.rstrip().endswith(chat_formats.THINK_OPEN):
-                prefix = chat_formats.THINK_OPEN  # the answer starts inside the block the template opened
+            if self.formats["reasoning_parser"]:
+                tail = text.rstrip()
+                if tail.endswith(chat_formats.THINK_OPEN):
+                    prefix = chat_formats.THINK_OPEN  # the answer starts inside the block the template opened
+                thinking = not tail.endswith(chat_formats.THINK_CLOSE)
         try:
-            return self.tokenizer.encode(text, add_special_tokens=message["kind"] != "chat").input_ids, prefix
+            input_ids = self.tokenizer.encode(text, add_special_tokens=message["kind"] != "chat").input_ids
+            return input_ids, prefix, thinking
         except Exception as exc:  # a tokenizer error belongs to this request only
             raise Refused(self.classify(str(exc)), str(exc)) from None
 
-    def _structured(self, message: dict[str, Any]):
-        """The request's StructuredOutputConfig (compiled by the probe already, or now), or None."""
-        if not message.get("constraint"):
+    def _structured(self, message: dict[str, Any], thinking: bool, opened: bool):
+        """The request's StructuredOutputConfig (compiled by the probe already, or now), or None. On a reasoning
+        model, response_format and tool calls apply after the think block (structured_outputs as written)."""
+        constraint = message.get("constraint")
+        if not constraint:
             return None
         try:
             if "probe_error" in message:
                 raise InvalidGrammar(message["probe_error"])
-            return self.probe.check(message["constraint"], self.formats["tool_parser"])
+            config = self.probe.check(constraint, self.formats["tool_parser"])
+            if thinking and constraint.get("after_reasoning"):
+                return after_reasoning(constraint, self.formats["tool_parser"], opened=opened)
+            return config
         except InvalidGrammar as exc:
             log.info("request %s: constraint does not compile: %s", message["id"], exc)
             raise Refused(INVALID_GRAMMAR, f"the output constraint cannot be compiled: {exc}") from None

@@ -120,13 +120,14 @@ def _build_encoder(hf_tokenizer, rng: np.random.Generator, rerank: bool):
         cls = ops.gather(hidden, ops.constant(0), 1)
         head = rng.normal(0.0, HIDDEN ** -0.5, (1, HIDDEN)).astype(np.float32)
         nudge = ops.matmul(cls, ops.constant(head), False, True)
-        logits = ops.add(ops.add(ops.multiply(_cosine(query_words, document_words), ops.constant(np.float32(RERANK_SCALE))),
-                                 ops.constant(np.float32(RERANK_BIAS))),
+        relevance = ops.multiply(_cosine(query_words, document_words), ops.constant(np.float32(RERANK_SCALE)))
+        logits = ops.add(ops.add(relevance, ops.constant(np.float32(RERANK_BIAS))),
                          ops.multiply(nudge, ops.constant(np.float32(TRANSFORMER_SHARE))))
         output, name = logits, "logits"
     else:
         words = ops.unsqueeze(_bag_of_words(input_ids, mask, word_vectors), [1])
-        output, name = ops.add(words, ops.multiply(hidden, ops.constant(np.float32(TRANSFORMER_SHARE)))), "last_hidden_state"
+        output = ops.add(words, ops.multiply(hidden, ops.constant(np.float32(TRANSFORMER_SHARE))))
+        name = "last_hidden_state"
     result = ops.result(output)
     result.get_output_tensor(0).set_names({name})
     return ov.Model([result], list(inputs), "openarc-demo-" + ("rerank" if rerank else "embedding"))
@@ -155,8 +156,8 @@ def bert_encoder(inputs, weights: Mapping[str, np.ndarray], heads: int, eps: flo
     def layer_norm(x, name: str):
         return ops.add(ops.multiply(_layer_norm(x, eps), const(f"{name}.weight")), const(f"{name}.bias"))
 
-    positions = ops.range(ops.constant(np.int64(0)), ops.gather(ops.shape_of(input_ids), ops.constant(1), ops.constant(0)),
-                          ops.constant(np.int64(1)), "i64")
+    length = ops.gather(ops.shape_of(input_ids), ops.constant(1), ops.constant(0))
+    positions = ops.range(ops.constant(np.int64(0)), length, ops.constant(np.int64(1)), "i64")
     x = ops.add(ops.add(ops.gather(const("embeddings.word_embeddings.weight"), input_ids, 0),
                         ops.gather(const("embeddings.position_embeddings.weight"), positions, 0)),
                 ops.gather(const("embeddings.token_type_embeddings.weight"), token_type_ids, 0))

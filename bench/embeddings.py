@@ -40,7 +40,8 @@ WORDS = ("the cat sat on the mat while a dog ran in the park and the weather was
 
 def texts(count: int, offset: int = 0) -> list[str]:
     """Distinct sentences of 12 to 27 words."""
-    return [" ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(12 + i % 16)) for i in range(offset, offset + count)]
+    return [" ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(12 + i % 16))
+            for i in range(offset, offset + count)]
 
 
 # --- the baseline, in its own process ----------------------------------------------------------------------

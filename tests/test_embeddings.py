@@ -167,7 +167,8 @@ def test_oversize_and_malformed_inputs_are_400s(app, body, code):
 
 
 def test_truncate_true_embeds_the_first_tokens(app):
-    status, _, reply = http("POST", app.base + "/v1/embeddings", {"model": "embed", "input": LONG_TEXT, "truncate": True})
+    status, _, reply = http("POST", app.base + "/v1/embeddings",
+                            {"model": "embed", "input": LONG_TEXT, "truncate": True})
     assert status == 200 and reply["usage"]["prompt_tokens"] == MAX_TOKENS, reply
 
 
@@ -221,33 +222,42 @@ def test_rerank_truncate_scores_long_documents(app):
 
 # --- failures ------------------------------------------------------------------------------------------------
 
-def poisoned_embedding_model(src, dst, word: str):
-    """A copy of the embedding demo whose graph fails at inference (a real OpenVINO Reshape error) for any input
-    holding `word`'s token, and works for every other input."""
+def edited_embedding_model(src, dst, word: str, edit):
+    """A copy of the embedding demo whose output is edit(output, has_word): has_word an i64 scalar, 1 when the
+    input holds `word`'s token. Every other input gets the demo's own vectors."""
     import openvino as ov
-    from openvino import opset13 as ops
     import openvino_genai
+    from openvino import opset13 as ops
 
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("openvino_model.*"))
     (word_id,) = openvino_genai.Tokenizer(str(src)).encode(word, add_special_tokens=False).input_ids.data[0]
     model = ov.Core().read_model(src / "openvino_model.xml")
     ids = next(p for p in model.get_parameters() if p.get_friendly_name() == "input_ids")
     has_word = ops.reduce_max(ops.convert(ops.equal(ids, ops.constant(np.int64(word_id))), "i64"), [0, 1], False)
-    elements = ops.reduce_prod(ops.shape_of(ids), [0], True)
-    # [-1, 1] without the word; [-1, elements + 1] with it, which no element count fits
-    columns = ops.add(ops.constant(np.array([1], np.int64)), ops.multiply(has_word, elements))
-    check = ops.reshape(ids, ops.concat([ops.constant(np.array([-1], np.int64)), columns], 0), False)
     result = model.get_results()[0]
-    poisoned = ops.add(result.input_value(0),
-                       ops.multiply(ops.reduce_sum(ops.convert(check, "f32"), [0, 1], False), ops.constant(np.float32(0))))
-    result.input(0).replace_source_output(poisoned.output(0))
+    result.input(0).replace_source_output(edit(ops, ids, result.input_value(0), has_word).output(0))
     ov.save_model(model, dst / "openvino_model.xml")
     return dst
 
 
+def failing_at_inference(ops, ids, output, has_word):
+    """A real OpenVINO Reshape error for an input with the word: [-1, 1] fits any input, [-1, elements + 1] none."""
+    elements = ops.reduce_prod(ops.shape_of(ids), [0], True)
+    columns = ops.add(ops.constant(np.array([1], np.int64)), ops.multiply(has_word, elements))
+    check = ops.reshape(ids, ops.concat([ops.constant(np.array([-1], np.int64)), columns], 0), False)
+    unused = ops.multiply(ops.reduce_sum(ops.convert(check, "f32"), [0, 1], False), ops.constant(np.float32(0)))
+    return ops.add(output, unused)
+
+
+def not_a_number(ops, ids, output, has_word):
+    """NaN in every vector of an input batch with the word, as a broken model gives."""
+    return ops.add(output, ops.select(ops.convert(has_word, "boolean"), ops.constant(np.float32("nan")),
+                                      ops.constant(np.float32(0))))
+
+
 def test_an_inference_error_is_a_500_for_that_request_and_the_worker_keeps_serving(appliance_factory, embedding_model,
                                                                                   tmp_path):
-    model = poisoned_embedding_model(embedding_model, tmp_path / "poisoned", "gold")
+    model = edited_embedding_model(embedding_model, tmp_path / "poisoned", "gold", failing_at_inference)
     app = appliance_factory({"models": [model_entry("embed", model, kind="embedding")]})
     pid = app.worker_pid("embed")
     client = app.client()
@@ -257,6 +267,17 @@ def test_an_inference_error_is_a_500_for_that_request_and_the_worker_keeps_servi
     assert len(client.embeddings.create(model="embed", input=DOCS).data) == 4
     status = app.model_status("embed")
     assert (status["pid"], status["state"], status["restarts"], status["crashes"]) == (pid, "ready", 0, 0)
+
+
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+def test_a_model_returning_nan_is_a_500_not_invalid_json(appliance_factory, embedding_model, tmp_path, encoding):
+    model = edited_embedding_model(embedding_model, tmp_path / "nan", "gold", not_a_number)
+    app = appliance_factory({"models": [model_entry("embed", model, kind="embedding")]})
+    status, _, reply = http("POST", app.base + "/v1/embeddings",
+                            {"model": "embed", "input": "gold and bonds", "encoding_format": encoding})
+    assert status == 500 and "non-finite" in reply["error"]["message"], reply
+    status, _, reply = http("POST", app.base + "/v1/embeddings", {"model": "embed", "input": "a cat"})
+    assert status == 200 and len(reply["data"][0]["embedding"]) == 128
 
 
 def in_flight(app, path: str, body: dict) -> tuple[threading.Thread, list]:

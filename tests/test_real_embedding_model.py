@@ -82,7 +82,8 @@ def reference_embedding(src: Path, text: str) -> np.ndarray:
 
     def norm(x, name):
         centered = x - x.mean(-1, keepdims=True)
-        return centered / np.sqrt((centered ** 2).mean(-1, keepdims=True) + 1e-12) * w[f"{name}.weight"] + w[f"{name}.bias"]
+        scaled = centered / np.sqrt((centered ** 2).mean(-1, keepdims=True) + 1e-12)
+        return scaled * w[f"{name}.weight"] + w[f"{name}.bias"]
 
     x = norm(w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][:len(ids)]
              + w["embeddings.token_type_embeddings.weight"][0], "embeddings.LayerNorm")

@@ -7,9 +7,7 @@ float (default) or base64; `dimensions`: a Matryoshka size the model allows (els
 
 from __future__ import annotations
 
-import array
-import base64
-import sys
+import json
 from typing import Any
 
 from aiohttp import web
@@ -60,16 +58,11 @@ def _is_token(value: Any) -> bool:
 
 
 def shape(req: ResultRequest, event: Event) -> web.Response:
+    """The response, assembled around the worker's vectors as they came: base64 strings, or JSON arrays as text
+    (the worker prints the floats, on its own core, not on the front's event loop)."""
     as_base64 = req.body["encoding_format"] == "base64"
-    data = [{"object": "embedding", "index": i, "embedding": vector if as_base64 else _floats(vector)}
-            for i, vector in enumerate(event.result["embeddings"])]
-    return web.json_response({"object": "list", "data": data, "model": req.model,
-                              "usage": {"prompt_tokens": event.prompt_tokens, "total_tokens": event.prompt_tokens}})
-
-
-def _floats(encoded: str) -> list[float]:
-    """The worker's base64 little-endian float32 vector as floats."""
-    values = array.array("f", base64.b64decode(encoded))
-    if sys.byteorder == "big":
-        values.byteswap()
-    return values.tolist()
+    data = ",".join(f'{{"object":"embedding","index":{i},"embedding":{json.dumps(vector) if as_base64 else vector}}}'
+                    for i, vector in enumerate(event.result["embeddings"]))
+    rest = json.dumps({"model": req.model, "usage": {"prompt_tokens": event.prompt_tokens,
+                                                     "total_tokens": event.prompt_tokens}})
+    return web.Response(text='{"object":"list","data":[' + data + "]," + rest[1:], content_type="application/json")

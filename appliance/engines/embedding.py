@@ -1,8 +1,10 @@
 """The embedding worker kind: openvino_genai.TextEmbeddingPipeline, one request's inputs embedded as batches.
 
-Request body: {"input": [text, ...] or [[token id, ...], ...], "dimensions": int | None, "truncate": bool}.
-Result: {"embeddings": [base64 of little-endian float32, ...]}: base64 keeps a big batch's frame small and its
-floats exact; the front decodes it when the client asked for floats.
+Request body: {"input": [text, ...] or [[token id, ...], ...], "dimensions": int | None, "truncate": bool,
+"encoding_format": "float" | "base64"}.
+Result: {"embeddings": [one vector per input]}, in the encoding the client asked for: base64 of little-endian
+float32, or a JSON array as text, which the front places into its response as it is (printing thousands of floats is
+the dearest part of an answer: here it runs on the worker's core, not on the front's event loop).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ def input_token_limit(spec: dict[str, Any]) -> int:
 def token_counts(tokenizer, *texts: list[str]) -> list[int]:
     """Tokens of each input as the pipeline sees it (special tokens included); two lists are encoded as pairs."""
     return [int(n) for n in tokenizer.encode(*texts).attention_mask.data.sum(axis=1)]
+
+
+def encode(vector: np.ndarray) -> str:
+    """OpenAI's base64 embedding: the float32 values, little-endian."""
+    return base64.b64encode(vector.astype("<f4").tobytes()).decode()
 
 
 def check_token_limit(counts: list[int], limit: int, truncate: bool, what: str) -> None:
@@ -101,7 +108,10 @@ class EmbeddingEngine(ResultEngine):
         if dimensions:
             matrix = matrix[:, :dimensions]
             matrix /= np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
-        embeddings = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in matrix]
+        if not np.isfinite(matrix).all():  # a broken model: no client can parse NaN, and base64 would hide it
+            raise ValueError("the model returned non-finite values (NaN or infinity)")
+        embeddings = [encode(row) for row in matrix] if body.get("encoding_format") == "base64" else [
+            json.dumps(row.tolist()) for row in matrix]
         return {"embeddings": embeddings}, {"prompt_tokens": sum(min(count, self.limit) for count in counts),
                                             "embedding_inputs": len(texts)}
 

@@ -7,6 +7,7 @@ applies top_n, so every document is scored (genai's own top_n is set to the mode
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from appliance.engines.base import ResultEngine
@@ -35,4 +36,6 @@ class RerankEngine(ResultEngine):
         for start, batch in self.in_batches(documents, BATCH_SIZE):
             for index, score in self.pipe.rerank(query, batch):
                 scores[start + index] = float(score)
+        if not all(math.isfinite(score) for score in scores):  # a broken model: no client can parse NaN
+            raise ValueError("the model returned non-finite scores (NaN or infinity)")
         return {"scores": scores}, {"prompt_tokens": sum(min(count, self.limit) for count in counts)}

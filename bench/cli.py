@@ -41,8 +41,9 @@ NOTES = [
     "core; it runs on the same cores as the server, so it is part of what the server figures pay.",
 ]
 PEER_NOTE = ("Side by side: the servers take turns, block by block (the order reversed every other block), with the "
-             "same requests; each cell is that server's own figure, 'median / p99' for latencies. A SIGABRT trial "
-             "signals the process named with --peer-pid (for openarc: the model's worker) once the client has "
+             "same requests; each cell is that server's own figure, 'median / p99' for latencies. Memory and CPU "
+             "count the process named with --peer-pid and its children. The SIGABRT trial signals the largest of "
+             "those processes, the one holding the model (for openarc: the model's worker), once the client has "
              "seen {chunks} chunks, then polls with one-token requests for up to {wait:g} s; a peer's trial runs "
              "last, since it may not survive it.")
 
@@ -143,9 +144,12 @@ class Run:
     async def abort_peers(self, session: aiohttp.ClientSession) -> None:
         for server in self.servers:
             if server.pid is not None and server.name not in self.aborts:
-                self.rss[server.name] = sidebyside.rss_bytes(process_tree(server.pid))
+                tree = process_tree(server.pid)
+                self.rss[server.name] = sidebyside.rss_bytes(tree)
+                # the process that holds the model: the largest of the tree (the named one, for a single process)
+                holder = max(tree, key=process_rss_bytes)
                 self.aborts[server.name] = await sidebyside.abort_trial(
-                    session, server.base, server.model, server.pid, self.plan.revive_timeout_s)
+                    session, server.base, server.model, holder, self.plan.revive_timeout_s)
 
     def side_by_side(self, measured: sidebyside.Measured) -> dict | None:
         if len(self.servers) < 2:

@@ -30,6 +30,7 @@ REVIVE_POLL_S = 0.05
 
 @dataclass
 class AbortTrial:
+    target: str                    # the process signalled: pid and command
     saw: str                       # what the client saw after the signal
     after_s: float | None          # signal -> that
     serves_again_s: float | None   # signal -> the first 200 of a one-token request; None: not within the timeout
@@ -39,12 +40,13 @@ class AbortTrial:
         when = f" after {self.after_s * 1e3:.1f} ms" if self.after_s is not None else ""
         again = (f"serves again after {self.serves_again_s:.2f} s" if self.serves_again_s is not None
                  else f"not serving {self.waited_s:g} s later")
-        return f"{self.saw}{when}; {again}"
+        return f"{self.saw}{when}; {again} (SIGABRT to {self.target})"
 
 
 async def abort_trial(session: aiohttp.ClientSession, base: str, model: str, pid: int,
                       revive_timeout_s: float) -> AbortTrial:
     """SIGABRT `pid` once a stream is under way, as its client would live through it."""
+    target = f"pid {pid}, {command(pid)}"
     sent: list[float] = []
 
     def abort(chunks: int) -> None:
@@ -57,14 +59,14 @@ async def abort_trial(session: aiohttp.ClientSession, base: str, model: str, pid
         seen = await asyncio.wait_for(client.stream(session, base, body, on_token=abort), ABORT_ANSWER_TIMEOUT_S)
     except asyncio.TimeoutError:
         if not sent:
-            return AbortTrial(f"no {ABORT_AFTER_CHUNKS} chunks within {ABORT_ANSWER_TIMEOUT_S} s: not signalled",
+            return AbortTrial(target, f"no {ABORT_AFTER_CHUNKS} chunks within {ABORT_ANSWER_TIMEOUT_S} s: not signalled",
                               None, None, 0)
-        return AbortTrial(f"nothing within {ABORT_ANSWER_TIMEOUT_S} s (left hanging)", None,
+        return AbortTrial(target, f"nothing within {ABORT_ANSWER_TIMEOUT_S} s (left hanging)", None,
                           await _serves_again(session, base, model, sent[0], revive_timeout_s), revive_timeout_s)
     if not sent:
-        return AbortTrial(f"the stream ended before chunk {ABORT_AFTER_CHUNKS}: not signalled", None, None, 0)
+        return AbortTrial(target, f"the stream ended before chunk {ABORT_AFTER_CHUNKS}: not signalled", None, None, 0)
     saw, at = _what_the_client_saw(seen)
-    return AbortTrial(saw, at - sent[0] if at else None,
+    return AbortTrial(target, saw, at - sent[0] if at else None,
                       await _serves_again(session, base, model, sent[0], revive_timeout_s), revive_timeout_s)
 
 
@@ -81,6 +83,17 @@ async def _serves_again(session: aiohttp.ClientSession, base: str, model: str, s
                         timeout_s: float) -> float | None:
     served = await client.first_success(session, base, model, interval_s=REVIVE_POLL_S, timeout_s=timeout_s)
     return served - since if served is not None else None
+
+
+def command(pid: int) -> str:
+    """A process's command line, shortened: which process a trial signalled."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return "gone"
+    words = [os.path.basename(argv[0].decode(errors="replace"))] + [a.decode(errors="replace") for a in argv[1:3] if a]
+    return " ".join(words)[:60]
 
 
 def rss_bytes(pids: list[int]) -> int:

@@ -108,10 +108,12 @@ def test_quick_bench_alongside_a_peer_reports_every_figure_against_its_baseline(
     # the peer's SIGABRT trial: the stand-in is one process, so its client saw the connection drop, and it stayed dead
     trial = side_by_side(result, "standin")["SIGABRT mid-stream (after chunk 5)"]
     assert trial.startswith("connection dropped") and "not serving" in trial, trial
+    assert f"SIGABRT to pid {standin_pid}, python" in trial and "standin_server.py" in trial, trial
     assert not pid_alive(standin_pid)
     own = side_by_side(result, "openarc")
     assert own["SIGABRT mid-stream (after chunk 5)"].startswith("SSE error event (worker_crash), then [DONE]"), own
     assert "serves again after" in own["SIGABRT mid-stream (after chunk 5)"]
+    assert "-m appliance.worker)" in own["SIGABRT mid-stream (after chunk 5)"]  # the model's process, not the front
     assert own["Tokens per 32-token reply"] == "32 in all 10 replies"
     assert own["Resident memory (process and children)"].endswith(" MB")
     verdicts = {f["name"]: f["verdict"] for f in result["figures"]}

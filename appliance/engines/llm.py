@@ -53,6 +53,7 @@ class Request:
     # same answer): a request without a seed gets a random one.
     seed: int = field(default_factory=lambda: random.getrandbits(32))
     logprobs: list[float] | None = None  # per generated token, when the request asked for them
+    config: Any = None     # its openvino_genai.GenerationConfig, built and validated once
 
 
 def cut_at_stop(req: Request, text: str) -> str:
@@ -102,7 +103,17 @@ class LLMEngine(Engine):
             self.probing.add(message["id"])
             self.probe_jobs.put(message)
         else:
-            super().submit(message)
+            self._admit(message)
+
+    def _admit(self, message: dict[str, Any]) -> None:
+        """(channel reader or probe thread) Template and tokenize the request here, not on the engine thread:
+        both release the GIL, so a running batch keeps stepping meanwhile (with sixteen clients on a fast model,
+        preparing requests on the engine thread took several percent of its time). prepare() takes the result."""
+        try:
+            message["prepared"] = self._request(message)
+        except Refused as refused:
+            message["prepared"] = refused
+        super().submit(message)
 
     def _probe_loop(self) -> None:
         while True:
@@ -113,7 +124,7 @@ class LLMEngine(Engine):
                 message["probe_error"] = str(exc)
             except Exception as exc:  # never lose a request: the engine thread reports whatever this was
                 message["probe_error"] = f"the grammar probe failed: {exc}"
-            super().submit(message)
+            self._admit(message)
 
     def cancel_probing(self, request_id: int) -> None:
         """A cancel that overtook its request (still on the probe thread): drop the request when it arrives."""
@@ -136,11 +147,11 @@ class LLMEngine(Engine):
         if message["id"] in self.cancelled_while_probing:
             self.cancelled_while_probing.discard(message["id"])
             return None
-        try:
-            return self._request(message)
-        except Refused as refused:
-            self.fail(message["id"], refused.fault, str(refused))
+        prepared = message["prepared"]
+        if isinstance(prepared, Refused):
+            self.fail(message["id"], prepared.fault, str(prepared))
             return None
+        return prepared
 
     def _request(self, message: dict[str, Any]) -> Request:
         params = message["params"]
@@ -162,7 +173,8 @@ class LLMEngine(Engine):
         if params.get("seed") is not None:
             req.seed = params["seed"]
         try:
-            self.generation_config(req).validate()
+            req.config = self.generation_config(req)
+            req.config.validate()
         except Exception as exc:  # a combination genai refuses: the caller's to fix
             raise Refused(INVALID_REQUEST, f"invalid sampling parameters: {genai_message(exc)}") from None
         return req
@@ -309,6 +321,8 @@ class BatchingEngine(LLMEngine):
         self.pipe = openvino_genai.ContinuousBatchingPipeline(spec["path"], scheduler, spec["device"], spec["properties"])
         super().__init__(spec, channel, self.pipe.get_tokenizer())
         self.active: dict[int, tuple[Request, Any]] = {}
+        status = openvino_genai.GenerationStatus
+        self.status_values = (status.RUNNING.value, status.FINISHED.value, status.IGNORED.value)
         self.kv_cache_usage_ratio = 0.0
 
     def run(self) -> None:
@@ -348,22 +362,23 @@ class BatchingEngine(LLMEngine):
 
     def on_generate_prepared(self, req: Request) -> None:
         try:
-            handle = self.pipe.add_request(req.id, req.input_ids, self.generation_config(req))
+            handle = self.pipe.add_request(req.id, req.input_ids, req.config)
         except Exception as exc:
             self.exit_if_device_lost(self.fail_all([req], exc))
             return
         self.active[req.id] = (req, handle)
 
     def _collect(self) -> None:
-        import openvino_genai
-        status_enum = openvino_genai.GenerationStatus
+        # Statuses as plain ints: a pybind enum comparison costs a microsecond or two, and this loop made several per
+        # request per step (with sixteen requests on a fast model, a few percent of the engine thread's time).
+        running, finished, ignored = self.status_values
         progress = []  # (req, handle, status, finish reason) of every request, read before any text is decoded
         updates = []
         for req, handle in self.active.values():
-            status, finish, new_ids = handle.get_status(), None, []
+            status, finish, new_ids = handle.get_status().value, None, []
             # A non-streaming request is read for its first token (the front's time to first token), then only
             # once it has ended: a dozen pybind calls fewer per step for a batch of sixteen.
-            if req.stream or not req.generated or status != status_enum.RUNNING:
+            if req.stream or not req.generated or status != running:
                 while handle.can_read():  # read() returns one step's output; after the end several may wait
                     for output in handle.read().values():
                         new_ids += output.generated_ids
@@ -375,22 +390,22 @@ class BatchingEngine(LLMEngine):
             progress.append((req, handle, status, finish))
         self.emit_tokens(updates)
         # genai drops every request of a step that schedules no token; the oldest of them is the one that did not fit
-        oldest_ignored = min((req.id for req, _, status, _ in progress if status == status_enum.IGNORED), default=None)
+        oldest_ignored = min((req.id for req, _, status, _ in progress if status == ignored), default=None)
         for req, handle, status, finish in progress:
             if req.stopped:  # finished by a stop sequence: done was posted
                 handle.cancel()
-            elif status == status_enum.RUNNING:
+            elif status == running:
                 continue
             del self.active[req.id]
             if req.stopped:
                 continue
-            if status == status_enum.IGNORED and req.id != oldest_ignored and not req.generated:
+            if status == ignored and req.id != oldest_ignored and not req.generated:
                 self.on_generate_prepared(req)  # dropped with the request that really did not fit: admit it again
-            elif status == status_enum.IGNORED:
+            elif status == ignored:
                 # A scheduler out-of-memory through the CB API is a status, not an exception.
                 message = f"Request {req.id} was dropped by the scheduler: scheduler ignored the request (out of memory)"
                 self.fail(req.id, self.classify(message), message)
-            elif status == status_enum.FINISHED:
+            elif status == finished:
                 self.finish(req, finish_reason_name(finish, req))
             # CANCEL / STOP: the front already forgot this request
 
@@ -469,7 +484,7 @@ class SequentialEngine(LLMEngine):
 
         self.current, streamer = req, Streamer()
         try:
-            self.pipe.generate(req.input_ids, self.generation_config(req), streamer)
+            self.pipe.generate(req.input_ids, req.config, streamer)
         except Exception as exc:
             if streamer.error is None:
                 self.current = None

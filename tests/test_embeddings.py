@@ -46,7 +46,7 @@ def cosine(a, b) -> float:
 
 
 def rerank(app, path: str = "/v1/rerank", **body) -> tuple[int, dict]:
-    status, _, reply = http("POST", app.base + path, {"model": "rank", **body})
+    status, _, reply = http("POST", app.base + path, {"model": "rank", **body})  # body's model wins
     return status, reply
 
 
@@ -389,3 +389,23 @@ def test_quick_embedding_bench_reports_every_figure(tmp_path):
     assert len(judged) == 1 and judged[0]["target"] == ">= 90 %" and judged[0]["verdict"] in ("PASS", "MISS")
     leftovers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def test_a_reload_that_changes_a_models_kind_serves_and_labels_the_new_kind(appliance_factory, embedding_model,
+                                                                            rerank_model):
+    """SIGHUP with `search` turned from an embedding into a rerank model: its routes, /v1/models and the
+    openarc_model_info series follow, and no series of the old kind is left behind."""
+    import yaml
+    config = {"models": [model_entry("search", embedding_model, kind="embedding")]}
+    app = appliance_factory(config)
+    old = app.worker_pid("search")
+    config["models"] = [model_entry("search", rerank_model, kind="rerank")]
+    config["server"]["port"] = app.port
+    app.config_path.write_text(yaml.safe_dump(config))
+    app.proc.send_signal(signal.SIGHUP)
+    app.wait_model("search", "ready", new_pid_not=old)
+    assert {m.id: m.kind for m in app.client().models.list()} == {"search": "rerank"}
+    assert rerank(app, query="cat", documents=["a cat"], model="search")[0] == 200
+    assert http("POST", app.base + "/v1/embeddings", {"model": "search", "input": "x"})[0] == 400
+    info = [line for line in app.metrics().splitlines() if line.startswith("openarc_model_info{")]
+    assert info == ['openarc_model_info{kind="rerank",model="search"} 1.0'], info

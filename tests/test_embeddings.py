@@ -67,6 +67,7 @@ def test_models_and_status_name_each_kind(app):
     ("/v1/embeddings", {"input": "hi"}, "rank", "rerank"),
     ("/v1/rerank", {"query": "hi", "documents": ["x"]}, "embed", "embedding"),
     ("/rerank", {"query": "hi", "documents": ["x"]}, "chat", "llm"),
+    ("/v2/rerank", {"query": "hi", "documents": ["x"]}, "embed", "embedding"),
 ])
 def test_a_model_of_the_wrong_kind_is_a_400_naming_both(app, path, body, model, kind):
     status, _, reply = http("POST", app.base + path, {"model": model, **body})
@@ -192,6 +193,8 @@ def test_rerank_top_n_return_documents_text_objects_and_the_bare_route(app):
                          return_documents=False)
     assert status == 200, top
     assert top["results"] == [{k: v for k, v in r.items() if k != "document"} for r in full["results"][:2]]
+    status, cohere = rerank(app, "/v2/rerank", query="cat on a mat", documents=DOCS, top_n=2)
+    assert status == 200 and [r["index"] for r in cohere["results"]] == [r["index"] for r in full["results"][:2]]
     _, more = rerank(app, query="cat", documents=DOCS[:2], top_n=10)
     assert len(more["results"]) == 2
     # the openai SDK has no rerank call; its generic post reaches the route as README shows

@@ -1,4 +1,4 @@
-"""POST /v1/rerank and /rerank, the shape Cohere, Jina and vLLM clients send.
+"""POST /v1/rerank, /rerank and /v2/rerank, the shape Cohere, Jina and vLLM clients send.
 
 `query`; `documents` as strings or {"text": ...} objects; `top_n` (default: all); `return_documents` (default
 true, as Jina and vLLM answer); `truncate` true/false (or Cohere's "END"/"NONE"). Results come sorted by
@@ -22,8 +22,8 @@ COHERE_TRUNCATE = {"END": True, "NONE": False}
 
 def add_routes(app: web.Application, appliance) -> None:
     route = ResultRoute(appliance, "rerank", ("rerank",), parse, shape)
-    app.router.add_post("/v1/rerank", route)
-    app.router.add_post("/rerank", route)
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):  # Jina and vLLM; vLLM's bare path; Cohere's v2 client
+        app.router.add_post(path, route)
 
 
 def parse(body: Any) -> ResultRequest:

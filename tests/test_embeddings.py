@@ -412,3 +412,22 @@ def test_a_reload_that_changes_a_models_kind_serves_and_labels_the_new_kind(appl
     assert http("POST", app.base + "/v1/embeddings", {"model": "search", "input": "x"})[0] == 400
     info = [line for line in app.metrics().splitlines() if line.startswith("openarc_model_info{")]
     assert info == ['openarc_model_info{kind="rerank",model="search"} 1.0'], info
+
+
+def test_a_frozen_embedding_worker_is_a_504_after_stall_timeout_and_restarts(appliance_factory, embedding_model):
+    """SIGSTOP mid-request (what a hung GPU call looks like): the stall timer ends the request and the worker."""
+    stall_timeout = 1.0
+    app = appliance_factory({"models": [model_entry("embed", embedding_model, kind="embedding", max_inputs=MAX_INPUTS,
+                                                    stall_timeout_s=stall_timeout)]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.2"})
+    pid = app.worker_pid("embed")
+    thread, result = in_flight(app, "/v1/embeddings", {"model": "embed", "input": ["a cat on a mat"] * MAX_INPUTS})
+    os.kill(pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    thread.join(60)
+    waited = time.monotonic() - frozen_at
+    status, _, reply = result[0]
+    assert status == 504 and reply["error"]["code"] == "stall", reply
+    assert waited < stall_timeout + HANG_BOUND_S, f"the client waited {waited:.2f}s after the freeze"
+    app.wait_model("embed", "ready", new_pid_not=pid)
+    assert len(app.client().embeddings.create(model="embed", input=DOCS).data) == 4

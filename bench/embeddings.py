@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 
-from bench import report
-from bench.launcher import OwnAppliance, child_env
+from bench import inprocess, report
+from bench.launcher import OwnAppliance
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "embed"
@@ -47,8 +45,8 @@ def texts(count: int, offset: int = 0) -> list[str]:
 # --- the baseline, in its own process ----------------------------------------------------------------------
 
 def baseline(model_path: str) -> None:
-    """Serve the in-process side: a warm TextEmbeddingPipeline; each stdin line `PHASE ROUNDS` (batch, single or
-    coalesced) is answered with one line, the embeddings per second of that many rounds of the phase."""
+    """The in-process side (bench.inprocess): a warm TextEmbeddingPipeline; a phase (batch, single or coalesced)
+    is measured in embeddings per second."""
     import openvino_genai
 
     from appliance.config import Config
@@ -58,14 +56,15 @@ def baseline(model_path: str) -> None:
     spec = worker_spec(model_config(model_path), Config())
     pipe = openvino_genai.TextEmbeddingPipeline(model_path, "CPU", pipeline_config(spec))
     pipe.embed_documents(texts(BATCH))  # warm
-    print("ready", flush=True)
-    for line in sys.stdin:
-        phase, rounds = line.split()
-        batches = phase_batches(phase, int(rounds))
+
+    def run_phase(phase: str, rounds: int) -> float:
+        batches = phase_batches(phase, rounds)
         started = time.perf_counter()
         for batch in batches:
             pipe.embed_documents(batch)
-        print(sum(map(len, batches)) / (time.perf_counter() - started), flush=True)
+        return sum(map(len, batches)) / (time.perf_counter() - started)
+
+    inprocess.serve(run_phase)
 
 
 def model_config(path: str):
@@ -79,26 +78,6 @@ def phase_batches(phase: str, rounds: int) -> list[list[str]]:
     if phase == "single":
         return [[text] for text in texts(rounds * CLIENTS)]
     return [texts(CLIENTS, r * CLIENTS) for r in range(rounds)]  # coalesced
-
-
-class Baseline:
-    def __init__(self, model_path: Path):
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.embeddings", "--baseline", str(model_path)],
-                                     env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        if self.proc.stdout.readline().strip() != "ready":
-            raise RuntimeError("the in-process baseline did not start")
-
-    def rates(self, rounds: int) -> dict[str, float]:
-        out = {}
-        for phase in ("batch", "single", "coalesced"):
-            self.proc.stdin.write(f"{phase} {rounds}\n")
-            self.proc.stdin.flush()
-            out[phase] = float(self.proc.stdout.readline())
-        return out
-
-    def stop(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(30)
 
 
 # --- the server ----------------------------------------------------------------------------------------------
@@ -132,26 +111,23 @@ async def measure(quick: bool) -> tuple[dict, list[report.Figure]]:
     """Baseline and server alternate block by block (both processes stay up, the idle one blocked on a read), so
     the load of a shared machine hits both sides alike; each figure is the median of its blocks."""
     rounds, blocks = (3, 2) if quick else (10, 15)
-    samples: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="openarc-bench-") as tmp:
         from appliance.demo_model import build_demo_model
         model = build_demo_model(Path(tmp) / "embedding", "embedding")
         served = model_config(str(model))
         app = OwnAppliance(model, Path(tmp), models=[
             {"name": MODEL, "kind": "embedding", "path": served.path, "max_running": served.max_running}])
-        inprocess = Baseline(model)
+        baseline_process = inprocess.InProcess("bench.embeddings", model)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
             await app.start(session)
             try:
                 await server_rates(session, app.base, 2)  # warm
-                for _ in range(blocks):
-                    for name, value in inprocess.rates(rounds).items():
-                        samples.setdefault(f"inprocess_{name}", []).append(value)
-                    for name, value in (await server_rates(session, app.base, rounds)).items():
-                        samples.setdefault(f"server_{name}", []).append(value)
+                samples = await inprocess.alternate(
+                    blocks, lambda: baseline_process.rates(("batch", "single", "coalesced"), rounds),
+                    lambda: server_rates(session, app.base, rounds))
             finally:
                 app.stop()
-                inprocess.stop()
+                baseline_process.stop()
     return {"when": report.now(), "rounds": rounds, "blocks": blocks, "quick": quick, **report.machine(),
             "samples": samples}, figures({name: statistics.median(values) for name, values in samples.items()})
 

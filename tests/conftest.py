@@ -255,3 +255,16 @@ def appliance_factory(tmp_path):
         except AssertionError as exc:
             errors.append(str(exc))
     assert not errors, errors
+
+
+def quick_side_bench(stem: str, tmp_path: Path) -> dict[str, dict]:
+    """Run `python -m bench.<stem> --quick` into tmp_path and check its report is complete and well formed (shapes
+    only, never a timing): the table it prints is <stem>.md, and it leaves no process behind.  Its figures by name."""
+    done = subprocess.run([sys.executable, "-m", f"bench.{stem}", "--quick", "--out", str(tmp_path)], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == (tmp_path / f"{stem}.md").read_text()
+    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert not leftovers, f"processes left behind: {leftovers}"
+    return {f["name"]: f for f in json.loads((tmp_path / f"{stem}.json").read_text())["figures"]}

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from audio_samples import COMPRESSED, TRANSCRIPT, encoded, multipart, tone, wav_bytes
-from conftest import Appliance, http, model_entry, pid_alive, wait_until
+from conftest import Appliance, http, model_entry, pid_alive, quick_side_bench, wait_until
 
 HANG_BOUND_S = 3.0  # a client waiting longer than this after a fault is a hang, not a slow error
 LIMITED = {"max_upload_bytes": 200_000, "max_audio_seconds": 10}
@@ -233,3 +233,11 @@ def decoder_pid(app) -> int:
     pids = [int(pid) for pid in children if "appliance.audio_decoder" in open(f"/proc/{pid}/cmdline").read()]
     assert len(pids) == 1, pids
     return pids[0]
+
+
+def test_quick_transcription_bench_reports_every_figure(tmp_path):
+    """`python -m bench.transcription --quick`: server against in-process, every figure there (never a timing)."""
+    figures = quick_side_bench("transcription", tmp_path)
+    assert len(figures) == 8 and all(f["value"] > 0 for f in figures.values())
+    judged = [f for f in figures.values() if f["target"]]
+    assert len(judged) == 1 and judged[0]["target"] == ">= 95 %" and judged[0]["verdict"] in ("PASS", "MISS")

@@ -6,7 +6,6 @@ encoders (appliance.demo_encoder) run by genai's TextEmbeddingPipeline and TextR
 from __future__ import annotations
 
 import base64
-import json
 import math
 import os
 import shutil
@@ -21,7 +20,7 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import REPO, Appliance, http, model_entry
+from conftest import REPO, Appliance, http, model_entry, quick_side_bench
 
 DOCS = ["the cat sat on the mat", "a cat on a mat", "GPU drivers crash", "Paris is the capital of France"]
 MAX_TOKENS = 64  # the test models' max_context: tokens per input
@@ -381,17 +380,10 @@ def test_demo_model_cli_refuses_llm_options_for_other_kinds(tmp_path):
 
 def test_quick_embedding_bench_reports_every_figure(tmp_path):
     """`python -m bench.embeddings --quick`: a complete, well-formed report (shapes only, never a timing)."""
-    done = subprocess.run([sys.executable, "-m", "bench.embeddings", "--quick", "--out", str(tmp_path)], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)},
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout == (tmp_path / "embeddings.md").read_text()
-    figures = {f["name"]: f for f in json.loads((tmp_path / "embeddings.json").read_text())["figures"]}
+    figures = quick_side_bench("embeddings", tmp_path)
     assert len(figures) == 11 and all(f["value"] > 0 for f in figures.values())
     judged = [f for f in figures.values() if f["target"]]
     assert len(judged) == 1 and judged[0]["target"] == ">= 90 %" and judged[0]["verdict"] in ("PASS", "MISS")
-    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
-    assert not leftovers, f"processes left behind: {leftovers}"
 
 
 def test_a_reload_that_changes_a_models_kind_serves_and_labels_the_new_kind(appliance_factory, embedding_model,

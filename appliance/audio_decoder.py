@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import wave
 from dataclasses import dataclass
 
 SAMPLE_RATE = 16000
@@ -66,6 +67,8 @@ def decode(data: bytes, max_seconds: float):
     if name is None:
         raise AudioError("undecodable", "Unsupported audio format: expected wav, flac, mp3, ogg, webm or mp4/m4a.")
     max_samples = int(max_seconds * SAMPLE_RATE)
+    if name == "wav" and (pcm := _speech_wav(data, max_samples, max_seconds)) is not None:
+        return pcm
     chunks, total = [], 0
     try:
         with av.open(io.BytesIO(data), mode="r", format=name) as container:
@@ -88,6 +91,26 @@ def decode(data: bytes, max_seconds: float):
     if not np.isfinite(pcm).all():
         raise AudioError("undecodable", "The audio decoded to non-finite samples.")
     return pcm
+
+
+def _speech_wav(data: bytes, max_samples: int, max_seconds: float):
+    """The samples of a 16-bit PCM WAV that is already 16 kHz mono, what speech clients mostly send, read by the
+    standard library's `wave` (FFmpeg takes 4x longer: a Python call per 1,024-sample frame); None for any other
+    WAV, which FFmpeg decodes and resamples."""
+    import numpy as np
+
+    try:
+        with wave.open(io.BytesIO(data)) as w:
+            if (w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getcomptype()) != (SAMPLE_RATE, 1, 2, "NONE"):
+                return None
+            raw = w.readframes(min(w.getnframes(), max_samples + 1))
+    except Exception:  # (wave.Error, EOFError, a RuntimeError from a chunk past the end, ...) FFmpeg decides
+        return None
+    if len(raw) // 2 > max_samples:
+        raise AudioError("too_long", f"The audio is longer than the {max_seconds:g} s limit.")
+    if len(raw) < 2:
+        return None  # a header without a length (a streamed WAV): FFmpeg reads to the end
+    return np.frombuffer(raw[:len(raw) // 2 * 2], "<i2").astype(np.float32) / 32768.0
 
 
 def serve(stdin, stdout) -> None:

@@ -1,5 +1,6 @@
 """Bad uploads, generated: random bytes behind each format's magic, mutated real files in every container, and
-random multipart forms. None gets a 5xx, none crashes the Whisper worker, and the server still transcribes.
+random multipart forms. None gets a 5xx, none crashes the Whisper worker or the decoder process, and the server
+still transcribes.
 
 Goes to a live appliance; example counts are bounded so the module runs in about a minute; shrinking is off
 (every shrink step is another request).
@@ -30,6 +31,7 @@ def app(demo_whisper, tmp_path_factory):
     assert transcribes(appliance), "the server no longer transcribes after the fuzzing"
     status = appliance.model_status("whisper")
     assert status["crashes"] == 0 and status["restarts"] == 0, status
+    assert "audio decoder process" not in appliance.logs(), "the decoder process died on an upload"
     appliance.stop()
 
 

@@ -2,8 +2,9 @@
 that are not a frame, written into their real channel) and the KV cache overflows.
 
 Concurrent SDK clients (threads) stream and not, against `alpha` and `beta` (the signal victims) and `tight`
-(num_kv_blocks: 4, sent prompts too long for it), and embed and rerank against `vectors` and `ranker` (signal
-victims of the other worker kinds). A seeded fault schedule signals a worker only while its model
+(num_kv_blocks: 4, sent prompts too long for it), embed and rerank against `vectors` and `ranker`, and send audio
+to `gamma` (a Whisper model) to transcribe, whole and streamed (signal victims of the other worker kinds). A seeded
+fault schedule signals a worker only while its model
 is ready and that worker has not been signalled yet, so every signal hits exactly one live worker and causes
 exactly one restart: that is what makes the counters in /metrics checkable exactly.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import openai
 
+from audio_samples import TRANSCRIPT, tone, wav_bytes
 from conftest import http, model_entry, pid_alive, wait_until
 from test_failures import LONG_PROMPT
 from test_lifecycle import steal_fd, worker_channel_fd
@@ -31,8 +33,8 @@ from test_metrics import samples, value
 
 TOTAL_REQUESTS = 2000
 CLIENTS = 10
-FAULTS = 40                      # faults dealt to alpha and beta workers
-VICTIMS = ("alpha", "beta", "vectors", "ranker")
+FAULTS = 40                      # faults dealt to the victims
+VICTIMS = ("alpha", "beta", "vectors", "ranker", "gamma")
 SIGNALS = (signal.SIGABRT, signal.SIGKILL, signal.SIGSTOP)
 GARBAGE = "garbage"              # a frame that is not JSON, as if the worker wrote it: a protocol error
 FAULT_KINDS = (*(sig.name for sig in SIGNALS), GARBAGE)
@@ -122,6 +124,21 @@ def disconnect(client: openai.OpenAI, rng: random.Random, model: str) -> Outcome
     return Outcome(model, "disconnect", 200, disconnected=True)
 
 
+def transcribe(client: openai.OpenAI, rng: random.Random, model: str) -> Outcome:
+    """Half a second to two seconds of sound, whole (json) or streamed (SSE deltas, then done)."""
+    upload = ("clip.wav", wav_bytes(tone(rng.uniform(0.5, 2.0))))
+    if rng.random() < 0.5:
+        text = client.audio.transcriptions.create(model=model, file=upload).text
+    else:
+        events = list(client.audio.transcriptions.create(model=model, file=upload, stream=True))
+        if not events or events[-1].type != "transcript.text.done":
+            raise Malformed(f"a transcript stream that does not end with done: {events[-2:]}")
+        text = events[-1].text
+    if text != TRANSCRIPT:
+        raise Malformed(f"transcript {text!r}")
+    return Outcome(model, "transcribe", 200)
+
+
 def too_long_for_the_cache(client: openai.OpenAI, rng: random.Random, model: str) -> Outcome:
     """A prompt larger than the whole KV cache: a real scheduler out-of-memory, whole or streamed."""
     if rng.random() < 0.5:
@@ -151,7 +168,8 @@ def rerank(client: openai.OpenAI, rng: random.Random, model: str) -> Outcome:
 LLM_VICTIMS = ("alpha", "beta")
 ACTIONS = [(whole, LLM_VICTIMS, 30), (sdk_stream, LLM_VICTIMS, 15), (raw_stream, LLM_VICTIMS, 15),
            (disconnect, ("alpha",), 10), (whole, ("tight",), 10), (raw_stream, ("tight",), 10),
-           (too_long_for_the_cache, ("tight",), 10), (embed, ("vectors",), 15), (rerank, ("ranker",), 10)]
+           (too_long_for_the_cache, ("tight",), 10), (embed, ("vectors",), 15), (rerank, ("ranker",), 10),
+           (transcribe, ("gamma",), 15)]
 
 
 def run_one(client: openai.OpenAI, rng: random.Random) -> Outcome:
@@ -289,7 +307,7 @@ def check_counters(scrape: dict, outcomes: list[Outcome], sent: collections.Coun
             assert counted == observed(outcomes, model, status=status), (model, status, counted)
 
 
-def test_chaos_soak(appliance_factory, long_demo_model, demo_model, embedding_model, rerank_model):
+def test_chaos_soak(appliance_factory, long_demo_model, demo_model, embedding_model, rerank_model, demo_whisper):
     seed = int(os.environ.get("OPENARC_SOAK_SEED") or random.SystemRandom().randrange(1 << 32))
     print(f"\nsoak seed: {seed} (rerun with OPENARC_SOAK_SEED={seed})")
     victim = {"max_running": 4, "max_queue": 4, "stall_timeout_s": STALL_TIMEOUT_S, "restart": RESTART}
@@ -298,7 +316,8 @@ def test_chaos_soak(appliance_factory, long_demo_model, demo_model, embedding_mo
         model_entry("beta", demo_model, **victim),
         model_entry("tight", demo_model, scheduler_config={"num_kv_blocks": 4}, max_running=2, max_queue=64),
         model_entry("vectors", embedding_model, kind="embedding", **victim),
-        model_entry("ranker", rerank_model, kind="rerank", **victim)]},
+        model_entry("ranker", rerank_model, kind="rerank", **victim),
+        model_entry("gamma", demo_whisper, kind="transcription", **victim)]},
         env=STEP_DELAY)
     outcomes: list[Outcome] = []
     sent: collections.Counter = collections.Counter()

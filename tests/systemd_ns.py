@@ -4,7 +4,10 @@ systemd boots as PID 1 of new PID/mount/cgroup/UTS namespaces on an overlay of t
 host's `/` whose upper layer is a tmpfs: everything it (or a test) writes vanishes
 on exit, while the host's /opt/openarc/venv and the repository stay visible.
 The network namespace is shared with the host, so a test reaches services on
-127.0.0.1 directly (and must pick free ports).
+127.0.0.1 directly (and must pick free ports); with private_network=True it gets
+its own (loopback only, brought up by systemd), where podman may create bridges
+and firewall rules without touching the host's, and `in_network()` runs a host
+program in it.
 
 Never run a system-mode systemd on the host's own root: Debian's tmpfiles rule
 `D /tmp` would wipe the host's /tmp. Here it only sees its private tmpfs.
@@ -164,11 +167,13 @@ class SystemdNamespace:
     binds:   {"/host/path": "/path/inside"} read-only bind mounts
     devices: extra host device nodes to bind into /dev (e.g. ("kmsg",))
     lower:   the root file system the overlay covers (default the host's /; e.g. a debootstrapped tree)
+    private_network: a network namespace of its own instead of the host's
     """
 
     def __init__(self, units=None, dropins=None, files=None, binds=None, devices=(),
-                 name="openarc-test", boot_timeout=30.0, lower="/"):
+                 name="openarc-test", boot_timeout=30.0, lower="/", private_network=False):
         self.lower = str(lower)
+        self.private_network = private_network
         self.units = dict(units or {})
         self.dropins = dict(dropins or {})
         self.files = dict(files or {})
@@ -217,9 +222,10 @@ class SystemdNamespace:
 
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEVICE_NODES": " ".join(self.devices),
                "BOOT_TARGET": BOOT_TARGET, "LOWER_DIR": self.lower}
+        network = ["--net"] if self.private_network else []
         self._unshare = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private",
-             "--cgroup", "--uts", "/bin/sh", "-c", BOOT_SCRIPT, "boot", str(self.stage), self.name],
+             "--cgroup", "--uts", *network, "/bin/sh", "-c", BOOT_SCRIPT, "boot", str(self.stage), self.name],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
             preexec_fn=enter_cgroup_and_die_with_parent)
         self.pid = self._wait_for_child_systemd(started)
@@ -319,7 +325,8 @@ class SystemdNamespace:
 
     def run(self, argv, check=True, timeout=60.0, input=None) -> subprocess.CompletedProcess:
         """Run argv inside the namespaces (as root, in the namespace's root)."""
-        cmd = ["nsenter", "-t", str(self.pid), "-m", "-p", "-u", "-C", "--", *map(str, argv)]
+        network = ["-n"] if self.private_network else []
+        cmd = ["nsenter", "-t", str(self.pid), "-m", "-p", "-u", "-C", *network, "--", *map(str, argv)]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=input,
                                 env={"PATH": "/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                                      "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0"})
@@ -327,6 +334,11 @@ class SystemdNamespace:
             raise NamespaceError(f"{' '.join(map(str, argv))} exited {result.returncode}\n"
                                  f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}")
         return result
+
+    def in_network(self, argv, timeout=60.0) -> subprocess.CompletedProcess:
+        """Run a host program (the host's files, e.g. the test venv) in the namespace's network."""
+        return subprocess.run(["nsenter", "-t", str(self.pid), "-n", "--", *map(str, argv)], capture_output=True,
+                              text=True, timeout=timeout)
 
     def systemctl(self, *args, check=True, timeout=120.0) -> subprocess.CompletedProcess:
         return self.run(["systemctl", *args], check=check, timeout=timeout)

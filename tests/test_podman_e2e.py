@@ -8,24 +8,35 @@ All of that is cached under $OPENARC_E2E_DIR (first run about 4 minutes; then se
 the last layers when the sources change). Needs debootstrap on the host, root, and the Debian and PyPI
 registries.
 
+The Kubernetes Deployment (containers/kubernetes/openarc-qwen.yaml, as shipped) is played by `podman kube
+play`, directly and through the openarc-kube.kube quadlet, in a namespace with a network of its own, so that
+podman's bridge, nftables rules and published port exist there and nowhere else. Two test-only changes: the
+ConfigMap's model `qwen` is the demo model on the CPU (no GPU here), and the Deployment's memory request and
+limit are dropped (this sandbox's cgroup2 hierarchy has no memory controller to enforce them). The quadlet gets
+the shipped openarc-gpu.conf module, and a stand-in render node (/dev/null's numbers, owned by the render GID
+the Deployment names) shows that the pod's user opens it through its supplementary group.
+
 Adjustments for this sandbox only, none in the shipped files: containers.conf with no pids limit and
-rlimits the host allows (no pids controller, nofile capped at 20000); Network=none (the namespace shares
-the host's network: no bridge, no firewall rules there); the sandbox's TLS CA and a tolerance for an
-old snapshot Release in the build's base image.
+rlimits the host allows (no pids controller, nofile capped at 20000); Network=none for the quadlet tests
+(the namespace shares the host's network: no bridge, no firewall rules there); the sandbox's TLS CA and a
+tolerance for an old snapshot Release in the build's base image.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import free_port
 from load_client import Load
@@ -40,6 +51,9 @@ TRIXIE, FORKY, STORAGE, CONTEXT = (E2E_DIR / name for name in ("trixie", "forky"
 IMAGE = "localhost/openarc:latest"
 BUILD_INPUTS = ("containers/Containerfile", "pyproject.toml", "README.md", "appliance")
 TRIXIE_PACKAGES = "systemd,dbus,podman,crun,conmon,netavark,aardvark-dns,passt,iproute2,ca-certificates"
+# For the kube play tests (installed into roots cached before they were needed): netavark's firewall for their
+# bridge network, and the init of the pause image podman builds for a pod's infra container.
+TRIXIE_EXTRA_PACKAGES = ("nftables", "catatonit")
 
 SANDBOX_CONTAINERS_CONF = """[containers]
 # This sandbox: no pids cgroup controller, and no rlimit above the host's (nofile 20000).
@@ -106,7 +120,11 @@ def in_trixie(*argv: str, stdin=None, timeout: float = 900) -> subprocess.Comple
 
 
 def prepare_trixie() -> None:
-    debootstrap(TRIXIE, "trixie", f"--include={TRIXIE_PACKAGES}")
+    debootstrap(TRIXIE, "trixie", f"--include={TRIXIE_PACKAGES},{','.join(TRIXIE_EXTRA_PACKAGES)}")
+    missing = [name for name in TRIXIE_EXTRA_PACKAGES if not (TRIXIE / f"var/lib/dpkg/info/{name}.list").exists()]
+    if missing:
+        in_trixie("sh", "-c", "apt-get -q -o Acquire::Check-Valid-Until=false update && DEBIAN_FRONTEND=noninteractive "
+                  f"apt-get install -y -q --no-install-recommends {' '.join(missing)}")
     conf = TRIXIE / "etc/containers/containers.conf.d/90-openarc-sandbox.conf"
     conf.parent.mkdir(parents=True, exist_ok=True)
     conf.write_text(SANDBOX_CONTAINERS_CONF)
@@ -170,24 +188,12 @@ def image_store() -> Path:
 # --- a booted trixie with the quadlet installed ------------------------------------------------------------
 
 @contextlib.contextmanager
-def booted(image_store: Path, tmp_path: Path, service_dropin: str = "", container_dropin: str = "",
-           extra_files: dict[str, str] | None = None):
-    """trixie booted with openarc@.container (plus test drop-ins and extra_files), dbus and the container storage up."""
-    empty = tmp_path / "empty"
-    empty.mkdir(exist_ok=True)
-    quadlets = "/etc/containers/systemd"
-    files = {
-        f"{quadlets}/openarc@.container": (CONTAINERS / "openarc@.container").read_text(),
-        f"{quadlets}/openarc@.container.d/50-sandbox.conf": NO_NETWORK + container_dropin,
-        "/etc/containers/storage.conf": STORAGE_CONF,
-        "/etc/openarc": empty,  # no openarc.yaml: the built-in demo model
-        "/var/lib/openarc/models": empty,
-    }
-    if service_dropin:
-        files[f"{quadlets}/openarc@.container.d/60-test.conf"] = "[Service]\n" + service_dropin
-    files.update(extra_files or {})
+def booted_trixie(image_store: Path, files: dict, private_network: bool = False):
+    """trixie booted with these files, dbus and the container storage up (the image store read-only)."""
+    files = {"/etc/containers/storage.conf": STORAGE_CONF, **files}
     ns = SystemdNamespace(lower=TRIXIE, units={"var-lib-containers.mount": CONTAINERS_TMPFS}, files=files,
-                        binds={str(image_store): "/var/lib/openarc-images"}, name="openarc-e2e", boot_timeout=60)
+                          binds={str(image_store): "/var/lib/openarc-images"}, name="openarc-e2e", boot_timeout=60,
+                          private_network=private_network)
     with ns:
         ns.systemctl("start", "dbus.socket", "var-lib-containers.mount")
         try:
@@ -195,6 +201,26 @@ def booted(image_store: Path, tmp_path: Path, service_dropin: str = "", containe
         except BaseException:
             print(ns.journal()[-6000:])
             raise
+
+
+@contextlib.contextmanager
+def booted(image_store: Path, tmp_path: Path, service_dropin: str = "", container_dropin: str = "",
+           extra_files: dict[str, str] | None = None):
+    """trixie booted with openarc@.container (plus test drop-ins and extra_files)."""
+    empty = tmp_path / "empty"
+    empty.mkdir(exist_ok=True)
+    quadlets = "/etc/containers/systemd"
+    files = {
+        f"{quadlets}/openarc@.container": (CONTAINERS / "openarc@.container").read_text(),
+        f"{quadlets}/openarc@.container.d/50-sandbox.conf": NO_NETWORK + container_dropin,
+        "/etc/openarc": empty,  # no openarc.yaml: the built-in demo model
+        "/var/lib/openarc/models": empty,
+    }
+    if service_dropin:
+        files[f"{quadlets}/openarc@.container.d/60-test.conf"] = "[Service]\n" + service_dropin
+    files.update(extra_files or {})
+    with booted_trixie(image_store, files) as ns:
+        yield ns
 
 
 def start(ns, unit: str = "openarc@demo") -> float:
@@ -265,20 +291,24 @@ def test_watchdog_pings_reach_systemd_and_a_wedged_server_is_restarted(image_sto
         ns.wait_for(lambda: ns.show("openarc@demo", "ActiveState") == "active", timeout=120, what="restarted unit")
 
 
-# Crash the model's worker again and again (bounded: 20 s): the supervisor keeps restarting it, so /ready
-# answers 503 while the front itself stays responsive and keeps pinging the watchdog.
-CRASH_LOOP = """
+# Kill the model's worker with a signal, once (seconds=0) or again and again for a while (bounded); print each
+# pid killed. Crashing it again and again keeps /ready at 503 while the front itself stays responsive and
+# keeps pinging the watchdog.
+KILL_WORKER = """
 import os, signal, time
-deadline = time.monotonic() + 20
-while time.monotonic() < deadline:
+deadline = time.monotonic() + {seconds}
+while True:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         if int(pid) == os.getpid():  # this script's own argv names the worker too
             continue
         try:
-            if b"appliance.worker" in open(f"/proc/{pid}/cmdline", "rb").read():
-                os.kill(int(pid), signal.SIGKILL)
+            if b"appliance.worker" in open(f"/proc/{{pid}}/cmdline", "rb").read():
+                os.kill(int(pid), signal.{signal})
+                print(pid, flush=True)
         except OSError:
             pass
+    if time.monotonic() >= deadline:
+        break
     time.sleep(0.2)
 """
 
@@ -292,7 +322,7 @@ def test_unready_container_is_killed_by_its_health_check_and_restarted(image_sto
                     what="a healthy container")
         first_id = container_identity(ns)
         crashing_at = time.monotonic()
-        exec_python(ns, CRASH_LOOP)  # ends when the health check kills the container
+        exec_python(ns, KILL_WORKER.format(signal="SIGKILL", seconds=20))  # ends when the health check kills it
         ns.wait_for(lambda: ns.show("openarc@demo", "NRestarts") == "1", timeout=60, what="a restart after unhealthy")
         print(f"worker crash loop -> unit restarted: {time.monotonic() - crashing_at:.1f} s")
         events = ns.run(["podman", "events", "--stream=false", "--format", "{{.Status}} {{.HealthStatus}}"]).stdout
@@ -329,3 +359,181 @@ def test_socket_activated_quadlet_answers_every_request_across_a_killed_containe
         print(f"socket-activated quadlet, SIGKILL of the container under load: {summary}")
         assert summary["refused"] == 0, summary
         assert sum(summary["failed"].values()) <= 1, summary  # only the request in flight when it died
+
+
+# --- the Kubernetes Deployment under podman kube play ------------------------------------------------------
+
+KUBE_DIR = CONTAINERS / "kubernetes"
+KUBE_YAML = KUBE_DIR / "openarc-qwen.yaml"
+KUBE_POD = "openarc-qwen-pod"                # podman's name for the Deployment's pod ...
+KUBE_CONTAINER = f"{KUBE_POD}-openarc"       # ... and for its container
+RENDER_NODE = "/dev/dri/renderD128"
+KUBE_PORT = 8000  # the namespace has a network of its own: the shipped port is free there
+# The kube play tests' own network namespace: the default bridge network, forwarded by nftables rules.
+NFTABLES_NETWORK = '[network]\nfirewall_driver = "nftables"\n'
+
+
+def deployment_for_tests() -> str:
+    """openarc-qwen.yaml as shipped but for the memory request and limit, which no cgroup here can enforce."""
+    documents = list(yaml.safe_load_all(KUBE_YAML.read_text()))
+    for doc in documents:
+        if doc["kind"] == "Deployment":
+            resources = doc["spec"]["template"]["spec"]["containers"][0]["resources"]
+            del resources["requests"]["memory"], resources["limits"]["memory"]
+    return yaml.safe_dump_all(documents, sort_keys=False)
+
+
+# The Deployment's pod template; what `id`/`/proc/self/status` must show inside its container.
+POD_SECURITY = next(doc for doc in yaml.safe_load_all(KUBE_YAML.read_text())
+                    if doc["kind"] == "Deployment")["spec"]["template"]["spec"]["securityContext"]
+
+
+def configmap_for_tests() -> str:
+    """configmap.yaml with its model `qwen` served by the demo model on the CPU: this machine has no GPU."""
+    configmap = yaml.safe_load((KUBE_DIR / "configmap.yaml").read_text())
+    config = yaml.safe_load(configmap["data"]["openarc.yaml"])
+    config["models"] = [{"name": "qwen", "path": "/models/demo", "device": "CPU"}]
+    configmap["data"]["openarc.yaml"] = yaml.safe_dump(config)
+    return yaml.safe_dump(configmap)
+
+
+@contextlib.contextmanager
+def kube_booted(image_store: Path, demo_model: Path, files: dict):
+    """trixie with a network of its own, the demo model in /var/lib/openarc/models/demo, and these files."""
+    files = {"/etc/containers/containers.conf.d/91-kube-network.conf": NFTABLES_NETWORK,
+             "/var/lib/openarc/models/demo": demo_model, **files}
+    with booted_trixie(image_store, files, private_network=True) as ns:
+        ns.run(["chmod", "-R", "a+rX", "/var/lib/openarc/models"])  # the pod runs as UID 990
+        yield ns
+
+
+def http_get(ns, path: str) -> tuple[int, str]:
+    """GET through the published port, from the namespace's network (the host's python)."""
+    code = ("import sys, urllib.request, urllib.error\n"
+            f"try:\n    r = urllib.request.urlopen('http://127.0.0.1:{KUBE_PORT}{path}', timeout=10)\n"
+            "    print(r.status); print(r.read().decode())\n"
+            "except urllib.error.HTTPError as e:\n    print(e.code); print(e.read().decode())\n"
+            "except OSError as e:\n    print(0); print(e)\n")
+    status, _, body = ns.in_network([sys.executable, "-c", code]).stdout.partition("\n")
+    return int(status or 0), body
+
+
+CHAT_SDK = f"""
+import json
+from openai import OpenAI
+client = OpenAI(base_url="http://127.0.0.1:{KUBE_PORT}/v1", api_key="unused", max_retries=0, timeout=60)
+reply = client.chat.completions.create(model="qwen", messages=[{{"role": "user", "content": "hi"}}], max_tokens=4)
+print(json.dumps({{"content": reply.choices[0].message.content, "usage": reply.usage.completion_tokens}}))
+"""
+
+
+def chat_through_published_port(ns) -> dict:
+    """A chat completion with the official SDK, through the port podman published."""
+    done = ns.in_network([sys.executable, "-c", CHAT_SDK], timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def model_status(ns) -> dict:
+    status, body = http_get(ns, "/openarc/status")
+    assert status == 200, body
+    (model,) = json.loads(body)["models"]
+    return model
+
+
+def check_pod_security(ns) -> None:
+    """What the Deployment's securityContext asks for, as the server (the container's PID 1) has it under podman."""
+    probe = exec_python(ns, "import os; print(dict(l.split(':', 1) for l in open('/proc/1/status'))); "
+                            "print(os.access('/', os.W_OK), os.access('/models', os.W_OK), "
+                            "os.access('/var/cache/openarc', os.W_OK), os.access('/tmp', os.W_OK))",
+                        name=KUBE_CONTAINER)
+    status_line, writable = probe.stdout.splitlines()
+    status = {key: value.split() for key, value in ast.literal_eval(status_line).items()}
+    assert status["Uid"] == [str(POD_SECURITY["runAsUser"])] * 4
+    assert status["Gid"] == [str(POD_SECURITY["runAsGroup"])] * 4
+    assert {str(gid) for gid in POD_SECURITY["supplementalGroups"]} <= set(status["Groups"])  # the render group
+    assert status["CapEff"] == status["CapPrm"] == ["0000000000000000"]
+    assert status["NoNewPrivs"] == ["1"]
+    # (podman exec runs as the same user:) read-only root and models; the cache and /tmp volumes are writable
+    assert writable == "False False True True"
+
+
+def check_survives_worker_abort(ns) -> None:
+    """SIGABRT to the worker: the front (the container's PID 1) stays, the model is back, and serves again."""
+    front = container_identity(ns, KUBE_CONTAINER)
+    before = model_status(ns)
+    killed = exec_python(ns, KILL_WORKER.format(signal="SIGABRT", seconds=0), name=KUBE_CONTAINER).stdout.split()
+    assert killed == [str(before["pid"])], killed
+    ns.wait_for(lambda: model_status(ns)["state"] == "ready" and model_status(ns)["pid"] != before["pid"],
+                timeout=60, what="the worker restarted")
+    after = model_status(ns)
+    assert after["restarts"] == before["restarts"] + 1 and after["crashes"] == before["crashes"] + 1
+    assert container_identity(ns, KUBE_CONTAINER) == front
+    assert chat_through_published_port(ns)["usage"] >= 1
+
+
+def wait_healthy(ns) -> None:
+    """The startup probe (/ready) and then the liveness probe (/health) pass: httpGet probes run as curl."""
+    ns.wait_for(lambda: container_state(ns, KUBE_CONTAINER).get("Health", {}).get("Status") == "healthy",
+                timeout=90, interval=1, what="the probes to pass")
+
+
+def test_kube_play_serves_the_deployment_survives_a_worker_abort_and_stops_cleanly(image_store, demo_model):
+    kube = "/root/kube"
+    files = {f"{kube}/openarc-qwen.yaml": deployment_for_tests(), f"{kube}/configmap.yaml": configmap_for_tests()}
+    with kube_booted(image_store, demo_model, files) as ns:
+        # What openarc-models.volume does for the quadlet: the claim openarc-models is the host's model directory.
+        ns.run(["podman", "volume", "create", "--opt", "type=none", "--opt", "o=bind",
+                "--opt", "device=/var/lib/openarc/models", "openarc-models"])
+        ns.run(["podman", "kube", "play", "--configmap", f"{kube}/configmap.yaml",
+                "--publish", f"127.0.0.1:{KUBE_PORT}:8000", f"{kube}/openarc-qwen.yaml"], timeout=300)
+        ns.wait_for(lambda: http_get(ns, "/ready")[0] == 200, timeout=120, interval=0.5, what="/ready")
+        assert chat_through_published_port(ns)["usage"] >= 1
+        check_pod_security(ns)
+        wait_healthy(ns)
+        check_survives_worker_abort(ns)
+
+        started = time.monotonic()
+        ns.run(["podman", "pod", "stop", KUBE_POD], timeout=120)
+        print(f"podman pod stop: {time.monotonic() - started:.1f} s")
+        state = container_state(ns, KUBE_CONTAINER)
+        assert (state["Status"], state["ExitCode"]) == ("exited", 0)  # SIGTERM: drained and exited by itself
+        ns.run(["podman", "kube", "down", f"{kube}/openarc-qwen.yaml"], timeout=120)
+        assert ns.run(["podman", "ps", "-a", "-q"]).stdout.strip() == ""
+        # The compiled-model cache claim outlives the pod, as a PVC does.
+        assert ns.run(["podman", "volume", "exists", "openarc-cache-qwen"], check=False).returncode == 0
+
+
+def test_kube_quadlet_plays_the_deployment_and_stops_cleanly(image_store, demo_model):
+    quadlets = "/etc/containers/systemd"
+    files = {f"{quadlets}/openarc-kube.kube": (CONTAINERS / "openarc-kube.kube").read_text(),
+             f"{quadlets}/openarc-models.volume": (CONTAINERS / "openarc-models.volume").read_text(),
+             f"{quadlets}/kubernetes/openarc-qwen.yaml": deployment_for_tests(),
+             f"{quadlets}/kubernetes/configmap.yaml": configmap_for_tests(),
+             "/etc/containers/containers.conf.modules/openarc-gpu.conf": (CONTAINERS / "openarc-gpu.conf").read_text()}
+    render_gid = POD_SECURITY["supplementalGroups"][0]
+    with kube_booted(image_store, demo_model, files) as ns:
+        # A render node stand-in for openarc-gpu.conf's /dev/dri: /dev/null's numbers, the host's usual 0660 root:render.
+        ns.run(["sh", "-c", f"mkdir -p /dev/dri && mknod -m 0660 {RENDER_NODE} c 1 3 && chgrp {render_gid} {RENDER_NODE}"])
+        ns.systemctl("daemon-reload")
+        seconds = start(ns, "openarc-kube")
+        print(f"systemctl start openarc-kube: {seconds:.1f} s")
+        # Type=notify with the pod's sdnotify annotation: start returned after the server's own READY=1.
+        assert http_get(ns, "/ready")[0] == 200
+        assert chat_through_published_port(ns)["usage"] >= 1
+        check_pod_security(ns)
+        # The GPU path on a Podman host: openarc-gpu.conf hands /dev/dri in, the render group lets the user open it.
+        opened = exec_python(ns, f"import os; os.close(os.open({RENDER_NODE!r}, os.O_RDWR)); print('opened')",
+                             name=KUBE_CONTAINER)
+        assert opened.stdout.strip() == "opened", opened.stderr
+        wait_healthy(ns)
+        check_survives_worker_abort(ns)
+        assert ns.show("openarc-kube", "NRestarts") == "0"
+
+        started = time.monotonic()
+        ns.systemctl("stop", "openarc-kube", timeout=120)
+        print(f"systemctl stop openarc-kube: {time.monotonic() - started:.1f} s")
+        assert ns.show("openarc-kube", "ActiveState") == "inactive", (
+            ns.show("openarc-kube", "ExecMainStatus"), ns.journal("openarc-kube")[-5000:])
+        assert ns.show("openarc-kube", "Result") == "success"
+        assert ns.run(["podman", "ps", "-a", "-q"]).stdout.strip() == ""

@@ -356,3 +356,36 @@ def test_example_container_config_is_valid_and_uses_container_paths():
     models = yaml.safe_load((CONTAINERS / "openarc.yaml").read_text())["models"]
     assert models and all(m["path"].startswith("/models/") for m in models)
 
+
+
+# --- the Kubernetes Deployment through podman kube play --------------------------------------------------
+
+def test_kube_quadlet_plays_the_deployment_with_its_config_models_volume_and_gpu_module(quadlet_root, tmp_path):
+    """openarc-kube.kube beside the kubernetes/ directory, as the README installs them (tests/test_podman_e2e.py
+    runs the result)."""
+    extra = {name: (CONTAINERS / name).read_text() for name in ("openarc-kube.kube", "openarc-models.volume")}
+    extra |= {f"kubernetes/{name}": (CONTAINERS / "kubernetes" / name).read_text()
+              for name in ("openarc-qwen.yaml", "configmap.yaml")}
+    rendered = render(quadlet_root, tmp_path, extra=extra)
+    assert rendered.returncode == 0 and rendered.stderr == "", rendered.stderr
+    kube = rendered.unit("openarc-kube.service")
+    src = tmp_path / "src" / "kubernetes"
+    module = "--module=%E/containers/containers.conf.modules/openarc-gpu.conf"
+    assert shlex.split(unit_value(kube, "Service", "ExecStart")) == [
+        "/usr/bin/podman", module, "kube", "play", "--replace", "--service-container=true",
+        "--configmap", f"{src}/configmap.yaml", "--publish", "127.0.0.1:8000:8000", f"{src}/openarc-qwen.yaml"]
+    assert shlex.split(unit_value(kube, "Service", "ExecStopPost")) == [
+        "/usr/bin/podman", module, "kube", "down", f"{src}/openarc-qwen.yaml"]
+    assert (unit_value(kube, "Service", "Type"), unit_value(kube, "Service", "NotifyAccess")) == ("notify", "all")
+    # A stop that ends "inactive", not "failed": the pod drains, then kube play (the main process) ends by itself.
+    assert unit_values(kube, "Service", "ExecStop") == ["/usr/bin/podman pod stop openarc-qwen-pod",
+                                                        "/usr/bin/tail --pid=${MAINPID} -f /dev/null"]
+    assert "openarc-models-volume.service" in unit_values(kube, "Unit", "Requires")
+    assert "openarc-models-volume.service" in unit_values(kube, "Unit", "After")
+    # podman kube down stops the pod within terminationGracePeriodSeconds: systemd must wait longer.
+    deployment = next(doc for doc in yaml.safe_load_all(extra["kubernetes/openarc-qwen.yaml"]) if doc["kind"] == "Deployment")
+    assert seconds(unit_value(kube, "Service", "TimeoutStopSec")) > deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    volume = rendered.unit("openarc-models-volume.service")
+    assert shlex.split(unit_value(volume, "Service", "ExecStart")) == [
+        "/usr/bin/podman", "volume", "create", "--ignore", "--opt", "device=/var/lib/openarc/models",
+        "--opt", "type=none", "--opt", "o=bind", "openarc-models"]

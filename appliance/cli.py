@@ -78,10 +78,10 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     from appliance import demo_model
     params = {}
     if args.kind == "llm":
-        params = {key: value for key, value in (("eos_after", args.eos_after), ("max_new_tokens", args.max_new_tokens))
-                  if value is not None}
-    elif args.eos_after is not None or args.max_new_tokens is not None:
-        print("openarc: --eos-after and --max-new-tokens apply to --kind llm only", file=sys.stderr)
+        params = {key: value for key, value in (("eos_after", args.eos_after), ("max_new_tokens", args.max_new_tokens),
+                                                ("logit_scale", args.logit_scale)) if value is not None}
+    elif args.eos_after is not None or args.max_new_tokens is not None or args.logit_scale is not None:
+        print("openarc: --eos-after, --max-new-tokens and --logit-scale apply to --kind llm only", file=sys.stderr)
         return 2
     if args.kind not in demo_model.DEMO_KINDS:
         print(f"openarc: no demo model of kind {args.kind!r} yet", file=sys.stderr)
@@ -127,6 +127,8 @@ def parser() -> argparse.ArgumentParser:
                       help="the worker kind it is a model for (default llm, the chat demo)")
     demo.add_argument("--eos-after", type=int, help="llm: generated tokens before the model stops by itself (48)")
     demo.add_argument("--max-new-tokens", type=int, help="llm: generation_config.json max_new_tokens (64)")
+    demo.add_argument("--logit-scale", type=float, help="llm: how far the chosen token leads (64: sampling equals "
+                                                        "greedy; 1: samples vary with temperature and seed)")
     demo.set_defaults(func=cmd_demo_model)
     health = sub.add_parser("health", help="exit 0 iff the appliance answers /ready with 200")
     health.add_argument("--url", default=os.environ.get("OPENARC_URL", "http://127.0.0.1:8000"))

@@ -8,10 +8,14 @@ on the standard demo model (the allowed tokens are nearly tied, so penalties bre
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import openai
 import pytest
 
-from conftest import Appliance, http, model_entry
+from conftest import REPO, Appliance, http, model_entry
 
 LETTERS = {"structured_outputs": {"regex": "[a-z]{30}"}}
 CHAT = [{"role": "user", "content": "Spell something."}]
@@ -19,9 +23,10 @@ CHAT = [{"role": "user", "content": "Spell something."}]
 
 @pytest.fixture(scope="module")
 def app(demo_model, tmp_path_factory):
-    from appliance.demo_model import build_demo_model
-    # The demo variant whose samples vary: its chosen token leads by one logit, not 64.
-    varied = build_demo_model(tmp_path_factory.mktemp("models") / "varied", logit_scale=1.0)
+    # The demo variant whose samples vary (its chosen token leads by one logit, not 64), built as a user would.
+    varied = tmp_path_factory.mktemp("models") / "varied"
+    subprocess.run([sys.executable, "-m", "appliance", "demo-model", str(varied), "--logit-scale", "1"], cwd=REPO,
+                   env={**os.environ, "PYTHONPATH": str(REPO)}, check=True, capture_output=True, timeout=120)
     config = {"models": [model_entry("demo", demo_model), model_entry("sdpa", demo_model, pipeline="stateful"),
                          model_entry("varied", varied)]}
     appliance = Appliance(config, tmp_path_factory.mktemp("sampling")).start()

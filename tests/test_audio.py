@@ -11,6 +11,7 @@ import re
 import signal
 import threading
 import time
+from http.client import HTTPConnection
 
 import numpy as np
 import openai
@@ -208,6 +209,24 @@ def test_worker_abort_mid_transcription_is_fast_and_chat_keeps_answering(applian
     new = app.wait_model("whisper", "ready", new_pid_not=pid)
     assert new["crashes"] == 1 and "SIGABRT" in new["last_error"] and not pid_alive(pid)
     assert transcribe(app, files["wav"]).text == TRANSCRIPT
+
+
+def test_a_client_hanging_up_stops_its_transcription(appliance_factory, demo_whisper, files):
+    """Each of the 7 transcript tokens waits STEP s: a caller who hangs up after the first delta must free the worker
+    at the next token, so the request after it finishes in about its own time, not after the abandoned one's rest."""
+    step = 1.0
+    app = appliance_factory({"models": [model_entry("whisper", demo_whisper, kind="transcription")]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": str(step)})
+    content_type, body = multipart({"model": "whisper", "file": files["wav"], "stream": "true"})
+    connection = HTTPConnection("127.0.0.1", app.port, timeout=30)
+    connection.request("POST", "/v1/audio/transcriptions", body, {"Content-Type": content_type})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")  # the first delta: generating
+    connection.close()
+    hung_up = time.monotonic()
+    assert transcribe(app, files["wav"]).text == TRANSCRIPT
+    # Cancelled: at most one step of the old request, then the 7 of this one. Not cancelled: 6 more steps first.
+    assert time.monotonic() - hung_up < (1 + 7 + 3) * step
 
 
 def test_a_dead_decoder_is_replaced(app, files):

@@ -14,19 +14,13 @@ not measured waits idle), and each figure is the median over its blocks. Figures
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import aiohttp
 
 from bench import inprocess, report
-from bench.launcher import OwnAppliance
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "embed"
 BATCH = 32
 CLIENTS = 8
@@ -107,31 +101,6 @@ async def server_rates(session: aiohttp.ClientSession, base: str, rounds: int) -
             "single": await clients(phase_batches("single", rounds), CLIENTS, "base64")}
 
 
-async def measure(quick: bool) -> tuple[dict, list[report.Figure]]:
-    """Baseline and server alternate block by block (both processes stay up, the idle one blocked on a read), so
-    the load of a shared machine hits both sides alike; each figure is the median of its blocks."""
-    rounds, blocks = (3, 2) if quick else (10, 15)
-    with tempfile.TemporaryDirectory(prefix="openarc-bench-") as tmp:
-        from appliance.demo_model import build_demo_model
-        model = build_demo_model(Path(tmp) / "embedding", "embedding")
-        served = model_config(str(model))
-        app = OwnAppliance(model, Path(tmp), models=[
-            {"name": MODEL, "kind": "embedding", "path": served.path, "max_running": served.max_running}])
-        baseline_process = inprocess.InProcess("bench.embeddings", model)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            await app.start(session)
-            try:
-                await server_rates(session, app.base, 2)  # warm
-                samples = await inprocess.alternate(
-                    blocks, lambda: baseline_process.rates(("batch", "single", "coalesced"), rounds),
-                    lambda: server_rates(session, app.base, rounds))
-            finally:
-                app.stop()
-                baseline_process.stop()
-    return {"when": report.now(), "rounds": rounds, "blocks": blocks, "quick": quick, **report.machine(),
-            "samples": samples}, figures({name: statistics.median(values) for name, values in samples.items()})
-
-
 def figures(m: dict[str, float]) -> list[report.Figure]:
     def rate(name: str, value: float, baseline: str = "") -> report.Figure:
         return report.Figure(name, f"{value:,.0f} embeddings/s", value, "embeddings/s", baseline=baseline)
@@ -154,18 +123,12 @@ def figures(m: dict[str, float]) -> list[report.Figure]:
     return out
 
 
+BENCH = inprocess.SideBench("embeddings", "embedding", {"name": MODEL, "max_running": CLIENTS},
+                            ("batch", "single", "coalesced"), ((3, 2), (10, 15)), server_rates, figures)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.embeddings", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few rounds: checks the bench, measures nothing")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where embeddings.{json,md} go")
-    parser.add_argument("--baseline", metavar="DIR", help=argparse.SUPPRESS)  # the in-process side's own process
-    args = parser.parse_args(argv)
-    if args.baseline:
-        baseline(args.baseline)
-        return
-    meta, results = asyncio.run(measure(args.quick))
-    print(report.write_side_bench(args.out, "embeddings", meta, results, ("name", "measured", "target", "verdict")),
-          end="", flush=True)
+    BENCH.main(argv, __doc__, baseline)
 
 
 if __name__ == "__main__":

@@ -18,22 +18,16 @@ shrinks the share of the path around it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
-import statistics
-import tempfile
 import time
 import wave
-from pathlib import Path
 
 import aiohttp
 import numpy as np
 
 from bench import inprocess, report
-from bench.launcher import OwnAppliance
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "whisper"
 RATE = 16000
 CLIP_S, LONG_S = 10.0, 45.0
@@ -114,28 +108,6 @@ async def server_rates(session: aiohttp.ClientSession, base: str, rounds: int) -
             "long": await clients("long", 1)}
 
 
-async def measure(quick: bool) -> tuple[dict, list[report.Figure]]:
-    rounds, blocks = (2, 2) if quick else (6, 11)
-    with tempfile.TemporaryDirectory(prefix="openarc-bench-") as tmp:
-        from appliance.demo_model import build_demo_model
-        model = build_demo_model(Path(tmp) / "whisper", "transcription")
-        app = OwnAppliance(model, Path(tmp), models=[
-            {"name": MODEL, "kind": "transcription", "path": str(model), "max_running": CLIENTS}])
-        baseline_process = inprocess.InProcess("bench.transcription", model)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            await app.start(session)
-            try:
-                await server_rates(session, app.base, 1)  # warm
-                samples = await inprocess.alternate(
-                    blocks, lambda: baseline_process.rates(("short", "long"), rounds),
-                    lambda: server_rates(session, app.base, rounds))
-            finally:
-                app.stop()
-                baseline_process.stop()
-    return {"when": report.now(), "rounds": rounds, "blocks": blocks, "quick": quick, **report.machine(),
-            "samples": samples}, figures({name: statistics.median(values) for name, values in samples.items()})
-
-
 def figures(m: dict[str, float]) -> list[report.Figure]:
     def rate(name: str, value: float) -> report.Figure:
         return report.Figure(name, f"{value:,.0f} audio s/s", value, "audio s/s")
@@ -156,18 +128,12 @@ def figures(m: dict[str, float]) -> list[report.Figure]:
     ]
 
 
+BENCH = inprocess.SideBench("transcription", "transcription", {"name": MODEL, "max_running": CLIENTS},
+                            ("short", "long"), ((2, 2), (6, 11)), server_rates, figures)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.transcription", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few rounds: checks the bench, measures nothing")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where transcription.{json,md} go")
-    parser.add_argument("--baseline", metavar="DIR", help=argparse.SUPPRESS)  # the in-process side's own process
-    args = parser.parse_args(argv)
-    if args.baseline:
-        baseline(args.baseline)
-        return
-    meta, results = asyncio.run(measure(args.quick))
-    print(report.write_side_bench(args.out, "transcription", meta, results, ("name", "measured", "target", "verdict")),
-          end="", flush=True)
+    BENCH.main(argv, __doc__, baseline)
 
 
 if __name__ == "__main__":

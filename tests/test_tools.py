@@ -104,6 +104,15 @@ def test_a_named_function_is_the_one_called_streamed_too(app, model):
     assert_valid_calls(final.choices[0].message.tool_calls, ["get_time"])
 
 
+def test_the_sdks_pydantic_tools_come_back_parsed(app):
+    class GetWeather(WeatherArgs):
+        """Weather forecast"""
+    reply = app.client().chat.completions.parse(model="demo", messages=CHAT, tool_choice="required", max_tokens=300,
+                                                tools=[openai.pydantic_function_tool(GetWeather)])
+    call = reply.choices[0].message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
 def test_streamed_deltas_have_openais_shape(app):
     chunks = list(app.client().chat.completions.create(model="demo", messages=CHAT, tools=TOOLS, stream=True,
                                                        tool_choice="required", max_tokens=300))

@@ -162,6 +162,15 @@ def test_wrong_kind_is_400_naming_both(app, files):
     assert kinds == {"whisper": "transcription", "whisper-limited": "transcription", "chat": "llm"}
 
 
+def test_without_a_transcription_model_the_route_names_the_kinds(appliance_factory, demo_model, files):
+    app = appliance_factory({"models": [model_entry("chat", demo_model)]})
+    with pytest.raises(openai.BadRequestError) as info:
+        transcribe(app, files["mp3"], "a.mp3", model="chat")
+    assert info.value.body["code"] == "wrong_model_kind"
+    with pytest.raises(openai.NotFoundError):
+        transcribe(app, files["mp3"], "a.mp3", model="whisper")
+
+
 def test_metrics_count_audio_seconds_and_requests(app, files):
     def value(name: str, **labels) -> float:
         selector = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # as the exposition orders them

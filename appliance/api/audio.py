@@ -122,9 +122,10 @@ class AudioRoutes:
         return response
 
     def _upload_cap(self) -> int:
-        """The largest upload any transcription model takes: a bigger body is refused while it is read."""
+        """The largest upload any transcription model takes (without one, the server's max_body_bytes, so a request
+        still learns that its model is of another kind): a bigger body is refused while it is read."""
         return max((sup.model.max_upload_bytes for sup in self.appliance.supervisor.models.values()
-                    if sup.model.kind == KIND), default=0)
+                    if sup.model.kind == KIND), default=self.appliance.config.server.max_body_bytes)
 
     async def _whole(self, sup, req: AudioRequest, frame: dict[str, Any], seconds: float) -> web.Response:
         handle = sup.open(frame, op="request")

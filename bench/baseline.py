@@ -1,8 +1,9 @@
 """The in-process baseline: the same model in a bare process, driven through openvino_genai directly.
 
-Run as `python -m bench.baseline MODEL_PATH --plan full|quick`; prints one JSON object. It runs in its own
-process, before the appliance starts, so the two never compete for the 2 cores and the process's resident
-memory is what the pipeline alone takes (the worker's overhead is measured against it).
+Run as `python -m bench.baseline MODEL_PATH [--device DEVICE]` (the bench does): it loads the pipeline, prints one
+JSON line, then measures block by block on command (one JSON line in, one out), taking turns with the servers so
+that a machine whose load drifts during the run treats both sides alike; while a server is measured it waits
+idle. Its resident memory at the end is what the pipeline alone takes after the same work.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from bench import workload
 class InProcess:
     """A warm ContinuousBatchingPipeline (the engine the appliance's worker runs) and the templating it needs."""
 
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, device: str = "CPU"):
         import openvino_genai
         self.og = openvino_genai
         started = time.monotonic()
-        self.pipe = openvino_genai.ContinuousBatchingPipeline(model_path, openvino_genai.SchedulerConfig(), "CPU", {})
+        self.pipe = openvino_genai.ContinuousBatchingPipeline(model_path, openvino_genai.SchedulerConfig(), device, {})
         self.load_seconds = time.monotonic() - started
         self.tokenizer = self.pipe.get_tokenizer()
 
@@ -51,20 +52,27 @@ class InProcess:
         return self.pipe.generate(texts, [self.config(max_tokens)] * len(texts), streamer)
 
 
-def latencies(engine: InProcess, plan: workload.Plan, tokens: int) -> list[float]:
-    for i in range(plan.warmup):
+def warm(engine: InProcess, tokens: int, requests: int) -> dict:
+    for i in range(requests):
         engine.generate([i], tokens)
-    samples = []
-    for i in range(plan.overhead_requests):
+    return {}
+
+
+def latency(engine: InProcess, tokens: int, requests: int) -> dict:
+    """One request at a time: templating + generate() + decoding, timed."""
+    seconds = []
+    for i in range(requests):
         started = time.perf_counter()
         engine.generate([i], tokens)
-        samples.append(time.perf_counter() - started)
-    return samples
+        seconds.append(time.perf_counter() - started)
+    return {"seconds": seconds}
 
 
-def stream_rates(engine: InProcess, plan: workload.Plan) -> list[float]:
+def stream(engine: InProcess, requests: int, warm_first: bool) -> dict:
+    """Streams through a streamer callback: tokens / time from the call to the last token (the first one, if
+    warm_first, only warms the longer KV cache)."""
     rates = []
-    for i in range(plan.stream_requests + 1):  # the first one warms the longer KV cache
+    for i in range(requests + warm_first):
         times: list[float] = []
 
         def on_text(text: str):
@@ -74,28 +82,21 @@ def stream_rates(engine: InProcess, plan: workload.Plan) -> list[float]:
         started = time.perf_counter()
         engine.generate([i], workload.STREAM_TOKENS, on_text)
         rate = workload.stream_rate(started, times, workload.STREAM_TOKENS)
-        if i and rate is not None:
+        if (i or not warm_first) and rate is not None:
             rates.append(rate)
-    return rates
+    return {"rates": rates}
 
 
-def aggregate_rates(engine: InProcess, plan: workload.Plan) -> tuple[dict[str, float], dict[str, float]]:
-    """The same number of requests at once, as one batch, `rounds_per_client` times (times the blocks a run with
-    peers cuts each figure into): tokens per second, and this process's CPU as a share of one core."""
-    rates, cpu_shares = {}, {}
-    for clients in workload.CONCURRENCY_LEVELS:
-        prompts = list(range(clients))
+def aggregate(engine: InProcess, clients: int, rounds: int, warm_first: bool) -> dict:
+    """The clients' requests at once, as one batch, `rounds` times: tokens, seconds, and this process's CPU time."""
+    prompts = list(range(clients))
+    if warm_first:
         engine.generate(prompts, workload.CONCURRENCY_TOKENS)
-        started, cpu = time.perf_counter(), time.process_time()
-        tokens = 0
-        for _ in range(plan.rounds_per_client * plan.blocks):
-            results = engine.generate(prompts, workload.CONCURRENCY_TOKENS)
-            tokens += clients * workload.CONCURRENCY_TOKENS
-            assert len(results) == clients
-        elapsed = time.perf_counter() - started
-        rates[str(clients)] = tokens / elapsed
-        cpu_shares[str(clients)] = (time.process_time() - cpu) / elapsed
-    return rates, cpu_shares
+    started, cpu = time.perf_counter(), time.process_time()
+    for _ in range(rounds):
+        assert len(engine.generate(prompts, workload.CONCURRENCY_TOKENS)) == clients
+    return {"tokens": clients * workload.CONCURRENCY_TOKENS * rounds, "seconds": time.perf_counter() - started,
+            "cpu_seconds": time.process_time() - cpu}
 
 
 def no_core_dumps() -> None:
@@ -103,11 +104,11 @@ def no_core_dumps() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def death_notice(model_path: str) -> float:
+def death_notice(model_path: str, device: str) -> float:
     """SIGABRT a bare process that is generating; seconds until the kernel closes its end of a socket."""
     ours, theirs = socket.socketpair()
     with ours:
-        proc = subprocess.Popen([sys.executable, "-m", "bench.doomed", str(theirs.fileno()), model_path],
+        proc = subprocess.Popen([sys.executable, "-m", "bench.doomed", str(theirs.fileno()), model_path, device],
                                 pass_fds=(theirs.fileno(),), preexec_fn=no_core_dumps)
         theirs.close()
         try:
@@ -124,27 +125,37 @@ def death_notice(model_path: str) -> float:
             proc.wait()
 
 
-def run(model_path: str, plan: workload.Plan) -> dict:
-    engine = InProcess(model_path)
-    result = {"pipeline": "ContinuousBatchingPipeline", "load_seconds": engine.load_seconds,
-              "latencies_s": latencies(engine, plan, workload.OVERHEAD_TOKENS),
-              # after the longer requests, in the same order as against the server (the first ones run slower)
-              "fixed_latencies_s": latencies(engine, plan, workload.FIXED_COST_TOKENS),
-              "stream_tokens_per_s": stream_rates(engine, plan)}
-    result["aggregate_tokens_per_s"], result["aggregate_cpu"] = aggregate_rates(engine, plan)
+def finish(engine: InProcess, model_path: str, device: str, death_trials: int) -> dict:
     # After the same work the worker will have done: the KV cache has grown to the same size.
-    result["rss_bytes"] = process_rss_bytes(os.getpid())
-    result["death_notice_s"] = [death_notice(model_path) for _ in range(plan.death_trials)]
-    return result
+    return {"rss_bytes": process_rss_bytes(os.getpid()),
+            "death_notice_s": [death_notice(model_path, device) for _ in range(death_trials)]}
+
+
+def serve(model_path: str, device: str) -> None:
+    """Load, say so, then answer one JSON command per line of stdin with one JSON line, until `finish`."""
+    engine = InProcess(model_path, device)
+    reply({"pipeline": "ContinuousBatchingPipeline", "load_seconds": engine.load_seconds})
+    ops = {"warm": warm, "latency": latency, "stream": stream, "aggregate": aggregate}
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command.pop("op")
+        if op == "finish":
+            reply(finish(engine, model_path, device, **command))
+            return
+        reply(ops[op](engine, **command))
+
+
+def reply(message: dict) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.baseline")
     parser.add_argument("model_path")
-    parser.add_argument("--plan", choices=("full", "quick"), default="full")
+    parser.add_argument("--device", default="CPU")
     args = parser.parse_args(argv)
-    plan = workload.QUICK if args.plan == "quick" else workload.FULL
-    json.dump(run(args.model_path, plan), sys.stdout)
+    serve(args.model_path, args.device)
     return 0
 
 

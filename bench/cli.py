@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -16,7 +13,7 @@ import aiohttp
 
 from appliance.telemetry import process_rss_bytes
 from bench import client, figures, phases, report, sidebyside, workload
-from bench.launcher import FAULT_MODEL, PERF_MODEL, RESTART, STALL_TIMEOUT_S, OwnAppliance, child_env
+from bench.launcher import FAULT_MODEL, PERF_MODEL, RESTART, STALL_TIMEOUT_S, OwnAppliance
 from bench.phases import CpuWatch, Server, process_tree
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -54,6 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--url", help="measure the HTTP figures of this OpenAI-compatible server instead of starting one")
     p.add_argument("--name", default="server", help="with --url: what to call that server in the tables")
     p.add_argument("--model", help="with --url: the model to ask for (default: the first of /v1/models)")
+    p.add_argument("--device", default="CPU", help="OpenVINO device of the in-process baseline and of the bench's own "
+                                                   "appliance (default CPU; GPU on an Arc box)")
     p.add_argument("--model-path", help="the model on disk, for the in-process baseline and ratios (default: the "
                                         "bench builds the demo model with --eos-after 0 and, without --url, serves it)")
     p.add_argument("--peer", action="append", default=[], metavar="NAME=URL[#MODEL]",
@@ -87,13 +86,6 @@ def _named(parser: argparse.ArgumentParser, value: str, flag: str) -> tuple[str,
     return name, rest
 
 
-def run_baseline(model_path: Path, plan_name: str) -> dict:
-    """The in-process baseline, in a bare process of its own (see bench/baseline.py)."""
-    done = subprocess.run([sys.executable, "-m", "bench.baseline", str(model_path), "--plan", plan_name],
-                          env=child_env(), stdout=subprocess.PIPE, check=True, timeout=900)
-    return json.loads(done.stdout)
-
-
 async def peer_servers(session: aiohttp.ClientSession, peers: list[tuple[str, str]], pids: dict[str, int]) -> list[Server]:
     servers = []
     for name, target in peers:
@@ -103,15 +95,16 @@ async def peer_servers(session: aiohttp.ClientSession, peers: list[tuple[str, st
     return servers
 
 
-async def measure(session: aiohttp.ClientSession, servers: list[Server], plan, cpu_probe) -> sidebyside.Measured:
+async def measure(session: aiohttp.ClientSession, servers: list[Server], plan, cpu_probe,
+                  baseline: phases.InProcess | None) -> sidebyside.Measured:
     for server in servers:
         await phases.warm(session, server, plan)
-    latency = await phases.latency(session, servers, plan, workload.OVERHEAD_TOKENS)
+    latency = await phases.latency(session, servers, plan, workload.OVERHEAD_TOKENS, baseline)
     return sidebyside.Measured(
-        fixed=await phases.latency(session, servers, plan, workload.FIXED_COST_TOKENS),
+        fixed=await phases.latency(session, servers, plan, workload.FIXED_COST_TOKENS, baseline),
         latency=latency,
-        streaming=await phases.streaming(session, servers, plan),
-        concurrency=await phases.concurrency(session, servers, plan, cpu_probe))
+        streaming=await phases.streaming(session, servers, plan, baseline),
+        concurrency=await phases.concurrency(session, servers, plan, cpu_probe, baseline))
 
 
 def primary_figures(measured: sidebyside.Measured, name: str, baseline: dict | None) -> list:
@@ -125,8 +118,9 @@ def primary_figures(measured: sidebyside.Measured, name: str, baseline: dict | N
 class Run:
     """One bench run: the servers, what was measured, and what goes into the report."""
 
-    def __init__(self, args: argparse.Namespace, plan, baseline: dict | None):
-        self.args, self.plan, self.baseline = args, plan, baseline
+    def __init__(self, args: argparse.Namespace, plan, model_path: Path | None):
+        self.args, self.plan, self.model_path = args, plan, model_path
+        self.baseline: dict | None = None  # the in-process figures, once measured
         self.servers: list[Server] = []
         self.processes: dict[str, dict[str, list[int]]] = {}  # server -> {label: pids} for CPU and memory
         self.rss: dict[str, int | None] = {}
@@ -158,10 +152,20 @@ class Run:
         return {"servers": [{"name": s.name, "url": s.base, "model": s.model} for s in self.servers], "rows": rows,
                 "markdown": sidebyside.markdown(self.servers, rows)}
 
-    async def against_own_appliance(self, model_path: Path, out: Path) -> tuple[list, dict | None]:
-        app = OwnAppliance(model_path, out)
+    async def start_baseline(self) -> phases.InProcess | None:
+        """The in-process baseline's process (idle while the servers are measured), when there is a model on disk."""
+        return await phases.InProcess.start(self.model_path, self.args.device) if self.model_path else None
+
+    async def finish_baseline(self, in_process: phases.InProcess | None) -> None:
+        if in_process:
+            self.baseline = await in_process.finish(self.plan.death_trials)
+
+    async def against_own_appliance(self, out: Path) -> tuple[list, dict | None]:
+        app = OwnAppliance(self.model_path, out, device=self.args.device)
+        in_process = None
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
             try:
+                in_process = await self.start_baseline()
                 await app.start(session)
                 worker = await app.worker_pid(session, PERF_MODEL)
                 own = Server(OWN_NAME, app.base, PERF_MODEL, app.pid)
@@ -172,7 +176,7 @@ class Run:
                 front_idle = process_rss_bytes(app.pid)
                 peak = figures.PeakRss(app.pid)
                 sampler = asyncio.create_task(peak.run())
-                measured = await measure(session, self.servers, self.plan, self.cpu_probe)
+                measured = await measure(session, self.servers, self.plan, self.cpu_probe, in_process)
                 sampler.cancel()
                 worker_rss = process_rss_bytes(worker)
                 self.rss[OWN_NAME] = process_rss_bytes(app.pid) + worker_rss
@@ -182,8 +186,12 @@ class Run:
                 aborts = await figures.trials(session, app, signal.SIGABRT, self.plan.fault_trials)
                 stalls = await figures.trials(session, app, signal.SIGSTOP, self.plan.stall_trials)
                 await self.abort_peers(session)
+                app.stop()
+                await self.finish_baseline(in_process)
             finally:
                 app.stop()
+                if in_process:
+                    in_process.kill()
         found = (primary_figures(measured, OWN_NAME, self.baseline) + figures.fault_figures(aborts, stalls, self.baseline)
                  + figures.memory(front_idle, peak.peak, worker_rss, self.baseline))
         return found, self.side_by_side(measured)
@@ -194,8 +202,14 @@ class Run:
             primary = Server(self.args.name, url, model, self.args.peer_pids.get(self.args.name))
             self.servers = [primary] + await peer_servers(session, self.args.peers, self.args.peer_pids)
             self.note_peer_processes()
-            measured = await measure(session, self.servers, self.plan, self.cpu_probe)
-            await self.abort_peers(session)
+            in_process = await self.start_baseline()
+            try:
+                measured = await measure(session, self.servers, self.plan, self.cpu_probe, in_process)
+                await self.abort_peers(session)
+                await self.finish_baseline(in_process)
+            finally:
+                if in_process:
+                    in_process.kill()
         found = primary_figures(measured, primary.name, self.baseline)
         return found + figures.http_only("needs the bench's own appliance (not with --url)"), self.side_by_side(measured)
 
@@ -215,20 +229,19 @@ def main(argv: list[str] | None = None) -> int:
             model_path = build_demo_model(Path(tmp) / "demo", eos_after=0, max_new_tokens=4096)  # never stops early
         elif model_path is None:
             model_text = f"{args.model or 'the first model'} as {args.url} serves it (no in-process baseline)"
-        baseline = run_baseline(model_path, plan_name) if model_path else None
-        run = Run(args, plan, baseline)
+        run = Run(args, plan, model_path)
         if args.url:
             target = args.url.rstrip("/")
             found, side = asyncio.run(run.against_url(target))
         else:
-            target = "its own appliance (python -m appliance serve, CPU)"
-            found, side = asyncio.run(run.against_own_appliance(model_path, out))
+            target = f"its own appliance (python -m appliance serve, {args.device})"
+            found, side = asyncio.run(run.against_own_appliance(out))
     names = ", ".join(f"{s.name} ({s.base})" for s in run.servers[1:])
     meta = {"date": report.now(), "mode": plan_name, "duration_s": time.monotonic() - started,
             "target": target + (f", alongside {names}" if names else ""), "primary": run.servers[0].name,
             "model": model_text, "machine": report.machine(),
             "load": f"{load_at_start} at the start, {report.load_average()} at the end",
-            "baseline_load_seconds": baseline and baseline["load_seconds"]}
+            "baseline_load_seconds": run.baseline and run.baseline["load_seconds"]}
     notes = NOTES + ([PEER_NOTE.format(chunks=sidebyside.ABORT_AFTER_CHUNKS, wait=plan.revive_timeout_s)] if side else [])
     print(report.write(out, meta, found, notes, side))
     return 0

@@ -1,15 +1,18 @@
 """The HTTP workload, as raw measurements per server: latency, SSE rate, aggregate throughput.
 
-With several servers (--peer) every phase is cut into blocks and the servers take turns block by block (the
-order reversed every other block), so a machine whose load drifts during the run treats them alike. Every
-count is what the server really produced: its usage, else the chunks that carried text.
+Every phase is cut into blocks, and the servers and the in-process baseline take turns block by block (the order
+reversed every other block), so a machine whose load drifts during the run treats them all alike. Every count is
+what the server really produced: its usage, else the chunks that carried text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,7 +21,10 @@ import aiohttp
 
 from bench import client, workload
 from bench.client import Unexpected
+from bench.launcher import child_env
 from bench.workload import Plan, chat_body, split
+
+BASELINE_REPLY_TIMEOUT_S = 900  # only catches a hang: a block takes seconds
 
 
 @dataclass
@@ -117,11 +123,55 @@ class Aggregate:
 CpuProbe = Callable[[Server], Awaitable["CpuWatch | None"]]
 
 
-async def alternate(servers: list[Server], blocks: int, run_block: Callable[[Server, int], Awaitable[None]]) -> None:
-    """run_block(server, block_index) for every block, servers taking turns (the order reversed every other block)."""
+class InProcess:
+    """The in-process baseline (bench/baseline.py) in a bare process of its own, measuring block by block on command.
+
+    `results` fills up as the phases run, under the keys the figures read (latencies_s, stream_tokens_per_s,
+    aggregate_tokens_per_s, ...)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, loaded: dict):
+        self.proc = proc
+        self.results: dict = dict(loaded, aggregate_tokens_per_s={}, aggregate_cpu={})
+
+    @classmethod
+    async def start(cls, model_path, device: str) -> InProcess:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.baseline", str(model_path), "--device", device, env=child_env(),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, limit=1 << 24)
+        baseline = cls(proc, {})
+        baseline.results.update(await baseline._reply())
+        return baseline
+
+    async def call(self, op: str, **arguments) -> dict:
+        self.proc.stdin.write((json.dumps({"op": op, **arguments}) + "\n").encode())
+        await self.proc.stdin.drain()
+        return await self._reply()
+
+    async def _reply(self) -> dict:
+        line = await asyncio.wait_for(self.proc.stdout.readline(), BASELINE_REPLY_TIMEOUT_S)
+        if not line:
+            raise RuntimeError(f"the in-process baseline exited ({await self.proc.wait()})")
+        return json.loads(line)
+
+    async def finish(self, death_trials: int) -> dict:
+        """Memory after the same work, and the fault figures' floor; the process then exits."""
+        self.results.update(await self.call("finish", death_trials=death_trials))
+        await self.proc.wait()
+        return self.results
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+
+
+async def alternate(servers: list[Server], blocks: int, run_block: Callable[[Server | None, int], Awaitable[None]],
+                    baseline: InProcess | None = None) -> None:
+    """run_block(server, block_index) for every block, the servers and the baseline (server None) taking turns,
+    the order reversed every other block."""
+    turns: list[Server | None] = [*servers, *([None] if baseline else [])]
     for index in range(blocks):
-        for server in servers if index % 2 == 0 else servers[::-1]:
-            await run_block(server, index)
+        for who in turns if index % 2 == 0 else turns[::-1]:
+            await run_block(who, index)
 
 
 async def warm(session: aiohttp.ClientSession, server: Server, plan: Plan) -> None:
@@ -129,12 +179,20 @@ async def warm(session: aiohttp.ClientSession, server: Server, plan: Plan) -> No
         await client.completion_tokens(session, server.base, chat_body(server.model, i, workload.OVERHEAD_TOKENS))
 
 
-async def latency(session: aiohttp.ClientSession, servers: list[Server], plan: Plan, tokens: int) -> dict[str, Latency]:
+async def latency(session: aiohttp.ClientSession, servers: list[Server], plan: Plan, tokens: int,
+                  baseline: InProcess | None = None) -> dict[str, Latency]:
     """One non-streaming request at a time over a kept-alive connection, timed from send to parsed body."""
     found = {s.name: Latency(Counts(tokens)) for s in servers}
     sizes = split(plan.overhead_requests, plan.blocks)
+    in_process: list[float] = []
+    if baseline:
+        await baseline.call("warm", tokens=tokens, requests=plan.warmup)
+        baseline.results["fixed_latencies_s" if tokens == workload.FIXED_COST_TOKENS else "latencies_s"] = in_process
 
-    async def run_block(server: Server, index: int) -> None:
+    async def run_block(server: Server | None, index: int) -> None:
+        if server is None:
+            in_process.extend((await baseline.call("latency", tokens=tokens, requests=sizes[index]))["seconds"])
+            return
         seen = found[server.name]
         cpu, wall = time.process_time(), time.perf_counter()
         for i in range(sizes[index]):
@@ -146,18 +204,25 @@ async def latency(session: aiohttp.ClientSession, servers: list[Server], plan: P
                 seen.seconds.append(elapsed)
         seen.spend.add(time.process_time() - cpu, time.perf_counter() - wall, sizes[index])
 
-    await alternate(servers, len(sizes), run_block)
+    await alternate(servers, len(sizes), run_block, baseline)
     return found
 
 
-async def streaming(session: aiohttp.ClientSession, servers: list[Server], plan: Plan) -> dict[str, Streaming]:
-    """The rate an SSE client receives tokens, after the first one."""
+async def streaming(session: aiohttp.ClientSession, servers: list[Server], plan: Plan,
+                    baseline: InProcess | None = None) -> dict[str, Streaming]:
+    """The rate an SSE client receives tokens: tokens / time from the request to the last token."""
     found = {s.name: Streaming(Counts(workload.STREAM_TOKENS)) for s in servers}
     for server in servers:  # the first stream warms the longer KV cache
         await client.stream(session, server.base, chat_body(server.model, 0, workload.STREAM_TOKENS, stream=True))
     sizes = split(plan.stream_requests, plan.blocks)
+    in_process: list[float] = []
+    if baseline:
+        baseline.results["stream_tokens_per_s"] = in_process
 
-    async def run_block(server: Server, index: int) -> None:
+    async def run_block(server: Server | None, index: int) -> None:
+        if server is None:
+            in_process.extend((await baseline.call("stream", requests=sizes[index], warm_first=index == 0))["rates"])
+            return
         seen = found[server.name]
         cpu, wall = time.process_time(), time.perf_counter()
         for i in range(sizes[index]):
@@ -169,12 +234,12 @@ async def streaming(session: aiohttp.ClientSession, servers: list[Server], plan:
                 seen.rates.append(rate)
         seen.spend.add(time.process_time() - cpu, time.perf_counter() - wall, sizes[index])
 
-    await alternate(servers, len(sizes), run_block)
+    await alternate(servers, len(sizes), run_block, baseline)
     return found
 
 
 async def concurrency(session: aiohttp.ClientSession, servers: list[Server], plan: Plan,
-                      cpu_probe: CpuProbe | None = None) -> dict[str, list[Aggregate]]:
+                      cpu_probe: CpuProbe | None = None, baseline: InProcess | None = None) -> dict[str, list[Aggregate]]:
     """N clients each send requests back to back: aggregate tokens per second, for each N."""
     found: dict[str, list[Aggregate]] = {s.name: [] for s in servers}
     for clients in workload.CONCURRENCY_LEVELS:
@@ -182,7 +247,15 @@ async def concurrency(session: aiohttp.ClientSession, servers: list[Server], pla
         for server in servers:
             await _clients(session, server, clients, 1, Counts(workload.CONCURRENCY_TOKENS))  # warm this batch size
 
-        async def run_block(server: Server, _index: int) -> None:
+        in_process = {"tokens": 0, "seconds": 0.0, "cpu_seconds": 0.0}
+
+        async def run_block(server: Server | None, index: int) -> None:
+            if server is None:
+                done = await baseline.call("aggregate", clients=clients, rounds=plan.rounds_per_client,
+                                           warm_first=index == 0)
+                for key in in_process:
+                    in_process[key] += done[key]
+                return
             seen = level[server.name]
             watch = await cpu_probe(server) if cpu_probe else None
             cpu, wall = time.process_time(), time.perf_counter()
@@ -194,7 +267,10 @@ async def concurrency(session: aiohttp.ClientSession, servers: list[Server], pla
                 for name, share in watch.shares(elapsed).items():
                     seen.cpu[name] = seen.cpu.get(name, 0.0) + share * elapsed
 
-        await alternate(servers, plan.blocks, run_block)
+        await alternate(servers, plan.blocks, run_block, baseline)
+        if baseline:
+            baseline.results["aggregate_tokens_per_s"][str(clients)] = in_process["tokens"] / in_process["seconds"]
+            baseline.results["aggregate_cpu"][str(clients)] = in_process["cpu_seconds"] / in_process["seconds"]
         for name, aggregate in level.items():
             aggregate.cpu = {k: v / aggregate.seconds for k, v in aggregate.cpu.items()} if aggregate.seconds else {}
             found[name].append(aggregate)

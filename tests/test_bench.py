@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +170,21 @@ def _cmdline_mentions(proc: Path, text: str) -> bool:
         return text.encode() in (proc / "cmdline").read_bytes()
     except OSError:
         return False
+
+
+def test_summary_reports_the_median_of_each_figure_and_judges_it(tmp_path):
+    """`python -m bench.summary`: the README's figures are medians over runs; the verdict is the target applied to
+    the median, whatever single runs said."""
+    for run, (ratio, verdict) in enumerate([(1.1, "PASS"), (1.3, "MISS"), (1.25, "MISS")]):
+        out = tmp_path / str(run)
+        out.mkdir()
+        figure = {"name": "Latency, 32-token chat completion: median ratio", "measured": f"{ratio}x", "value": ratio,
+                  "unit": "x", "baseline": "", "target": "<= 1.2x", "verdict": verdict, "client": ""}
+        meta = {"date": f"run {run}", "mode": "full", "target": "its own appliance", "load": f"load {run}"}
+        (out / "results.json").write_text(json.dumps({"meta": meta, "figures": [figure], "notes": []}))
+    done = subprocess.run([sys.executable, "-m", "bench.summary", *(str(tmp_path / str(r)) for r in range(3))],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=60, check=True)
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| Latency"))
+    assert row == "| Latency, 32-token chat completion: median ratio | 1.25x | 1.10x .. 1.30x (n=3) | <= 1.2x | MISS |"
+    assert "Medians of 3 runs" in done.stdout and "load 0; load 1; load 2" in done.stdout

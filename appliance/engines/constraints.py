@@ -22,6 +22,7 @@ from appliance.chat_formats import THINK_CLOSE, THINK_OPEN
 log = logging.getLogger("openarc.worker")
 
 PROBE_CACHE_SIZE = 256
+PROBE_FALLBACK_VOCAB = 1 << 18  # wider than any tokenizer's vocabulary (genai pads a shorter one)
 # genai's errors start with the C++ source location of the check that failed: keep what follows it.
 SOURCE_LOCATION = re.compile(r"^.*?\.(?:cc|cpp|hpp|h):\d+:\s*")
 
@@ -138,9 +139,15 @@ class GrammarProbe:
     def _pipeline(self):
         if self.pipe is None:
             import openvino_genai
-            xml, weights = _probe_model(len(self.tokenizer.get_vocab()))
+            xml, weights = _probe_model(self._vocab_size())
             self.pipe = openvino_genai.LLMPipeline(xml, weights, self.tokenizer, "CPU", ATTENTION_BACKEND="SDPA")
         return self.pipe
+
+    def _vocab_size(self) -> int:
+        try:
+            return len(self.tokenizer.get_vocab())
+        except Exception:  # a vocabulary the Python binding cannot decode: logits wider than any vocabulary will do
+            return PROBE_FALLBACK_VOCAB
 
     @staticmethod
     def _prompt():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import pytest
 from pydantic import BaseModel, Field
@@ -139,6 +140,46 @@ def test_an_uncompilable_constraint_is_a_400_while_a_concurrent_request_complete
                                               extra_body={"structured_outputs": {"regex": "[a-z]{4}"}})
     assert re.fullmatch("[a-z]{4}", ok.choices[0].message.content)
     assert 'openarc_request_errors_total{endpoint="chat/completions",kind="invalid_grammar",model="demo"}' in app.metrics()
+
+
+def test_many_new_constraints_at_once_are_each_answered(app):
+    """New constraints go by the worker's probe thread while others generate: every one is answered (valid ones
+    matched, broken ones refused), clients that leave early are dropped, and the worker carries on."""
+    import concurrent.futures
+    import urllib.error
+    import urllib.request
+    pid = app.worker_pid("demo")
+
+    def ask(i: int):
+        regex = f"[a-z]{{{i + 1}}}" if i % 4 else f"[a-z]{{{i}}}("  # every fourth does not compile
+        return http("POST", app.base + "/v1/chat/completions",
+                    {"model": "demo", "messages": CHAT, "max_tokens": 30, "structured_outputs": {"regex": regex}})
+
+    def leave_early(i: int) -> None:
+        body = json.dumps({"model": "demo", "messages": CHAT, "max_tokens": 30,
+                           "structured_outputs": {"regex": f"[0-9]{{{i + 2}}}x"}}).encode()
+        request = urllib.request.Request(app.base + "/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=0.001).read()
+        except (urllib.error.URLError, TimeoutError, OSError):
+            pass
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        left = [pool.submit(leave_early, i) for i in range(8)]
+        answers = list(pool.map(ask, range(24)))
+        for future in left:
+            future.result()
+    for i, (status, _, reply) in enumerate(answers):
+        if i % 4:
+            assert status == 200 and re.fullmatch(f"[a-z]{{{i + 1}}}", reply["choices"][0]["message"]["content"])
+        else:
+            assert status == 400 and reply["error"]["code"] == "invalid_grammar", reply
+    assert app.worker_pid("demo") == pid
+    deadline = time.monotonic() + 30
+    while app.model_status("demo")["requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert app.model_status("demo")["requests_running"] == 0
 
 
 @pytest.mark.parametrize("body, param", [

@@ -104,6 +104,12 @@ def test_regex_think_block_comes_back_as_reasoning_content(app):
     assert usage.completion_tokens_details.reasoning_tokens == reply.usage.completion_tokens_details.reasoning_tokens
 
 
+def test_text_completions_are_never_split_into_reasoning(app):
+    reply = app.client().completions.create(model="think", prompt="Hi", max_tokens=40,
+                                            extra_body={"structured_outputs": {"regex": THINK}})
+    assert reply.choices[0].text.startswith("<think>") and reply.usage.completion_tokens_details is None
+
+
 def test_a_plain_model_gets_no_reasoning_fields(app):
     reply = app.client().chat.completions.create(model="demo", messages=CHAT, max_tokens=100,
                                                  extra_body={"structured_outputs": {"regex": THINK}})

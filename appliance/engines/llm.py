@@ -49,6 +49,7 @@ class Request:
     structured: Any = None  # openvino_genai.StructuredOutputConfig of a constrained request
     prefix: str = ""       # text the template already wrote for the answer (an opened <think>), sent first
     template_opened: bool = False  # the prompt ends inside a think block the template opened
+    chat: bool = True      # a chat completion (a text completion's answer is never split into reasoning)
     # genai's rng_seed defaults to 0, which would sample every unseeded request alike ("regenerate" giving the
     # same answer): a request without a seed gets a random one.
     seed: int = field(default_factory=lambda: random.getrandbits(32))
@@ -169,7 +170,8 @@ class LLMEngine(Engine):
         req = Request(message["id"], input_ids, prompt_tokens, max_tokens, params,
                       stream=message.get("stream", True), structured=self._structured(message, thinking, opened=bool(prefix)),
                       prefix=prefix,
-                      template_opened=bool(prefix), logprobs=[] if params.get("logprobs") else None)
+                      template_opened=bool(prefix), logprobs=[] if params.get("logprobs") else None,
+                      chat=message["kind"] == "chat")
         if params.get("seed") is not None:
             req.seed = params["seed"]
         try:
@@ -288,7 +290,8 @@ class LLMEngine(Engine):
         elif req.held:  # a partial stop sequence that never completed is ordinary text after all
             self.post_text(req, req.held)
         req.held = ""
-        extra = {"reasoning_tokens": self.reasoning_tokens(req)} if self.formats["reasoning_parser"] else {}
+        reasoning = self.formats["reasoning_parser"] and req.chat
+        extra = {"reasoning_tokens": self.reasoning_tokens(req)} if reasoning else {}
         self.post(frame("done", id=req.id, finish_reason=finish_reason, prompt_tokens=req.prompt_tokens,
                         completion_tokens=len(req.generated), **extra))
 

@@ -66,8 +66,12 @@ class Stream:
 
 
 async def complete(session: aiohttp.ClientSession, base: str, body: dict) -> Reply:
-    async with session.post(base + CHAT_PATH, json=body) as response:
-        raw = await response.read()
+    """One non-streaming request; a connection that fails or drops is a reply with status 0, never an exception."""
+    try:
+        async with session.post(base + CHAT_PATH, json=body) as response:
+            raw = await response.read()
+    except (aiohttp.ClientError, ConnectionError) as exc:
+        return Reply(0, None, {"message": f"connection failed ({type(exc).__name__}: {exc})"})
     reply = Reply(response.status, None)
     try:
         parsed = json.loads(raw)
@@ -101,26 +105,32 @@ async def stream(session: aiohttp.ClientSession, base: str, body: dict,
 
     A dropped connection or a stream that ends without [DONE] is recorded (`broken`), not raised."""
     started = time.perf_counter()
-    async with session.post(base + CHAT_PATH, json=body) as response:
-        seen = Stream(response.status, started)
-        if response.status != 200:
-            raw = await response.read()
-            try:
-                seen.error = json.loads(raw).get("error")
-            except (ValueError, AttributeError):
-                seen.unexpected.add(raw.decode(errors="replace"))
-            seen.error = seen.error or {"message": raw.decode(errors="replace")[:200]}
-            return seen
-        try:
+    seen = Stream(0, started)
+    try:
+        async with session.post(base + CHAT_PATH, json=body) as response:
+            seen.status = response.status
+            if response.status != 200:
+                _read_refusal(seen, await response.read())
+                return seen
             async for line in response.content:
                 if _read_line(seen, line, on_token):
                     break
-        except (aiohttp.ClientError, asyncio.IncompleteReadError, ConnectionError) as exc:
-            seen.broken, seen.broken_at = f"connection dropped ({type(exc).__name__})", time.perf_counter()
-            return seen
+    except (aiohttp.ClientError, asyncio.IncompleteReadError, ConnectionError) as exc:
+        what = "connection dropped" if seen.status else "connection failed"
+        seen.broken, seen.broken_at = f"{what} ({type(exc).__name__})", time.perf_counter()
+        seen.error = None if seen.status else {"message": f"{what} ({type(exc).__name__}: {exc})"}
+        return seen
     if not seen.done and seen.broken is None:
         seen.broken, seen.broken_at = "closed without [DONE]", time.perf_counter()
     return seen
+
+
+def _read_refusal(seen: Stream, raw: bytes) -> None:
+    try:
+        seen.error = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        seen.unexpected.add(raw.decode(errors="replace"))
+    seen.error = seen.error or {"message": raw.decode(errors="replace")[:200]}
 
 
 def _read_line(seen: Stream, line: bytes, on_token: Callable[[int], None] | None) -> bool:
@@ -206,6 +216,11 @@ async def first_success(session: aiohttp.ClientSession, base: str, model: str, i
 
 
 async def first_model(session: aiohttp.ClientSession, base: str) -> str:
-    async with session.get(base + "/v1/models") as response:
-        listed = await response.json(content_type=None)
-    return listed["data"][0]["id"]
+    """The first model a server lists; SystemExit naming the server when it lists none (or cannot be reached)."""
+    try:
+        async with session.get(base + "/v1/models") as response:
+            listed = await response.json(content_type=None)
+        return listed["data"][0]["id"]
+    except (aiohttp.ClientError, ConnectionError, ValueError, LookupError, TypeError) as exc:
+        raise SystemExit(f"python -m bench: {base}/v1/models lists no model ({type(exc).__name__}: {exc}); "
+                         "name one: --model NAME, or --peer NAME=URL#MODEL") from None

@@ -19,6 +19,10 @@ from appliance.ipc import BlockingChannel, frame
 log = logging.getLogger("openarc.worker")
 
 PROGRESS_INTERVAL_S = 0.25  # well under any sensible stall_timeout_s
+# Streamed text that is not a request's first waits up to this long for the next steps' text, to go out in one frame:
+# on a model whose steps take a fraction of a millisecond, a frame per step woke the front (and its client) thousands
+# of times a second on the cores the model needs. A step on a GPU takes longer than this: every step still goes out.
+TEXT_HOLD_S = 0.002
 # Test and benchmark knobs, never set in production: sleep after every engine step, so a fault can land
 # mid-generation on a model that otherwise finishes 32 tokens in 8 ms; and raise inside the engine after that many
 # steps, to prove that an exception in the engine thread (or the stateful streamer) fails loudly.
@@ -40,6 +44,7 @@ class Engine:
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.outbox: list[dict[str, Any]] = []
         self.last_sent = time.monotonic()
+        self.urgent = False  # the outbox holds something that must not wait (see post())
         self.pci_family: str | None = None
         self.step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
         self.raise_after_steps = int(os.environ.get(RAISE_AFTER_STEPS_ENV, "0") or 0)
@@ -73,11 +78,15 @@ class Engine:
     def on_cancel(self, request_id: int) -> None:
         raise NotImplementedError
 
-    def post(self, frame: dict[str, Any]) -> None:
+    def post(self, frame: dict[str, Any], urgent: bool = True) -> None:
+        """Queue a frame for the next flush(); only streamed text that is not a request's first may wait
+        (urgent=False) up to TEXT_HOLD_S to share a frame with what follows."""
         self.outbox.append(frame)
+        self.urgent = self.urgent or urgent
 
     def flush(self) -> None:
-        """Send what one engine step produced as one frame: one syscall and one wake-up of the front per step.
+        """Send what the engine steps since the last send produced as one frame: one syscall and one wake-up of the
+        front per step at most, fewer while only streamed text waits (TEXT_HOLD_S).
 
         While only non-streaming requests run, a step may produce nothing to send: a progress frame at most every
         PROGRESS_INTERVAL_S tells the front's stall timer that generation goes on.
@@ -88,7 +97,9 @@ class Engine:
                 self.outbox.append(frame("progress"))
             else:
                 return
-        frames, self.outbox = self.outbox, []
+        elif not self.urgent and self.busy() and now - self.last_sent < TEXT_HOLD_S:
+            return
+        frames, self.outbox, self.urgent = self.outbox, [], False
         self.channel.send(frames[0] if len(frames) == 1 else frame("batch", frames=frames))
         self.last_sent = now
 

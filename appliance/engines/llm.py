@@ -259,7 +259,7 @@ class LLMEngine(Engine):
             new = range(req.reported, min(len(req.generated), len(req.logprobs)))
             tokens["logprobs"] = [[self.tokenizer.decode([req.generated[i]]), req.logprobs[i]] for i in new]
         req.prefix = ""
-        self.post(tokens)
+        self.post(tokens, urgent=not req.reported)  # a request's first text goes out at once (time to first token)
         req.reported = len(req.generated)
 
     def emit_tokens(self, updates: list[tuple[Request, list[int]]]) -> None:

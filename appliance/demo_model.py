@@ -417,8 +417,6 @@ def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generato
 
 def _decoder_layer(x, layer: int, mask, beam_idx, weight, caches: list):
     """Pre-norm attention + SwiGLU MLP; appends this layer's KV-cache (parameter, result) pairs to `caches`."""
-    import openvino as ov
-
     h = _rms_norm(x)
     q, k, v = (_split_heads(ops.matmul(h, weight(HIDDEN, HIDDEN, std=HIDDEN ** -0.5), False, True)) for _ in "qkv")
     keys_values = _kv_cache(k, v, str(layer), beam_idx, caches)

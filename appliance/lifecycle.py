@@ -13,6 +13,8 @@ import enum
 import logging
 from dataclasses import dataclass
 
+from appliance import faults
+
 log = logging.getLogger("openarc.supervisor")
 
 
@@ -126,3 +128,21 @@ class RestartBudget:
         if len(self.failures) >= self.policy.max_failures:
             return None
         return min(self.policy.backoff_initial_s * 2 ** (self.consecutive - 1), self.policy.backoff_max_s)
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip()}" if str(exc).strip() else type(exc).__name__
+
+
+def describe_exit(exit: Exit) -> str:
+    """The one-line account of a worker's end, for the log and /openarc/status."""
+    how = faults.signal_name(exit.returncode) if exit.returncode is not None else None
+    if exit.reason is ExitReason.CRASH:
+        text = f"worker exited: {how}"
+    elif exit.reason is ExitReason.DEVICE_LOST:
+        text = f"worker exited: device lost ({how}); a fresh worker gets a new device context"
+    elif exit.reason is ExitReason.OOM_KILL:
+        text = f"worker exited: killed by the kernel OOM killer ({how})"
+    else:
+        text = f"worker ended: {exit.reason.value}" + (f" ({how})" if how else "")
+    return text + (f": {exit.detail}" if exit.detail else "")

@@ -21,9 +21,11 @@ from appliance import __version__, listen, oom, telemetry
 from appliance.api import audio, embeddings, generate, rerank
 from appliance.api.errors import InvalidRequest, error_response
 from appliance.config import Config, ConfigError
+from appliance.lifecycle import ModelState
 from appliance.metrics import Metrics
 from appliance.notify import LoopHealth, Notifier, watchdog_loop
-from appliance.supervisor import ModelState, RequestFailed, Supervisor
+from appliance.request import RequestFailed
+from appliance.supervisor import Supervisor
 
 log = logging.getLogger("openarc.server")
 

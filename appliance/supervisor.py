@@ -13,137 +13,28 @@ import asyncio
 import collections
 import contextlib
 import itertools
-import json
 import logging
-import os
 import signal
-import socket
-import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from appliance import faults, ipc, oom, telemetry
+from appliance import faults, ipc, telemetry
 from appliance.config import Config, ModelConfig
-from appliance.ipc import AsyncChannel, ProtocolError
-from appliance.lifecycle import CRASH_REASONS, Exit, ExitReason, Lifecycle, ModelState, RestartBudget
+from appliance.ipc import ProtocolError
+from appliance.lifecycle import (CRASH_REASONS, Exit, ExitReason, Lifecycle, ModelState, RestartBudget, describe,
+                                 describe_exit)
 from appliance.metrics import Metrics
+from appliance.request import Event, Request, RequestFailed
+from appliance.worker_process import WorkerProcess
 
 log = logging.getLogger("openarc.supervisor")
 
-SHUTDOWN_GRACE_S = 3.0
-PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 # What a result frame's "counts" may add to the model's counters (ModelMetrics fields).
 RESULT_COUNTERS = frozenset({"prompt_tokens", "embedding_inputs", "audio_seconds"})
 
 
 # Worker error kinds that are the request's fault: HTTP 400.
 CLIENT_ERROR_KINDS = ("invalid_request", "invalid_grammar")
-
-
-class RequestFailed(Exception):
-    """A request that ends in an error; the front turns it into an OpenAI error body with `status`."""
-
-    def __init__(self, status: int, kind: str, message: str, code: str | None = None,
-                 hint: str | None = None, retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.message = status, kind, message
-        self.code = code or kind
-        self.hint, self.retry_after = hint, retry_after
-
-
-@dataclass
-class Event:
-    op: str            # tokens | done | result (the one answer of a non-LLM kind's request)
-    text: str = ""
-    n: int = 0
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    logprobs: list | None = None  # [[token text, logprob], ...] when the request asked for them
-    reasoning_tokens: int | None = None  # done, on a model with a reasoning format
-    result: dict[str, Any] | None = None  # result: the one answer of a one-answer kind
-
-
-@dataclass
-class Request:
-    """A request's life in the front: waiting in the queue, then running in the worker."""
-
-    id: int
-    frame: dict[str, Any]
-    op: str = "generate"  # the ipc op that carries it to the worker
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    submitted: float = field(default_factory=time.monotonic)
-    dispatched: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    ended: bool = False
-
-
-class WorkerProcess:
-    """A worker OS process and the front's end of its channel."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, channel: AsyncChannel):
-        self.proc = proc
-        self.channel = channel
-        self.pid = proc.pid
-        self.oom_watch = oom.OomWatch.of(proc.pid)  # asked once it is gone: was it the kernel OOM killer?
-
-    @classmethod
-    async def spawn(cls, spec: dict[str, Any]) -> WorkerProcess:
-        front_end, worker_end = socket.socketpair()
-        env = dict(os.environ)
-        # The worker imports the very code the front runs, installed or from a source tree.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "appliance.worker", "--fd", str(worker_end.fileno()), "--spec", json.dumps(spec),
-                pass_fds=(worker_end.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
-                start_new_session=True)  # a terminal's Ctrl-C reaches the front only; the front stops workers
-        except BaseException:
-            front_end.close()
-            raise
-        finally:
-            worker_end.close()
-        return cls(proc, await AsyncChannel.open(front_end))
-
-    def signal(self, sig: int) -> None:
-        try:
-            os.kill(self.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def ask_to_leave(self) -> None:
-        """Ask the worker to leave (it os._exit()s, no destructors); reap() SIGKILLs it after a grace period."""
-        self.channel.send(ipc.frame("shutdown"))
-
-    async def reap(self) -> int:
-        try:
-            return await asyncio.wait_for(self.proc.wait(), SHUTDOWN_GRACE_S)
-        except asyncio.TimeoutError:
-            self.signal(signal.SIGKILL)
-            return await self.proc.wait()
-        finally:
-            self.channel.close()
-
-
-def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).strip()}" if str(exc).strip() else type(exc).__name__
-
-
-def describe_exit(exit: Exit) -> str:
-    """The one-line account of a worker's end, for the log and /openarc/status."""
-    how = faults.signal_name(exit.returncode) if exit.returncode is not None else None
-    if exit.reason is ExitReason.CRASH:
-        text = f"worker exited: {how}"
-    elif exit.reason is ExitReason.DEVICE_LOST:
-        text = f"worker exited: device lost ({how}); a fresh worker gets a new device context"
-    elif exit.reason is ExitReason.OOM_KILL:
-        text = f"worker exited: killed by the kernel OOM killer ({how})"
-    else:
-        text = f"worker ended: {exit.reason.value}" + (f" ({how})" if how else "")
-    return text + (f": {exit.detail}" if exit.detail else "")
 
 
 class ModelSupervisor:

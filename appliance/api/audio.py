@@ -25,7 +25,7 @@ from aiohttp import http_exceptions, web
 from appliance.api.errors import ERROR_TYPES, InvalidRequest, error_body
 from appliance.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESPONSE_FORMATS, Transcript
 from appliance.audio_decoder import AudioDecoder, AudioError
-from appliance.supervisor import Event, RequestFailed
+from appliance.request import Event, RequestFailed
 
 KIND = "transcription"
 MAX_FIELD_BYTES = 64 << 10  # any form field but the file (a prompt is 224 tokens at most for Whisper)

@@ -15,7 +15,7 @@ from aiohttp import web
 from appliance.api import fields
 from appliance.api.errors import InvalidRequest
 from appliance.api.results import ResultRequest, ResultRoute
-from appliance.supervisor import Event
+from appliance.request import Event
 
 ENCODING_FORMATS = ("float", "base64")
 MAX_TOKEN_ID = (1 << 31) - 1

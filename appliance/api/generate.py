@@ -18,7 +18,7 @@ from appliance.api.completions import GenerationRequest, ResponseShaper, parse_c
 from appliance.api.errors import ERROR_TYPES, InvalidRequest, error_body
 from appliance.api.fields import json_body
 from appliance.api.tool_parsers import parser_for
-from appliance.supervisor import Event, RequestFailed
+from appliance.request import Event, RequestFailed
 
 
 def add_routes(app: web.Application, appliance) -> None:

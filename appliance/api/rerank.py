@@ -15,7 +15,7 @@ from aiohttp import web
 from appliance.api import fields
 from appliance.api.errors import InvalidRequest
 from appliance.api.results import ResultRequest, ResultRoute
-from appliance.supervisor import Event
+from appliance.request import Event
 
 COHERE_TRUNCATE = {"END": True, "NONE": False}
 

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from appliance.api.errors import InvalidRequest
 from appliance.api.fields import json_body
-from appliance.supervisor import Event, RequestFailed
+from appliance.request import Event, RequestFailed
 
 
 @dataclass

@@ -1,0 +1,47 @@
+"""A request's life in the front: queued, then running in a worker, then answered with events or a failure."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestFailed(Exception):
+    """A request that ends in an error; the front turns it into an OpenAI error body with `status`."""
+
+    def __init__(self, status: int, kind: str, message: str, code: str | None = None,
+                 hint: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+        self.code = code or kind
+        self.hint, self.retry_after = hint, retry_after
+
+
+@dataclass
+class Event:
+    op: str            # tokens | done | result (the one answer of a non-LLM kind's request)
+    text: str = ""
+    n: int = 0
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list | None = None  # [[token text, logprob], ...] when the request asked for them
+    reasoning_tokens: int | None = None  # done, on a model with a reasoning format
+    result: dict[str, Any] | None = None  # result: the one answer of a one-answer kind
+
+
+@dataclass
+class Request:
+    """A request's life in the front: waiting in the queue, then running in the worker."""
+
+    id: int
+    frame: dict[str, Any]
+    op: str = "generate"  # the ipc op that carries it to the worker
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    submitted: float = field(default_factory=time.monotonic)
+    dispatched: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    ended: bool = False

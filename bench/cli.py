@@ -174,10 +174,11 @@ class Run:
                 self.note_peer_processes()
                 await phases.warm(session, own, self.plan)
                 front_idle = process_rss_bytes(app.pid)
-                peak = figures.PeakRss(app.pid)
-                sampler = asyncio.create_task(peak.run())
+                peak, lag = figures.PeakRss(app.pid), figures.LoopLag(session, app.base)
+                samplers = [asyncio.create_task(peak.run()), asyncio.create_task(lag.run())]
                 measured = await measure(session, self.servers, self.plan, self.cpu_probe, in_process)
-                sampler.cancel()
+                for sampler in samplers:
+                    sampler.cancel()
                 worker_rss = process_rss_bytes(worker)
                 self.rss[OWN_NAME] = process_rss_bytes(app.pid) + worker_rss
                 self.aborts[OWN_NAME] = await sidebyside.abort_trial(
@@ -193,7 +194,7 @@ class Run:
                 if in_process:
                     in_process.kill()
         found = (primary_figures(measured, OWN_NAME, self.baseline) + figures.fault_figures(aborts, stalls, self.baseline)
-                 + figures.memory(front_idle, peak.peak, worker_rss, self.baseline))
+                 + figures.memory(front_idle, peak.peak, worker_rss, self.baseline) + [lag.figure()])
         return found, self.side_by_side(measured)
 
     async def against_url(self, url: str) -> tuple[list, dict | None]:

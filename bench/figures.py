@@ -160,6 +160,30 @@ class PeakRss:
             await asyncio.sleep(0.02)
 
 
+class LoopLag:
+    """The front's own event-loop lag (openarc_event_loop_lag_seconds, how late a short timer fired), read from
+    /metrics every half second while the HTTP figures run; keeps the largest."""
+
+    INTERVAL_S = 0.5
+
+    def __init__(self, session: aiohttp.ClientSession, base: str):
+        self.session, self.base, self.peak, self.samples = session, base, 0.0, 0
+
+    async def run(self) -> None:
+        while True:
+            async with self.session.get(self.base + "/metrics") as response:
+                text = await response.text()
+            for family in text_string_to_metric_families(text):
+                if family.name == "openarc_event_loop_lag_seconds":
+                    self.peak = max([self.peak] + [sample.value for sample in family.samples])
+                    self.samples += 1
+            await asyncio.sleep(self.INTERVAL_S)
+
+    def figure(self) -> Figure:
+        return Figure("Front event-loop lag under load (largest sample)", f"{ms(self.peak)} ({self.samples} samples, "
+                      f"every {self.INTERVAL_S:g} s)", self.peak * 1e3, "ms")
+
+
 def memory(front_idle: int, front_peak: int, worker: int, baseline: dict | None) -> list[Figure]:
     figures = [judged("Front RSS, idle", front_idle / MB, "MB", f"{front_idle / MB:.1f} MB", below=80),
                judged("Front RSS, peak under load (up to 16 clients)", front_peak / MB, "MB",

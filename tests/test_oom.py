@@ -185,9 +185,12 @@ def test_under_memory_pressure_the_kernel_takes_a_serving_worker_not_the_process
     with MemoryCgroup(512 * MiB) as cgroup:
         app = appliance_factory({"models": [model]}, prefix=cgroup.shell_prefix())
         worker = app.worker_pid("demo")
-        hog, _ = start_in(cgroup, ALLOCATE_WHILE_ALIVE.format(pid=worker))
+        kills = OomCounter(cgroup.path / ("memory.events" if cgroup.v2 else "memory.oom_control"))
+        before = kills.read()
+        hog, _ = start_in(cgroup, ALLOCATE_UNTIL_A_KILL.format(pid=worker, counter=kills.path, kills=before))
         out, _ = hog.communicate("go\n", timeout=60)
         assert hog.returncode == 0 and out.startswith("survived with "), out  # it was not killed
+        assert kills.read() == before + 1, "one kill: the worker's"
         status = wait_until(lambda: crashed(app, "demo"), 60, "crashed")
         assert not pid_alive(worker) and app.proc.poll() is None
         assert status["last_exit"] == "oom_kill"
@@ -197,19 +200,23 @@ def test_under_memory_pressure_the_kernel_takes_a_serving_worker_not_the_process
         app.stop()
 
 
-# 16 MiB at a time, until process {pid} is gone (reaped, or a zombie) or 1 GiB is held.
-ALLOCATE_WHILE_ALIVE = """
-import sys
+# 4 MiB at a time, until the cgroup's oom_kill counter moves from {kills}, process {pid} is gone (reaped, or a
+# zombie), or 1 GiB is held. The counter is what stops it: a killed worker on a loaded machine can take a while to
+# exit, its memory already reaped, and a hog that went on allocating meanwhile would be the next OOM kill.
+ALLOCATE_UNTIL_A_KILL = """
+import re, sys
 sys.stdin.readline()
 def alive(pid):
     try:
         return open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+def kills():
+    return int(re.search(r"^oom_kill (\\d+)$", open("{counter}").read(), re.M)[1])
 held = []
-while alive({pid}) and len(held) < 64:
-    held.append(b"x" * (16 << 20))
-print("survived with", len(held) * 16, "MiB", flush=True)
+while kills() == {kills} and alive({pid}) and len(held) < 256:
+    held.append(b"x" * (4 << 20))
+print("survived with", len(held) * 4, "MiB", flush=True)
 """
 
 

@@ -105,6 +105,12 @@ class Appliance:
     # --- health, status, metrics -----------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
+        """Liveness, meaning what the systemd watchdog means: 503 once this service can no longer serve (every
+        model failed, a supervising task dead, the event loop wedged), so a kubelet or podman restarts it as
+        systemd would; a worker that crashes and restarts is the front's business and keeps it 200."""
+        reason = self.unhealthy_reason()
+        if reason:
+            return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
@@ -188,6 +194,13 @@ class Appliance:
 
     def healthy(self) -> bool:
         return self.loop_health.healthy() and self.supervisor.healthy()
+
+    def unhealthy_reason(self) -> str | None:
+        if not self.loop_health.healthy():
+            return f"the event loop runs {self.loop_health.lag:.1f} s late"
+        if not self.supervisor.healthy():
+            return "a model's supervising task died (see the log)"
+        return self.trigger_reason()
 
     def on_gpu_reset(self, event: telemetry.GpuEvent) -> None:
         log.error("GPU %s on %s: %s", event.kind, event.bdf or "?", event.text)

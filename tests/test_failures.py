@@ -228,6 +228,7 @@ def test_too_many_crashes_make_the_model_failed(appliance_factory, demo_model):
     assert "SIGABRT" in body["error"]["message"]
     status, _, ready = http("GET", app.base + "/ready")
     assert status == 503 and ready["models"] == {"fragile": "failed", "steady": "ready"}
+    assert http("GET", app.base + "/health")[:3:2] == (200, {"status": "ok"})  # it still serves "steady"
     assert app.client().completions.create(model="steady", prompt="x", max_tokens=2).usage.completion_tokens == 2
 
 
@@ -242,6 +243,19 @@ def test_unloadable_model_fails_with_its_load_error(appliance_factory, demo_mode
     assert "libOpenCL" in gpu["last_error"] or "GPU" in gpu["last_error"]
     assert gpu["hint"]
     app.wait_model("demo", "ready")
+
+
+def test_a_service_whose_every_model_failed_is_not_live(appliance_factory, demo_model):
+    # What the systemd watchdog acts on, /health says to a kubelet's liveness probe or a podman health check.
+    budget = {"backoff_initial_s": 0.05, "backoff_max_s": 0.1, "max_failures": 1, "window_s": 60}
+    app = appliance_factory({"models": [model_entry("demo", demo_model, restart=budget)]})
+    assert http("GET", app.base + "/health")[:3:2] == (200, {"status": "ok"})
+    os.kill(app.worker_pid("demo"), signal.SIGABRT)
+    app.wait_model("demo", "failed")
+    status, _, body = http("GET", app.base + "/health")
+    assert status == 503 and body["status"] == "unhealthy"
+    assert body["reason"].startswith("every model of this service is failed: demo: failed")
+    assert "SIGABRT" in body["reason"]
 
 
 # --- the front going away -------------------------------------------------------------------------------

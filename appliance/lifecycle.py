@@ -38,6 +38,25 @@ TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
 }
 
 
+class Changes:
+    """A broadcast "something changed": notify() wakes everyone waiting at that moment, then arms itself again."""
+
+    def __init__(self):
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float | None) -> bool:
+        """Until the next notify(); False when the timeout passes first."""
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+
 ILLEGAL = "illegal transition"  # the marker the tests look for in every appliance's log
 
 
@@ -48,7 +67,7 @@ class Lifecycle:
         self.name = name
         self.state = ModelState.STOPPED
         self._on_change = on_change  # (old, new) -> None: metrics and log follow every change
-        self._changed = asyncio.Event()
+        self._changes = Changes()
 
     def enter(self, new: ModelState) -> None:
         old = self.state
@@ -60,9 +79,7 @@ class Lifecycle:
             log.error("BUG: %s for model %s: %s -> %s", ILLEGAL, self.name, old.value, new.value, stack_info=True)
         self.state = new
         self._on_change(old, new)
-        # Wake everyone waiting for a change, and arm a fresh event for the next one.
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._changes.notify()
 
     async def wait_for(self, states: set[ModelState], timeout: float | None) -> bool:
         """Wait until the model is in one of `states`; False when the timeout passes first."""
@@ -72,9 +89,7 @@ class Lifecycle:
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 return False
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
+            if not await self._changes.wait(remaining):
                 return self.state in states
         return True
 

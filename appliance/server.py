@@ -219,7 +219,7 @@ class Appliance:
                 self.notifier.extend_start_timeout()
                 last_extend = time.monotonic()
             self.notifier.status("loading: " + self.status_line())
-            await self.supervisor.wait_changed(LOAD_EXTEND_EVERY_S)
+            await self.supervisor.changes.wait(LOAD_EXTEND_EVERY_S)
 
     async def serve(self, host: str, port: int, also_bind: bool = False) -> int:
         """Serve until SIGTERM/SIGINT; the exit status: 0 after a clean stop, 1 if no model could load at all.

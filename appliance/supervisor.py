@@ -19,10 +19,10 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from appliance import faults, ipc, telemetry
-from appliance.config import Config, ModelConfig
+from appliance.config import KIND_ONLY_KEYS, Config, ModelConfig
 from appliance.ipc import ProtocolError
-from appliance.lifecycle import (CRASH_REASONS, Exit, ExitReason, Lifecycle, ModelState, RestartBudget, describe,
-                                 describe_exit)
+from appliance.lifecycle import (CRASH_REASONS, Changes, Exit, ExitReason, Lifecycle, ModelState, RestartBudget,
+                                 describe, describe_exit)
 from appliance.metrics import Metrics
 from appliance.request import Event, Request, RequestFailed
 from appliance.worker_process import WorkerProcess
@@ -496,16 +496,18 @@ def describe_gpu_trouble(event: telemetry.GpuEvent) -> str:
     return f"GPU {event.kind} on {event.bdf or 'an unnamed card'} in the kernel log: {event.text}"
 
 
+# The keys of one kind (config.KIND_ONLY_KEYS) that its worker reads; the rest are the front's (upload limits).
+WORKER_KIND_KEYS = ("pipeline", "scheduler_config", "default_max_tokens", "tool_parser", "reasoning_parser",
+                    "chat_template", "pooling", "normalize", "matryoshka_dimensions", "word_timestamps")
+
+
 def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
-    """What a worker needs to know, as JSON on its command line."""
-    return {"name": model.name, "kind": model.kind, "path": model.path, "device": model.device,
-            "pipeline": model.pipeline, "max_inputs": model.max_inputs, "pooling": model.pooling,
-            "normalize": model.normalize, "matryoshka_dimensions": model.matryoshka_dimensions,
-            "properties": model.ov_properties(config.ov_cache_dir()), "scheduler_config": model.scheduler_config,
-            "max_context": model.max_context, "default_max_tokens": model.default_max_tokens,
-            "tool_parser": model.tool_parser, "reasoning_parser": model.reasoning_parser,
-            "chat_template": model.chat_template, "word_timestamps": model.word_timestamps,
+    """What a worker needs to know, as JSON on its command line: the keys of every kind, and those of its own."""
+    spec = {"name": model.name, "kind": model.kind, "path": model.path, "device": model.device,
+            "properties": model.ov_properties(config.ov_cache_dir()), "max_context": model.max_context,
             "log_level": config.server.log_level}
+    spec.update({key: getattr(model, key) for key in WORKER_KIND_KEYS if KIND_ONLY_KEYS[key] == model.kind})
+    return spec
 
 
 def _count_waiter(counted: ModelSupervisor | None, current: ModelSupervisor | None) -> ModelSupervisor | None:
@@ -526,18 +528,18 @@ class Supervisor:
         self.metrics = metrics
         self.kernel_log = kernel_log
         self.load_gate = asyncio.Semaphore(config.server.load_concurrency)
+        self.changes = Changes()  # some model changed state
         # Every model exists from here on, before start() and before the front listens: a request that arrives
         # first (under socket activation, one that waited in the backlog) finds it coming up and waits, not a 404.
         self.models: dict[str, ModelSupervisor] = {model.name: self._new_model(model, config) for model in config.models}
         self.replacements: set[ModelSupervisor] = set()  # loading beside the model they will replace
-        self._changed = asyncio.Event()
 
     def start(self) -> None:
         for sup in self.models.values():
             sup.start()
 
     def _new_model(self, model: ModelConfig, config: Config) -> ModelSupervisor:
-        return ModelSupervisor(model, config, self.metrics, self.load_gate, self._model_changed, self.kernel_log)
+        return ModelSupervisor(model, config, self.metrics, self.load_gate, self.changes.notify, self.kernel_log)
 
     def _start_model(self, model: ModelConfig) -> None:
         sup = self._new_model(model, self.config)
@@ -548,15 +550,6 @@ class Supervisor:
         # The model stays listed while it drains: its callers get 503 "shutting down", not 404.
         await self.models[name].stop(drain_timeout_s)
         del self.models[name]
-
-    def _model_changed(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def wait_changed(self, timeout: float) -> None:
-        """Until some model changes state, or the timeout passes."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout)
 
     async def apply(self, config: Config) -> list[str]:
         """Bring the running models in line with a new config (SIGHUP): start added ones, replace changed ones
@@ -586,7 +579,7 @@ class Supervisor:
         self.metrics.set_state(model.name, old.state.value)  # creating the new one's series reset it
         if model.reload == "restart":
             self.models[model.name] = new  # requests now wait for the new one while the old one drains
-            self._model_changed()
+            self.changes.notify()
             await old.stop(config.server.drain_timeout_s)
             self._switch(old, new)
             new.start()
@@ -614,7 +607,7 @@ class Supervisor:
         self.metrics.set_state(new.name, new.state.value)
         new.publish_queue()
         log.info("model %s: switched to its new worker%s", new.name, f" {new.pid}" if new.pid else "")
-        self._model_changed()
+        self.changes.notify()
 
     def get(self, name: str) -> ModelSupervisor | None:
         return self.models.get(name)
@@ -638,7 +631,7 @@ class Supervisor:
                 if remaining <= 0 or not sup.coming_up():
                     raise sup._unavailable()
                 counted = _count_waiter(counted, sup)  # the model's current supervisor, across a replacement
-                await self.wait_changed(remaining)
+                await self.changes.wait(remaining)
             return None
         finally:
             _count_waiter(counted, None)

@@ -2,7 +2,7 @@
 
 Request body: {"query": str, "documents": [str, ...], "truncate": bool}.
 Result: {"scores": [relevance of each document, in the order sent]}; the front sorts them and
-applies top_n, so every document is scored (genai's own top_n is set to the model's max_inputs).
+applies top_n, so every document is scored (genai's own top_n is the number of documents one pipeline call scores).
 """
 
 from __future__ import annotations

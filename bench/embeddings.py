@@ -45,7 +45,7 @@ def baseline(model_path: str) -> None:
 
     from appliance.config import Config
     from appliance.engines.embedding import pipeline_config
-    from appliance.supervisor import worker_spec
+    from appliance.model_supervisor import worker_spec
     # The pipeline exactly as the server's worker configures it (pooling, normalisation, max_length).
     spec = worker_spec(model_config(model_path), Config())
     pipe = openvino_genai.TextEmbeddingPipeline(model_path, "CPU", pipeline_config(spec))

@@ -20,7 +20,7 @@ from appliance.config import load_config
 from appliance.faults import OOM_HINT
 from appliance.lifecycle import Exit, ExitReason, ModelState
 from appliance.metrics import Metrics
-from appliance.supervisor import ModelSupervisor
+from appliance.model_supervisor import ModelSupervisor
 from appliance.telemetry import KernelLog
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"

@@ -125,6 +125,28 @@ def test_streamed_deltas_have_openais_shape(app):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+NOTE_TOOL = {"type": "function", "function": {"name": "write_note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string", "minLength": 200, "maxLength": 260}},
+    "required": ["text"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("model", ["demo", "llama", "mistral"])
+def test_enforced_calls_stream_their_arguments_as_they_are_written(app, model):
+    # A named call's shape is the grammar's, so its arguments go out fragment by fragment (a call the model
+    # chooses freely is held until it parses); 200+ characters take many engine steps, so many fragments.
+    named = {"type": "function", "function": {"name": "write_note"}}
+    chunks = list(app.client().chat.completions.create(model=model, messages=CHAT, tools=[NOTE_TOOL], stream=True,
+                                                       tool_choice=named, max_tokens=600))
+    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0].id and deltas[0].function.name == "write_note" and deltas[0].function.arguments == ""
+    fragments = [d.function.arguments for d in deltas[1:]]
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert len(fragments) >= 3, fragments
+    arguments = json.loads("".join(fragments))
+    assert set(arguments) == {"text"} and 200 <= len(arguments["text"]) <= 260
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_parallel_tool_calls_false_allows_one_call(app):
     """On the demo variant whose samples vary, sampling sometimes goes on after a call (a separator instead of
     EOS): with parallel calls allowed some answers hold several calls; with parallel_tool_calls false none does."""

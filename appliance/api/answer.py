@@ -15,9 +15,9 @@ from appliance.api.tool_parsers import ToolCall, ToolCallParser, ToolCallSplitte
 
 
 class AnswerParser:
-    def __init__(self, reasoning: bool, tool_parser: ToolCallParser | None):
+    def __init__(self, reasoning: bool, tool_parser: ToolCallParser | None, stream_arguments: bool = False):
         self.reasoning = ReasoningSplitter() if reasoning else None
-        self.tools = ToolCallSplitter(tool_parser) if tool_parser else None
+        self.tools = ToolCallSplitter(tool_parser, stream_arguments) if tool_parser else None
 
     @property
     def calls(self) -> list[ToolCall]:
@@ -43,17 +43,26 @@ class AnswerParser:
         return out
 
     def _tool_deltas(self, pieces: list[tuple[str, Any]]) -> list[dict[str, Any]]:
-        """Content as it is; a call as OpenAI streams one: index, id, type and name first, then the arguments."""
+        """Content as it is; a call as OpenAI streams one: index, id, type and name first, then the arguments
+        (whole, or in the fragments a call streamed as written comes in)."""
         out: list[dict[str, Any]] = []
         for kind, value in pieces:
             if kind == CONTENT:
                 out.append({CONTENT: value})
-                continue
-            index = self.calls.index(value)
-            out.append({"tool_calls": [{"index": index, "id": value.id, "type": "function",
-                                        "function": {"name": value.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": index, "function": {"arguments": value.arguments}}]})
+            elif kind == "arguments":
+                call, fragment = value
+                out.append(self._call_delta(call, {"arguments": fragment}))
+            else:  # "call" or "call_start"
+                out.append(self._call_delta(value, {"name": value.name, "arguments": ""}, head=True))
+                if kind == "call":
+                    out.append(self._call_delta(value, {"arguments": value.arguments}))
         return out
+
+    def _call_delta(self, call: ToolCall, function: dict[str, str], head: bool = False) -> dict[str, Any]:
+        delta: dict[str, Any] = {"index": self.calls.index(call)}
+        if head:
+            delta.update(id=call.id, type="function")
+        return {"tool_calls": [{**delta, "function": function}]}
 
     def message(self, text: str) -> dict[str, Any]:
         """The whole answer as a chat message."""

@@ -72,7 +72,9 @@ class GenerationRoutes:
                                  f"the config (models[].tool_parser: hermes, qwen3_coder, llama3_json or mistral)",
                                  "tools")
         parser = parser_for(tool_parser, req.tools.schemas()) if req.tools.active else None
-        return AnswerParser(bool(formats.get("reasoning_parser")), parser)
+        # A call the grammar shapes cannot turn out malformed: streamed, its arguments go out as they are written.
+        stream_arguments = req.stream and parser is not None and req.tools.constraint() is not None
+        return AnswerParser(bool(formats.get("reasoning_parser")), parser, stream_arguments)
 
     def _finish_reason(self, req: GenerationRequest, answer: AnswerParser | None, event: Event) -> str:
         if answer and answer.calls:

@@ -1,8 +1,10 @@
 """Tool calls in a model's answer, per model family (`tool_parser:`), whole or streamed.
 
-The answer's text before the first call marker is content and streams as it comes; from the marker on, text is
-held until the answer ends and then parsed whole. A call section that does not parse (a model writing a malformed
-call on its own) comes back as content: the client sees what the model wrote, never a 500.
+The answer's text before the first call marker is content and streams as it comes. From the marker on, a call the
+model chose freely is held until it is complete and parses: a malformed call (a model writing one on its own)
+comes back as content, so the client sees what the model wrote, never half a call or a 500. A call whose shape
+the grammar enforces (required, named or strict tools, streamed) goes out as it is written instead: its name once
+the call's head is in, then its arguments fragment by fragment, as OpenAI streams them.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class ToolCallParser:
     markers: tuple[str, ...] = ()
     end_marker: str | None = None  # where one call ends, when the format marks it (calls then stream one by one)
     at_start = False
+    # JSON formats, for arguments streamed as written: a call's text up to its arguments object (the name in
+    # group 1, a JSON string's inside), and what follows that object up to the call's end.
+    call_head: re.Pattern | None = None
+    call_tail: re.Pattern | None = None
 
     def __init__(self, schemas: dict[str, dict] | None = None):
         self.schemas = schemas or {}
@@ -103,6 +109,8 @@ class HermesParser(ToolCallParser):
     markers = ("<tool_call>",)
     end_marker = "</tool_call>"
     BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+    call_head = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+    call_tail = re.compile(r"\s*\}\s*</tool_call>")
 
     def parse_section(self, section):
         calls, rest, at = [], [], 0
@@ -156,6 +164,8 @@ class Llama3JsonParser(ToolCallParser):
     family = "llama3_json"
     markers = ("<|python_tag|>", "{")
     at_start = True
+    call_head = re.compile(r'[\s;]*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
+    call_tail = re.compile(r"\s*\}")
 
     def parse_section(self, section):
         body = section.strip().removeprefix("<|python_tag|>")
@@ -168,6 +178,8 @@ class Llama3JsonParser(ToolCallParser):
 class MistralParser(ToolCallParser):
     family = "mistral"
     markers = ("[TOOL_CALLS]",)
+    call_head = re.compile(r'\s*\[TOOL_CALLS\]\s*\[\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+    call_tail = re.compile(r"\s*\}\s*\]")
 
     def section_start(self, text):
         start = super().section_start(text)
@@ -193,18 +205,53 @@ def parser_for(family: str, schemas: dict[str, dict] | None = None) -> ToolCallP
     return PARSERS[family](schemas)
 
 
+class JsonObjectEnd:
+    """Finds where a JSON object that arrives in pieces ends: braces counted outside strings."""
+
+    def __init__(self):
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def feed(self, text: str) -> int | None:
+        """The index in text just past the object's closing brace, or None while it goes on."""
+        for at, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char == "{":
+                self.depth += 1
+            elif char == "}":
+                self.depth -= 1
+                if self.depth == 0:
+                    return at + 1
+        return None
+
+
 class ToolCallSplitter:
     """feed() pieces of an answer's content, then finish(). Content streams until a call marker. From there, in a
     format whose calls have an end marker, each call goes out as soon as it is complete; the rest of the section
-    is parsed when the answer ends. Returns ("content", text) and ("call", ToolCall) pieces; .calls has them all."""
+    is parsed when the answer ends. Returns ("content", text) and ("call", ToolCall) pieces; .calls has them all.
 
-    def __init__(self, parser: ToolCallParser):
+    With stream_arguments (the grammar guarantees the calls' shape) a JSON format's calls go out as written
+    instead: ("call_start", ToolCall) once its head is in, then ("arguments", (ToolCall, text)) pieces."""
+
+    def __init__(self, parser: ToolCallParser, stream_arguments: bool = False):
         self.parser = parser
         self.held = ""
         self.seen = ""        # content already released (an at_start marker must be at the answer's start)
         self.in_section = False
         self.broken = False   # a call that does not parse: the rest of the section is content
         self.calls: list[ToolCall] = []
+        self.stream_arguments = stream_arguments and parser.call_head is not None
+        self.writing: tuple[ToolCall, JsonObjectEnd] | None = None  # the streamed call whose arguments go on
+        self.closing: ToolCall | None = None  # a streamed call whose arguments ended, waiting for its tail
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self.held += text
@@ -222,6 +269,8 @@ class ToolCallSplitter:
 
     def _complete_calls(self) -> list[tuple[str, Any]]:
         """The calls whose end marker has arrived, parsed one by one off the front of the section."""
+        if self.stream_arguments:
+            return self._calls_as_written()
         out: list[tuple[str, Any]] = []
         end_marker = self.parser.end_marker
         while end_marker and not self.broken:
@@ -238,11 +287,45 @@ class ToolCallSplitter:
             out += self._add(calls)
         return out
 
+    def _calls_as_written(self) -> list[tuple[str, Any]]:
+        """Heads, argument fragments and tails off the front of the held text, as far as it goes."""
+        out: list[tuple[str, Any]] = []
+        while self.held and not self.broken:
+            if self.writing:
+                call, object_end = self.writing
+                end = object_end.feed(self.held)
+                fragment, self.held = (self.held, "") if end is None else (self.held[:end], self.held[end:])
+                call.arguments += fragment
+                out.append(("arguments", (call, fragment)))
+                if end is None:
+                    break
+                self.writing, self.closing = None, call
+            elif self.closing:
+                tail = self.parser.call_tail.match(self.held)
+                if not tail:
+                    break  # more to come (the grammar writes the tail whole, unless the answer is cut short)
+                self.held, self.closing = self.held[tail.end():], None
+            else:
+                head = self.parser.call_head.match(self.held)
+                if not head or head.end() == len(self.held):  # the arguments' first character decides
+                    break
+                if self.held[head.end()] != "{":
+                    self.broken = True  # not the shape the grammar writes: the rest is content
+                    break
+                call = ToolCall(_call_id(self.parser.family), json.loads(f'"{head[1]}"'), "")
+                self.held = self.held[head.end():]
+                self.writing = (call, JsonObjectEnd())
+                out += [("call_start", call)]
+                self.calls.append(call)
+        return out
+
     def _add(self, calls: list[ToolCall]) -> list[tuple[str, Any]]:
         self.calls += calls
         return [("call", call) for call in calls]
 
     def finish(self) -> list[tuple[str, Any]]:
+        if self.writing or self.closing:  # cut short (max_tokens) inside or after a streamed call: it stays so
+            self.held = ""
         held, self.held = self.held, ""
         if not self.in_section or self.broken:
             return [("content", held)] if held else []

@@ -113,7 +113,7 @@ def figures(m: dict[str, float]) -> list[report.Figure]:
     share = m["server_batch_concurrent"] / m["inprocess_batch"] * 100
     out.append(rate(f"Server, {BATCH_CLIENTS} clients, batches of {BATCH}, base64", m["server_batch_concurrent"]))
     out.append(report.judged(f"Server / in process, batches of {BATCH} ({BATCH_CLIENTS} clients)", share, "%",
-                             f"{share:.0f} %", at_least=TARGET))
+                             report.percent(share), at_least=TARGET))
     single = m["server_single"] / m["inprocess_single"] * 100
     out += [rate("In process, 1 text per call", m["inprocess_single"]),
             rate(f"In process, {CLIENTS} texts per call (coalesced)", m["inprocess_coalesced"]),

@@ -16,7 +16,7 @@ from appliance.telemetry import process_rss_bytes
 from bench import client, workload
 from bench.launcher import FAULT_MODEL, STALL_TIMEOUT_S, OwnAppliance
 from bench.phases import Aggregate, Counts, Latency, Streaming
-from bench.report import MB, NOT_COMPARABLE, Figure, judged, not_measured
+from bench.report import MB, NOT_COMPARABLE, Figure, judged, not_measured, percent
 from bench.workload import chat_body, distribution
 
 # Names of the figures only the bench's own appliance can measure (http_only() lists them as not measured).
@@ -95,7 +95,7 @@ def streaming(found: Streaming, baseline: dict | None) -> Figure:
     base_text = f"{tokens_per_s(base)} (streamer callback)"
     if not found.counts.comparable():
         return unequal(name, f"{share:.0f} % ({measured})", share, "%", found.counts, base_text, spend)
-    return judged(name, share, "%", f"{share:.0f} % ({measured})", at_least=STREAM_TARGET_PERCENT,
+    return judged(name, share, "%", f"{percent(share)} ({measured})", at_least=STREAM_TARGET_PERCENT,
                   baseline=base_text, client=spend)
 
 
@@ -118,7 +118,7 @@ def concurrency(found: list[Aggregate], baseline: dict | None) -> list[Figure]:
         if not level.counts.comparable():
             figures.append(unequal(name, f"{share:.0f} % ({measured})", share, "%", level.counts, base_text, spend))
         elif clients in BATCHING_TARGET_CLIENTS:
-            figures.append(judged(name, share, "%", f"{share:.0f} % ({measured})", at_least=BATCHING_TARGET_PERCENT,
+            figures.append(judged(name, share, "%", f"{percent(share)} ({measured})", at_least=BATCHING_TARGET_PERCENT,
                                   baseline=base_text, client=spend))
         else:
             figures.append(Figure(name, f"{share:.0f} % ({measured})", share, "%", base_text, client=spend))

@@ -26,6 +26,11 @@ class Figure:
     client: str = ""          # what the load generator cost while measuring this figure
 
 
+def percent(share: float) -> str:
+    """A share judged against a target, to one decimal: "95 %" must not hide a 94.8 % that missed 95."""
+    return f"{share:.1f} %"
+
+
 def judged(name: str, value: float, unit: str, measured: str, *, at_most: float | None = None,
            at_least: float | None = None, below: float | None = None, baseline: str = "", client: str = "") -> Figure:
     """A figure with a target: exactly one of at_most (<=), below (<) or at_least (>=)."""

@@ -121,7 +121,7 @@ def figures(m: dict[str, float]) -> list[report.Figure]:
         report.Figure(f"Server / in process, 1 client, {CLIP_S:g} s", f"{short:.0f} %", short, "%"),
         rate(f"Server, {CLIENTS} clients, {CLIP_S:g} s WAV uploads", m["server_short_concurrent"]),
         report.judged(f"Server / in process, {CLIP_S:g} s clips ({CLIENTS} clients)", concurrent, "%",
-                      f"{concurrent:.0f} %", at_least=TARGET),
+                      report.percent(concurrent), at_least=TARGET),
         rate(f"In process, {LONG_S:g} s clips (long form)", m["inprocess_long"]),
         rate(f"Server, 1 client, {LONG_S:g} s WAV uploads", m["server_long"]),
         report.Figure(f"Server / in process, 1 client, {LONG_S:g} s", f"{long:.0f} %", long, "%"),

@@ -19,7 +19,7 @@ import pytest
 from appliance import oom
 from appliance.faults import LOAD_OOM_KILL_HINT, OOM_KILL_HINT
 from appliance.oom import OomCounter, OomWatch, memory_cgroup_counter
-from appliance.telemetry import KernelLog
+from appliance.telemetry import KernelLog, KmsgWatcher, oom_killed_pid
 from appliance.worker import LOAD_HOG_ENV
 from conftest import model_entry, pid_alive, run_as_nobody, wait_until
 from memcg import MemoryCgroup
@@ -174,25 +174,33 @@ def test_worker_oom_killed_while_loading_is_reported_with_the_host_ram_hint(appl
         app.stop()
 
 
+@pytest.mark.skipif(not os.access("/dev/kmsg", os.R_OK), reason="the kill order is read from the kernel log")
 def test_under_memory_pressure_the_kernel_takes_a_serving_worker_not_the_process_that_asked(appliance_factory,
                                                                                            demo_model):
     # A ready front and worker in a 512 MiB memory cgroup; then another process of that cgroup, with the default
-    # oom_score_adj of 0, allocates until the cgroup is full. The kernel must kill someone: it takes the worker
-    # (oom_score_adj 800) although the other process holds more memory; that process stops allocating once the
-    # worker is gone, and it and the front live on.
+    # oom_score_adj of 0, allocates until the cgroup is full. The kernel must kill someone: its first choice is the
+    # worker (oom_score_adj 800) although the other process holds more memory, and never the front.
+    # The allocating process may be killed second: its page fault is retried at once, and while the killed worker's
+    # pages are still being freed (exit_mmap hides a dying victim from the OOM killer before its gathered pages are
+    # uncharged) the kernel can pick again. Seen on a loaded machine and in a full test run: the worker first, the
+    # allocator 3 ms later. So the order of the kernel's kills is what this test reads.
     model = model_entry("demo", demo_model, restart={"backoff_initial_s": 60, "backoff_max_s": 60,
                                                      "max_failures": 5, "window_s": 600})
-    with MemoryCgroup(512 * MiB) as cgroup:
+    with KmsgWatcher() as kernel_log, MemoryCgroup(512 * MiB) as cgroup:
         app = appliance_factory({"models": [model]}, prefix=cgroup.shell_prefix())
         worker = app.worker_pid("demo")
         kills = OomCounter(cgroup.path / ("memory.events" if cgroup.v2 else "memory.oom_control"))
         before = kills.read()
         hog, _ = start_in(cgroup, ALLOCATE_UNTIL_A_KILL.format(pid=worker, counter=kills.path, kills=before))
         out, _ = hog.communicate("go\n", timeout=60)
-        assert hog.returncode == 0 and out.startswith("survived with "), out  # it was not killed
-        assert kills.read() == before + 1, "one kill: the worker's"
         status = wait_until(lambda: crashed(app, "demo"), 60, "crashed")
         assert not pid_alive(worker) and app.proc.poll() is None
+        killed = [pid for record in kernel_log.poll_records() if (pid := oom_killed_pid(record)) in
+                  (worker, hog.pid, app.proc.pid)]
+        if hog.returncode == 0:
+            assert out.startswith("survived with ") and killed == [worker] and kills.read() == before + 1, out
+        else:
+            assert hog.returncode == -signal.SIGKILL and killed == [worker, hog.pid], (hog.returncode, killed)
         assert status["last_exit"] == "oom_kill"
         assert status["last_error"] == "worker exited: killed by the kernel OOM killer (SIGKILL)"
         assert status["hint"] == OOM_KILL_HINT  # it was serving, not loading

@@ -147,6 +147,20 @@ def test_enforced_calls_stream_their_arguments_as_they_are_written(app, model):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_a_streamed_call_cut_off_by_max_tokens_does_not_finish_as_tool_calls(app):
+    # The call's head takes about 45 tokens on the demo model and its arguments 50 more: 70 ends inside them. What
+    # arrived streams as it was written, but the finish says "length", so no client runs a call with half its
+    # arguments.
+    named = {"type": "function", "function": {"name": "write_note"}}
+    chunks = list(app.client().chat.completions.create(model="demo", messages=CHAT, tools=[NOTE_TOOL], stream=True,
+                                                       tool_choice=named, max_tokens=70))
+    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0].function.name == "write_note"
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    assert arguments.startswith("{") and not arguments.rstrip().endswith("}")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
 def test_parallel_tool_calls_false_allows_one_call(app):
     """On the demo variant whose samples vary, sampling sometimes goes on after a call (a separator instead of
     EOS): with parallel calls allowed some answers hold several calls; with parallel_tool_calls false none does."""

@@ -23,6 +23,11 @@ class AnswerParser:
     def calls(self) -> list[ToolCall]:
         return self.tools.calls if self.tools else []
 
+    @property
+    def cut_short(self) -> bool:
+        """The answer ended inside a streamed call's arguments (max_tokens): its finish is not "tool_calls"."""
+        return bool(self.tools and self.tools.cut_short)
+
     def feed(self, text: str) -> list[dict[str, Any]]:
         """Deltas for a new piece of text: {"reasoning_content": ...}, {"content": ...}, or a call's two deltas."""
         return self._deltas(self.reasoning.feed(text) if self.reasoning else [(CONTENT, text)], finish=False)

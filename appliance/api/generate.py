@@ -79,7 +79,8 @@ class GenerationRoutes:
     def _finish_reason(self, req: GenerationRequest, answer: AnswerParser | None, event: Event) -> str:
         if answer and answer.calls:
             self.appliance.metrics.tool_calls.labels(model=req.model).inc(len(answer.calls))
-            return "tool_calls"
+            if not answer.cut_short:  # a client must not run a call whose arguments were cut off
+                return "tool_calls"
         return event.finish_reason
 
     @staticmethod

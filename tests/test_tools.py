@@ -176,6 +176,29 @@ def test_parallel_tool_calls_false_allows_one_call(app):
     assert {calls(seed, False) for seed in seeds} == {1}
 
 
+def test_several_calls_streamed_as_written_are_the_calls_of_the_whole_answer(app):
+    # Same seed, same tokens: the SDK's assembly of the streamed deltas (each call's head, then its arguments in
+    # fragments, call after call) gives the calls the whole answer holds; the whole answer's arguments are
+    # re-serialised, the streamed ones are the model's own text, so they are compared as JSON.
+    def ask(seed, stream):
+        return dict(model="varied", messages=CHAT, tools=TOOLS, tool_choice="required", temperature=2.0, seed=seed,
+                    max_tokens=600, **({"stream": True} if stream else {}))
+    client = app.client()
+    for seed in range(1, 7):
+        whole = client.chat.completions.create(**ask(seed, False)).choices[0].message.tool_calls
+        if len(whole) > 1:
+            break
+    else:
+        raise AssertionError("no seed gave several calls")  # test_parallel_tool_calls_false_allows_one_call's seeds
+    request = ask(seed, True)
+    del request["stream"]
+    with client.chat.completions.stream(**request) as stream:
+        streamed = stream.get_final_completion().choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed] == \
+           [(c.function.name, json.loads(c.function.arguments)) for c in whole]
+    assert len({c.id for c in streamed}) == len(streamed)
+
+
 def test_two_turn_conversation_with_a_tool_result_reaches_the_template(app, demo_model):
     import openvino_genai
     client = app.client()

@@ -13,6 +13,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from conftest import FIXTURES, Appliance, http, model_entry
+from test_metrics import samples, value
 
 TEMPLATES = FIXTURES / "chat-templates"
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -152,6 +153,7 @@ def test_a_streamed_call_cut_off_by_max_tokens_does_not_finish_as_tool_calls(app
     # arrived streams as it was written, but the finish says "length", so no client runs a call with half its
     # arguments.
     named = {"type": "function", "function": {"name": "write_note"}}
+    calls_before = value(samples(app.metrics()), "openarc_tool_calls_total", model="demo")
     chunks = list(app.client().chat.completions.create(model="demo", messages=CHAT, tools=[NOTE_TOOL], stream=True,
                                                        tool_choice=named, max_tokens=70))
     deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
@@ -159,6 +161,7 @@ def test_a_streamed_call_cut_off_by_max_tokens_does_not_finish_as_tool_calls(app
     arguments = "".join(d.function.arguments or "" for d in deltas)
     assert arguments.startswith("{") and not arguments.rstrip().endswith("}")
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert value(samples(app.metrics()), "openarc_tool_calls_total", model="demo") == calls_before  # no call counted
 
 
 def test_parallel_tool_calls_false_allows_one_call(app):

@@ -77,10 +77,11 @@ class GenerationRoutes:
         return AnswerParser(bool(formats.get("reasoning_parser")), parser, stream_arguments)
 
     def _finish_reason(self, req: GenerationRequest, answer: AnswerParser | None, event: Event) -> str:
-        if answer and answer.calls:
-            self.appliance.metrics.tool_calls.labels(model=req.model).inc(len(answer.calls))
-            if not answer.cut_short:  # a client must not run a call whose arguments were cut off
-                return "tool_calls"
+        whole = len(answer.calls) - answer.cut_short if answer else 0  # a call cut off is no call to run
+        if whole:
+            self.appliance.metrics.tool_calls.labels(model=req.model).inc(whole)
+        if answer and answer.calls and not answer.cut_short:
+            return "tool_calls"
         return event.finish_reason
 
     @staticmethod

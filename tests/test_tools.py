@@ -131,18 +131,30 @@ NOTE_TOOL = {"type": "function", "function": {"name": "write_note", "parameters"
     "required": ["text"], "additionalProperties": False}}}
 
 
+@pytest.fixture(scope="module")
+def paced(demo_model, tmp_path_factory):
+    """The JSON tool-call families on workers that take 5 ms per engine step: every step's text is its own frame
+    (longer than the worker's 2 ms hold) and the front is never behind, however busy the machine."""
+    models = [model_entry("demo", demo_model)] + [
+        model_entry(name, demo_model, chat_template=str(TEMPLATES / FAMILIES[name][0])) for name in ("llama", "mistral")]
+    appliance = Appliance({"models": models}, tmp_path_factory.mktemp("paced"),
+                          env={"OPENARC_DEBUG_STEP_DELAY_S": "0.005"}).start()
+    yield appliance
+    appliance.stop()
+
+
 @pytest.mark.parametrize("model", ["demo", "llama", "mistral"])
-def test_enforced_calls_stream_their_arguments_as_they_are_written(app, model):
+def test_enforced_calls_stream_their_arguments_as_they_are_written(paced, model):
     # A named call's shape is the grammar's, so its arguments go out fragment by fragment (a call the model
-    # chooses freely is held until it parses); 200+ characters take many engine steps, so many fragments.
+    # chooses freely is held until it parses): 200+ characters take dozens of engine steps, so dozens of fragments.
     named = {"type": "function", "function": {"name": "write_note"}}
-    chunks = list(app.client().chat.completions.create(model=model, messages=CHAT, tools=[NOTE_TOOL], stream=True,
-                                                       tool_choice=named, max_tokens=600))
+    chunks = list(paced.client().chat.completions.create(model=model, messages=CHAT, tools=[NOTE_TOOL], stream=True,
+                                                         tool_choice=named, max_tokens=600))
     deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert deltas[0].id and deltas[0].function.name == "write_note" and deltas[0].function.arguments == ""
     fragments = [d.function.arguments for d in deltas[1:]]
     assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
-    assert len(fragments) >= 3, fragments
+    assert len(fragments) >= 10, fragments
     arguments = json.loads("".join(fragments))
     assert set(arguments) == {"text"} and 200 <= len(arguments["text"]) <= 260
     assert chunks[-1].choices[0].finish_reason == "tool_calls"

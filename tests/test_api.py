@@ -173,11 +173,17 @@ def test_unknown_route_and_wrong_method_are_openai_errors(app):
     assert_openai_error(http("GET", app.base + "/v1/chat/completions"), 405)
 
 
-def test_full_queue_is_429_and_never_500(app):
-    """max_running=1, max_queue=2: of 8 simultaneous long requests, some run, the rest get 429 at once."""
+def test_full_queue_is_429_and_never_500(appliance_factory, demo_model):
+    """max_running=1, max_queue=2: of 8 simultaneous long requests, some run, the rest get 429 at once. The worker
+    takes 10 ms a step, so each request runs for about half a second and the eight surely overlap: on the plain demo
+    model a request took ~10 ms, and on a busy machine the eight once went one after the other, all 200."""
+    app = appliance_factory({"models": [model_entry("demo", demo_model, max_queue=2, max_running=1)]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.01"})
     results: list[tuple[int, float]] = []
+    together = threading.Barrier(8)
 
     def one():
+        together.wait()
         started = time.monotonic()
         status = http("POST", app.base + "/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 200})[0]
         results.append((status, time.monotonic() - started))
@@ -191,6 +197,7 @@ def test_full_queue_is_429_and_never_500(app):
     assert len(statuses) == 8
     assert set(statuses) == {200, 429}, statuses
     assert statuses.count(200) >= 3  # one running + two queued always fit
+    assert max(seconds for status, seconds in results if status == 429) < 5  # refused at once, not after a wait
 
 
 def test_api_key_guards_everything_but_health_and_ready(appliance_factory, demo_model):

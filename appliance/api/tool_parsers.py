@@ -69,6 +69,10 @@ def _json_values(text: str) -> list[Any]:
         values.append(value)
 
 
+# The start of a JSON call object up to its arguments' key: `{"name": "NAME", ` (the name's inside in group 1).
+CALL_NAME = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
+
+
 class ToolCallParser:
     """One family's format. `markers`: where a call section may begin; `at_start`: only at the answer's start."""
 
@@ -109,7 +113,7 @@ class HermesParser(ToolCallParser):
     markers = ("<tool_call>",)
     end_marker = "</tool_call>"
     BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-    call_head = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+    call_head = re.compile(r'\s*<tool_call>\s*' + CALL_NAME + r'"arguments"\s*:\s*')
     call_tail = re.compile(r"\s*\}\s*</tool_call>")
 
     def parse_section(self, section):
@@ -164,7 +168,7 @@ class Llama3JsonParser(ToolCallParser):
     family = "llama3_json"
     markers = ("<|python_tag|>", "{")
     at_start = True
-    call_head = re.compile(r'[\s;]*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
+    call_head = re.compile(r'[\s;]*(?:<\|python_tag\|>)?\s*' + CALL_NAME + r'"parameters"\s*:\s*')
     call_tail = re.compile(r"\s*\}")
 
     def parse_section(self, section):
@@ -178,7 +182,7 @@ class Llama3JsonParser(ToolCallParser):
 class MistralParser(ToolCallParser):
     family = "mistral"
     markers = ("[TOOL_CALLS]",)
-    call_head = re.compile(r'\s*\[TOOL_CALLS\]\s*\[\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+    call_head = re.compile(r'\s*\[TOOL_CALLS\]\s*\[\s*' + CALL_NAME + r'"arguments"\s*:\s*')
     call_tail = re.compile(r"\s*\}\s*\]")
 
     def section_start(self, text):

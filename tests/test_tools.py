@@ -66,6 +66,11 @@ def assert_valid_calls(calls, names=ARGS) -> None:
         assert call.function.name in names
 
 
+def call_deltas(chunks) -> list:
+    """The tool-call delta of every streamed chunk that has one, in order."""
+    return [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+
+
 def test_status_shows_each_models_formats_detected_or_configured(app):
     status = {m["name"]: m for m in app.status()["models"]}
     assert (status["demo"]["tool_parser"], status["demo"]["reasoning_parser"]) == ("hermes", None)
@@ -117,7 +122,7 @@ def test_the_sdks_pydantic_tools_come_back_parsed(app):
 def test_streamed_deltas_have_openais_shape(app):
     chunks = list(app.client().chat.completions.create(model="demo", messages=CHAT, tools=TOOLS, stream=True,
                                                        tool_choice="required", max_tokens=300))
-    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    deltas = call_deltas(chunks)
     first, rest = deltas[0], deltas[1:]
     assert first.index == 0 and first.id and first.type == "function" and first.function.name
     assert all(d.id is None and d.function.name is None for d in rest if d.index == first.index)
@@ -150,7 +155,7 @@ def test_enforced_calls_stream_their_arguments_as_they_are_written(paced, model)
     named = {"type": "function", "function": {"name": "write_note"}}
     chunks = list(paced.client().chat.completions.create(model=model, messages=CHAT, tools=[NOTE_TOOL], stream=True,
                                                          tool_choice=named, max_tokens=600))
-    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    deltas = call_deltas(chunks)
     assert deltas[0].id and deltas[0].function.name == "write_note" and deltas[0].function.arguments == ""
     fragments = [d.function.arguments for d in deltas[1:]]
     assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
@@ -168,7 +173,7 @@ def test_a_streamed_call_cut_off_by_max_tokens_does_not_finish_as_tool_calls(app
     calls_before = value(samples(app.metrics()), "openarc_tool_calls_total", model="demo")
     chunks = list(app.client().chat.completions.create(model="demo", messages=CHAT, tools=[NOTE_TOOL], stream=True,
                                                        tool_choice=named, max_tokens=70))
-    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    deltas = call_deltas(chunks)
     assert deltas[0].function.name == "write_note"
     arguments = "".join(d.function.arguments or "" for d in deltas)
     assert arguments.startswith("{") and not arguments.rstrip().endswith("}")
@@ -195,19 +200,17 @@ def test_several_calls_streamed_as_written_are_the_calls_of_the_whole_answer(app
     # Same seed, same tokens: the SDK's assembly of the streamed deltas (each call's head, then its arguments in
     # fragments, call after call) gives the calls the whole answer holds; the whole answer's arguments are
     # re-serialised, the streamed ones are the model's own text, so they are compared as JSON.
-    def ask(seed, stream):
+    def ask(seed):
         return dict(model="varied", messages=CHAT, tools=TOOLS, tool_choice="required", temperature=2.0, seed=seed,
-                    max_tokens=600, **({"stream": True} if stream else {}))
+                    max_tokens=600)
     client = app.client()
     for seed in range(1, 7):
-        whole = client.chat.completions.create(**ask(seed, False)).choices[0].message.tool_calls
+        whole = client.chat.completions.create(**ask(seed)).choices[0].message.tool_calls
         if len(whole) > 1:
             break
     else:
         raise AssertionError("no seed gave several calls")  # test_parallel_tool_calls_false_allows_one_call's seeds
-    request = ask(seed, True)
-    del request["stream"]
-    with client.chat.completions.stream(**request) as stream:
+    with client.chat.completions.stream(**ask(seed)) as stream:
         streamed = stream.get_final_completion().choices[0].message.tool_calls
     assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed] == \
            [(c.function.name, json.loads(c.function.arguments)) for c in whole]

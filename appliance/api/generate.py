@@ -73,16 +73,16 @@ class GenerationRoutes:
                                  "tools")
         parser = parser_for(tool_parser, req.tools.schemas()) if req.tools.active else None
         # A call the grammar shapes cannot turn out malformed: streamed, its arguments go out as they are written.
-        stream_arguments = req.stream and parser is not None and req.tools.constraint() is not None
+        stream_arguments = req.stream and parser is not None and (req.constraint or {}).get("type") == "tool_calls"
         return AnswerParser(bool(formats.get("reasoning_parser")), parser, stream_arguments)
 
     def _finish_reason(self, req: GenerationRequest, answer: AnswerParser | None, event: Event) -> str:
-        whole = len(answer.calls) - answer.cut_short if answer else 0  # a call cut off is no call to run
+        if not (answer and answer.calls):
+            return event.finish_reason
+        whole = len(answer.calls) - 1 if answer.cut_short else len(answer.calls)  # a call cut off is none to run
         if whole:
             self.appliance.metrics.tool_calls.labels(model=req.model).inc(whole)
-        if answer and answer.calls and not answer.cut_short:
-            return "tool_calls"
-        return event.finish_reason
+        return event.finish_reason if answer.cut_short else "tool_calls"
 
     @staticmethod
     def _usage(shaper: ResponseShaper, done: list[Event]) -> dict[str, Any]:

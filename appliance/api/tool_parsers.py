@@ -256,7 +256,6 @@ class ToolCallSplitter:
         self.stream_arguments = stream_arguments and parser.call_head is not None
         self.writing: tuple[ToolCall, JsonObjectEnd] | None = None  # the streamed call whose arguments go on
         self.closing: ToolCall | None = None  # a streamed call whose arguments ended, waiting for its tail
-        self.cut_short = False  # the answer ended inside a streamed call (max_tokens): that call is not whole
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self.held += text
@@ -324,14 +323,18 @@ class ToolCallSplitter:
                 self.calls.append(call)
         return out
 
+    @property
+    def cut_short(self) -> bool:
+        """After finish(): the answer ended inside a streamed call's arguments (max_tokens), so that call is not
+        whole."""
+        return self.writing is not None
+
     def _add(self, calls: list[ToolCall]) -> list[tuple[str, Any]]:
         self.calls += calls
         return [("call", call) for call in calls]
 
     def finish(self) -> list[tuple[str, Any]]:
-        if self.writing:  # cut short (max_tokens) inside a streamed call's arguments: they stay as they are
-            self.held, self.cut_short = "", True
-        elif self.closing:  # after its arguments, before its tail: the call itself is whole
+        if self.writing or self.closing:  # cut short inside a streamed call or its tail: what was sent stays
             self.held = ""
         held, self.held = self.held, ""
         if not self.in_section or self.broken:

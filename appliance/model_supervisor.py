@@ -320,7 +320,7 @@ class ModelSupervisor:
         """Admit a request or refuse it at once: nothing waits on a model that cannot serve it.
         `frame`: the fields of its ipc `op` (generate for an LLM, request for the one-answer kinds) but the id."""
         if self.state is not ModelState.READY or self.stopping:
-            raise self._unavailable()
+            raise self.unavailable()
         if len(self.running) >= self.model.effective_max_running and len(self.waiting) >= self.model.max_queue:
             raise RequestFailed(429, "overloaded", f"model {self.name} has {len(self.waiting)} requests queued "
                                                    f"(max_queue={self.model.max_queue}); retry later", retry_after=1)
@@ -364,7 +364,7 @@ class ModelSupervisor:
             if item.op in ("done", "result"):
                 return
 
-    def _unavailable(self) -> RequestFailed:
+    def unavailable(self) -> RequestFailed:
         if self.state is ModelState.FAILED:
             return RequestFailed(503, "model_failed", f"model {self.name} is failed: {self.last_error}", hint=self.last_hint)
         if self.stopping:
@@ -496,9 +496,8 @@ def describe_gpu_trouble(event: telemetry.GpuEvent) -> str:
     return f"GPU {event.kind} on {event.bdf or 'an unnamed card'} in the kernel log: {event.text}"
 
 
-# The keys of one kind (config.KIND_ONLY_KEYS) that its worker reads; the rest are the front's (upload limits).
-WORKER_KIND_KEYS = ("pipeline", "scheduler_config", "default_max_tokens", "tool_parser", "reasoning_parser",
-                    "chat_template", "pooling", "normalize", "matryoshka_dimensions", "word_timestamps")
+# Keys of one kind (config.KIND_ONLY_KEYS) that only the front reads: its workers get every other key of their kind.
+FRONT_ONLY_KIND_KEYS = frozenset({"max_audio_seconds", "max_upload_bytes"})
 
 
 def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
@@ -506,5 +505,6 @@ def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
     spec = {"name": model.name, "kind": model.kind, "path": model.path, "device": model.device,
             "properties": model.ov_properties(config.ov_cache_dir()), "max_context": model.max_context,
             "log_level": config.server.log_level}
-    spec.update({key: getattr(model, key) for key in WORKER_KIND_KEYS if KIND_ONLY_KEYS[key] == model.kind})
+    spec.update({key: getattr(model, key) for key, kind in KIND_ONLY_KEYS.items()
+                 if kind == model.kind and key not in FRONT_ONLY_KIND_KEYS})
     return spec

@@ -193,14 +193,18 @@ class Appliance:
         return None
 
     def healthy(self) -> bool:
-        return self.loop_health.healthy() and self.supervisor.healthy()
+        """The watchdog pings while this holds; /health fails on its reason, and on a trigger_reason() too."""
+        return self._broken() is None
 
     def unhealthy_reason(self) -> str | None:
+        return self._broken() or self.trigger_reason()
+
+    def _broken(self) -> str | None:
         if not self.loop_health.healthy():
             return f"the event loop runs {self.loop_health.lag:.1f} s late"
         if not self.supervisor.healthy():
             return "a model's supervising task died (see the log)"
-        return self.trigger_reason()
+        return None
 
     def on_gpu_reset(self, event: telemetry.GpuEvent) -> None:
         log.error("GPU %s on %s: %s", event.kind, event.bdf or "?", event.text)

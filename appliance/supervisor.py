@@ -136,7 +136,7 @@ class Supervisor:
                     deadline = loop.time() + sup.model.ready_wait_s
                 remaining = deadline - loop.time()
                 if remaining <= 0 or not sup.coming_up():
-                    raise sup._unavailable()
+                    raise sup.unavailable()
                 counted = _count_waiter(counted, sup)  # the model's current supervisor, across a replacement
                 await self.changes.wait(remaining)
             return None

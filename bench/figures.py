@@ -8,6 +8,7 @@ import signal
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -171,12 +172,10 @@ class LoopLag:
 
     async def run(self) -> None:
         while True:
-            async with self.session.get(self.base + "/metrics") as response:
-                text = await response.text()
-            for family in text_string_to_metric_families(text):
-                if family.name == "openarc_event_loop_lag_seconds":
-                    self.peak = max([self.peak] + [sample.value for sample in family.samples])
-                    self.samples += 1
+            family = (await scrape(self.session, self.base)).get("openarc_event_loop_lag_seconds")
+            if family:
+                self.peak = max([self.peak] + [sample.value for sample in family.samples])
+                self.samples += 1
             await asyncio.sleep(self.INTERVAL_S)
 
     def figure(self) -> Figure:
@@ -207,14 +206,19 @@ class FaultTrial:
     code: str
 
 
-async def load_seconds_sum(session: aiohttp.ClientSession, base: str, model: str) -> tuple[float, float]:
+async def scrape(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
+    """The server's /metrics, by metric family name."""
     async with session.get(base + "/metrics") as response:
         text = await response.text()
-    for family in text_string_to_metric_families(text):
-        if family.name == "openarc_model_load_seconds":
-            values = {s.name: s.value for s in family.samples if s.labels.get("model") == model}
-            return values["openarc_model_load_seconds_sum"], values["openarc_model_load_seconds_count"]
-    raise RuntimeError("no openarc_model_load_seconds in /metrics")
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+async def load_seconds_sum(session: aiohttp.ClientSession, base: str, model: str) -> tuple[float, float]:
+    family = (await scrape(session, base)).get("openarc_model_load_seconds")
+    if family is None:
+        raise RuntimeError("no openarc_model_load_seconds in /metrics")
+    values = {s.name: s.value for s in family.samples if s.labels.get("model") == model}
+    return values["openarc_model_load_seconds_sum"], values["openarc_model_load_seconds_count"]
 
 
 async def fault_trial(session: aiohttp.ClientSession, app: OwnAppliance, sig: signal.Signals) -> FaultTrial:

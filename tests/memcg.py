@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.oom import memory_cgroup_counter
+from appliance.oom import OomCounter, memory_cgroup_counter
 
 
 class MemoryCgroup:
@@ -26,6 +26,7 @@ class MemoryCgroup:
             pytest.skip("this process is in no memory cgroup whose oom_kill counter is readable")
         self.v2 = counter.path.name == "memory.events"
         self.path = counter.path.parent / f"openarc-test-{uuid.uuid4().hex[:8]}"
+        self.oom_kills = OomCounter(self.path / counter.path.name)  # this cgroup's own oom_kill counter
         try:
             self.path.mkdir()
         except OSError as exc:

@@ -53,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(config.server.log_level)
     for warning in config.shared_gpu_warnings():
         log.warning("%s", warning)
-    from appliance.server import Appliance
+    from appliance.front.server import Appliance
     appliance = Appliance(config, reload_config=lambda: serve_config(args))
     # An address given on the command line is bound even under socket activation (listen.start_sites).
     also_bind = bool(args.host or args.port)
@@ -67,7 +67,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"{args.path}: OK: {names}")
     for warning in config.shared_gpu_warnings():
         print(f"openarc: warning: {warning}", file=sys.stderr)
-    from appliance.listen import socket_unit_warnings
+    from appliance.front.listen import socket_unit_warnings
     for warning in socket_unit_warnings(config):
         print(f"openarc: warning: {warning}", file=sys.stderr)
     return 0
@@ -75,7 +75,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
     """Build a demo model into DIR, or into the cache (reused while its build parameters match)."""
-    from appliance import demo_model
+    from appliance.demo import catalog as demo_model
     params = {}
     if args.kind == "llm":
         params = {key: value for key, value in (("eos_after", args.eos_after), ("max_new_tokens", args.max_new_tokens),

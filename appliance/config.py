@@ -392,3 +392,17 @@ def demo_config(**server: Any) -> Config:
     embedding = ModelConfig(name="demo-embedding", path="", kind="embedding", device="CPU", max_context=512,
                             restart=dataclasses.replace(restart))
     return Config(server=ServerConfig(**server), models=[chat, embedding])
+
+
+# Keys of one kind (config.KIND_ONLY_KEYS) that only the front reads: its workers get every other key of their kind.
+FRONT_ONLY_KIND_KEYS = frozenset({"max_audio_seconds", "max_upload_bytes"})
+
+
+def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
+    """What a worker needs to know, as JSON on its command line: the keys of every kind, and those of its own."""
+    spec = {"name": model.name, "kind": model.kind, "path": model.path, "device": model.device,
+            "properties": model.ov_properties(config.ov_cache_dir()), "max_context": model.max_context,
+            "log_level": config.server.log_level}
+    spec.update({key: getattr(model, key) for key, kind in KIND_ONLY_KEYS.items()
+                 if kind == model.kind and key not in FRONT_ONLY_KIND_KEYS})
+    return spec

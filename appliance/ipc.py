@@ -40,7 +40,7 @@ OPS: dict[str, Op] = {
                     "with its sampling params and output constraint"),
     "request": _op("front", "id kind body",
                    "run one request of a one-answer kind (embedding, rerank, transcription): body holds the fields "
-                   "its route validated, read by appliance.engines.<kind>"),
+                   "its route validated, read by appliance.worker.engines.<kind>"),
     "cancel": _op("front", "id", doc="the caller is gone: stop generating for it"),
     "shutdown": _op("front", doc="leave now (without destructors)"),
     # worker -> front

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from appliance.telemetry import process_rss_bytes
+from appliance.host.telemetry import process_rss_bytes
 from bench import workload
 
 

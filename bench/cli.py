@@ -11,7 +11,7 @@ from pathlib import Path
 
 import aiohttp
 
-from appliance.telemetry import process_rss_bytes
+from appliance.host.telemetry import process_rss_bytes
 from bench import client, figures, phases, report, sidebyside, workload
 from bench.launcher import FAULT_MODEL, PERF_MODEL, RESTART, STALL_TIMEOUT_S, OwnAppliance
 from bench.phases import CpuWatch, Server, process_tree
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         model_path = Path(args.model_path) if args.model_path else None
         model_text = str(model_path) if model_path else DEMO_MODEL
         if model_path is None and not args.url:
-            from appliance.demo_model import build_demo_model
+            from appliance.demo.catalog import build_demo_model
             model_path = build_demo_model(Path(tmp) / "demo", eos_after=0, max_new_tokens=4096)  # never stops early
         elif model_path is None:
             model_text = f"{args.model or 'the first model'} as {args.url} serves it (no in-process baseline)"

@@ -62,7 +62,7 @@ async def first_schema_latency(session: aiohttp.ClientSession, base: str) -> tup
 async def measure(quick: bool) -> tuple[dict, list[report.Figure]]:
     rounds = 2 if quick else 12
     with tempfile.TemporaryDirectory(prefix="openarc-bench-") as tmp:
-        from appliance.demo_model import build_demo_model
+        from appliance.demo.catalog import build_demo_model
         model = build_demo_model(Path(tmp) / "demo", eos_after=0, max_new_tokens=4096)
         app = OwnAppliance(model, Path(tmp))
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:

@@ -43,9 +43,8 @@ def baseline(model_path: str) -> None:
     is measured in embeddings per second."""
     import openvino_genai
 
-    from appliance.config import Config
-    from appliance.engines.embedding import pipeline_config
-    from appliance.model_supervisor import worker_spec
+    from appliance.config import Config, worker_spec
+    from appliance.worker.engines.embedding import pipeline_config
     # The pipeline exactly as the server's worker configures it (pooling, normalisation, max_length).
     spec = worker_spec(model_config(model_path), Config())
     pipe = openvino_genai.TextEmbeddingPipeline(model_path, "CPU", pipeline_config(spec))

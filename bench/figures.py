@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.telemetry import process_rss_bytes
+from appliance.host.telemetry import process_rss_bytes
 from bench import client, workload
 from bench.launcher import FAULT_MODEL, STALL_TIMEOUT_S, OwnAppliance
 from bench.phases import Aggregate, Counts, Latency, Streaming

@@ -85,7 +85,7 @@ class SideBench:
     async def measure(self, quick: bool) -> tuple[dict, list[report.Figure]]:
         rounds, blocks = self.sizes[0] if quick else self.sizes[1]
         with tempfile.TemporaryDirectory(prefix="openarc-bench-") as tmp:
-            from appliance.demo_model import build_demo_model
+            from appliance.demo.catalog import build_demo_model
             model = build_demo_model(Path(tmp) / self.kind, self.kind)
             app = OwnAppliance(model, Path(tmp), models=[{**self.served, "kind": self.kind, "path": str(model)}])
             baseline_process = InProcess(f"bench.{self.stem}", model)

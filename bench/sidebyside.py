@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from appliance.telemetry import process_rss_bytes
+from appliance.host.telemetry import process_rss_bytes
 from bench import client, workload
 from bench.phases import Aggregate, Counts, Latency, Server, Streaming
 from bench.report import MB

@@ -16,7 +16,7 @@ COMPRESSED = {
     "webm": ("webm", "libopus", 48000),
     "m4a": ("ipod", "aac", 44100),
 }
-TRANSCRIPT = "hello world from a tiny model."  # what the demo Whisper hears in any sound (appliance.demo_whisper)
+TRANSCRIPT = "hello world from a tiny model."  # what the demo Whisper hears in any sound (appliance.demo.whisper)
 
 
 def tone(seconds: float, rate: int = 16000) -> np.ndarray:

@@ -27,35 +27,35 @@ STARTUP_TIMEOUT_S = 120  # only catches a hang: the demo model loads in well und
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory) -> Path:
     """The demo model as the tests know it: stops by itself after 48 tokens, 64 at most by default."""
-    from appliance.demo_model import build_demo_model
+    from appliance.demo.catalog import build_demo_model
     return build_demo_model(tmp_path_factory.mktemp("models") / "demo", eos_after=48, max_new_tokens=64)
 
 
 @pytest.fixture(scope="session")
 def long_demo_model(tmp_path_factory) -> Path:
     """A demo model that never stops by itself, for requests that must still be generating when a fault lands."""
-    from appliance.demo_model import build_demo_model
+    from appliance.demo.catalog import build_demo_model
     return build_demo_model(tmp_path_factory.mktemp("models") / "long", eos_after=0, max_new_tokens=4096)
 
 
 @pytest.fixture(scope="session")
 def embedding_model(tmp_path_factory) -> Path:
-    """The embedding demo model (appliance.demo_encoder): 128 dimensions, Matryoshka sizes 32 and 64."""
-    from appliance.demo_model import build_demo_model
+    """The embedding demo model (appliance.demo.encoder): 128 dimensions, Matryoshka sizes 32 and 64."""
+    from appliance.demo.catalog import build_demo_model
     return build_demo_model(tmp_path_factory.mktemp("models") / "embedding", "embedding")
 
 
 @pytest.fixture(scope="session")
 def rerank_model(tmp_path_factory) -> Path:
-    """The rerank demo model (appliance.demo_encoder): scores documents by the query words they share."""
-    from appliance.demo_model import build_demo_model
+    """The rerank demo model (appliance.demo.encoder): scores documents by the query words they share."""
+    from appliance.demo.catalog import build_demo_model
     return build_demo_model(tmp_path_factory.mktemp("models") / "rerank", "rerank")
 
 
 @pytest.fixture(scope="session")
 def demo_whisper(tmp_path_factory) -> Path:
     """The tiny Whisper-shaped model: any sound is " hello world from a tiny model.", silence is ""."""
-    from appliance.demo_model import build_demo_model
+    from appliance.demo.catalog import build_demo_model
     return build_demo_model(tmp_path_factory.mktemp("models") / "whisper", "transcription")
 
 
@@ -76,15 +76,17 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
 
 
 def run_as_nobody(code: str, *modules: str) -> subprocess.CompletedProcess:
-    """Run Python `code` as user nobody with copies of the named appliance modules importable ("telemetry",
-    "oom"): the checkout and pytest's tmp dirs may be private to root. Needs root."""
+    """Run Python `code` as user nobody with copies of the named appliance modules importable ("host/telemetry",
+    "host/oom"): the checkout and pytest's tmp dirs may be private to root. Needs root."""
     root = Path(tempfile.mkdtemp(prefix="openarc-modules-"))
     try:
-        (root / "appliance").mkdir()
-        (root / "appliance/__init__.py").write_text("")
         for module in modules:
-            shutil.copy(REPO / "appliance" / f"{module}.py", root / "appliance" / f"{module}.py")
-        for path in (root, root / "appliance", *root.glob("appliance/*")):
+            dest = root / "appliance" / f"{module}.py"
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(REPO / "appliance" / f"{module}.py", dest)
+        for package in {path.parent for path in root.rglob("*.py")} | {root / "appliance"}:
+            (package / "__init__.py").touch()
+        for path in (root, *root.rglob("*")):
             path.chmod(0o755)
         return subprocess.run([sys.executable, "-c", code], user=65534, group=65534, cwd=root,
                               env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=60)
@@ -225,7 +227,7 @@ class Appliance:
         if getattr(self, "log", None):
             self.log.close()
         assert not survivors, f"workers {survivors} outlived the front"
-        # appliance.lifecycle logs a state change its table does not allow: a supervisor bug, in any test
+        # appliance.front.lifecycle logs a state change its table does not allow: a supervisor bug, in any test
         assert "illegal transition" not in self.logs(), self.logs()[-3000:]
 
 

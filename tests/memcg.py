@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.oom import OomCounter, memory_cgroup_counter
+from appliance.host.oom import OomCounter, memory_cgroup_counter
 
 
 class MemoryCgroup:

@@ -258,7 +258,7 @@ def post_form(app, fields: dict, path: str = "/v1/audio/transcriptions") -> tupl
 def decoder_pid(app) -> int:
     transcribe(app, wav_bytes(tone(0.5)))  # make sure the decoder has started
     children = open(f"/proc/{app.proc.pid}/task/{app.proc.pid}/children").read().split()
-    pids = [int(pid) for pid in children if "appliance.audio_decoder" in open(f"/proc/{pid}/cmdline").read()]
+    pids = [int(pid) for pid in children if "appliance.front.audio_decoder" in open(f"/proc/{pid}/cmdline").read()]
     assert len(pids) == 1, pids
     return pids[0]
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from appliance.audio_decoder import FORMATS
+from appliance.front.audio_decoder import FORMATS
 from audio_samples import COMPRESSED, TRANSCRIPT, encoded, multipart, tone, wav_bytes
 from conftest import Appliance, http, model_entry
 

@@ -12,8 +12,8 @@ import time
 import openvino_genai as genai
 import pytest
 
-from appliance import demo_model as demo
-from appliance.demo_model import build_demo_model, default_cache_dir, ensure_demo_model
+from appliance.demo import llm as demo
+from appliance.demo.catalog import MARKER_FILE, build_demo_model, default_cache_dir, ensure_demo_model
 from conftest import REPO
 
 EOS_AFTER = 48
@@ -71,12 +71,12 @@ def test_build_is_quick_small_and_complete(tmp_path):
     names = {p.name for p in dest.iterdir()}
     assert {"openvino_model.xml", "openvino_model.bin", "openvino_tokenizer.xml", "openvino_tokenizer.bin",
             "openvino_detokenizer.xml", "openvino_detokenizer.bin", "config.json", "generation_config.json",
-            "tokenizer.json", "tokenizer_config.json", demo.MARKER_FILE} <= names
+            "tokenizer.json", "tokenizer_config.json", MARKER_FILE} <= names
     assert sum(p.stat().st_size for p in dest.iterdir()) < 4_000_000
     assert json.loads((dest / "config.json").read_text())["max_position_embeddings"] == 2048
     generation = json.loads((dest / "generation_config.json").read_text())
     assert generation["max_new_tokens"] == 20 and generation["eos_token_id"] == demo.EOS_ID
-    marker = json.loads((dest / demo.MARKER_FILE).read_text())
+    marker = json.loads((dest / MARKER_FILE).read_text())
     assert marker["params"] == {"eos_after": 7, "max_new_tokens": 20, "seed": 3}
     assert not [p for p in tmp_path.iterdir() if p.name != "m"], "temporary build directory left behind"
 
@@ -200,13 +200,13 @@ def test_ensure_reuses_the_cache_and_rebuilds_when_params_change(tmp_path):
 
     other = ensure_demo_model(tmp_path, eos_after=6, max_new_tokens=9)
     assert other != first
-    assert json.loads((other / demo.MARKER_FILE).read_text())["params"]["eos_after"] == 6
+    assert json.loads((other / MARKER_FILE).read_text())["params"]["eos_after"] == 6
     result = genai.LLMPipeline(str(other), "CPU").generate(chat("Hi"))
     assert len(phrase_words(result.texts[0])) == 12
 
-    (first / demo.MARKER_FILE).unlink()  # an unfinished or damaged build is rebuilt
+    (first / MARKER_FILE).unlink()  # an unfinished or damaged build is rebuilt
     assert ensure_demo_model(tmp_path, eos_after=5, max_new_tokens=9) == first
-    assert (first / demo.MARKER_FILE).exists()
+    assert (first / MARKER_FILE).exists()
 
 
 def test_build_refuses_to_replace_a_directory_that_is_not_a_demo_build(tmp_path):
@@ -221,7 +221,7 @@ def test_build_refuses_to_replace_a_directory_that_is_not_a_demo_build(tmp_path)
 def test_a_build_killed_midway_leaves_no_model(tmp_path):
     """SIGKILL the builder while its temporary directory is being filled: `dest` is either absent or complete."""
     dest = tmp_path / "m"
-    code = f"from appliance.demo_model import build_demo_model; build_demo_model({str(dest)!r})"
+    code = f"from appliance.demo.catalog import build_demo_model; build_demo_model({str(dest)!r})"
     env = dict(os.environ, PYTHONPATH=str(pathlib.Path(demo.__file__).parents[1]))
     for _attempt in range(5):
         builder = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.DEVNULL)
@@ -267,6 +267,6 @@ def test_cli_builds_a_model_that_never_stops_into_the_cache(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300, check=True)
     path = pathlib.Path(done.stdout.strip())
     assert path.parent == tmp_path / "models"
-    assert json.loads((path / demo.MARKER_FILE).read_text())["params"] == {"eos_after": 0, "max_new_tokens": 80, "seed": 0}
+    assert json.loads((path / MARKER_FILE).read_text())["params"] == {"eos_after": 0, "max_new_tokens": 80, "seed": 0}
     result = genai.LLMPipeline(str(path), "CPU").generate(chat("Hi"), max_new_tokens=70)
     assert len(phrase_words(result.texts[0])) == 2 * 70  # two words a token, and no EOS: it ran to max_new_tokens

@@ -48,7 +48,7 @@ def test_language_task_words_and_streaming(pipe):
 
 
 def test_build_is_deterministic(demo_whisper, tmp_path):
-    from appliance.demo_model import build_demo_model
+    from appliance.demo.catalog import build_demo_model
     again = build_demo_model(tmp_path / "again", "transcription")
 
     def digests(path):

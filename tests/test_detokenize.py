@@ -8,7 +8,7 @@ from typing import Any
 import openvino_genai
 import pytest
 
-from appliance.detokenize import SAMPLE_TEXTS, ByteTableDetokenizer, WindowDetokenizer, make_detokenizer
+from appliance.worker.detokenize import SAMPLE_TEXTS, ByteTableDetokenizer, WindowDetokenizer, make_detokenizer
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Embedding and rerank models as their own worker kinds, driven as clients drive them: the official openai SDK's
 embeddings.create against a real `openarc serve`, rerank as Cohere/Jina/vLLM clients post it, on the tiny demo
-encoders (appliance.demo_encoder) run by genai's TextEmbeddingPipeline and TextRerankPipeline on the CPU.
+encoders (appliance.demo.encoder) run by genai's TextEmbeddingPipeline and TextRerankPipeline on the CPU.
 """
 
 from __future__ import annotations

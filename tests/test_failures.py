@@ -331,7 +331,7 @@ def test_each_crash_reports_its_own_signal(appliance_factory, demo_model):
 
 def test_backoff_doubles_per_consecutive_crash_and_resets_after_a_window_of_service():
     from appliance.config import RestartPolicy
-    from appliance.lifecycle import RestartBudget
+    from appliance.front.lifecycle import RestartBudget
     budget = RestartBudget(RestartPolicy(backoff_initial_s=1, backoff_max_s=5, max_failures=5, window_s=60))
     assert [budget.record_failure(t, served_s=1) for t in (0, 1, 2, 3)] == [1, 2, 4, 5]
     assert budget.record_failure(200, served_s=120) == 1  # served a whole window: a fresh start

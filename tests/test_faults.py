@@ -1,4 +1,4 @@
-"""appliance.faults against recorded error texts (tests/fixtures/gpu/errors, see its README)."""
+"""appliance.host.faults against recorded error texts (tests/fixtures/gpu/errors, see its README)."""
 
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from appliance.faults import (
+from appliance.host.faults import (
     DG2_RESET_HINT,
     INVALID_DEVICE_HINT,
     LOAD_OOM_KILL_HINT,

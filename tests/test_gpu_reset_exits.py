@@ -17,11 +17,11 @@ import yaml
 
 from appliance import ipc
 from appliance.config import load_config
-from appliance.faults import OOM_HINT
-from appliance.lifecycle import Exit, ExitReason, ModelState
-from appliance.metrics import Metrics
-from appliance.model_supervisor import ModelSupervisor
-from appliance.telemetry import KernelLog
+from appliance.host.faults import OOM_HINT
+from appliance.front.lifecycle import Exit, ExitReason, ModelState
+from appliance.front.metrics import Metrics
+from appliance.front.model_supervisor import ModelSupervisor
+from appliance.host.telemetry import KernelLog
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 OCL_OUT_OF_RESOURCES = (FIXTURES / "errors/ocl-5-clflush-openvino35528.txt").read_text()

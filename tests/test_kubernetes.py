@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from appliance.config import parse_config  # noqa: E402
-from appliance.metrics import Metrics  # noqa: E402
+from appliance.front.metrics import Metrics  # noqa: E402
 from test_monitoring_config import promtool, run_promtool  # noqa: E402,F401 (a fixture and its runner)
 
 KUBE_DIR = REPO / "containers" / "kubernetes"

@@ -20,7 +20,7 @@ ALERT_TESTS = PROMETHEUS_DIR / "openarc-alerts.test.yml"
 SCRAPE_CONFIG = PROMETHEUS_DIR / "prometheus.yml"
 DASHBOARD = REPO / "config" / "grafana" / "openarc-dashboard.json"
 
-# The metrics openarc exports (the contract with appliance/metrics.py):
+# The metrics openarc exports (the contract with appliance/front/metrics.py):
 # name -> (type, label names).
 OPENARC_METRICS = {
     "openarc_requests_total": ("counter", ("model", "endpoint", "status")),
@@ -68,7 +68,7 @@ def series_names():
 
 def test_exporter_declares_exactly_these_metrics():
     """The alerts and dashboard are written against OPENARC_METRICS; the server must export the same."""
-    from appliance.metrics import Metrics
+    from appliance.front.metrics import Metrics
 
     declared = {}
     for family in Metrics().registry.collect():

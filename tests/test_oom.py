@@ -1,4 +1,4 @@
-"""appliance.oom: a worker killed by the kernel OOM killer is told apart from any other death.
+"""appliance.host.oom: a worker killed by the kernel OOM killer is told apart from any other death.
 
 The counter is found on recorded cgroup layouts of other hosts (tests/fixtures/cgroup, see its README) and on
 this machine's real cgroups; the kills are real kernel OOM kills in a small memory cgroup (tests/memcg.py), seen
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance import oom
-from appliance.faults import LOAD_OOM_KILL_HINT, OOM_KILL_HINT
-from appliance.oom import OomCounter, OomWatch, memory_cgroup_counter
-from appliance.telemetry import KernelLog, KmsgWatcher, oom_killed_pid
+from appliance.host import oom
+from appliance.host.faults import LOAD_OOM_KILL_HINT, OOM_KILL_HINT
+from appliance.host.oom import OomCounter, OomWatch, memory_cgroup_counter
+from appliance.host.telemetry import KernelLog, KmsgWatcher, oom_killed_pid
 from appliance.worker import LOAD_HOG_ENV
 from conftest import model_entry, pid_alive, run_as_nobody, wait_until
 from memcg import MemoryCgroup
@@ -144,10 +144,10 @@ def has_cap_sys_resource() -> bool:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another user")
 def test_lowering_oom_score_adj_without_privilege_is_refused_quietly():
-    code = ("from appliance.oom import set_oom_score_adj; "
+    code = ("from appliance.host.oom import set_oom_score_adj; "
             "print(set_oom_score_adj(-500), open('/proc/self/oom_score_adj').read().strip(), "
             "set_oom_score_adj(900), open('/proc/self/oom_score_adj').read().strip())")
-    result = run_as_nobody(code, "oom")
+    result = run_as_nobody(code, "host/oom")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", str(oom_score_adj(os.getpid())), "True", "900"]
 

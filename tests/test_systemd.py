@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from appliance.oom import WORKER_OOM_SCORE_ADJ
+from appliance.host.oom import WORKER_OOM_SCORE_ADJ
 from audio_samples import TRANSCRIPT, encoded, multipart
 from conftest import REPO, free_port, http
 from systemd_ns import SystemdNamespace, namespace_processes

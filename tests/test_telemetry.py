@@ -1,4 +1,4 @@
-"""appliance.telemetry readers for fdinfo, OpenVINO statistics, sysfs and RSS.
+"""appliance.host.telemetry readers for fdinfo, OpenVINO statistics, sysfs and RSS.
 
 Fake /proc and /sys trees are built under tmp_path from the recorded samples in
 tests/fixtures/gpu (see its README); a few tests read this machine's real /proc.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.telemetry import (
+from appliance.host.telemetry import (
     DrmClient,
     GpuInfo,
     device_memory_used,
@@ -195,7 +195,7 @@ def test_list_gpus_identifies_arc_cards(sys_root, caplog):
     (b580 / "tile0/physical_vram_size_bytes").write_text("12226592768\n")  # xe_tile_sysfs.c
     make_card(sys_root, 2, fixture("sysfs/virtio-gpu.uevent"))
     make_card(sys_root, 10, fixture("sysfs/intel-unknown-dg2-range.uevent"))
-    with caplog.at_level(logging.WARNING, logger="appliance.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="appliance.host.telemetry"):
         gpus = list_gpus(sys_root)
     assert gpus == [
         GpuInfo("card0", "0000:03:00.0", 0x8086, 0x56A0, "i915", "renderD128", "DG2", "DG2-G10", "Intel Arc A770",

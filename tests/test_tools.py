@@ -48,7 +48,7 @@ def app(demo_model, tmp_path_factory):
     models = [model_entry("demo", demo_model), model_entry("sdpa", demo_model, pipeline="stateful"),
               model_entry("notools", demo_model, tool_parser="none"),
               model_entry("r1", demo_model, chat_template=str(TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"))]
-    from appliance.demo_model import build_demo_model
+    from appliance.demo.catalog import build_demo_model
     varied = build_demo_model(tmp_path_factory.mktemp("models") / "varied", logit_scale=1.0)
     models.append(model_entry("varied", varied))
     models += [model_entry(name, demo_model, chat_template=str(TEMPLATES / template))

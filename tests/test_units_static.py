@@ -75,7 +75,7 @@ def test_socket_instance_with_its_port_dropin_verifies(tmp_path):
 
 def test_socket_backlog_matches_what_the_server_listens_with():
     """asyncio calls listen() again on the passed socket: the server must not shrink the unit's Backlog=."""
-    from appliance.listen import BACKLOG
+    from appliance.front.listen import BACKLOG
     for unit in SOCKET_UNITS:
         assert ("Socket", "Backlog", str(BACKLOG)) in unit_settings(UNITS_DIR / unit)
 

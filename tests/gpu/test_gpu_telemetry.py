@@ -12,8 +12,8 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from appliance.faults import classify_error
-from appliance.telemetry import (
+from appliance.host.faults import classify_error
+from appliance.host.telemetry import (
     BDF,
     INTEL_VENDOR_ID,
     device_memory_used,

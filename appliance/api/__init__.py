@@ -1,1 +1,0 @@
-"""The HTTP API, one module per route family; appliance.server assembles them into one aiohttp app."""

@@ -1,0 +1,275 @@
+"""POST /v1/audio/transcriptions and /v1/audio/translations, multipart/form-data as the OpenAI SDK sends it.
+
+Fields: `file` (wav, flac, mp3, ogg, webm, mp4/m4a), `model`, `language` (ISO code, or a name), `prompt`,
+`response_format` (json, text, srt, vtt, verbose_json), `temperature`, `timestamp_granularities[]` (segment,
+word; verbose_json only), `stream` (transcriptions, json and text: SSE transcript.text.delta / .done events).
+
+A request goes: upload read (at most the model's max_upload_bytes, else 413) -> decoded to 16 kHz mono in the
+decoder process (appliance.front.audio_decoder; at most max_audio_seconds, else 413; undecodable or empty: 400) ->
+samples handed to the model's worker in a spool file -> the worker's result shaped by appliance.front.api.transcripts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import http_exceptions, web
+
+from appliance.front.api.errors import ERROR_TYPES, InvalidRequest, error_body
+from appliance.front.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESPONSE_FORMATS, Transcript
+from appliance.front.audio_decoder import AudioDecoder, AudioError
+from appliance.front.request import Event, RequestFailed
+
+KIND = "transcription"
+MAX_FIELD_BYTES = 64 << 10  # any form field but the file (a prompt is 224 tokens at most for Whisper)
+MAX_FIELDS = 32
+GRANULARITIES = ("segment", "word")
+BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def add_routes(app: web.Application, appliance) -> None:
+    audio = AudioRoutes(appliance)
+    app.router.add_post("/v1/audio/transcriptions", audio.transcriptions)
+    app.router.add_post("/v1/audio/translations", audio.translations)
+    app.on_startup.append(audio.start)
+    app.on_cleanup.append(audio.close)
+
+
+@dataclass
+class Form:
+    fields: dict[str, str] = field(default_factory=dict)
+    granularities: list[str] = field(default_factory=list)
+    file: bytes | None = None
+
+
+@dataclass
+class AudioRequest:
+    model: str
+    task: str
+    file: bytes
+    response_format: str
+    language: str | None
+    prompt: str | None
+    temperature: float
+    words: bool
+    stream: bool
+
+    def body(self, audio_path: str) -> dict[str, Any]:
+        """The body of the worker's `request` frame (appliance.worker.engines.transcription)."""
+        return {"audio_path": audio_path, "task": self.task, "language": self.language, "prompt": self.prompt,
+                "temperature": self.temperature, "timestamps": self.response_format in ("srt", "vtt", "verbose_json"),
+                "words": self.words, "stream": self.stream}
+
+
+class AudioRoutes:
+    def __init__(self, appliance):
+        self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
+        self.decoder = AudioDecoder()
+        self.spool = tempfile.mkdtemp(prefix="openarc-audio-")
+        self.serial = 0
+
+    async def start(self, app: web.Application) -> None:
+        """Start the decoder with the server when it serves audio, so the first upload does not wait for it."""
+        if any(model.kind == KIND for model in self.appliance.config.models):
+            await self.decoder.start()
+
+    async def close(self, app: web.Application) -> None:
+        await self.decoder.close()
+        shutil.rmtree(self.spool, ignore_errors=True)
+
+    async def transcriptions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "transcribe", "audio/transcriptions")
+
+    async def translations(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "translate", "audio/translations")
+
+    async def _handle(self, request: web.Request, task: str, endpoint: str) -> web.StreamResponse:
+        started = time.monotonic()
+        model_label = ""
+        self.serial += 1
+        audio_path = os.path.join(self.spool, f"{self.serial}.f32")
+        try:
+            form = await read_form(request, self._upload_cap())
+            model_label = self.appliance.model_label(form.fields)
+            req = parse(form, task)
+            sup = await self.appliance.model_for(req.model, endpoint, (KIND,))
+            check_model_limits(req, sup.model)
+            try:
+                decoded = await self.decoder.decode(req.file, sup.model.max_audio_seconds, audio_path)
+            except AudioError as exc:
+                status = 413 if exc.kind == "too_long" else 400
+                raise RequestFailed(status, "invalid_request", str(exc), f"audio_{exc.kind}") from None
+            frame = {"kind": KIND, "body": req.body(audio_path)}
+            response = await (self._stream(request, sup, req, frame, decoded.seconds, endpoint) if req.stream
+                              else self._whole(sup, req, frame, decoded.seconds))
+        except (InvalidRequest, RequestFailed) as exc:
+            response = self.appliance.failed(model_label, endpoint, exc)
+        finally:
+            try:
+                os.unlink(audio_path)
+            except FileNotFoundError:
+                pass
+        metrics = self.appliance.metrics
+        metrics.requests.labels(model=model_label, endpoint=endpoint, status=str(response.status)).inc()
+        metrics.request_duration.labels(model=model_label, endpoint=endpoint).observe(time.monotonic() - started)
+        return response
+
+    def _upload_cap(self) -> int:
+        """The largest upload any transcription model takes (without one, the server's max_body_bytes, so a request
+        still learns that its model is of another kind): a bigger body is refused while it is read."""
+        return max((sup.model.max_upload_bytes for sup in self.appliance.supervisor.models.values()
+                    if sup.model.kind == KIND), default=self.appliance.config.server.max_body_bytes)
+
+    async def _whole(self, sup, req: AudioRequest, frame: dict[str, Any], seconds: float) -> web.Response:
+        handle = sup.open(frame, op="request")
+        try:
+            async for event in sup.events(handle):
+                if event.op == "result":
+                    transcript = Transcript.from_result(event.result, req.task, seconds, req.temperature)
+                    return transcript.response(req.response_format, req.words)
+        finally:
+            sup.close(handle)
+        raise AssertionError("event stream ended without a result")
+
+    async def _stream(self, request: web.Request, sup, req: AudioRequest, frame: dict[str, Any], seconds: float,
+                      endpoint: str) -> web.StreamResponse:
+        handle = sup.open(frame, op="request")
+        events = sup.events(handle)
+        try:
+            # Headers wait for the first event, so a request the worker refuses is still a plain 4xx.
+            event = await _next(events)
+            if isinstance(event, RequestFailed) and event.status < 500:
+                raise event
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   "X-Accel-Buffering": "no"})
+            await response.prepare(request)
+            while isinstance(event, Event) and event.op == "tokens":
+                await _send(response, {"type": "transcript.text.delta", "delta": event.text, "logprobs": None})
+                event = await _next(events)
+            if isinstance(event, RequestFailed):
+                self.appliance.count_error(req.model, endpoint, event.kind)
+                await _send(response, {"type": "error", **error_body(
+                    event.message, ERROR_TYPES.get(event.status, "server_error"), event.code, hint=event.hint)})
+            else:
+                transcript = Transcript.from_result(event.result, req.task, seconds, req.temperature)
+                await _send(response, {"type": "transcript.text.done", "text": transcript.text.strip(),
+                                       "logprobs": None, "usage": transcript.usage()})
+        finally:
+            sup.close(handle)
+        await response.write_eof()
+        return response
+
+
+async def read_form(request: web.Request, max_file_bytes: int) -> Form:
+    """The multipart form, the file held in memory up to `max_file_bytes` (413 past it)."""
+    if request.content_type != "multipart/form-data":
+        raise InvalidRequest("the request must be multipart/form-data with a 'file' part (as the OpenAI SDK sends it)")
+    form = Form()
+    try:
+        reader = await request.multipart()
+        count = 0
+        while (part := await reader.next()) is not None:
+            count += 1
+            if count > MAX_FIELDS:
+                raise InvalidRequest(f"the form has more than {MAX_FIELDS} fields")
+            if part.name == "file":
+                form.file = await _read_part(part, max_file_bytes, "file")
+            else:
+                value = (await _read_part(part, MAX_FIELD_BYTES, part.name or "")).decode("utf-8")
+                if part.name in ("timestamp_granularities[]", "timestamp_granularities"):
+                    form.granularities.append(value)
+                elif part.name:
+                    form.fields[part.name] = value
+    except InvalidRequest:
+        raise
+    except (ValueError, LookupError, http_exceptions.HttpProcessingError) as exc:  # (UnicodeDecodeError too)
+        raise InvalidRequest(f"the multipart form could not be read: {exc}") from None
+    return form
+
+
+async def _read_part(part, limit: int, name: str) -> bytes:
+    data = bytearray()
+    while chunk := await part.read_chunk(1 << 16):
+        data += chunk
+        if len(data) > limit:
+            raise RequestFailed(413, "invalid_request", f"the '{name}' part exceeds the limit of {limit} bytes",
+                                "upload_too_large")
+    return bytes(data)
+
+
+def parse(form: Form, task: str) -> AudioRequest:
+    fields = form.fields
+    model = fields.get("model")
+    if not model:
+        raise InvalidRequest("'model' is required", "model")
+    if form.file is None:
+        raise InvalidRequest("'file' is required: the audio to transcribe", "file")
+    if not form.file:
+        raise InvalidRequest("'file' is empty", "file", "audio_empty")
+    response_format = fields.get("response_format") or "json"
+    if response_format not in RESPONSE_FORMATS:
+        raise InvalidRequest(f"'response_format' must be one of {', '.join(RESPONSE_FORMATS)}", "response_format")
+    for granularity in form.granularities:
+        if granularity not in GRANULARITIES:
+            raise InvalidRequest("'timestamp_granularities' may hold 'segment' and 'word'", "timestamp_granularities")
+    stream = _boolean(fields, "stream") and task == "transcribe" and response_format in ("json", "text")
+    return AudioRequest(model=model, task=task, file=form.file, response_format=response_format,
+                        language=_language(fields.get("language")), prompt=fields.get("prompt") or None,
+                        temperature=_temperature(fields.get("temperature")),
+                        words=response_format == "verbose_json" and "word" in form.granularities, stream=stream)
+
+
+def check_model_limits(req: AudioRequest, model) -> None:
+    if len(req.file) > model.max_upload_bytes:
+        raise RequestFailed(413, "invalid_request", f"the file is {len(req.file)} bytes; the model '{model.name}' "
+                            f"takes at most max_upload_bytes={model.max_upload_bytes}", "upload_too_large")
+    if req.words and not model.word_timestamps:
+        raise InvalidRequest(f"word timestamps need the model '{model.name}' to be configured with "
+                             "word_timestamps: true", "timestamp_granularities")
+
+
+def _language(value: str | None) -> str | None:
+    if not value:
+        return None
+    code = value.strip().lower()
+    code = LANGUAGE_CODES.get(code, code)
+    if code not in LANGUAGE_NAMES:
+        raise InvalidRequest(f"'language' must be an ISO-639-1 code such as 'en' (got {value!r})", "language")
+    return code
+
+
+def _temperature(value: str | None) -> float:
+    if value is None or value == "":
+        return 0.0
+    try:
+        temperature = float(value)
+    except ValueError:
+        temperature = math.nan
+    if not 0.0 <= temperature <= 1.0:
+        raise InvalidRequest(f"'temperature' must be a number between 0 and 1 (got {value!r})", "temperature")
+    return temperature
+
+
+def _boolean(fields: dict[str, str], key: str) -> bool:
+    value = fields.get(key, "false").strip().lower()
+    if value not in BOOLEANS:
+        raise InvalidRequest(f"'{key}' must be true or false", key)
+    return BOOLEANS[value]
+
+
+async def _next(events) -> Event | RequestFailed:
+    try:
+        return await events.__anext__()
+    except RequestFailed as exc:
+        return exc
+
+
+async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")

@@ -1,0 +1,88 @@
+"""Checks of a request's JSON body and its single fields, shared by every route family's validation: each
+raises InvalidRequest (-> HTTP 400) naming the parameter."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from appliance.front.api.errors import InvalidRequest
+
+
+async def json_body(request: web.Request) -> Any:
+    try:
+        return await request.json(loads=json.loads)
+    except (ValueError, RecursionError, LookupError):  # bad JSON, too deep, too long a number, bad charset
+        raise InvalidRequest("the request body is not valid JSON") from None
+
+
+def model_name(body: Any) -> str:
+    """The body's `model`, checking first that the body is a JSON object."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required and must be a string", "model")
+    return model
+
+
+def number(body: dict, key: str, low: float, high: float, integer: bool = False) -> float | int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise InvalidRequest(f"'{key}' must be {'an integer' if integer else 'a number'}, got {value!r}", key)
+    if not low <= value <= high:
+        raise InvalidRequest(f"'{key}' must be between {low:g} and {high:g}, got {value!r}", key)
+    return value
+
+
+def flag(body: dict, key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{key}' must be true or false", key)
+    return value
+
+
+def utf8(text: str, where: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"'{where}' holds an unpaired UTF-16 surrogate (not valid Unicode text)", where) from None
+    return text
+
+
+def text(value: Any, where: str, empty: bool = False) -> str:
+    """A string field that must be valid Unicode (and non-empty unless `empty`)."""
+    if not isinstance(value, str) or (not empty and not value):
+        raise InvalidRequest(f"'{where}' must be a {'' if empty else 'non-empty '}string", where)
+    return utf8(value, where)
+
+
+MAX_JSON_DEPTH = 32  # schemas nest far less; genai's schema compile time grows steeply with depth (8 s at 300)
+
+
+def json_object(value: Any, where: str) -> dict:
+    """A JSON object, at most MAX_JSON_DEPTH deep, whose strings are valid Unicode throughout (it is serialised for
+    the worker and compiled by genai)."""
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"'{where}' must be a JSON object", where)
+    pending = [(value, 1)]  # iterative: a deep value must not exhaust Python's recursion limit here
+    while pending:
+        item, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(f"'{where}' nests deeper than {MAX_JSON_DEPTH} levels", where)
+        if isinstance(item, str):
+            utf8(item, where)
+        elif isinstance(item, dict):
+            for key in item:
+                utf8(key, where)
+            pending += [(child, depth + 1) for child in item.values()]
+        elif isinstance(item, list):
+            pending += [(child, depth + 1) for child in item]
+    return value

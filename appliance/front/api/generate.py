@@ -1,0 +1,219 @@
+"""The routes that generate text: POST /v1/chat/completions and /v1/completions.
+
+A request is validated (appliance.front.api.completions), handed to its model's supervisor, and whatever comes back
+(tokens, a finish, or a RequestFailed) becomes a JSON response or SSE chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from appliance.front.api.answer import AnswerParser
+from appliance.front.api.completions import GenerationRequest, ResponseShaper, parse_chat, parse_completion
+from appliance.front.api.errors import ERROR_TYPES, InvalidRequest, error_body
+from appliance.front.api.fields import json_body
+from appliance.front.api.tool_parsers import parser_for
+from appliance.front.request import Event, RequestFailed
+
+
+def add_routes(app: web.Application, appliance) -> None:
+    routes = GenerationRoutes(appliance)
+    app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_post("/v1/completions", routes.completions)
+
+
+class GenerationRoutes:
+    def __init__(self, appliance):
+        self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat/completions", parse_chat)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions", parse_completion)
+
+    async def _generate(self, request: web.Request, endpoint: str, parse) -> web.StreamResponse:
+        started = time.monotonic()
+        model_label, req = "", None
+        try:
+            body = await json_body(request)
+            model_label = self.appliance.model_label(body)
+            req = parse(body)
+            sup = await self.appliance.model_for(req.model, endpoint, ("llm",))
+            answers = [self._answer_parser(sup, req) for _ in range(req.n)]
+            if req.constraint:
+                self.appliance.metrics.structured_requests.labels(model=req.model, kind=req.constraint["kind"]).inc()
+            response = await (self._stream(request, sup, req, answers, endpoint) if req.stream
+                              else self._whole(sup, req, answers))
+        except InvalidRequest as exc:
+            response = self.appliance.failed(model_label, endpoint, exc)
+        except RequestFailed as exc:
+            # a constraint genai cannot compile names the request field it came from
+            param = req.constraint["param"] if exc.kind == "invalid_grammar" and req and req.constraint else None
+            response = self.appliance.failed(model_label, endpoint, exc, param=param)
+        self.appliance.metrics.requests.labels(model=model_label, endpoint=endpoint, status=str(response.status)).inc()
+        self.appliance.metrics.request_duration.labels(model=model_label, endpoint=endpoint).observe(time.monotonic() - started)
+        return response
+
+    @staticmethod
+    def _answer_parser(sup, req: GenerationRequest) -> AnswerParser | None:
+        """How this model's answers are split (reasoning, tool calls); None for text completions."""
+        if req.kind != "chat":
+            return None
+        formats = sup.formats or {}
+        tool_parser = formats.get("tool_parser")
+        if req.tools.active and sup.formats is not None and not tool_parser:
+            raise InvalidRequest(f"model '{req.model}' has no known tool-call format: set 'tool_parser' for it in "
+                                 f"the config (models[].tool_parser: hermes, qwen3_coder, llama3_json or mistral)",
+                                 "tools")
+        parser = parser_for(tool_parser, req.tools.schemas()) if req.tools.active else None
+        # A call the grammar shapes cannot turn out malformed: streamed, its arguments go out as they are written.
+        stream_arguments = req.stream and parser is not None and (req.constraint or {}).get("type") == "tool_calls"
+        return AnswerParser(bool(formats.get("reasoning_parser")), parser, stream_arguments)
+
+    def _finish_reason(self, req: GenerationRequest, answer: AnswerParser | None, event: Event) -> str:
+        if not (answer and answer.calls):
+            return event.finish_reason
+        whole = len(answer.calls) - 1 if answer.cut_short else len(answer.calls)  # a call cut off is none to run
+        if whole:
+            self.appliance.metrics.tool_calls.labels(model=req.model).inc(whole)
+        return event.finish_reason if answer.cut_short else "tool_calls"
+
+    @staticmethod
+    def _usage(shaper: ResponseShaper, done: list[Event]) -> dict[str, Any]:
+        """One usage for all choices: the prompt once (as OpenAI counts it), the completions summed."""
+        reasoning = [e.reasoning_tokens for e in done if e.reasoning_tokens is not None]
+        return shaper.usage(done[0].prompt_tokens, sum(e.completion_tokens for e in done),
+                            sum(reasoning) if reasoning else None)
+
+    @staticmethod
+    def _open(sup, req: GenerationRequest) -> list:
+        """One handle per choice; if one cannot be admitted (queue full), none is."""
+        handles = []
+        try:
+            for frame in req.frames():
+                handles.append(sup.open(frame))
+        except RequestFailed:
+            for handle in handles:
+                sup.close(handle)
+            raise
+        return handles
+
+    async def _whole(self, sup, req: GenerationRequest, answers: list[AnswerParser | None]) -> web.Response:
+        handles = self._open(sup, req)
+        collecting = [asyncio.create_task(self._collect(sup, handle, req)) for handle in handles]
+        try:
+            results = await asyncio.gather(*collecting)
+        finally:  # one choice failed (or the client left): the others stop too
+            for task in collecting:
+                task.cancel()
+            for handle in handles:
+                sup.close(handle)
+        shaper = ResponseShaper(req)
+        choices = []
+        for index, ((text, logprobs, done), answer) in enumerate(zip(results, answers)):
+            reply = answer.message(text) if answer else text
+            choices.append(shaper.choice(index, reply, self._finish_reason(req, answer, done), logprobs))
+        return web.json_response(shaper.whole(choices, self._usage(shaper, [done for _, _, done in results])))
+
+    @staticmethod
+    async def _collect(sup, handle, req: GenerationRequest) -> tuple[str, list | None, Event]:
+        """A choice's whole text, its logprobs if asked for, and its done event."""
+        texts: list[str] = []
+        logprobs: list | None = [] if req.params.get("logprobs") else None
+        async for event in sup.events(handle):
+            if event.op == "done":
+                return "".join(texts), logprobs, event
+            texts.append(event.text)
+            if logprobs is not None:
+                logprobs.extend(event.logprobs or ())
+        raise AssertionError("event stream ended without done")
+
+    async def _stream(self, request: web.Request, sup, req: GenerationRequest,
+                      answers: list[AnswerParser | None], endpoint: str) -> web.StreamResponse:
+        handles = self._open(sup, req)
+        shaper = ResponseShaper(req)
+        merged: asyncio.Queue = asyncio.Queue()  # (choice index, Event or RequestFailed) of every choice
+        pumps = [asyncio.create_task(self._pump(sup, handle, index, merged)) for index, handle in enumerate(handles)]
+        try:
+            # Headers wait for the first event, so a request the worker refuses (context too long, a schema that
+            # does not compile) is still a plain 400; once admitted, a failed generation is an SSE error event
+            # followed by [DONE].
+            index, event = await merged.get()
+            if isinstance(event, RequestFailed) and event.status == 400:
+                raise event
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   "X-Accel-Buffering": "no"})
+            await response.prepare(request)
+            if req.kind == "chat":
+                for choice in range(req.n):
+                    await self._send(response, shaper.chunk(first=True, index=choice))
+            done: list[Event] = []
+            while True:
+                if isinstance(event, RequestFailed):
+                    self.appliance.count_error(req.model, endpoint, event.kind)
+                    await self._send(response, error_body(event.message, ERROR_TYPES.get(event.status, "server_error"),
+                                                          event.code, hint=event.hint))
+                    break
+                answer = answers[index]
+                if event.op == "tokens":
+                    await self._send_text(response, shaper, answer, event.text, event.logprobs, index)
+                else:
+                    for delta in answer.finish() if answer else ():
+                        await self._send(response, shaper.chunk(delta, index=index))
+                    await self._send(response, shaper.chunk(finish_reason=self._finish_reason(req, answer, event),
+                                                            index=index))
+                    done.append(event)
+                    if len(done) == req.n:
+                        if req.include_usage:
+                            await self._send(response, shaper.usage_chunk(self._usage(shaper, done)))
+                        break
+                index, event = await merged.get()
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            for handle in handles:
+                sup.close(handle)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _pump(self, sup, handle, index: int, merged: asyncio.Queue) -> None:
+        """Move one choice's events into the merged queue until it is done or failed."""
+        events = sup.events(handle)
+        while True:
+            event = await self._next(events)
+            merged.put_nowait((index, event))
+            if isinstance(event, RequestFailed) or event.op == "done":
+                return
+
+    async def _send_text(self, response, shaper: ResponseShaper, answer: AnswerParser | None, text: str,
+                         logprobs: list | None, index: int = 0) -> None:
+        """One tokens event as chunks: a chat answer's deltas (the event's logprobs ride on the first), or a
+        completion's text."""
+        if answer is None:
+            if text or logprobs:
+                await self._send(response, shaper.chunk(text, logprobs=logprobs, index=index))
+            return
+        deltas = answer.feed(text)
+        if logprobs and not deltas:
+            deltas = [{}]
+        for i, delta in enumerate(deltas):
+            await self._send(response, shaper.chunk(delta, logprobs=logprobs if i == 0 else None, index=index))
+
+    @staticmethod
+    async def _next(events) -> Event | RequestFailed:
+        try:
+            return await events.__anext__()
+        except RequestFailed as exc:
+            return exc
+
+    @staticmethod
+    async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+        await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+

@@ -1,0 +1,348 @@
+"""Tool calls in a model's answer, per model family (`tool_parser:`), whole or streamed.
+
+The answer's text before the first call marker is content and streams as it comes. From the marker on, a call the
+model chose freely is held until it is complete and parses: a malformed call (a model writing one on its own)
+comes back as content, so the client sees what the model wrote, never half a call or a 500. A call whose shape
+the grammar enforces (required, named or strict tools, streamed) goes out as it is written instead: its name once
+the call's head is in, then its arguments fragment by fragment, as OpenAI streams them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.front.api.reasoning import partial_suffix
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON text, as OpenAI sends it
+
+    def message(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class MalformedCall(ValueError):
+    pass
+
+
+def _call_id(family: str) -> str:
+    if family == "mistral":  # Mistral's templates use exactly the last 9 characters of an id
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return "call_" + secrets.token_hex(12)
+
+
+def _call(family: str, obj: Any, arguments_key: str = "arguments") -> ToolCall:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise MalformedCall("a call is an object with a name")
+    arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments, strict=False)
+        except ValueError:
+            raise MalformedCall("arguments are not JSON") from None
+    if not isinstance(arguments, dict):
+        raise MalformedCall("arguments are an object")
+    return ToolCall(_call_id(family), obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _json_values(text: str) -> list[Any]:
+    """Consecutive JSON values separated by whitespace, ';' or ','. Control characters inside strings are
+    accepted (genai's JSON grammar lets a model write a raw tab there); the arguments are re-serialised anyway."""
+    decoder, values, at = json.JSONDecoder(strict=False), [], 0
+    while True:
+        while at < len(text) and text[at] in " \t\r\n;,":
+            at += 1
+        if at == len(text):
+            return values
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            raise MalformedCall("not JSON") from None
+        values.append(value)
+
+
+# The start of a JSON call object up to its arguments' key: `{"name": "NAME", ` (the name's inside in group 1).
+CALL_NAME = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
+
+
+class ToolCallParser:
+    """One family's format. `markers`: where a call section may begin; `at_start`: only at the answer's start."""
+
+    family = ""
+    markers: tuple[str, ...] = ()
+    end_marker: str | None = None  # where one call ends, when the format marks it (calls then stream one by one)
+    at_start = False
+    # JSON formats, for arguments streamed as written: a call's text up to its arguments object (the name in
+    # group 1, a JSON string's inside), and what follows that object up to the call's end.
+    call_head: re.Pattern | None = None
+    call_tail: re.Pattern | None = None
+
+    def __init__(self, schemas: dict[str, dict] | None = None):
+        self.schemas = schemas or {}
+
+    def section_start(self, text: str) -> int:
+        """Index of the first call marker in text, or -1."""
+        if self.at_start:
+            head = len(text) - len(text.lstrip())
+            return head if any(text[head:].startswith(m) for m in self.markers) else -1
+        hits = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+        return min(hits, default=-1)
+
+    def may_start(self, text: str) -> int:
+        """How many trailing characters could begin a marker (held back while streaming)."""
+        if self.at_start:
+            head = text.lstrip()
+            return len(text) if any(m.startswith(head) for m in self.markers) else 0
+        return max((partial_suffix(text, m) for m in self.markers), default=0)
+
+    def parse_section(self, section: str) -> tuple[list[ToolCall], str]:
+        """The calls of a section that starts at a marker, and the content written after them."""
+        raise NotImplementedError
+
+
+class HermesParser(ToolCallParser):
+    family = "hermes"
+    markers = ("<tool_call>",)
+    end_marker = "</tool_call>"
+    BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+    call_head = re.compile(r'\s*<tool_call>\s*' + CALL_NAME + r'"arguments"\s*:\s*')
+    call_tail = re.compile(r"\s*\}\s*</tool_call>")
+
+    def parse_section(self, section):
+        calls, rest, at = [], [], 0
+        for match in self.BLOCK.finditer(section):
+            rest.append(section[at:match.start()])
+            values = _json_values(match.group(1))
+            if len(values) != 1:
+                raise MalformedCall("one JSON object per <tool_call>")
+            calls.append(_call(self.family, values[0]))
+            at = match.end()
+        rest.append(section[at:])
+        return calls, "".join(rest).strip()
+
+
+class Qwen3CoderParser(ToolCallParser):
+    family = "qwen3_coder"
+    markers = ("<tool_call>",)
+    end_marker = "</tool_call>"
+    BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*(?:</tool_call>|$)", re.DOTALL)
+    PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    def parse_section(self, section):
+        calls, rest, at = [], [], 0
+        for match in self.BLOCK.finditer(section):
+            if section[at:match.start()].strip():
+                rest.append(section[at:match.start()])
+            name = match.group(1).strip()
+            properties = (self.schemas.get(name) or {}).get("properties") or {}
+            # Whitespace around a value is layout (genai's QwenXMLParametersFormat writes some), not data.
+            arguments = {p.strip(): self._value(v.strip(), properties.get(p.strip()))
+                         for p, v in self.PARAMETER.findall(match.group(2))}
+            calls.append(_call(self.family, {"name": name, "arguments": arguments}))
+            at = match.end()
+        if not calls:
+            raise MalformedCall("no <function=...> block")
+        rest.append(section[at:])
+        return calls, "".join(rest).strip()
+
+    @staticmethod
+    def _value(text: str, schema: Any) -> Any:
+        """Parameter values are bare text: strings stay text, other types are read as JSON where they parse."""
+        if isinstance(schema, dict) and schema.get("type") == "string":
+            return text
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+
+class Llama3JsonParser(ToolCallParser):
+    family = "llama3_json"
+    markers = ("<|python_tag|>", "{")
+    at_start = True
+    call_head = re.compile(r'[\s;]*(?:<\|python_tag\|>)?\s*' + CALL_NAME + r'"parameters"\s*:\s*')
+    call_tail = re.compile(r"\s*\}")
+
+    def parse_section(self, section):
+        body = section.strip().removeprefix("<|python_tag|>")
+        values = _json_values(body)
+        if not values:
+            raise MalformedCall("no call")
+        return [_call(self.family, v, "parameters") for v in values], ""
+
+
+class MistralParser(ToolCallParser):
+    family = "mistral"
+    markers = ("[TOOL_CALLS]",)
+    call_head = re.compile(r'\s*\[TOOL_CALLS\]\s*\[\s*' + CALL_NAME + r'"arguments"\s*:\s*')
+    call_tail = re.compile(r"\s*\}\s*\]")
+
+    def section_start(self, text):
+        start = super().section_start(text)
+        if start < 0 and text.lstrip().startswith('[{"name"'):  # the special token itself may be decoded away
+            return len(text) - len(text.lstrip())
+        return start
+
+    def parse_section(self, section):
+        calls = []
+        for block in section.split("[TOOL_CALLS]"):
+            for value in _json_values(block):
+                for obj in value if isinstance(value, list) else [value]:
+                    calls.append(_call(self.family, obj))
+        if not calls:
+            raise MalformedCall("no call")
+        return calls, ""
+
+
+PARSERS = {cls.family: cls for cls in (HermesParser, Qwen3CoderParser, Llama3JsonParser, MistralParser)}
+
+
+def parser_for(family: str, schemas: dict[str, dict] | None = None) -> ToolCallParser:
+    return PARSERS[family](schemas)
+
+
+class JsonObjectEnd:
+    """Finds where a JSON object that arrives in pieces ends: braces counted outside strings."""
+
+    def __init__(self):
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def feed(self, text: str) -> int | None:
+        """The index in text just past the object's closing brace, or None while it goes on."""
+        for at, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char == "{":
+                self.depth += 1
+            elif char == "}":
+                self.depth -= 1
+                if self.depth == 0:
+                    return at + 1
+        return None
+
+
+class ToolCallSplitter:
+    """feed() pieces of an answer's content, then finish(). Content streams until a call marker. From there, in a
+    format whose calls have an end marker, each call goes out as soon as it is complete; the rest of the section
+    is parsed when the answer ends. Returns ("content", text) and ("call", ToolCall) pieces; .calls has them all.
+
+    With stream_arguments (the grammar guarantees the calls' shape) a JSON format's calls go out as written
+    instead: ("call_start", ToolCall) once its head is in, then ("arguments", (ToolCall, text)) pieces."""
+
+    def __init__(self, parser: ToolCallParser, stream_arguments: bool = False):
+        self.parser = parser
+        self.held = ""
+        self.seen = ""        # content already released (an at_start marker must be at the answer's start)
+        self.in_section = False
+        self.broken = False   # a call that does not parse: the rest of the section is content
+        self.calls: list[ToolCall] = []
+        self.stream_arguments = stream_arguments and parser.call_head is not None
+        self.writing: tuple[ToolCall, JsonObjectEnd] | None = None  # the streamed call whose arguments go on
+        self.closing: ToolCall | None = None  # a streamed call whose arguments ended, waiting for its tail
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        self.held += text
+        if self.in_section:
+            return self._complete_calls()
+        start = self.parser.section_start(self.held) if not (self.parser.at_start and self.seen.strip()) else -1
+        if start >= 0:
+            self.in_section = True
+            released, self.held = self.held[:start], self.held[start:]
+        else:
+            keep = self.parser.may_start(self.held) if not (self.parser.at_start and self.seen.strip()) else 0
+            released, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        self.seen += released
+        return ([("content", released)] if released else []) + (self._complete_calls() if self.in_section else [])
+
+    def _complete_calls(self) -> list[tuple[str, Any]]:
+        """The calls whose end marker has arrived, parsed one by one off the front of the section."""
+        if self.stream_arguments:
+            return self._calls_as_written()
+        out: list[tuple[str, Any]] = []
+        end_marker = self.parser.end_marker
+        while end_marker and not self.broken:
+            block = self.held.lstrip()
+            if not block.startswith(self.parser.markers) or end_marker not in block:
+                break
+            end = block.index(end_marker) + len(end_marker)
+            try:
+                calls, after = self.parser.parse_section(block[:end])
+            except MalformedCall:
+                self.broken = True
+                break
+            self.held = after + block[end:]
+            out += self._add(calls)
+        return out
+
+    def _calls_as_written(self) -> list[tuple[str, Any]]:
+        """Heads, argument fragments and tails off the front of the held text, as far as it goes."""
+        out: list[tuple[str, Any]] = []
+        while self.held and not self.broken:
+            if self.writing:
+                call, object_end = self.writing
+                end = object_end.feed(self.held)
+                fragment, self.held = (self.held, "") if end is None else (self.held[:end], self.held[end:])
+                call.arguments += fragment
+                out.append(("arguments", (call, fragment)))
+                if end is None:
+                    break
+                self.writing, self.closing = None, call
+            elif self.closing:
+                tail = self.parser.call_tail.match(self.held)
+                if not tail:
+                    break  # more to come (the grammar writes the tail whole, unless the answer is cut short)
+                self.held, self.closing = self.held[tail.end():], None
+            else:
+                head = self.parser.call_head.match(self.held)
+                if not head or head.end() == len(self.held):  # the arguments' first character decides
+                    break
+                if self.held[head.end()] != "{":
+                    self.broken = True  # not the shape the grammar writes: the rest is content
+                    break
+                call = ToolCall(_call_id(self.parser.family), json.loads(f'"{head[1]}"'), "")
+                self.held = self.held[head.end():]
+                self.writing = (call, JsonObjectEnd())
+                out += [("call_start", call)]
+                self.calls.append(call)
+        return out
+
+    @property
+    def cut_short(self) -> bool:
+        """After finish(): the answer ended inside a streamed call's arguments (max_tokens), so that call is not
+        whole."""
+        return self.writing is not None
+
+    def _add(self, calls: list[ToolCall]) -> list[tuple[str, Any]]:
+        self.calls += calls
+        return [("call", call) for call in calls]
+
+    def finish(self) -> list[tuple[str, Any]]:
+        if self.writing or self.closing:  # cut short inside a streamed call or its tail: what was sent stays
+            self.held = ""
+        held, self.held = self.held, ""
+        if not self.in_section or self.broken:
+            return [("content", held)] if held else []
+        if not held.strip():
+            return []
+        try:
+            calls, after = self.parser.parse_section(held)
+        except MalformedCall:
+            return [("content", held)]
+        return self._add(calls) + ([("content", after)] if after else [])

@@ -1,0 +1,113 @@
+"""Every Prometheus metric the appliance exports, in one registry owned by the front.
+
+Workers do not write metrics: they send figures over their channel and the front records them here, so there is
+no multiprocess directory and a crashed worker cannot leave a half-written file behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from appliance.front.lifecycle import ModelState
+
+MODEL_STATES = tuple(state.value for state in ModelState)
+
+
+@dataclass
+class ModelMetrics:
+    """One model's series, labelled once: labels() is a locked dict lookup, too dear on every token."""
+
+    worker_restarts: Any
+    worker_rss: Any
+    requests_running: Any
+    requests_waiting: Any
+    prompt_tokens: Any
+    generation_tokens: Any
+    ttft: Any
+    itl: Any
+    queue_time: Any
+    model_load: Any
+    kv_cache_usage: Any
+    embedding_inputs: Any
+    audio_seconds: Any
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model_kinds: dict[str, str] = {}
+        self.requests = Counter("openarc_requests", "HTTP requests answered, by final status code",
+                                ["model", "endpoint", "status"], registry=r)
+        self.request_errors = Counter("openarc_request_errors", "Requests that ended in an error, by kind",
+                                      ["model", "kind", "endpoint"], registry=r)
+        self.tool_calls = Counter("openarc_tool_calls", "Tool calls returned to clients", ["model"], registry=r)
+        self.structured_requests = Counter("openarc_structured_requests",
+                                           "Requests whose output was constrained, by constraint kind",
+                                           ["model", "kind"], registry=r)
+        self.worker_crashes = Counter("openarc_worker_crashes", "Worker processes that died unexpectedly, by signal "
+                                      "or exit status and why (crash, worker_error, device_lost, oom_kill)",
+                                      ["model", "signal", "reason"], registry=r)
+        self.worker_exits = Counter("openarc_worker_exits", "Worker lives that ended, by why (appliance.front.lifecycle."
+                                    "ExitReason: crash, stall, spawn_error, load_timeout, stopped, ...)",
+                                    ["model", "reason"], registry=r)
+        self.worker_restarts = Counter("openarc_worker_restarts", "Worker processes started after the first",
+                                       ["model"], registry=r)
+        self.worker_up = Gauge("openarc_worker_up", "1 while the model's worker is ready", ["model"], registry=r)
+        # Always 1: joins any per-model series to the model's kind (`* on (model) group_left (kind)`).
+        self.model_info = Gauge("openarc_model_info", "The model's worker kind (llm, embedding, rerank, transcription)",
+                                ["model", "kind"], registry=r)
+        self.model_state = Gauge("openarc_model_state", "1 for the model's current state", ["model", "state"], registry=r)
+        self.gpu_resets = Counter("openarc_gpu_resets", "GPU hangs and resets seen in the kernel log",
+                                  ["device"], registry=r)
+        self.device_memory_used = Gauge("openarc_device_memory_used_bytes", "Device (VRAM) memory used by workers",
+                                        ["device"], registry=r)
+        self.device_memory_total = Gauge("openarc_device_memory_total_bytes", "Device (VRAM) memory size",
+                                         ["device"], registry=r)
+        self.worker_rss = Gauge("openarc_worker_resident_memory_bytes", "Host RAM resident in the model's worker",
+                                ["model"], registry=r)
+        self.requests_running = Gauge("openarc_requests_running", "Requests generating in the worker", ["model"], registry=r)
+        self.requests_waiting = Gauge("openarc_requests_waiting", "Requests queued in the front, or waiting for the model to be ready", ["model"], registry=r)
+        self.prompt_tokens = Counter("openarc_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.generation_tokens = Counter("openarc_generation_tokens", "Tokens generated", ["model"], registry=r)
+        self.ttft = Histogram("openarc_time_to_first_token_seconds", "Time from request to its first token", ["model"],
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.itl = Histogram("openarc_inter_token_latency_seconds", "Time between tokens of one request", ["model"],
+                             buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5), registry=r)
+        self.request_duration = Histogram("openarc_request_duration_seconds", "Time to answer a request",
+                                          ["model", "endpoint"],
+                                          buckets=(.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
+        self.queue_time = Histogram("openarc_queue_time_seconds", "Time a request waited before reaching the worker",
+                                    ["model"], buckets=(.001, .005, .01, .05, .1, .5, 1, 5, 10, 30, 60), registry=r)
+        self.kv_cache_usage = Gauge("openarc_kv_cache_usage_ratio",
+                                    "Share of the model's KV-cache blocks in use by running requests, 0 to 1",
+                                    ["model"], registry=r)
+        self.model_load = Histogram("openarc_model_load_seconds", "Time to load a model in its worker", ["model"],
+                                    buckets=(.1, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200), registry=r)
+        self.embedding_inputs = Counter("openarc_embedding_inputs", "Texts embedded (inputs of /v1/embeddings)",
+                                        ["model"], registry=r)
+        self.audio_seconds = Counter("openarc_audio_seconds", "Seconds of audio transcribed or translated",
+                                     ["model"], registry=r)
+        self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",
+                                    registry=r)
+
+    def for_model(self, model: str, kind: str = "llm") -> ModelMetrics:
+        """The model's series, created at zero so dashboards and rate() see the model before its first event."""
+        self.set_state(model, "stopped")
+        previous = self.model_kinds.get(model)
+        if previous not in (None, kind):  # a reload changed the model's kind
+            self.model_info.remove(model, previous)
+        self.model_kinds[model] = kind
+        self.model_info.labels(model=model, kind=kind).set(1)
+        return ModelMetrics(**{name: getattr(self, name).labels(model=model) for name in ModelMetrics.__annotations__})
+
+    def set_state(self, model: str, state: str) -> None:
+        for name in MODEL_STATES:
+            self.model_state.labels(model=model, state=name).set(1 if name == state else 0)
+        self.worker_up.labels(model=model).set(1 if state == "ready" else 0)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,297 @@
+"""The aiohttp front: the app, health and status, metrics, and the process lifecycle.
+
+The front never imports OpenVINO. Each API route family lives in appliance.front.api and hands requests to a model's
+supervisor. Lifecycle follows aiohttp's web_runner: setup, start, serve until SIGTERM/SIGINT, drain, cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import os
+import signal
+import time
+from typing import Any, Callable
+
+from aiohttp import web
+
+from appliance import __version__
+from appliance.front import listen
+from appliance.host import oom, telemetry
+from appliance.front.api import audio, embeddings, generate, rerank
+from appliance.front.api.errors import InvalidRequest, error_response
+from appliance.config import Config, ConfigError
+from appliance.front.lifecycle import ModelState
+from appliance.front.metrics import Metrics
+from appliance.host.notify import LoopHealth, Notifier, watchdog_loop
+from appliance.front.request import RequestFailed
+from appliance.front.supervisor import Supervisor
+
+log = logging.getLogger("openarc.server")
+
+OPEN_ROUTES = {"/health", "/ready"}
+KMSG_POLL_INTERVAL_S = 1.0
+# Test knob: read kernel log records from this file or FIFO instead of /dev/kmsg. Never set in production.
+KMSG_PATH_ENV = "OPENARC_DEBUG_KMSG_PATH"
+LOAD_EXTEND_EVERY_S = 20.0  # well inside notify.LOAD_EXTEND_USEC
+
+
+
+class Appliance:
+    """The front process's state: config, supervisor, metrics and notifier, and the HTTP handlers."""
+
+    def __init__(self, config: Config, reload_config: Callable[[], Config] | None = None):
+        self.config = config
+        self.reload_config = reload_config  # reads the config again on SIGHUP (None: reload not supported)
+        self.reloading = asyncio.Lock()
+        self.metrics = Metrics()
+        # GPU resets and OOM kills, for the metrics and for classifying a worker's failure
+        self.kernel_log = telemetry.KernelLog(os.environ.get(KMSG_PATH_ENV, "/dev/kmsg"), on_reset=self.on_gpu_reset)
+        self.supervisor = Supervisor(config, self.metrics, self.kernel_log)
+        self.notifier = Notifier()
+        self.loop_health = LoopHealth(self.metrics.event_loop_lag.set)
+        self.api_key = config.api_key()
+        self.draining = False
+        self.started = time.time()
+        self.background: list[asyncio.Task] = []
+        self.sites: list[web.BaseSite] = []
+
+    # --- app -----------------------------------------------------------------------------------------
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.server.max_body_bytes,
+                              middlewares=[self.errors_middleware, self.auth_middleware])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_route)
+        app.router.add_get("/openarc/status", self.status)
+        app.router.add_get("/v1/models", self.list_models)
+        generate.add_routes(app, self)
+        embeddings.add_routes(app, self)
+        rerank.add_routes(app, self)
+        audio.add_routes(app, self)
+        return app
+
+    @web.middleware
+    async def errors_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every error leaves as an OpenAI error body; no traceback ever reaches a client."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            message = {404: f"no route {request.method} {request.path}",
+                       405: f"method {request.method} is not allowed on {request.path}",
+                       413: f"request body exceeds the limit of {self.config.server.max_body_bytes} bytes"}
+            return error_response(exc.status, message.get(exc.status, exc.reason), code=exc.reason.lower().replace(" ", "_"))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return error_response(500, "internal server error", code="internal_error")
+
+    @web.middleware
+    async def auth_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        if self.api_key and not self._open_route(request.path):
+            presented = request.headers.get("Authorization", "")
+            # Constant-time compare; the presented key is never logged.
+            if not hmac.compare_digest(presented.encode(), f"Bearer {self.api_key}".encode()):
+                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", "invalid_api_key")
+        return await handler(request)
+
+    def _open_route(self, path: str) -> bool:
+        return path in OPEN_ROUTES or (path == "/metrics" and not self.config.server.metrics_require_key)
+
+    # --- health, status, metrics -----------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        """Liveness, meaning what the systemd watchdog means: 503 once this service can no longer serve (every
+        model failed, a supervising task dead, the event loop wedged), so a kubelet or podman restarts it as
+        systemd would; a worker that crashes and restarts is the front's business and keeps it 200."""
+        reason = self.unhealthy_reason()
+        if reason:
+            return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        ready = self.supervisor.all_ready() and not self.draining
+        models = {name: m.state.value for name, m in self.supervisor.models.items()}
+        return web.json_response({"ready": ready, "draining": self.draining, "models": models},
+                                 status=200 if ready else 503)
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
+                                  "draining": self.draining,
+                                  "models": [m.status() for m in self.supervisor.models.values()]})
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [{"id": name, "object": "model", "created": int(self.started), "owned_by": "openarc",
+                 "kind": sup.model.kind} for name, sup in self.supervisor.models.items()]
+        return web.json_response({"object": "list", "data": data})
+
+    # --- shared by the route families -----------------------------------------------------------------
+
+    def model_label(self, body: Any) -> str:
+        """The metrics label of a request: a configured model's name, else "" (client input never mints labels)."""
+        model = body.get("model") if isinstance(body, dict) else None
+        return model if isinstance(model, str) and model in self.supervisor.models else ""
+
+    async def model_for(self, name: str, endpoint: str, kinds: tuple[str, ...]):
+        """The supervisor of the model a request names, if it exists, is of a kind the route serves, and the
+        server is not draining, once the model is ready (Supervisor.ready_model waits out a load, a restart or a
+        replacement, up to the model's ready_wait_s); else the RequestFailed the client gets."""
+        sup = self.supervisor.get(name)
+        if sup is None:
+            raise self._not_found(name)
+        if sup.model.kind not in kinds:
+            raise RequestFailed(400, "invalid_request", f"the model '{name}' is of kind {sup.model.kind}; /v1/{endpoint} "
+                                                        f"needs a model of kind {' or '.join(kinds)}", "wrong_model_kind")
+        if self.draining:
+            raise RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)
+        ready = await self.supervisor.ready_model(name)
+        if ready is None:  # removed by a reload while the request waited
+            raise self._not_found(name)
+        return ready
+
+    def _not_found(self, name: str) -> RequestFailed:
+        return RequestFailed(404, "model_not_found", f"the model '{name}' does not exist "
+                                                     f"(have: {', '.join(self.supervisor.models)})")
+
+    def failed(self, model: str, endpoint: str, exc: RequestFailed | InvalidRequest,
+               param: str | None = None) -> web.Response:
+        """The error response of a request refused by its route (InvalidRequest: a 400 naming the parameter) or
+        failed on its way through a model (RequestFailed, naming `param` if given), counted."""
+        if isinstance(exc, InvalidRequest):
+            exc, param = RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"), exc.param
+        self.count_error(model, endpoint, exc.kind)
+        return error_response(exc.status, exc.message, exc.code, param, exc.hint, exc.retry_after)
+
+    def count_error(self, model: str, endpoint: str, kind: str) -> None:
+        kind = {"model_not_found": "invalid_request", "context_length_exceeded": "invalid_request"}.get(kind, kind)
+        self.metrics.request_errors.labels(model=model, kind=kind, endpoint=endpoint).inc()
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+
+    def status_line(self) -> str:
+        parts = []
+        for m in self.supervisor.models.values():
+            part = f"{m.name}: {m.state.value}"
+            if m.restarts:
+                part += f", {m.restarts} restarts"
+            if m.state is not ModelState.READY and m.last_error:
+                part += f", last error: {m.last_error[:120]}"
+            parts.append(part)
+        return ("draining; " if self.draining else "") + "; ".join(parts)
+
+    def trigger_reason(self) -> str | None:
+        if self.supervisor.all_failed():
+            return "every model of this service is failed: " + self.status_line()
+        return None
+
+    def healthy(self) -> bool:
+        """The watchdog pings while this holds; /health fails on its reason, and on a trigger_reason() too."""
+        return self._broken() is None
+
+    def unhealthy_reason(self) -> str | None:
+        return self._broken() or self.trigger_reason()
+
+    def _broken(self) -> str | None:
+        if not self.loop_health.healthy():
+            return f"the event loop runs {self.loop_health.lag:.1f} s late"
+        if not self.supervisor.healthy():
+            return "a model's supervising task died (see the log)"
+        return None
+
+    def on_gpu_reset(self, event: telemetry.GpuEvent) -> None:
+        log.error("GPU %s on %s: %s", event.kind, event.bdf or "?", event.text)
+        self.metrics.gpu_resets.labels(device=event.bdf or "unknown").inc()
+
+    async def watch_kernel_log(self) -> None:
+        while True:
+            self.kernel_log.update()
+            await asyncio.sleep(KMSG_POLL_INTERVAL_S)
+
+    async def await_first_loads(self) -> None:
+        """Until every model has loaded (or failed), keep systemd's start timeout from firing."""
+        last_extend = 0.0
+        while not self.supervisor.settled():
+            if time.monotonic() - last_extend > LOAD_EXTEND_EVERY_S:
+                self.notifier.extend_start_timeout()
+                last_extend = time.monotonic()
+            self.notifier.status("loading: " + self.status_line())
+            await self.supervisor.changes.wait(LOAD_EXTEND_EVERY_S)
+
+    async def serve(self, host: str, port: int, also_bind: bool = False) -> int:
+        """Serve until SIGTERM/SIGINT; the exit status: 0 after a clean stop, 1 if no model could load at all.
+
+        Listens on the sockets systemd passed, else on host:port (on both with also_bind: listen.start_sites)."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: self.background.append(asyncio.create_task(self.reload())))
+        runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        self.sites = await listen.start_sites(runner, host, port, also_bind)
+        oom.set_oom_score_adj(oom.FRONT_OOM_SCORE_ADJ)  # before the workers: they raise theirs from here
+        self.supervisor.start()
+        self.background = [asyncio.create_task(c) for c in (
+            self.loop_health.run(),
+            watchdog_loop(self.notifier, self.healthy, self.trigger_reason, self.status_line),
+            self.watch_kernel_log())]
+        loads = asyncio.create_task(self.await_first_loads())
+        await asyncio.wait([loads, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        status = 0
+        if stop.is_set():
+            loads.cancel()
+        elif self.supervisor.all_failed():
+            # Not READY: the start fails, and the journal says why, instead of a "running" unit that serves nothing.
+            log.error("no model could be loaded: %s", self.status_line())
+            status = 1
+        else:
+            self.notifier.ready(self.status_line())
+            log.info("ready: %s", self.status_line())
+            await stop.wait()
+        await self.shutdown(runner)
+        return status
+
+    async def reload(self) -> None:
+        """SIGHUP: read the config again and apply it model by model; an invalid file changes nothing."""
+        if self.reload_config is None or self.draining:
+            return
+        async with self.reloading:
+            self.notifier.reloading()
+            try:
+                config = await asyncio.get_running_loop().run_in_executor(None, self.reload_config)
+            except ConfigError as exc:
+                log.error("reload refused, still serving the previous config: %s", exc)
+            else:
+                if (config.server.host, config.server.port) != (self.config.server.host, self.config.server.port):
+                    log.warning("reload: a new listen address takes a restart; keeping %s:%d",
+                                self.config.server.host, self.config.server.port)
+                self.api_key = config.api_key()
+                changed = await self.supervisor.apply(config)
+                self.config = dataclasses.replace(config, server=dataclasses.replace(
+                    config.server, host=self.config.server.host, port=self.config.server.port))
+                log.info("reloaded %s: %s", config.source, ", ".join(changed) + " (re)started" if changed else "no model changed")
+            self.notifier.ready(self.status_line())
+
+    async def shutdown(self, runner: web.AppRunner) -> None:
+        log.info("stopping: draining requests for up to %gs", self.config.server.drain_timeout_s)
+        self.draining = True
+        self.notifier.stopping()
+        # Socket activation: new connections wait in systemd's socket for the next start instead of getting 503.
+        for site in listen.activated(self.sites):
+            await site.stop()
+        await self.supervisor.stop(self.config.server.drain_timeout_s)
+        for task in self.background:
+            task.cancel()
+        await runner.cleanup()
+        self.kernel_log.close()
+        log.info("stopped")

@@ -1,0 +1,3 @@
+from appliance.worker.main import main
+
+main()

@@ -1,0 +1,27 @@
+"""Worker kinds: one engine class per kind of pipeline, all run by appliance.worker the same way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from appliance.worker.engines.base import Engine
+
+
+def load_engine(spec: dict[str, Any], channel) -> Engine:
+    """Build the engine of a worker's spec (by its model's kind); loading the pipeline happens here, in the
+    engine's constructor. Each kind's module is imported only by the workers of that kind."""
+    kind = spec.get("kind", "llm")
+    if kind == "embedding":
+        from appliance.worker.engines.embedding import EmbeddingEngine
+        return EmbeddingEngine(spec, channel)
+    if kind == "rerank":
+        from appliance.worker.engines.rerank import RerankEngine
+        return RerankEngine(spec, channel)
+    if kind == "transcription":
+        from appliance.worker.engines.transcription import TranscriptionEngine
+        return TranscriptionEngine(spec, channel)
+    if kind != "llm":
+        raise ValueError(f"this openarc has no worker for kind {kind!r}")
+    from appliance.worker.engines.llm import BatchingEngine, SequentialEngine
+    engine_cls = SequentialEngine if spec["pipeline"] == "stateful" else BatchingEngine
+    return engine_cls(spec, channel)

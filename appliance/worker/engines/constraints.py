@@ -1,0 +1,180 @@
+"""Constrained decoding in the worker: the front's constraint (appliance.front.api.structured / appliance.front.api.tools)
+as an openvino_genai.StructuredOutputConfig, and a probe that compiles it before the request joins a batch.
+
+Why the probe: ContinuousBatchingPipeline compiles a request's grammar inside step(), and a grammar that does not
+compile makes step() raise for the whole batch and leaves the scheduler broken for good ("cannot be called when we
+are already in scheduling phase" on every later step). So each new constraint is first compiled by a stateful
+LLMPipeline over a one-operation model sharing this worker's tokenizer (built in memory in milliseconds); genai is
+the judge of what genai can compile, and a failure there is a 400 for that request alone. Constraints that
+compiled once are remembered, so an agent resending the same tools pays the probe once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from typing import Any
+
+from appliance.chat_formats import THINK_CLOSE, THINK_OPEN
+
+log = logging.getLogger("openarc.worker")
+
+PROBE_CACHE_SIZE = 256
+PROBE_FALLBACK_VOCAB = 1 << 18  # wider than any tokenizer's vocabulary (genai pads a shorter one)
+# genai's errors start with the C++ source location of the check that failed: keep what follows it.
+SOURCE_LOCATION = re.compile(r"^.*?\.(?:cc|cpp|hpp|h):\d+:\s*")
+
+
+class InvalidGrammar(ValueError):
+    """A constraint genai cannot compile; the message says why (for the 400 body)."""
+
+
+# How each tool-call format (appliance.chat_formats) writes one call: (begin, end) around the arguments, the
+# trigger that starts a call, the separator between calls, and whether the arguments are JSON (or Qwen's XML).
+TOOL_CALL_TAGS = {
+    "hermes": ('<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>", "<tool_call>", "\n", "json"),
+    "qwen3_coder": ("<tool_call>\n<function={name}>\n", "</function>\n</tool_call>", "<tool_call>", "\n", "xml"),
+    "llama3_json": ('{{"name": "{name}", "parameters": ', "}", '{"name": ', "; ", "json"),
+    "mistral": ('[TOOL_CALLS][{{"name": "{name}", "arguments": ', "}]", "[TOOL_CALLS]", "", "json"),
+}
+
+
+def structured_output_config(constraint: dict[str, Any], tool_parser: str | None):
+    """The genai StructuredOutputConfig of a constraint frame."""
+    import openvino_genai
+    config = openvino_genai.StructuredOutputConfig
+    kind = constraint["type"]
+    if kind == "json_schema":
+        return config(json_schema=constraint["schema"])
+    if kind == "regex":
+        return config(regex=constraint["regex"])
+    if kind == "grammar":
+        return config(grammar=constraint["grammar"])
+    if kind == "tool_calls":
+        return config(structural_tags_config=_tool_call_tags(constraint, tool_parser))
+    raise InvalidGrammar(f"unknown constraint type {kind!r}")
+
+
+def after_reasoning(constraint: dict[str, Any], tool_parser: str | None, opened: bool):
+    """The constraint applied after a think block the model writes freely (opened by the template already, or
+    by the model): reasoning models are trained to think before they answer or call a tool, and a JSON grammar
+    from the first token would forbid it."""
+    import openvino_genai
+    config = openvino_genai.StructuredOutputConfig
+    kind = constraint["type"]
+    answer = {"json_schema": lambda: config.JSONSchema(constraint["schema"]),
+              "regex": lambda: config.Regex(constraint.get("regex", "")),
+              "grammar": lambda: config.EBNF(constraint.get("grammar", "")),
+              "tool_calls": lambda: _tool_call_tags(constraint, tool_parser)}[kind]()
+    think = config.Tag("" if opened else THINK_OPEN, config.AnyText(), THINK_CLOSE)
+    return config(structural_tags_config=config.Concat(think, config.Regex(r"\s*"), answer))
+
+
+def _tool_call_tags(constraint: dict[str, Any], tool_parser: str | None):
+    """Structural tags for tool calls in the model's own format: `required` allows nothing but calls (at least
+    one); otherwise free text until the model writes the trigger, then a call whose arguments match the schema."""
+    import openvino_genai
+    config = openvino_genai.StructuredOutputConfig
+    if tool_parser not in TOOL_CALL_TAGS:
+        raise InvalidGrammar(f"no tool-call format to constrain (tool_parser: {tool_parser})")
+    begin, end, trigger, separator, arguments = TOOL_CALL_TAGS[tool_parser]
+    content = config.QwenXMLParametersFormat if arguments == "xml" else config.JSONSchema
+    tags = [config.Tag(begin.format(name=tool["name"]), content(tool["parameters"]), end)
+            for tool in constraint["tools"]]
+    single = constraint["single"] or tool_parser == "llama3_json"  # Llama 3 templates refuse a second call
+    if constraint["required"]:
+        return config.TagsWithSeparator(tags, separator or "\n", at_least_one=True, stop_after_first=single)
+    return config.TriggeredTags([trigger], tags, at_least_one=False, stop_after_first=single)
+
+
+def genai_message(exc: BaseException) -> str:
+    """genai's message without the C++ source locations it starts its lines with."""
+    lines = [SOURCE_LOCATION.sub("", line).strip() for line in str(exc).splitlines()]
+    return " ".join(line for line in lines if line) or type(exc).__name__
+
+
+class GrammarProbe:
+    """Compiles constraints with genai before a real pipeline sees them (see the module doc)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.pipe = None
+        self.compiled: dict[str, None] = {}  # insertion-ordered: the oldest is forgotten first
+        self.lock = threading.Lock()  # the probe pipeline runs one compile at a time, whichever thread asks
+
+    @staticmethod
+    def _key(constraint: dict[str, Any], tool_parser: str | None) -> str:
+        return json.dumps([constraint, tool_parser], sort_keys=True)
+
+    def known(self, constraint: dict[str, Any], tool_parser: str | None) -> bool:
+        """Compiled before (and still remembered)."""
+        return self._key(constraint, tool_parser) in self.compiled
+
+    def check(self, constraint: dict[str, Any], tool_parser: str | None):
+        """The constraint's StructuredOutputConfig, compiled once by the probe; InvalidGrammar if it cannot be."""
+        try:
+            config = structured_output_config(constraint, tool_parser)
+        except InvalidGrammar:
+            raise
+        except Exception as exc:  # genai refused to even build the config
+            raise InvalidGrammar(genai_message(exc)) from None
+        key = self._key(constraint, tool_parser)
+        if key in self.compiled:
+            return config
+        import openvino_genai
+        generation = openvino_genai.GenerationConfig(max_new_tokens=1)
+        generation.structured_output_config = config
+        with self.lock:
+            try:
+                self._pipeline().generate(self._prompt(), generation)
+            except Exception as exc:
+                raise InvalidGrammar(genai_message(exc)) from None
+            self.compiled[key] = None
+            if len(self.compiled) > PROBE_CACHE_SIZE:
+                self.compiled.pop(next(iter(self.compiled)), None)
+        return config
+
+    def _pipeline(self):
+        if self.pipe is None:
+            import openvino_genai
+            xml, weights = _probe_model(self._vocab_size())
+            self.pipe = openvino_genai.LLMPipeline(xml, weights, self.tokenizer, "CPU", ATTENTION_BACKEND="SDPA")
+        return self.pipe
+
+    def _vocab_size(self) -> int:
+        try:
+            return len(self.tokenizer.get_vocab())
+        except Exception:  # a vocabulary the Python binding cannot decode: logits wider than any vocabulary will do
+            return PROBE_FALLBACK_VOCAB
+
+    @staticmethod
+    def _prompt():
+        import numpy as np
+        import openvino
+        return openvino.Tensor(np.array([[0]], dtype=np.int64))
+
+
+def _probe_model(vocab_size: int):
+    """A language model in one operation: logits of zeros over the vocabulary, whatever the input. Returned as
+    (IR text, weights tensor), the form LLMPipeline takes without touching the disk."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+    import openvino
+    from openvino import opset13 as ops
+
+    names = ("input_ids", "attention_mask", "position_ids")
+    inputs = [ops.parameter([-1, -1], openvino.Type.i64, name=n) for n in names]
+    beam_idx = ops.parameter([-1], openvino.Type.i32, name="beam_idx")
+    shape = ops.concat([ops.shape_of(inputs[0]), ops.constant(np.array([vocab_size], dtype=np.int64))], 0)
+    logits = ops.result(ops.broadcast(ops.constant(np.float32(0)), shape))
+    logits.get_output_tensor(0).set_names({"logits"})
+    model = openvino.Model([logits], [*inputs, beam_idx], "openarc-grammar-probe")
+    with tempfile.TemporaryDirectory() as tmp:
+        openvino.save_model(model, Path(tmp) / "probe.xml")
+        xml = (Path(tmp) / "probe.xml").read_text()
+        weights = np.fromfile(Path(tmp) / "probe.bin", dtype=np.uint8)
+    return xml, openvino.Tensor(weights if weights.size else np.zeros(1, dtype=np.uint8))

@@ -1,0 +1,510 @@
+"""The LLM worker kind: chat and text completions on ContinuousBatchingPipeline or the stateful LLMPipeline."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from pathlib import Path
+
+from appliance import chat_formats
+from appliance.host import faults
+from appliance.worker.detokenize import make_detokenizer
+from appliance.worker.engines.base import Engine
+from appliance.worker.engines.constraints import GrammarProbe, InvalidGrammar, after_reasoning, genai_message
+from appliance.ipc import frame
+
+log = logging.getLogger("openarc.worker")
+
+INVALID_GRAMMAR = faults.Fault("invalid_grammar", "invalid_grammar", None, False)
+INVALID_REQUEST = faults.Fault("invalid_request", "invalid_request", None, False)
+
+
+class Refused(Exception):
+    """A request the worker will not run, and why (its fault): answered with an error frame."""
+
+    def __init__(self, fault: faults.Fault, message: str):
+        super().__init__(message)
+        self.fault = fault
+
+
+@dataclass
+class Request:
+    id: int
+    input_ids: Any  # ov.Tensor of shape [1, n]
+    prompt_tokens: int
+    max_tokens: int
+    params: dict[str, Any]
+    generated: list[int] = field(default_factory=list)
+    prefix_offset: int = 0  # detokenizer state (appliance.worker.detokenize)
+    read_offset: int = 0
+    decoder: Any = None
+    stream: bool = True    # a non-streaming request gets its text once, decoded at the end
+    reported: int = 0      # tokens already counted to the front
+    held: str = ""         # text that may be the start of a stop sequence, not yet sent
+    stopped: bool = False  # a stop sequence was found: the request is finished
+    structured: Any = None  # openvino_genai.StructuredOutputConfig of a constrained request
+    prefix: str = ""       # text the template already wrote for the answer (an opened <think>), sent first
+    template_opened: bool = False  # the prompt ends inside a think block the template opened
+    chat: bool = True      # a chat completion (a text completion's answer is never split into reasoning)
+    # genai's rng_seed defaults to 0, which would sample every unseeded request alike ("regenerate" giving the
+    # same answer): a request without a seed gets a random one.
+    seed: int = field(default_factory=lambda: random.getrandbits(32))
+    logprobs: list[float] | None = None  # per generated token, when the request asked for them
+    config: Any = None     # its openvino_genai.GenerationConfig, built and validated once
+
+
+def cut_at_stop(req: Request, text: str) -> str:
+    """Apply the request's stop sequences to newly decoded text: return what may be sent now.
+
+    genai stops generating at a stop string but still streams its tokens, so the cut happens here. Text that
+    could be the beginning of a stop sequence is held back until the next token decides.
+    """
+    stops = req.params.get("stop") or ()
+    buffer = req.held + text
+    hits = [i for i in (buffer.find(s) for s in stops) if i >= 0]
+    if hits:
+        req.held, req.stopped = "", True
+        return buffer[:min(hits)]
+    hold = max((k for s in stops for k in range(1, len(s)) if buffer.endswith(s[:k])), default=0)
+    req.held = buffer[len(buffer) - hold:] if hold else ""
+    return buffer[:len(buffer) - hold]
+
+
+class LLMEngine(Engine):
+    """Shared half of both LLM engines: prompt building, generation config, text replies."""
+
+    def __init__(self, spec: dict[str, Any], channel, tokenizer):
+        super().__init__(spec, channel)
+        self.tokenizer = tokenizer
+        self.detok = make_detokenizer(tokenizer)
+        if spec.get("chat_template"):
+            tokenizer.set_chat_template(Path(spec["chat_template"]).read_text())
+        template = self._template_text()
+        self.formats = {
+            "tool_parser": chat_formats.resolve(spec.get("tool_parser"), chat_formats.detect_tool_parser(template)),
+            "reasoning_parser": chat_formats.resolve(spec.get("reasoning_parser"),
+                                                     chat_formats.detect_reasoning_parser(template)),
+        }
+        self.probe = GrammarProbe(tokenizer)
+        # Constraints never compiled before are probed on a thread of their own (genai releases the GIL), so a
+        # slow compile does not hold up the batch that is generating; the request joins the inbox afterwards.
+        self.probe_jobs: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.probing: set[int] = set()  # request ids on the probe thread
+        self.cancelled_while_probing: set[int] = set()
+        threading.Thread(target=self._probe_loop, name="grammar-probe", daemon=True).start()
+
+    def submit(self, message: dict[str, Any]) -> None:
+        """(channel reader thread) A request with a constraint not compiled yet goes by the probe thread."""
+        constraint = message.get("constraint")
+        if constraint and not self.probe.known(constraint, self.formats["tool_parser"]):
+            self.probing.add(message["id"])
+            self.probe_jobs.put(message)
+        else:
+            self._admit(message)
+
+    def _admit(self, message: dict[str, Any]) -> None:
+        """(channel reader or probe thread) Template and tokenize the request here, not on the engine thread:
+        both release the GIL, so a running batch keeps stepping meanwhile (with sixteen clients on a fast model,
+        preparing requests on the engine thread took several percent of its time). prepare() takes the result."""
+        try:
+            message["prepared"] = self._request(message)
+        except Refused as refused:
+            message["prepared"] = refused
+        super().submit(message)
+
+    def _probe_loop(self) -> None:
+        while True:
+            message = self.probe_jobs.get()
+            try:
+                self.probe.check(message["constraint"], self.formats["tool_parser"])
+            except InvalidGrammar as exc:
+                message["probe_error"] = str(exc)
+            except Exception as exc:  # never lose a request: the engine thread reports whatever this was
+                message["probe_error"] = f"the grammar probe failed: {exc}"
+            self._admit(message)
+
+    def cancel_probing(self, request_id: int) -> None:
+        """A cancel that overtook its request (still on the probe thread): drop the request when it arrives."""
+        if request_id in self.probing:
+            self.cancelled_while_probing.add(request_id)
+
+    def _template_text(self) -> str:
+        try:
+            return self.tokenizer.chat_template or ""
+        except Exception:  # a tokenizer without a template
+            return ""
+
+    def ready_info(self) -> dict[str, Any]:
+        return {"formats": self.formats}
+
+    def prepare(self, message: dict[str, Any]) -> Request | None:
+        """The request ready to generate, or None after replying with why it cannot be (the request's own fault
+        alone: the worker goes on)."""
+        self.probing.discard(message["id"])
+        if message["id"] in self.cancelled_while_probing:
+            self.cancelled_while_probing.discard(message["id"])
+            return None
+        prepared = message["prepared"]
+        if isinstance(prepared, Refused):
+            self.fail(message["id"], prepared.fault, str(prepared))
+            return None
+        return prepared
+
+    def _request(self, message: dict[str, Any]) -> Request:
+        params = message["params"]
+        input_ids, prefix, thinking = self._prompt(message)
+        prompt_tokens = int(input_ids.get_shape()[1])
+        max_tokens = params.get("max_tokens") or self.spec["default_max_tokens"]
+        limit = self.spec["max_context"]
+        if prompt_tokens + max_tokens > limit:
+            raise Refused(faults.CONTEXT_LENGTH_EXCEEDED,
+                          f"This model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} "
+                          f"tokens and max_tokens is {max_tokens}.")
+        if params.get("logprobs") and not self.reports_logprobs:
+            raise Refused(INVALID_REQUEST, "'logprobs' is not available with pipeline: stateful "
+                                           "(genai's LLMPipeline streams token ids only)")
+        req = Request(message["id"], input_ids, prompt_tokens, max_tokens, params,
+                      stream=message.get("stream", True), structured=self._structured(message, thinking, opened=bool(prefix)),
+                      prefix=prefix,
+                      template_opened=bool(prefix), logprobs=[] if params.get("logprobs") else None,
+                      chat=message["kind"] == "chat")
+        if params.get("seed") is not None:
+            req.seed = params["seed"]
+        try:
+            req.config = self.generation_config(req)
+            req.config.validate()
+        except Exception as exc:  # a combination genai refuses: the caller's to fix
+            raise Refused(INVALID_REQUEST, f"invalid sampling parameters: {genai_message(exc)}") from None
+        return req
+
+    def _prompt(self, message: dict[str, Any]) -> tuple[Any, str, bool]:
+        """The prompt's token ids, the text the template already wrote for the answer (an opened <think>), and
+        whether the answer starts with reasoning (a reasoning model whose template did not close the block, as
+        Qwen3's does for enable_thinking: false)."""
+        prefix, text, thinking = "", message.get("prompt", ""), False
+        if message["kind"] == "chat":
+            try:
+                text = self._render(message)
+            except Exception as exc:  # the template refused this conversation (raise_exception, a missing field)
+                raise Refused(INVALID_REQUEST, "the model's chat template cannot render this conversation: "
+                                               f"{genai_message(exc)}") from None
+            if self.formats["reasoning_parser"]:
+                tail = text.rstrip()
+                if tail.endswith(chat_formats.THINK_OPEN):
+                    prefix = chat_formats.THINK_OPEN  # the answer starts inside the block the template opened
+                thinking = not tail.endswith(chat_formats.THINK_CLOSE)
+        try:
+            input_ids = self.tokenizer.encode(text, add_special_tokens=message["kind"] != "chat").input_ids
+            return input_ids, prefix, thinking
+        except Exception as exc:  # a tokenizer error belongs to this request only
+            raise Refused(self.classify(str(exc)), str(exc)) from None
+
+    def _structured(self, message: dict[str, Any], thinking: bool, opened: bool):
+        """The request's StructuredOutputConfig (compiled by the probe already, or now), or None. On a reasoning
+        model, response_format and tool calls apply after the think block (structured_outputs as written)."""
+        constraint = message.get("constraint")
+        if not constraint:
+            return None
+        try:
+            if "probe_error" in message:
+                raise InvalidGrammar(message["probe_error"])
+            config = self.probe.check(constraint, self.formats["tool_parser"])
+            if thinking and constraint.get("after_reasoning"):
+                return after_reasoning(constraint, self.formats["tool_parser"], opened=opened)
+            return config
+        except InvalidGrammar as exc:
+            log.info("request %s: constraint does not compile: %s", message["id"], exc)
+            raise Refused(INVALID_GRAMMAR, f"the output constraint cannot be compiled: {exc}") from None
+
+    reports_logprobs = True
+
+    def _render(self, message: dict[str, Any]) -> str:
+        """The chat prompt: messages (tool calls and results included), the tools, chat_template_kwargs."""
+        import openvino_genai
+        history = openvino_genai.ChatHistory(message["messages"])
+        return self.tokenizer.apply_chat_template(history, add_generation_prompt=True,
+                                                  tools=message.get("tools") or None,
+                                                  extra_context=message.get("template_kwargs") or None)
+
+    def generation_config(self, req: Request):
+        import openvino_genai
+        config = openvino_genai.GenerationConfig()
+        config.max_new_tokens = req.max_tokens
+        temperature = req.params.get("temperature")
+        if temperature:
+            config.do_sample = True
+            config.temperature = temperature
+            config.top_p = req.params.get("top_p") or 1.0
+        config.rng_seed = req.seed
+        for key in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if req.params.get(key) is not None:
+                setattr(config, key, req.params[key])
+        if req.logprobs is not None:
+            config.logprobs = 1
+        if req.structured is not None:
+            config.structured_output_config = req.structured
+        if req.params.get("stop"):
+            config.stop_strings = set(req.params["stop"])
+            config.include_stop_str_in_output = False
+        config.set_eos_token_id(self.tokenizer.get_eos_token_id())
+        return config
+
+    def post_text(self, req: Request, text: str) -> None:
+        tokens = frame("tokens", id=req.id, text=req.prefix + text, n=len(req.generated) - req.reported)
+        if req.logprobs is not None:
+            new = range(req.reported, min(len(req.generated), len(req.logprobs)))
+            tokens["logprobs"] = [[self.tokenizer.decode([req.generated[i]]), req.logprobs[i]] for i in new]
+        req.prefix = ""
+        self.post(tokens, urgent=not req.reported)  # a request's first text goes out at once (time to first token)
+        req.reported = len(req.generated)
+
+    def emit_tokens(self, updates: list[tuple[Request, list[int]]]) -> None:
+        """Post newly generated tokens' text; a request whose stop sequence appeared is finished here.
+
+        Only streaming requests are decoded token by token; a non-streaming one reports just its first token (the
+        front's time to first token) and is decoded once when it finishes.
+        """
+        streamed = []
+        for req, ids in updates:
+            if req.stopped:
+                continue
+            first = not req.generated
+            req.generated.extend(ids)
+            if req.stream:
+                streamed.append(req)
+            elif first:
+                self.post_text(req, "")
+        for req, text in zip(streamed, self.detok.deltas(streamed) if streamed else []):
+            self.post_text(req, cut_at_stop(req, text))
+            if req.stopped:
+                self.finish(req, "stop")
+
+    def finish(self, req: Request, finish_reason: str) -> None:
+        if not req.stream:
+            text = cut_at_stop(req, self.detok.decode(req.generated))
+            self.post_text(req, text + req.held)
+        elif req.held:  # a partial stop sequence that never completed is ordinary text after all
+            self.post_text(req, req.held)
+        req.held = ""
+        reasoning = self.formats["reasoning_parser"] and req.chat
+        extra = {"reasoning_tokens": self.reasoning_tokens(req)} if reasoning else {}
+        self.post(frame("done", id=req.id, finish_reason=finish_reason, prompt_tokens=req.prompt_tokens,
+                        completion_tokens=len(req.generated), **extra))
+
+    def reasoning_tokens(self, req: Request) -> int:
+        """Generated tokens up to the one that closes the think block (all of them if it never closes; none if
+        the answer does not start with one). Decoded prefixes only grow, so a binary search finds the close."""
+        opened = req.template_opened or self.detok.decode(req.generated[:16]).lstrip().startswith(chat_formats.THINK_OPEN)
+        if not opened:
+            return 0
+        low, high = 1, len(req.generated)
+        if chat_formats.THINK_CLOSE not in self.detok.decode(req.generated):
+            return high
+        while low < high:
+            middle = (low + high) // 2
+            if chat_formats.THINK_CLOSE in self.detok.decode(req.generated[:middle]):
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+
+class BatchingEngine(LLMEngine):
+    """Continuous batching: every admitted request advances together, one pipeline.step() at a time."""
+
+    def __init__(self, spec, channel):
+        import openvino_genai
+        scheduler = openvino_genai.SchedulerConfig()
+        for key, value in spec["scheduler_config"].items():
+            setattr(scheduler, key, value)
+        self.pipe = openvino_genai.ContinuousBatchingPipeline(spec["path"], scheduler, spec["device"], spec["properties"])
+        super().__init__(spec, channel, self.pipe.get_tokenizer())
+        self.active: dict[int, tuple[Request, Any]] = {}
+        status = openvino_genai.GenerationStatus
+        self.status_values = (status.RUNNING.value, status.FINISHED.value, status.IGNORED.value)
+        self.kv_cache_usage_ratio = 0.0
+
+    def run(self) -> None:
+        while True:
+            self.drain_inbox(block=not self.active)
+            if self.active:
+                self._step()
+            self.flush()
+
+    def _step(self) -> None:
+        try:
+            self.pipe.step()
+        except Exception as exc:  # the whole batch failed inside the plugin
+            fault = self.fail_all([req for req, _ in self.active.values()], exc)
+            self._drop_all()
+            self.exit_if_device_lost(fault)
+            return
+        self._collect()
+        # genai's figure is the last step's and stays put once nothing runs; an idle model's blocks are free
+        # for new requests (what a load balancer asks), so idle reads 0.
+        self.kv_cache_usage_ratio = self.pipe.get_metrics().cache_usage / 100 if self.active else 0.0
+        self.after_step()
+
+    def busy(self) -> bool:
+        return bool(self.active)
+
+    def on_cancel(self, request_id: int) -> None:
+        if request_id in self.active:
+            self.active.pop(request_id)[1].cancel()
+        else:
+            self.cancel_probing(request_id)
+
+    def on_generate(self, message: dict[str, Any]) -> None:
+        req = self.prepare(message)
+        if req is not None:
+            self.on_generate_prepared(req)
+
+    def on_generate_prepared(self, req: Request) -> None:
+        try:
+            handle = self.pipe.add_request(req.id, req.input_ids, req.config)
+        except Exception as exc:
+            self.exit_if_device_lost(self.fail_all([req], exc))
+            return
+        self.active[req.id] = (req, handle)
+
+    def _collect(self) -> None:
+        # Statuses as plain ints: a pybind enum comparison costs a microsecond or two, and this loop made several per
+        # request per step (with sixteen requests on a fast model, a few percent of the engine thread's time).
+        running, finished, ignored = self.status_values
+        progress = []  # (req, handle, status, finish reason) of every request, read before any text is decoded
+        updates = []
+        for req, handle in self.active.values():
+            status, finish, new_ids = handle.get_status().value, None, []
+            # A non-streaming request is read for its first token (the front's time to first token), then only
+            # once it has ended: a dozen pybind calls fewer per step for a batch of sixteen.
+            if req.stream or not req.generated or status != running:
+                while handle.can_read():  # read() returns one step's output; after the end several may wait
+                    for output in handle.read().values():
+                        new_ids += output.generated_ids
+                        finish = output.finish_reason
+                        if req.logprobs is not None:
+                            req.logprobs += output.generated_log_probs
+            if new_ids:
+                updates.append((req, new_ids))
+            progress.append((req, handle, status, finish))
+        self.emit_tokens(updates)
+        # genai drops every request of a step that schedules no token; the oldest of them is the one that did not fit
+        oldest_ignored = min((req.id for req, _, status, _ in progress if status == ignored), default=None)
+        for req, handle, status, finish in progress:
+            if req.stopped:  # finished by a stop sequence: done was posted
+                handle.cancel()
+            elif status == running:
+                continue
+            del self.active[req.id]
+            if req.stopped:
+                continue
+            if status == ignored and req.id != oldest_ignored and not req.generated:
+                self.on_generate_prepared(req)  # dropped with the request that really did not fit: admit it again
+            elif status == ignored:
+                # A scheduler out-of-memory through the CB API is a status, not an exception.
+                message = f"Request {req.id} was dropped by the scheduler: scheduler ignored the request (out of memory)"
+                self.fail(req.id, self.classify(message), message)
+            elif status == finished:
+                self.finish(req, finish_reason_name(finish, req))
+            # CANCEL / STOP: the front already forgot this request
+
+    def _drop_all(self) -> None:
+        for req, handle in self.active.values():
+            try:
+                handle.cancel()
+            except Exception as exc:  # the batch already failed; its callers have their error
+                log.warning("cancelling request %s after a failed step: %s", req.id, exc)
+        self.active.clear()
+
+    def live_request_ids(self) -> list[int]:
+        return list(self.active)
+
+
+class SequentialEngine(LLMEngine):
+    """The stateful LLMPipeline (ATTENTION_BACKEND=SDPA): one request at a time, tokens through a streamer."""
+
+    def __init__(self, spec, channel):
+        import openvino_genai
+        self.pipe = openvino_genai.LLMPipeline(spec["path"], spec["device"], **spec["properties"])
+        super().__init__(spec, channel, self.pipe.get_tokenizer())
+        self.cancelled: set[int] = set()
+        self.waiting: list[dict[str, Any]] = []
+        self.current: Request | None = None
+        self.reports_logprobs = False
+
+    def run(self) -> None:
+        while True:
+            self.drain_inbox(block=not self.waiting)
+            if self.waiting:
+                message = self.waiting.pop(0)
+                if message["id"] not in self.cancelled:
+                    self._generate(message)
+            self.flush()
+
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def live_request_ids(self) -> list[int]:
+        return [m["id"] for m in self.waiting] + ([self.current.id] if self.current else [])
+
+    def on_generate(self, message: dict[str, Any]) -> None:
+        self.waiting.append(message)
+
+    def on_cancel(self, request_id: int) -> None:
+        self.cancelled.add(request_id)
+
+    def _generate(self, message: dict[str, Any]) -> None:
+        import openvino_genai
+        req = self.prepare(message)
+        if req is None:
+            return
+        engine = self
+
+        class Streamer(openvino_genai.StreamerBase):
+            error: BaseException | None = None
+
+            def write(self, token):
+                # genai would print and swallow an exception raised here while generation went on: keep it, stop
+                # generating, and raise it once generate() has returned.
+                try:
+                    engine.emit_tokens([(req, token if isinstance(token, list) else [token])])
+                    engine.flush()
+                    engine.drain_inbox(block=False)
+                    engine.after_step()
+                    if req.stopped or req.id in engine.cancelled:
+                        return openvino_genai.StreamingStatus.CANCEL
+                    return openvino_genai.StreamingStatus.RUNNING
+                except BaseException as exc:
+                    self.error = exc
+                    return openvino_genai.StreamingStatus.CANCEL
+
+            def end(self):
+                pass
+
+        self.current, streamer = req, Streamer()
+        try:
+            self.pipe.generate(req.input_ids, req.config, streamer)
+        except Exception as exc:
+            if streamer.error is None:
+                self.current = None
+                self.exit_if_device_lost(self.fail_all([req], exc))
+                return
+        if streamer.error is not None:  # our own code failed, not the pipeline: the engine's guard takes it
+            raise streamer.error
+        self.current = None
+        if req.id not in self.cancelled and not req.stopped:
+            self.finish(req, "length" if len(req.generated) >= req.max_tokens else "stop")
+        self.cancelled.discard(req.id)
+
+
+def finish_reason_name(reason, req: Request) -> str:
+    """genai's own reason where it gives one (NONE until the last chunk), else judged by the token count."""
+    name = getattr(reason, "name", "NONE")
+    if name in ("STOP", "LENGTH"):
+        return name.lower()
+    return "length" if len(req.generated) >= req.max_tokens else "stop"

@@ -30,7 +30,7 @@ WORKER_RSS = "Worker RSS beyond the bare pipeline"
 FAULT_AFTER_CHUNKS = 5      # a fault lands once the client has seen this many chunks: mid-stream
 FAULT_STREAM_TOKENS = 2000  # far more than get generated before the fault
 
-# The targets (issue 9, "the last milliseconds"): medians over 5 full runs are what the README reports.
+# The targets (issue 9, "the last milliseconds"): medians over 5 full runs are what docs/performance.md reports.
 LATENCY_RATIO_TARGET = 1.2       # 32-token request, server median / in-process median
 FIXED_COST_TARGET_MS = 0.3       # 1-token request, server median - in-process median
 STREAM_TARGET_PERCENT = 90

@@ -1,6 +1,6 @@
 """`python -m bench.summary DIR [DIR ...]`: the median of each figure over several runs of `python -m bench`.
 
-One run on a shared machine moves by tens of percent; the README reports medians. Each figure's verdict is its
+One run on a shared machine moves by tens of percent; docs/performance.md reports medians. Each figure's verdict is its
 target applied to the median; the range shows how far the runs spread. Prints a markdown table.
 """
 

@@ -35,4 +35,4 @@ if [ "$(cat /proc/1/comm 2>/dev/null)" = systemd ]; then
     systemctl daemon-reload
 fi
 echo "installed: systemctl start openarc  (all models)  or  systemctl start openarc@demo"
-echo "  kept listening across restarts: systemctl enable --now openarc.socket  (README: Socket activation)"
+echo "  kept listening across restarts: systemctl enable --now openarc.socket  (docs/operations.md: Socket activation)"

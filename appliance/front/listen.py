@@ -95,7 +95,7 @@ def socket_unit_warnings(config: Config) -> list[str]:
         addresses = [listen.rsplit(" (", 1)[0] for listen in unit.get("Listen", [])]
         if not any(address.rpartition(":")[2] == str(port) for address in addresses):
             warnings.append(f"{unit['Id'][0]} listens on {', '.join(addresses) or 'nothing'}, but {key} is {port}: "
-                            f"set its ListenStream= in a drop-in (README: Socket activation)")
+                            f"set its ListenStream= in a drop-in (docs/operations.md: Socket activation)")
     return warnings
 
 

@@ -80,8 +80,9 @@ def pooling(spec: dict[str, Any]) -> str:
 
 class EmbeddingEngine(ResultEngine):
     """One request at a time, its inputs BATCH_SIZE per pipeline call. Requests are not coalesced: embedding the
-    texts of concurrent requests in one call was measured no faster through the server (bench.embeddings; the
-    README's Benchmarks), and it would make each request wait for its neighbours' inputs."""
+    texts of concurrent requests in one call was measured no faster through the server (bench.embeddings;
+    docs/performance.md, "Embeddings through the server"), and it would make each request wait for its neighbours'
+    inputs."""
 
     def __init__(self, spec: dict[str, Any], channel):
         import openvino_genai

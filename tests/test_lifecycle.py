@@ -189,7 +189,7 @@ def test_a_worker_exiting_75_is_a_lost_device_in_status_log_and_metrics(applianc
 # --- the state machine itself ---------------------------------------------------------------------------
 
 def test_every_transition_outside_the_table_is_reported_as_a_bug(caplog):
-    from appliance.lifecycle import ILLEGAL, TRANSITIONS, Lifecycle, ModelState
+    from appliance.front.lifecycle import ILLEGAL, TRANSITIONS, Lifecycle, ModelState
 
     async def attempt(old: ModelState, new: ModelState) -> bool:
         life = Lifecycle("m", lambda *_: None)
@@ -206,7 +206,7 @@ def test_every_transition_outside_the_table_is_reported_as_a_bug(caplog):
 
 
 def test_waiters_wake_on_the_change_itself():
-    from appliance.lifecycle import Lifecycle, ModelState
+    from appliance.front.lifecycle import Lifecycle, ModelState
 
     async def scenario() -> tuple[bool, float, bool]:
         life = Lifecycle("m", lambda *_: None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import signal
 import subprocess
 import time
@@ -168,3 +169,33 @@ def test_a_real_prometheus_counts_a_worker_crash(appliance_factory, demo_model, 
     finally:
         prom.terminate()
         prom.wait(20)
+
+
+def test_a_client_that_hangs_up_is_counted_as_499(appliance_factory, long_demo_model):
+    """A request whose client leaves before its answer is complete is counted, with its duration, under status
+    "499" (nginx's client-closed convention): whole or streamed, waiting for the worker or mid-stream."""
+    app = appliance_factory({"models": [model_entry("demo", long_demo_model, max_context=4096)]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.01"})  # ~100 tokens/s: 4000 take 40 s
+    before = samples(app.metrics())
+    for stream in (False, True):
+        body = json.dumps({"model": "demo", "prompt": "Once", "max_tokens": 4000, "stream": stream}).encode()
+        with socket.create_connection(("127.0.0.1", app.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            if stream:  # hang up once tokens flow
+                received = b""
+                while b"data: {" not in received:
+                    received += sock.recv(65536)
+            else:  # hang up while the worker generates
+                wait_until(lambda: value(samples(app.metrics()), "openarc_requests_running", model="demo") == 1,
+                           30, "the request running")
+
+    def counted(name: str, **labels) -> float:
+        return value(samples(app.metrics()), name, **labels) - value(before, name, **labels)
+
+    wait_until(lambda: counted("openarc_requests_total", model="demo", endpoint="completions", status="499") == 2,
+               30, "both hang-ups counted")
+    assert counted("openarc_request_duration_seconds_count", model="demo", endpoint="completions") == 2
+    assert counted("openarc_requests_total", model="demo", endpoint="completions") == 2  # and nothing else
+    # the worker stopped generating for them
+    wait_until(lambda: value(samples(app.metrics()), "openarc_requests_running", model="demo") == 0, 30, "idle")

@@ -40,7 +40,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.model_kinds: dict[str, str] = {}
-        self.requests = Counter("openarc_requests", "HTTP requests answered, by final status code",
+        self.requests = Counter("openarc_requests", "HTTP requests, by final status code "
+                                "(499: the client hung up before the answer was complete)",
                                 ["model", "endpoint", "status"], registry=r)
         self.request_errors = Counter("openarc_request_errors", "Requests that ended in an error, by kind",
                                       ["model", "kind", "endpoint"], registry=r)

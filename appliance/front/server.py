@@ -21,7 +21,7 @@ from appliance import __version__
 from appliance.front import listen
 from appliance.host import oom, telemetry
 from appliance.front.api import audio, embeddings, generate, rerank
-from appliance.front.api.errors import InvalidRequest, error_response
+from appliance.front.api.errors import error_response
 from appliance.config import Config, ConfigError
 from appliance.front.lifecycle import ModelState
 from appliance.front.metrics import Metrics
@@ -162,19 +162,6 @@ class Appliance:
     def _not_found(self, name: str) -> RequestFailed:
         return RequestFailed(404, "model_not_found", f"the model '{name}' does not exist "
                                                      f"(have: {', '.join(self.supervisor.models)})")
-
-    def failed(self, model: str, endpoint: str, exc: RequestFailed | InvalidRequest,
-               param: str | None = None) -> web.Response:
-        """The error response of a request refused by its route (InvalidRequest: a 400 naming the parameter) or
-        failed on its way through a model (RequestFailed, naming `param` if given), counted."""
-        if isinstance(exc, InvalidRequest):
-            exc, param = RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"), exc.param
-        self.count_error(model, endpoint, exc.kind)
-        return error_response(exc.status, exc.message, exc.code, param, exc.hint, exc.retry_after)
-
-    def count_error(self, model: str, endpoint: str, kind: str) -> None:
-        kind = {"model_not_found": "invalid_request", "context_length_exceeded": "invalid_request"}.get(kind, kind)
-        self.metrics.request_errors.labels(model=model, kind=kind, endpoint=endpoint).inc()
 
     # --- lifecycle -----------------------------------------------------------------------------------------
 

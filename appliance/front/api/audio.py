@@ -11,18 +11,19 @@ samples handed to the model's worker in a spool file -> the worker's result shap
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import http_exceptions, web
 
-from appliance.front.api.errors import ERROR_TYPES, InvalidRequest, error_body
+from appliance.front.api import sse
+from appliance.front.api.errors import InvalidRequest
+from appliance.front.api.results import one_result
+from appliance.front.api.route import Call, ErrorShape, route
 from appliance.front.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESPONSE_FORMATS, Transcript
 from appliance.front.audio_decoder import AudioDecoder, AudioError
 from appliance.front.request import Event, RequestFailed
@@ -36,8 +37,10 @@ BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 def add_routes(app: web.Application, appliance) -> None:
     audio = AudioRoutes(appliance)
-    app.router.add_post("/v1/audio/transcriptions", audio.transcriptions)
-    app.router.add_post("/v1/audio/translations", audio.translations)
+    app.router.add_post("/v1/audio/transcriptions",
+                        route(appliance, "audio/transcriptions", audio.transcriptions, TRANSCRIPT_ERRORS))
+    app.router.add_post("/v1/audio/translations",
+                        route(appliance, "audio/translations", audio.translations, TRANSCRIPT_ERRORS))
     app.on_startup.append(audio.start)
     app.on_cleanup.append(audio.close)
 
@@ -84,22 +87,20 @@ class AudioRoutes:
         await self.decoder.close()
         shutil.rmtree(self.spool, ignore_errors=True)
 
-    async def transcriptions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "transcribe", "audio/transcriptions")
+    async def transcriptions(self, request: web.Request, call: Call) -> web.StreamResponse:
+        return await self._handle(request, call, "transcribe")
 
-    async def translations(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "translate", "audio/translations")
+    async def translations(self, request: web.Request, call: Call) -> web.StreamResponse:
+        return await self._handle(request, call, "translate")
 
-    async def _handle(self, request: web.Request, task: str, endpoint: str) -> web.StreamResponse:
-        started = time.monotonic()
-        model_label = ""
+    async def _handle(self, request: web.Request, call: Call, task: str) -> web.StreamResponse:
         self.serial += 1
         audio_path = os.path.join(self.spool, f"{self.serial}.f32")
         try:
             form = await read_form(request, self._upload_cap())
-            model_label = self.appliance.model_label(form.fields)
+            call.label(form.fields)
             req = parse(form, task)
-            sup = await self.appliance.model_for(req.model, endpoint, (KIND,))
+            sup = await self.appliance.model_for(req.model, call.endpoint, (KIND,))
             check_model_limits(req, sup.model)
             try:
                 decoded = await self.decoder.decode(req.file, sup.model.max_audio_seconds, audio_path)
@@ -107,19 +108,16 @@ class AudioRoutes:
                 status = 413 if exc.kind == "too_long" else 400
                 raise RequestFailed(status, "invalid_request", str(exc), f"audio_{exc.kind}") from None
             frame = {"kind": KIND, "body": req.body(audio_path)}
-            response = await (self._stream(request, sup, req, frame, decoded.seconds, endpoint) if req.stream
-                              else self._whole(sup, req, frame, decoded.seconds))
-        except (InvalidRequest, RequestFailed) as exc:
-            response = self.appliance.failed(model_label, endpoint, exc)
+            if req.stream:
+                return await self._stream(request, call, sup, req, frame, decoded.seconds)
+            transcript = Transcript.from_result((await one_result(sup, frame)).result, req.task, decoded.seconds,
+                                                req.temperature)
+            return transcript.response(req.response_format, req.words)
         finally:
             try:
                 os.unlink(audio_path)
             except FileNotFoundError:
                 pass
-        metrics = self.appliance.metrics
-        metrics.requests.labels(model=model_label, endpoint=endpoint, status=str(response.status)).inc()
-        metrics.request_duration.labels(model=model_label, endpoint=endpoint).observe(time.monotonic() - started)
-        return response
 
     def _upload_cap(self) -> int:
         """The largest upload any transcription model takes (without one, the server's max_body_bytes, so a request
@@ -127,44 +125,36 @@ class AudioRoutes:
         return max((sup.model.max_upload_bytes for sup in self.appliance.supervisor.models.values()
                     if sup.model.kind == KIND), default=self.appliance.config.server.max_body_bytes)
 
-    async def _whole(self, sup, req: AudioRequest, frame: dict[str, Any], seconds: float) -> web.Response:
-        handle = sup.open(frame, op="request")
-        try:
-            async for event in sup.events(handle):
-                if event.op == "result":
-                    transcript = Transcript.from_result(event.result, req.task, seconds, req.temperature)
-                    return transcript.response(req.response_format, req.words)
-        finally:
-            sup.close(handle)
-        raise AssertionError("event stream ended without a result")
-
-    async def _stream(self, request: web.Request, sup, req: AudioRequest, frame: dict[str, Any], seconds: float,
-                      endpoint: str) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, call: Call, sup, req: AudioRequest, frame: dict[str, Any],
+                      seconds: float) -> web.StreamResponse:
         handle = sup.open(frame, op="request")
         events = sup.events(handle)
         try:
-            # Headers wait for the first event, so a request the worker refuses is still a plain 4xx.
-            event = await _next(events)
-            if isinstance(event, RequestFailed) and event.status < 500:
-                raise event
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                   "X-Accel-Buffering": "no"})
-            await response.prepare(request)
+            event = await sse.next_event(events)
+            sse.refused_before_start(event)
+            stream = await sse.EventStream(request).open()
             while isinstance(event, Event) and event.op == "tokens":
-                await _send(response, {"type": "transcript.text.delta", "delta": event.text, "logprobs": None})
-                event = await _next(events)
+                await stream.send({"type": "transcript.text.delta", "delta": event.text, "logprobs": None})
+                event = await sse.next_event(events)
             if isinstance(event, RequestFailed):
-                self.appliance.count_error(req.model, endpoint, event.kind)
-                await _send(response, {"type": "error", **error_body(
-                    event.message, ERROR_TYPES.get(event.status, "server_error"), event.code, hint=event.hint)})
+                await stream.send(call.stream_failed(event))
             else:
                 transcript = Transcript.from_result(event.result, req.task, seconds, req.temperature)
-                await _send(response, {"type": "transcript.text.done", "text": transcript.text.strip(),
-                                       "logprobs": None, "usage": transcript.usage()})
+                await stream.send({"type": "transcript.text.done", "text": transcript.text.strip(),
+                                   "logprobs": None, "usage": transcript.usage()})
         finally:
             sup.close(handle)
-        await response.write_eof()
-        return response
+        return await stream.close()
+
+
+class TranscriptErrors(ErrorShape):
+    """OpenAI's error bodies; in a transcript stream, an event of type "error" like its other events' types."""
+
+    def stream_event(self, failure: RequestFailed) -> dict[str, Any]:
+        return {"type": "error", **self.body(failure, None)}
+
+
+TRANSCRIPT_ERRORS = TranscriptErrors()
 
 
 async def read_form(request: web.Request, max_file_bytes: int) -> Form:
@@ -262,14 +252,3 @@ def _boolean(fields: dict[str, str], key: str) -> bool:
     if value not in BOOLEANS:
         raise InvalidRequest(f"'{key}' must be true or false", key)
     return BOOLEANS[value]
-
-
-async def _next(events) -> Event | RequestFailed:
-    try:
-        return await events.__anext__()
-    except RequestFailed as exc:
-        return exc
-
-
-async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")

@@ -15,6 +15,7 @@ from aiohttp import web
 from appliance.front.api import fields
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import ResultRequest, ResultRoute
+from appliance.front.api.route import route
 from appliance.front.request import Event
 
 ENCODING_FORMATS = ("float", "base64")
@@ -22,7 +23,8 @@ MAX_TOKEN_ID = (1 << 31) - 1
 
 
 def add_routes(app: web.Application, appliance) -> None:
-    app.router.add_post("/v1/embeddings", ResultRoute(appliance, "embeddings", ("embedding",), parse, shape))
+    results = ResultRoute(appliance, ("embedding",), parse, shape)
+    app.router.add_post("/v1/embeddings", route(appliance, "embeddings", results.handler))
 
 
 def parse(body: Any) -> ResultRequest:

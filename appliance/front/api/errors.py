@@ -30,6 +30,12 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
                    hint: str | None = None, retry_after: float | None = None) -> web.Response:
+    """An OpenAI error answered outside the API routes (the middlewares: 401, 404, 413, 500)."""
+    return json_error(error_body(message, ERROR_TYPES.get(status, "server_error"), code, param, hint), status,
+                      retry_after)
+
+
+def json_error(body: dict[str, Any], status: int, retry_after: float | None = None) -> web.Response:
+    """An error body of any dialect, with Retry-After (whole seconds, at least 1) when retrying helps."""
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
-    body = error_body(message, ERROR_TYPES.get(status, "server_error"), code, param, hint)
     return web.json_response(body, status=status, headers=headers)

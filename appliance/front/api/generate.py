@@ -7,58 +7,47 @@ A request is validated (appliance.front.api.completions), handed to its model's 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 from typing import Any
 
 from aiohttp import web
 
 from appliance.front.api.answer import AnswerParser
 from appliance.front.api.completions import GenerationRequest, ResponseShaper, parse_chat, parse_completion
-from appliance.front.api.errors import ERROR_TYPES, InvalidRequest, error_body
+from appliance.front.api import sse
+from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_body
+from appliance.front.api.route import Call, route
 from appliance.front.api.tool_parsers import parser_for
 from appliance.front.request import Event, RequestFailed
 
 
 def add_routes(app: web.Application, appliance) -> None:
     routes = GenerationRoutes(appliance)
-    app.router.add_post("/v1/chat/completions", routes.chat_completions)
-    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/chat/completions", route(appliance, "chat/completions", routes.chat_completions))
+    app.router.add_post("/v1/completions", route(appliance, "completions", routes.completions))
 
 
 class GenerationRoutes:
     def __init__(self, appliance):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "chat/completions", parse_chat)
+    async def chat_completions(self, request: web.Request, call: Call) -> web.StreamResponse:
+        return await self._generate(request, call, parse_chat)
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "completions", parse_completion)
+    async def completions(self, request: web.Request, call: Call) -> web.StreamResponse:
+        return await self._generate(request, call, parse_completion)
 
-    async def _generate(self, request: web.Request, endpoint: str, parse) -> web.StreamResponse:
-        started = time.monotonic()
-        model_label, req = "", None
-        try:
-            body = await json_body(request)
-            model_label = self.appliance.model_label(body)
-            req = parse(body)
-            sup = await self.appliance.model_for(req.model, endpoint, ("llm",))
-            answers = [self._answer_parser(sup, req) for _ in range(req.n)]
-            if req.constraint:
-                self.appliance.metrics.structured_requests.labels(model=req.model, kind=req.constraint["kind"]).inc()
-            response = await (self._stream(request, sup, req, answers, endpoint) if req.stream
-                              else self._whole(sup, req, answers))
-        except InvalidRequest as exc:
-            response = self.appliance.failed(model_label, endpoint, exc)
-        except RequestFailed as exc:
+    async def _generate(self, request: web.Request, call: Call, parse) -> web.StreamResponse:
+        body = await json_body(request)
+        call.label(body)
+        req = parse(body)
+        sup = await self.appliance.model_for(req.model, call.endpoint, ("llm",))
+        answers = [self._answer_parser(sup, req) for _ in range(req.n)]
+        if req.constraint:
             # a constraint genai cannot compile names the request field it came from
-            param = req.constraint["param"] if exc.kind == "invalid_grammar" and req and req.constraint else None
-            response = self.appliance.failed(model_label, endpoint, exc, param=param)
-        self.appliance.metrics.requests.labels(model=model_label, endpoint=endpoint, status=str(response.status)).inc()
-        self.appliance.metrics.request_duration.labels(model=model_label, endpoint=endpoint).observe(time.monotonic() - started)
-        return response
+            call.params["invalid_grammar"] = req.constraint["param"]
+            self.appliance.metrics.structured_requests.labels(model=req.model, kind=req.constraint["kind"]).inc()
+        return await (self._stream(request, call, sup, req, answers) if req.stream else self._whole(sup, req, answers))
 
     @staticmethod
     def _answer_parser(sup, req: GenerationRequest) -> AnswerParser | None:
@@ -134,44 +123,35 @@ class GenerationRoutes:
                 logprobs.extend(event.logprobs or ())
         raise AssertionError("event stream ended without done")
 
-    async def _stream(self, request: web.Request, sup, req: GenerationRequest,
-                      answers: list[AnswerParser | None], endpoint: str) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, call: Call, sup, req: GenerationRequest,
+                      answers: list[AnswerParser | None]) -> web.StreamResponse:
         handles = self._open(sup, req)
         shaper = ResponseShaper(req)
         merged: asyncio.Queue = asyncio.Queue()  # (choice index, Event or RequestFailed) of every choice
         pumps = [asyncio.create_task(self._pump(sup, handle, index, merged)) for index, handle in enumerate(handles)]
         try:
-            # Headers wait for the first event, so a request the worker refuses (context too long, a schema that
-            # does not compile) is still a plain 400; once admitted, a failed generation is an SSE error event
-            # followed by [DONE].
             index, event = await merged.get()
-            if isinstance(event, RequestFailed) and event.status == 400:
-                raise event
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                   "X-Accel-Buffering": "no"})
-            await response.prepare(request)
+            sse.refused_before_start(event)
+            stream = await sse.EventStream(request).open()
             if req.kind == "chat":
                 for choice in range(req.n):
-                    await self._send(response, shaper.chunk(first=True, index=choice))
+                    await stream.send(shaper.chunk(first=True, index=choice))
             done: list[Event] = []
             while True:
                 if isinstance(event, RequestFailed):
-                    self.appliance.count_error(req.model, endpoint, event.kind)
-                    await self._send(response, error_body(event.message, ERROR_TYPES.get(event.status, "server_error"),
-                                                          event.code, hint=event.hint))
+                    await stream.send(call.stream_failed(event))
                     break
                 answer = answers[index]
                 if event.op == "tokens":
-                    await self._send_text(response, shaper, answer, event.text, event.logprobs, index)
+                    await self._send_text(stream, shaper, answer, event.text, event.logprobs, index)
                 else:
                     for delta in answer.finish() if answer else ():
-                        await self._send(response, shaper.chunk(delta, index=index))
-                    await self._send(response, shaper.chunk(finish_reason=self._finish_reason(req, answer, event),
-                                                            index=index))
+                        await stream.send(shaper.chunk(delta, index=index))
+                    await stream.send(shaper.chunk(finish_reason=self._finish_reason(req, answer, event), index=index))
                     done.append(event)
                     if len(done) == req.n:
                         if req.include_usage:
-                            await self._send(response, shaper.usage_chunk(self._usage(shaper, done)))
+                            await stream.send(shaper.usage_chunk(self._usage(shaper, done)))
                         break
                 index, event = await merged.get()
         finally:
@@ -179,41 +159,28 @@ class GenerationRoutes:
                 pump.cancel()
             for handle in handles:
                 sup.close(handle)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        return await stream.close(done_marker=True)
 
     async def _pump(self, sup, handle, index: int, merged: asyncio.Queue) -> None:
         """Move one choice's events into the merged queue until it is done or failed."""
         events = sup.events(handle)
         while True:
-            event = await self._next(events)
+            event = await sse.next_event(events)
             merged.put_nowait((index, event))
             if isinstance(event, RequestFailed) or event.op == "done":
                 return
 
-    async def _send_text(self, response, shaper: ResponseShaper, answer: AnswerParser | None, text: str,
+    @staticmethod
+    async def _send_text(stream: sse.EventStream, shaper: ResponseShaper, answer: AnswerParser | None, text: str,
                          logprobs: list | None, index: int = 0) -> None:
         """One tokens event as chunks: a chat answer's deltas (the event's logprobs ride on the first), or a
         completion's text."""
         if answer is None:
             if text or logprobs:
-                await self._send(response, shaper.chunk(text, logprobs=logprobs, index=index))
+                await stream.send(shaper.chunk(text, logprobs=logprobs, index=index))
             return
         deltas = answer.feed(text)
         if logprobs and not deltas:
             deltas = [{}]
         for i, delta in enumerate(deltas):
-            await self._send(response, shaper.chunk(delta, logprobs=logprobs if i == 0 else None, index=index))
-
-    @staticmethod
-    async def _next(events) -> Event | RequestFailed:
-        try:
-            return await events.__anext__()
-        except RequestFailed as exc:
-            return exc
-
-    @staticmethod
-    async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-        await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
-
+            await stream.send(shaper.chunk(delta, logprobs=logprobs if i == 0 else None, index=index))

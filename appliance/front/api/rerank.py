@@ -15,15 +15,16 @@ from aiohttp import web
 from appliance.front.api import fields
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import ResultRequest, ResultRoute
+from appliance.front.api.route import route
 from appliance.front.request import Event
 
 COHERE_TRUNCATE = {"END": True, "NONE": False}
 
 
 def add_routes(app: web.Application, appliance) -> None:
-    route = ResultRoute(appliance, "rerank", ("rerank",), parse, shape)
+    handler = route(appliance, "rerank", ResultRoute(appliance, ("rerank",), parse, shape).handler)
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):  # Jina and vLLM; vLLM's bare path; Cohere's v2 client
-        app.router.add_post(path, route)
+        app.router.add_post(path, handler)
 
 
 def parse(body: Any) -> ResultRequest:

@@ -2,13 +2,12 @@
 refuse too many inputs, hand one frame to its worker, wait for its one `result`, count it, shape it.
 
 A route module supplies a parse function (body -> a ResultRequest) and a shape function (request, the result
-Event: its `result` dict and `prompt_tokens` -> web.Response); failures become OpenAI error bodies exactly as on
-the generation routes.
+Event: its `result` dict and `prompt_tokens` -> web.Response); the route wrapper (appliance.front.api.route) counts
+it and shapes its failures exactly as on the generation routes.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -16,6 +15,7 @@ from aiohttp import web
 
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_body
+from appliance.front.api.route import Call
 from appliance.front.request import Event, RequestFailed
 
 
@@ -30,42 +30,34 @@ class ResultRequest:
 
 
 class ResultRoute:
-    """One POST route of a one-answer kind; an instance is the aiohttp handler."""
+    """One POST route of a one-answer kind; `handler` runs in the route wrapper (appliance.front.api.route)."""
 
-    def __init__(self, appliance, endpoint: str, kinds: tuple[str, ...],
+    def __init__(self, appliance, kinds: tuple[str, ...],
                  parse: Callable[[Any], ResultRequest],
                  shape: Callable[[ResultRequest, Event], web.Response],
                  read: Callable[[web.Request], Awaitable[Any]] = json_body):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
-        self.endpoint, self.kinds = endpoint, kinds
+        self.kinds = kinds
         self.parse, self.shape, self.read = parse, shape, read
 
-    async def __call__(self, request: web.Request) -> web.Response:
-        started = time.monotonic()
-        model_label = ""
-        try:
-            body = await self.read(request)
-            model_label = self.appliance.model_label(body)
-            req = self.parse(body)
-            sup = await self.appliance.model_for(req.model, self.endpoint, self.kinds)
-            if req.inputs > sup.model.max_inputs:
-                raise InvalidRequest(f"{req.inputs} inputs exceed this model's max_inputs={sup.model.max_inputs}",
-                                     code="too_many_inputs")
-            response = self.shape(req, await self._result(sup, req))
-        except (InvalidRequest, RequestFailed) as exc:
-            response = self.appliance.failed(model_label, self.endpoint, exc)
-        metrics = self.appliance.metrics
-        metrics.requests.labels(model=model_label, endpoint=self.endpoint, status=str(response.status)).inc()
-        metrics.request_duration.labels(model=model_label, endpoint=self.endpoint).observe(time.monotonic() - started)
-        return response
+    async def handler(self, request: web.Request, call: Call) -> web.Response:
+        body = await self.read(request)
+        call.label(body)
+        req = self.parse(body)
+        sup = await self.appliance.model_for(req.model, call.endpoint, self.kinds)
+        if req.inputs > sup.model.max_inputs:
+            raise InvalidRequest(f"{req.inputs} inputs exceed this model's max_inputs={sup.model.max_inputs}",
+                                 code="too_many_inputs")
+        return self.shape(req, await one_result(sup, {"kind": sup.model.kind, "body": req.body}))
 
-    @staticmethod
-    async def _result(sup, req: ResultRequest) -> Event:
-        handle = sup.open({"kind": sup.model.kind, "body": req.body}, op="request")
-        try:
-            async for event in sup.events(handle):
-                if event.op == "result":
-                    return event
-        finally:
-            sup.close(handle)
-        raise AssertionError("event stream ended without a result")
+
+async def one_result(sup, frame: dict[str, Any]) -> Event:
+    """Hand one `request` frame to the model's worker and wait for its one result."""
+    handle = sup.open(frame, op="request")
+    try:
+        async for event in sup.events(handle):
+            if event.op == "result":
+                return event
+    finally:
+        sup.close(handle)
+    raise AssertionError("event stream ended without a result")

@@ -1,0 +1,115 @@
+"""The one wrapper every API route runs in: it labels the request, counts it and its duration however it ends
+(answered, failed, or abandoned by its client), and shapes its errors in the route's dialect.
+
+A route is `async def handler(request, call) -> web.StreamResponse`; it raises InvalidRequest or RequestFailed for
+anything that is not its answer, and tells `call` which configured model the request named (`call.label(body)`).
+The wrapper turns those exceptions into the route's error body (`ErrorShape`: OpenAI's unless the route brings its
+own, as an Anthropic-style route would) and counts in a `finally`, so a handler cancelled by a client that hung up
+is counted too, with status CLIENT_CLOSED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from appliance.front.api.errors import ERROR_TYPES, InvalidRequest, error_body, json_error
+from appliance.front.request import RequestFailed
+
+# The status label of a request whose client went away before its answer was complete (nginx's convention):
+# numeric, so a dashboard's `status=~"4.."` or `"5.."` still sorts it, and it is neither a 2xx nor a 5xx.
+CLIENT_CLOSED = "499"
+# A handler that raised something else: the errors middleware answers 500 and logs the traceback.
+UNHANDLED = "500"
+
+# Error kinds counted under a broader one in openarc_request_errors_total.
+ERROR_KIND_GROUPS = {"model_not_found": "invalid_request", "context_length_exceeded": "invalid_request"}
+
+
+class ErrorShape:
+    """How a route's errors look to its clients; OpenAI's bodies by default. A route of another dialect
+    (Anthropic's Messages, say) passes its own subclass to `route()`."""
+
+    def body(self, failure: RequestFailed, param: str | None) -> dict[str, Any]:
+        """The JSON body of an error answered with failure.status."""
+        return error_body(failure.message, ERROR_TYPES.get(failure.status, "server_error"), failure.code, param,
+                          failure.hint)
+
+    def stream_event(self, failure: RequestFailed) -> dict[str, Any]:
+        """The SSE payload of a failure after the stream began (headers sent: the status is already 200)."""
+        return self.body(failure, None)
+
+    def response(self, failure: RequestFailed, param: str | None) -> web.Response:
+        return json_error(self.body(failure, param), failure.status, failure.retry_after)
+
+
+OPENAI = ErrorShape()
+
+
+def as_failure(exc: InvalidRequest | RequestFailed) -> tuple[RequestFailed, str | None]:
+    """Either exception as a RequestFailed, with the request parameter it names (an InvalidRequest's own)."""
+    if isinstance(exc, InvalidRequest):
+        return RequestFailed(400, "invalid_request", str(exc), exc.code or "invalid_request"), exc.param
+    return exc, None
+
+
+class Call:
+    """One request as the wrapper counts it: its endpoint, its model label, and error kinds that name a parameter."""
+
+    def __init__(self, appliance, endpoint: str, errors: ErrorShape):
+        self.appliance = appliance  # appliance.front.server.Appliance
+        self.endpoint = endpoint
+        self.errors = errors
+        self.model = ""  # the metrics label: a configured model's name, else ""
+        # error kind -> the request field it came from (a constraint genai cannot compile names its field)
+        self.params: dict[str, str] = {}
+
+    def label(self, body: Any) -> None:
+        self.model = self.appliance.model_label(body)
+
+    def count_error(self, kind: str) -> None:
+        metrics = self.appliance.metrics
+        metrics.request_errors.labels(model=self.model, kind=ERROR_KIND_GROUPS.get(kind, kind),
+                                      endpoint=self.endpoint).inc()
+
+    def failed(self, exc: InvalidRequest | RequestFailed) -> web.Response:
+        """The error response of a request refused by its route or failed on its way through a model, counted."""
+        failure, param = as_failure(exc)
+        self.count_error(failure.kind)
+        return self.errors.response(failure, param or self.params.get(failure.kind))
+
+    def stream_failed(self, failure: RequestFailed) -> dict[str, Any]:
+        """The SSE payload of a failure once the stream began, counted."""
+        self.count_error(failure.kind)
+        return self.errors.stream_event(failure)
+
+
+Handler = Callable[[web.Request, Call], Awaitable[web.StreamResponse]]
+
+
+def route(appliance, endpoint: str, handler: Handler, errors: ErrorShape = OPENAI):
+    """The aiohttp handler of one API route: `handler` in the wrapper (see the module's docstring)."""
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        call = Call(appliance, endpoint, errors)
+        status = UNHANDLED
+        try:
+            try:
+                response = await handler(request, call)
+            except (InvalidRequest, RequestFailed) as exc:
+                response = call.failed(exc)
+            status = str(response.status)
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = CLIENT_CLOSED  # the client hung up: aiohttp cancelled the handler, or a write found it gone
+            raise
+        finally:
+            metrics = appliance.metrics
+            metrics.requests.labels(model=call.model, endpoint=endpoint, status=status).inc()
+            metrics.request_duration.labels(model=call.model, endpoint=endpoint).observe(time.monotonic() - started)
+
+    return wrapped

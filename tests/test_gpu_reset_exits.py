@@ -21,6 +21,7 @@ from appliance.host.faults import OOM_HINT
 from appliance.front.lifecycle import Exit, ExitReason, ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.model_supervisor import ModelSupervisor
+from appliance.front.request import Request, RequestFailed
 from appliance.host.telemetry import KernelLog
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
@@ -40,22 +41,30 @@ def supervisor(tmp_path, demo_model, kernel_log, device: str) -> tuple[ModelSupe
     config_path.write_text(yaml.safe_dump({"models": [{"name": "m", "path": str(demo_model), "device": device}]}))
     config, metrics = load_config(config_path), Metrics()
     sup = ModelSupervisor(config.models[0], config, metrics, asyncio.Semaphore(1), kernel_log=kernel_log)
-    sup._enter(ModelState.LOADING)
+    sup.life.enter(ModelState.LOADING)
     return sup, metrics
+
+
+def request_error(sup: ModelSupervisor, frame: dict) -> RequestFailed:
+    """The failure a running request gets from its worker's error frame, as the front routes that frame."""
+    req = Request(frame["id"], {})
+    sup.router.running[req.id] = req
+    sup._on_frame(frame)
+    return req.events.get_nowait()
 
 
 @pytest.mark.parametrize("sequence", ["i915-a770-guc-hang.kmsg", "xe-b580-wedge-gt.kmsg"])
 def test_a_gpu_workers_crash_after_a_kernel_logged_reset_is_a_lost_device(tmp_path, demo_model, kernel_log, sequence):
     log, source = kernel_log
     sup, metrics = supervisor(tmp_path, demo_model, log, "GPU.0")
-    assert sup._unasked_exit(None, -signal.SIGABRT).reason is ExitReason.CRASH
+    assert sup.life.unasked_exit(None, -signal.SIGABRT).reason is ExitReason.CRASH
     with open(source, "a") as kmsg:
         kmsg.write((FIXTURES / "kmsg" / sequence).read_text())
-    exit = sup._unasked_exit(None, -signal.SIGABRT)
+    exit = sup.life.unasked_exit(None, -signal.SIGABRT)
     assert exit.reason is ExitReason.DEVICE_LOST and "0000:03:00.0 in the kernel log" in exit.detail
-    sup._on_exit(Exit(exit.reason, -signal.SIGABRT, exit.detail, exit.hint, ever_ready=True, served_s=5))
+    sup.life._on_exit(Exit(exit.reason, -signal.SIGABRT, exit.detail, exit.hint, ever_ready=True, served_s=5))
     assert sup.status()["last_exit"] == "device_lost"
-    assert sup.last_error.startswith("worker exited: device lost (SIGABRT); a fresh worker gets a new device context: "
+    assert sup.life.last_error.startswith("worker exited: device lost (SIGABRT); a fresh worker gets a new device context: "
                                      "GPU ")
     assert b'openarc_worker_crashes_total{model="m",reason="device_lost",signal="SIGABRT"} 1.0' in \
         metrics.exposition()[0]
@@ -66,7 +75,7 @@ def test_a_cpu_workers_crash_is_not_blamed_on_a_gpu_reset(tmp_path, demo_model, 
     sup, _ = supervisor(tmp_path, demo_model, log, "CPU")
     with open(source, "a") as kmsg:
         kmsg.write((FIXTURES / "kmsg/i915-a770-guc-hang.kmsg").read_text())
-    assert sup._unasked_exit(None, -signal.SIGSEGV).reason is ExitReason.CRASH
+    assert sup.life.unasked_exit(None, -signal.SIGSEGV).reason is ExitReason.CRASH
 
 
 def test_a_device_oom_next_to_a_gpu_hang_is_a_lost_device_and_ends_the_worker(tmp_path, demo_model, kernel_log):
@@ -74,11 +83,11 @@ def test_a_device_oom_next_to_a_gpu_hang_is_a_lost_device_and_ends_the_worker(tm
     sup, _ = supervisor(tmp_path, demo_model, log, "GPU")
     frame = ipc.frame("error", id=1, kind="device_oom", code="device_out_of_memory", hint=OOM_HINT,
                       message=OCL_OUT_OF_RESOURCES, retryable=False)
-    plain = sup._request_error(frame)
+    plain = request_error(sup, frame)
     assert (plain.status, plain.kind, plain.code, plain.hint) == (500, "device_oom", "device_out_of_memory", OOM_HINT)
-    assert sup._ending is None
+    assert sup.life.current.ending is None
     with open(source, "a") as kmsg:
         kmsg.write((FIXTURES / "kmsg/xe-b580-wedge-tile.kmsg").read_text())
-    after_hang = sup._request_error(frame)
+    after_hang = request_error(sup, frame)
     assert (after_hang.status, after_hang.kind, after_hang.code, after_hang.hint) == (500, "device_lost", "device_lost", None)
-    assert sup._ending.reason is ExitReason.DEVICE_LOST  # the worker's context is gone: it is ended and restarted
+    assert sup.life.current.ending.reason is ExitReason.DEVICE_LOST  # the worker's context is gone: it is ended and restarted

@@ -1,8 +1,8 @@
 """A model's lifecycle: its states, the legal moves between them, and how a worker's life ended.
 
-Each model's supervisor (appliance.front.model_supervisor) owns its `Lifecycle` and moves it only through `enter()`,
+Each model's worker life (appliance.front.worker_life) owns its `Lifecycle` and moves it only through `enter()`,
 which refuses a move the table below does not list. Every way a worker's life can end is described by one `Exit`,
-and the supervisor turns each Exit into state, metrics, a log line and a backoff in one function.
+and the worker life turns each Exit into state, metrics, a log line and a backoff in one function.
 """
 
 from __future__ import annotations

@@ -169,10 +169,10 @@ class Appliance:
         parts = []
         for m in self.supervisor.models.values():
             part = f"{m.name}: {m.state.value}"
-            if m.restarts:
-                part += f", {m.restarts} restarts"
-            if m.state is not ModelState.READY and m.last_error:
-                part += f", last error: {m.last_error[:120]}"
+            if m.life.restarts:
+                part += f", {m.life.restarts} restarts"
+            if m.state is not ModelState.READY and m.life.last_error:
+                part += f", last error: {m.life.last_error[:120]}"
             parts.append(part)
         return ("draining; " if self.draining else "") + "; ".join(parts)
 

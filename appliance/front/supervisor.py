@@ -1,6 +1,7 @@
 """All models of this process, the front's only door to them: starting and stopping them, applying a reloaded
 config model by model (a changed model is replaced side by side or restarted), and waiting for a model that is
-coming up. Each model's own life is its ModelSupervisor's (appliance.front.model_supervisor).
+coming up. Each model's own life is its ModelSupervisor's (appliance.front.model_supervisor): its worker's life
+(appliance.front.worker_life) and its requests (appliance.front.routing).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ def _count_waiter(counted: ModelSupervisor | None, current: ModelSupervisor | No
     if counted is not current:
         for sup, step in ((counted, -1), (current, 1)):
             if sup is not None:
-                sup.awaiting_ready += step
-                sup.publish_queue()
+                sup.router.awaiting_ready += step
+                sup.router.publish_queue()
     return current
 
 
@@ -95,14 +96,14 @@ class Supervisor:
         self.replacements.add(new)
         new.start()
         try:
-            await new.lifecycle.wait_for({ModelState.READY, ModelState.FAILED, ModelState.DRAINING}, None)
+            await new.life.lifecycle.wait_for({ModelState.READY, ModelState.FAILED, ModelState.DRAINING}, None)
         finally:
             self.replacements.discard(new)
-        if new.stopping:  # the server is shutting down
+        if new.life.stopping:  # the server is shutting down
             return
         if new.state is not ModelState.READY:
             log.error("model %s: its new settings do not load (%s); still serving the previous ones",
-                      model.name, new.last_error)
+                      model.name, new.life.last_error)
             await new.stop(0)
             return
         self._switch(old, new)
@@ -113,8 +114,8 @@ class Supervisor:
         old.reports, new.reports = False, True
         self.models[new.name] = new
         self.metrics.set_state(new.name, new.state.value)
-        new.publish_queue()
-        log.info("model %s: switched to its new worker%s", new.name, f" {new.pid}" if new.pid else "")
+        new.router.publish_queue()
+        log.info("model %s: switched to its new worker%s", new.name, f" {new.life.pid}" if new.life.pid else "")
         self.changes.notify()
 
     def get(self, name: str) -> ModelSupervisor | None:
@@ -131,13 +132,13 @@ class Supervisor:
         counted: ModelSupervisor | None = None
         try:
             while (sup := self.models.get(name)) is not None:
-                if sup.admits():
+                if sup.life.admits():
                     return sup
                 if deadline is None:
                     deadline = loop.time() + sup.model.ready_wait_s
                 remaining = deadline - loop.time()
-                if remaining <= 0 or not sup.coming_up():
-                    raise sup.unavailable()
+                if remaining <= 0 or not sup.life.coming_up():
+                    raise sup.life.unavailable()
                 counted = _count_waiter(counted, sup)  # the model's current supervisor, across a replacement
                 await self.changes.wait(remaining)
             return None
@@ -156,7 +157,7 @@ class Supervisor:
 
     def healthy(self) -> bool:
         """No model's supervising task has died of a bug (a failed model is a state, not a dead task)."""
-        tasks = [m.task for m in self.models.values() if m.task]
+        tasks = [m.life.task for m in self.models.values() if m.life.task]
         return all(not t.done() or t.cancelled() or t.exception() is None for t in tasks)
 
     async def stop(self, drain_timeout_s: float) -> None:

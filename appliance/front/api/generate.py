@@ -54,9 +54,9 @@ class GenerationRoutes:
         """How this model's answers are split (reasoning, tool calls); None for text completions."""
         if req.kind != "chat":
             return None
-        formats = sup.formats or {}
+        formats = sup.life.formats or {}
         tool_parser = formats.get("tool_parser")
-        if req.tools.active and sup.formats is not None and not tool_parser:
+        if req.tools.active and sup.life.formats is not None and not tool_parser:
             raise InvalidRequest(f"model '{req.model}' has no known tool-call format: set 'tool_parser' for it in "
                                  f"the config (models[].tool_parser: hermes, qwen3_coder, llama3_json or mistral)",
                                  "tools")

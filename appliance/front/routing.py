@@ -1,0 +1,179 @@
+"""A model's requests in the front: the queue, their dispatch to the worker, and the worker's frames turned into
+each request's events.
+
+The router holds no model state: whether the model admits requests is its WorkerLife's (appliance.front.worker_life),
+which attaches the ready worker's channel and detaches it when that worker's life ends. Without a channel nothing
+is dispatched; a request that was admitted waits in the queue until its worker is attached or its failure comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+from typing import Any, AsyncIterator
+
+from appliance import ipc
+from appliance.config import ModelConfig
+from appliance.front.metrics import ModelMetrics
+from appliance.front.request import Event, Request, RequestFailed
+from appliance.ipc import AsyncChannel, ProtocolError
+
+# What a result frame's "counts" may add to the model's counters (ModelMetrics fields).
+RESULT_COUNTERS = frozenset({"prompt_tokens", "embedding_inputs", "audio_seconds"})
+# The frames of one request (an `id`); every one of them is progress for the stall timer.
+REQUEST_OPS = frozenset({"tokens", "done", "result", "error", "progress"})
+
+
+class RequestRouter:
+    """One model's running and queued requests."""
+
+    def __init__(self, model: ModelConfig, series: ModelMetrics):
+        self.model = model
+        self.series = series
+        self.running: dict[int, Request] = {}
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.awaiting_ready = 0  # requests waiting for this model to become ready (Supervisor.ready_model)
+        self.ids = itertools.count(1)
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.last_progress = time.monotonic()  # the stall timer's reference (WorkerLife._monitor)
+        self.channel: AsyncChannel | None = None  # the ready worker's, while it serves
+        # False while the model's supervisor does not serve its name (a replacement not switched to yet, or one
+        # replaced): only the serving one writes the model's gauges.
+        self.reports = True
+
+    # --- the worker, as the life attaches it ----------------------------------------------------------------
+
+    def attach(self, channel: AsyncChannel) -> None:
+        self.channel = channel
+        self._dispatch()
+
+    def detach(self, failure: RequestFailed) -> None:
+        """The worker's life ended (or is ending): nothing more goes to it, and every request fails with `failure`."""
+        self.channel = None
+        self.fail_all(failure)
+
+    # --- requests, as the routes use them -------------------------------------------------------------------
+
+    def open(self, frame: dict[str, Any], op: str = "generate") -> Request:
+        """Queue a request, or refuse it with 429 when the queue is full. `frame`: the fields of its ipc `op`
+        (generate for an LLM, request for the one-answer kinds) but the id."""
+        if len(self.running) >= self.model.effective_max_running and len(self.waiting) >= self.model.max_queue:
+            raise RequestFailed(429, "overloaded", f"model {self.model.name} has {len(self.waiting)} requests queued "
+                                                   f"(max_queue={self.model.max_queue}); retry later", retry_after=1)
+        req = Request(next(self.ids), frame, op)
+        req.frame["id"] = req.id
+        self.waiting.append(req)
+        self._dispatch()
+        return req
+
+    def close(self, req: Request) -> None:
+        """The caller is done with a request (finished, failed or disconnected): cancel it if it is still live."""
+        if req.ended:
+            return
+        req.ended = True
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif self.running.pop(req.id, None) is not None and self.channel:
+            self.channel.send(ipc.frame("cancel", id=req.id))
+        self._dispatch()
+
+    @staticmethod
+    async def events(req: Request) -> AsyncIterator[Event]:
+        """Yield a request's events until done; a failure is raised as RequestFailed.
+
+        Token events that queued up while the caller was busy (writing to a slow client, say) come out merged,
+        so a caller that falls behind catches up with one write instead of many.
+        """
+        pending: Event | RequestFailed | None = None
+        while True:
+            item, pending = pending or await req.events.get(), None
+            while isinstance(item, Event) and item.op == "tokens" and not req.events.empty():
+                following = req.events.get_nowait()
+                if isinstance(following, Event) and following.op == "tokens":
+                    logprobs = (item.logprobs or []) + (following.logprobs or []) if item.logprobs is not None else None
+                    item = Event("tokens", text=item.text + following.text, n=item.n + following.n, logprobs=logprobs)
+                else:
+                    pending = following
+                    break
+            if isinstance(item, RequestFailed):
+                raise item
+            yield item
+            if item.op in ("done", "result"):
+                return
+
+    def _dispatch(self) -> None:
+        while self.waiting and len(self.running) < self.model.effective_max_running and self.channel:
+            req = self.waiting.popleft()
+            if not self.running:
+                self.last_progress = time.monotonic()  # an idle worker's stall clock starts now
+            req.dispatched = time.monotonic()
+            self.running[req.id] = req
+            self.series.queue_time.observe(req.dispatched - req.submitted)
+            try:
+                self.channel.send(ipc.frame(req.op, **req.frame))
+            except (ValueError, ProtocolError) as exc:  # a frame that cannot be sent must not hold a slot forever
+                self.finish(req, RequestFailed(500, "internal", f"cannot pass the request to its worker: {exc}"))
+        self.publish_queue()
+        if self.running or self.waiting:
+            self.idle.clear()
+        else:
+            self.idle.set()
+
+    def publish_queue(self) -> None:
+        if not self.reports:
+            return
+        self.series.requests_running.set(len(self.running))
+        self.series.requests_waiting.set(len(self.waiting) + self.awaiting_ready)
+
+    # --- the worker's frames --------------------------------------------------------------------------------
+
+    def request_of(self, message: dict[str, Any]) -> Request | None:
+        """The running request a request frame is for (None: a late frame for one its caller closed); the frame
+        is progress either way."""
+        self.last_progress = time.monotonic()
+        return self.running.get(message.get("id"))
+
+    def on_frame(self, req: Request, message: dict[str, Any]) -> None:
+        """A tokens, done or result frame of a running request."""
+        op = message["op"]
+        if op == "tokens":
+            self._on_tokens(req, message)
+        elif op == "done":
+            self.series.prompt_tokens.inc(message["prompt_tokens"])
+            self.finish(req, Event("done", finish_reason=message["finish_reason"],
+                                   prompt_tokens=message["prompt_tokens"], completion_tokens=message["completion_tokens"],
+                                   reasoning_tokens=message.get("reasoning_tokens")))
+        elif op == "result":
+            counts = message.get("counts", {})
+            for name in RESULT_COUNTERS.intersection(counts):
+                getattr(self.series, name).inc(counts[name])
+            self.finish(req, Event("result", result=message["result"], prompt_tokens=counts.get("prompt_tokens", 0)))
+
+    def _on_tokens(self, req: Request, message: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if req.first_token is None:
+            req.first_token = now
+            self.series.ttft.observe(now - req.submitted)
+        elif message["n"]:
+            self.series.itl.observe((now - req.last_token) / message["n"])
+        req.last_token = now
+        self.series.generation_tokens.inc(message["n"])
+        req.events.put_nowait(Event("tokens", text=message["text"], n=message["n"], logprobs=message.get("logprobs")))
+
+    def finish(self, req: Request, outcome: Event | RequestFailed) -> None:
+        self.running.pop(req.id, None)
+        req.ended = True
+        req.events.put_nowait(outcome)
+        self._dispatch()
+
+    def fail_all(self, failure: RequestFailed) -> None:
+        """Fail every running and queued request at once: the worker is gone or stuck, or the model stops."""
+        for req in list(self.running.values()) + list(self.waiting):
+            req.ended = True
+            req.events.put_nowait(failure)
+        self.running.clear()
+        self.waiting.clear()
+        self._dispatch()

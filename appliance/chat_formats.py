@@ -14,7 +14,8 @@ TOOL_PARSERS = {
     "mistral": "Mistral: [TOOL_CALLS][{\"name\": ..., \"arguments\": {...}}]",
 }
 # reasoning_parser values: how a model marks its reasoning. Both put it in <think>...</think>; deepseek_r1
-# templates open the block in the prompt, which the worker reports either way.
+# templates often open the block in the prompt (the worker then sends the opening tag first), and the original
+# DeepSeek-R1 distill template never writes <think> at all: the model opens the block itself.
 REASONING_PARSERS = {
     "qwen3": "Qwen3, QwQ: <think>...</think>, opened by the model",
     "deepseek_r1": "DeepSeek-R1 and its distills: <think>...</think>, often opened by the template",
@@ -36,10 +37,19 @@ def detect_tool_parser(template: str) -> str | None:
     return None
 
 
+# DeepSeek's role markers (fullwidth bars): a template with them and a think tag is DeepSeek-R1's or a distill's.
+DEEPSEEK_MARKERS = ("<｜Assistant｜>", "<｜User｜>")
+
+
 def detect_reasoning_parser(template: str) -> str | None:
-    if THINK_OPEN not in template:
+    """The reasoning format a chat template shows, or None. A template shows it in one of three ways, and real ones
+    show only one of them: Qwen3's re-renders reasoning as `<think>...</think>`; DeepSeek-R1's updated template and
+    QwQ's open `<think>` in the generation prompt; DeepSeek-R1's original template (still in many distills, e.g.
+    DeepSeek-R1-Distill-Llama-8B) has no `<think>` at all, only `</think>`, where it strips reasoning from history.
+    So either tag counts: looking for `<think>` alone missed that last one and put its reasoning in `content`."""
+    if THINK_OPEN not in template and THINK_CLOSE not in template:
         return None
-    return "deepseek_r1" if "<｜Assistant｜>" in template else "qwen3"
+    return "deepseek_r1" if any(marker in template for marker in DEEPSEEK_MARKERS) else "qwen3"
 
 
 def resolve(configured: str | None, detected: str | None) -> str | None:

@@ -28,7 +28,11 @@ FORBIDDEN = {
 }
 # Modules at the top are shared by both processes (or are the CLI, which starts either): what they import is
 # checked by the rooms above, and the list is closed so that a new top-level module must say why it is there.
-SHARED = {"__init__", "__main__", "chat_formats", "cli", "config", "ipc", "logs"}
+SHARED = {"__init__", "__main__", "chat_formats", "cli", "config", "ipc", "logs",
+          # what a model directory is (kind, IR files): the config's check, the front's start and `openarc pull`
+          "model_files",
+          # `openarc pull`: downloads through huggingface_hub; the CLI's alone, neither process imports it
+          "pull"}
 ROOMS = {"front", "worker", "demo", "host"}
 
 

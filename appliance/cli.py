@@ -1,9 +1,10 @@
-"""`openarc`: serve, check-config, demo-model, health."""
+"""`openarc`: serve, check-config, pull, demo-model, health."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import subprocess
@@ -12,7 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from appliance.config import DEFAULT_CONFIG_PATH, MODEL_KINDS, Config, ConfigError, demo_config, load_config
+from appliance.config import (DEFAULT_CONFIG_PATH, MODEL_KINDS, Config, ConfigError, ModelConfig, demo_config,
+                              load_config, missing_devices, model_problems, path_check, served_path_check)
 from appliance.logs import setup_logging
 
 log = logging.getLogger("openarc")
@@ -53,6 +55,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(config.server.log_level)
     for warning in config.shared_gpu_warnings():
         log.warning("%s", warning)
+    # Named here, all at once; each such model then ends failed with this reason and the others serve.
+    for problem in model_problems(config.models, [served_path_check]):
+        log.error("%s: %s; this model will not load", config.source, problem)
     from appliance.front.server import Appliance
     appliance = Appliance(config, reload_config=lambda: serve_config(args))
     # An address given on the command line is bound even under socket activation (listen.start_sites).
@@ -60,8 +65,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(appliance.serve(config.server.host, config.server.port, also_bind))
 
 
+def available_devices() -> list[str]:
+    """OpenVINO's device list (Core().available_devices), read in a child process: the front never imports
+    OpenVINO, and a broken GPU runtime must not take this process down."""
+    code = "import json, openvino; print(json.dumps(openvino.Core().available_devices))"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except (subprocess.SubprocessError, OSError) as exc:
+        raise ConfigError(f"cannot list OpenVINO's devices for --strict: {exc}") from None
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        detail = " ".join(done.stderr.split()[-40:]) or f"exit status {done.returncode}"
+        raise ConfigError(f"cannot list OpenVINO's devices for --strict: {detail}") from None
+
+
+def device_check(available: list[str]):
+    """--strict: each device a model names is one OpenVINO lists on this machine."""
+    def check(model: ModelConfig) -> tuple[str, str] | None:
+        missing = missing_devices(model.device, available)
+        return ("device", f"expected a device present here ({', '.join(available) or 'none'}); "
+                          f"{', '.join(missing)} is not") if missing else None
+    return check
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
-    config = load_config(args.path)
+    checks = [path_check] + ([device_check(available_devices())] if args.strict else [])
+    config = load_config(args.path, checks)
     names = ", ".join(f"{m.name} ({m.device}{'' if m.kind == 'llm' else ', ' + m.kind})" for m in config.models)
     names = names or "no models"
     print(f"{args.path}: OK: {names}")
@@ -118,8 +148,11 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.set_defaults(func=cmd_serve)
-    check = sub.add_parser("check-config", help="validate a config file; exit 1 on any error")
+    check = sub.add_parser("check-config", help="validate a config file and its models' directories; print every "
+                                                 "error, one a line, and exit 2 on any")
     check.add_argument("path")
+    check.add_argument("--strict", action="store_true",
+                       help="also check that each model's device is present here (OpenVINO's device list)")
     check.set_defaults(func=cmd_check_config)
     demo = sub.add_parser("demo-model", help="build a tiny demo model into DIR")
     demo.add_argument("dir", nargs="?", help="where to build it (default: the cache, reused if present)")
@@ -142,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as exc:
-        print(f"openarc: config error: {exc}", file=sys.stderr)
+        for line in exc.lines:
+            print(f"openarc: config error: {line}", file=sys.stderr)
         return 2
 
 

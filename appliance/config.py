@@ -1,21 +1,26 @@
 """The declarative YAML config: dataclasses plus one small validator driven by their type hints.
 
 Every error names the file, the key path and what was expected, in one line, so `openarc check-config` and a
-failing unit start say exactly what to fix.
+failing unit start say exactly what to fix; the validator goes on past an error, so one run names every mistake
+(one line each). A key added to a dataclass gets all of this (type checks, "did you mean", every error at once)
+without code of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
+
+from appliance import model_files
 
 DEFAULT_CONFIG_PATH = Path("/etc/openarc/openarc.yaml")
 
@@ -54,7 +59,23 @@ MAX_READY_WAIT_S = 3600.0
 
 
 class ConfigError(ValueError):
-    """An invalid config; str() is the one line shown to the user."""
+    """An invalid config; str() is what the user is shown: one line per problem, each naming file and key."""
+
+    @property
+    def lines(self) -> list[str]:
+        return str(self).splitlines()
+
+
+class Problems(list):
+    """The problems of one config as they are found, "key.path: what was expected" each. Given to the validator, it
+    collects them all; where none is given, the first problem raises (a value inside a union, tried option by
+    option)."""
+
+
+def _report(problems: Problems | None, error: ConfigError) -> None:
+    if problems is None:
+        raise error
+    problems.append(str(error))
 
 
 @dataclass
@@ -209,6 +230,19 @@ class Config:
         return Config(server=server, models=[model], source=self.source)
 
 
+# The plugins a device string names (inside composites too: "HETERO:GPU.1,CPU").
+DEVICE_IN_STRING = re.compile(r"\b(CPU|NPU|GPU(?:\.\d+)?)\b")
+
+
+def missing_devices(device: str, available: list[str]) -> list[str]:
+    """The devices `device` names that OpenVINO's `available_devices` lacks. One GPU is listed as bare "GPU",
+    several as "GPU.0", "GPU.1"...: bare GPU is any GPU, and GPU.0 is the lone one."""
+    def present(name: str) -> bool:
+        return (name in available or (name == "GPU" and any(a.startswith("GPU") for a in available))
+                or (name == "GPU.0" and "GPU" in available))
+    return [name for name in DEVICE_IN_STRING.findall(device) if not present(name)]
+
+
 def _gpu_indices(device: str) -> set[int | None]:
     """The GPUs a device string names: an index, or None for bare GPU."""
     return {int(index) if index else None for index in GPU_IN_DEVICE.findall(device)}
@@ -234,8 +268,10 @@ def _describe(tp: Any) -> str:
     return _TYPE_NAMES.get(tp, getattr(tp, "__name__", str(tp)))
 
 
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    """Check value against a type hint and build dataclasses; raise ConfigError naming `where`."""
+def _convert(value: Any, tp: Any, where: str, problems: Problems | None = None) -> Any:
+    """Check value against a type hint and build dataclasses; raise ConfigError naming `where`. With `problems`,
+    what is wrong inside a list or a dataclass is collected there and the rest is still checked (an item that cannot
+    be built becomes None; its config is rejected anyway)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(tp):
@@ -253,13 +289,14 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     elif origin is list:
         if isinstance(value, list):
             (item_tp,) = typing.get_args(tp)
-            return [_convert(item, item_tp, f"{where}[{i}]") for i, item in enumerate(value)]
+            items = (_checked(item, item_tp, f"{where}[{i}]", problems) for i, item in enumerate(value))
+            return [None if item is INVALID else item for item in items]
     elif origin is dict:
         if isinstance(value, dict):
             return {str(k): v for k, v in value.items()}
     elif dataclasses.is_dataclass(tp):
         if isinstance(value, dict):
-            return _build(tp, value, where)
+            return _build(tp, value, where, problems)
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
@@ -274,6 +311,18 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}: expected {_describe(tp)}, got {value!r}")
 
 
+INVALID = object()  # what _checked() returns for a value whose problem it reported
+
+
+def _checked(value: Any, tp: Any, where: str, problems: Problems | None) -> Any:
+    """_convert(), with a problem reported (raised without `problems`) and INVALID in place of the value."""
+    try:
+        return _convert(value, tp, where, problems)
+    except ConfigError as error:
+        _report(problems, error)
+        return INVALID
+
+
 def _key_name(key: Any) -> str:
     """A key as an error names it: plain names as they are, anything else quoted (a newline stays on one line)."""
     return key if isinstance(key, str) and key.isprintable() and key.strip() == key and ":" not in key else repr(key)
@@ -283,33 +332,46 @@ def _join(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
 
-def _build(cls: type, data: dict, where: str) -> Any:
+def _unknown_key(key: Any, fields: list[str]) -> str:
+    """An unknown key's message: the closest valid key when it looks like a misspelling of one, else them all."""
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6) if isinstance(key, str) else []
+    return f"unknown key (did you mean {close[0]!r}?)" if close else f"unknown key (expected one of: {', '.join(fields)})"
+
+
+def _build(cls: type, data: dict, where: str, problems: Problems | None = None) -> Any:
+    """The dataclass `cls` from a mapping; None (with its problems collected) when a key it needs is missing or
+    wrong. A wrong optional key is reported and left at its default, so the checks after this see the rest."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     for key in data:
         if key not in fields:
-            raise ConfigError(f"{_join(where, _key_name(key))}: unknown key (expected one of: {', '.join(fields)})")
-    kwargs = {}
+            _report(problems, ConfigError(f"{_join(where, _key_name(key))}: {_unknown_key(key, list(fields))}"))
+    kwargs, complete = {}, True
     for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if name in data:
-            kwargs[name] = _convert(data[name], hints[name], _join(where, name))
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{_join(where, name)}: required key is missing ({_describe(hints[name])})")
-    return cls(**kwargs)
+            value = _checked(data[name], hints[name], _join(where, name), problems)
+            if value is not INVALID:
+                kwargs[name] = value
+            complete = complete and (value is not INVALID or not required)
+        elif required:
+            _report(problems, ConfigError(f"{_join(where, name)}: required key is missing ({_describe(hints[name])})"))
+            complete = False
+    return cls(**kwargs) if complete else None
 
 
-def _check_kind_keys(model: ModelConfig, raw: Any, at: str) -> None:
+def _check_kind_keys(model: ModelConfig, raw: Any, at: str, problems: Problems) -> None:
     """A key written for another kind of model (pooling on an llm, scheduler_config on a reranker) is named."""
     for key in raw if isinstance(raw, dict) else ():
         kind = KIND_ONLY_KEYS.get(key)
         if kind is not None and kind != model.kind:
-            raise ConfigError(f"{at}.{key}: applies to kind {kind!r} models only (this one is kind {model.kind!r})")
+            problems.append(f"{at}.{key}: applies to kind {kind!r} models only (this one is kind {model.kind!r})")
 
 
-def _check_ranges(config: Config, raw_models: list) -> None:
+def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
     def require(ok: bool, key: str, expected: str) -> None:
         if not ok:
-            raise ConfigError(f"{key}: expected {expected}")
+            problems.append(f"{key}: expected {expected}")
 
     s = config.server
     require(0 < s.port < 65536, "server.port", "a port number 1-65535")
@@ -318,6 +380,8 @@ def _check_ranges(config: Config, raw_models: list) -> None:
     require(s.drain_timeout_s >= 0, "server.drain_timeout_s", "a non-negative number")
     seen: set[str] = set()
     for i, m in enumerate(config.models):
+        if m is None:  # its problems are reported already
+            continue
         at = f"models[{i}]"
         require(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", m.name) is not None, f"{at}.name",
                 "letters, digits, '.', '_' or '-' (it names a systemd instance and a metric label)")
@@ -329,7 +393,7 @@ def _check_ranges(config: Config, raw_models: list) -> None:
         for key in ("max_context", "default_max_tokens", "max_running", "max_inputs"):
             require(getattr(m, key) >= 1, f"{at}.{key}", "at least 1")
         require(m.max_queue >= 0, f"{at}.max_queue", "a non-negative integer")
-        _check_kind_keys(m, raw_models[i] if i < len(raw_models) else {}, at)
+        _check_kind_keys(m, raw_models[i] if i < len(raw_models) else {}, at, problems)
         require(all(d >= 1 for d in m.matryoshka_dimensions or ()), f"{at}.matryoshka_dimensions",
                 "a list of positive integers")
         require(m.max_audio_seconds > 0, f"{at}.max_audio_seconds", "a positive number of seconds")
@@ -349,24 +413,55 @@ def _check_ranges(config: Config, raw_models: list) -> None:
             expected = SCHEDULER_FIELDS.get(key)
             require(expected is not None, f"{at}.scheduler_config.{key}",
                     "a SchedulerConfig field: " + ", ".join(SCHEDULER_FIELDS))
-            _convert(value, expected, f"{at}.scheduler_config.{key}")
+            if expected is not None:
+                _checked(value, expected, f"{at}.scheduler_config.{key}", problems)
 
 
-def parse_config(data: Any, source: str) -> Config:
+# A check of one model beyond its keys' values (its files, its device): (key, what was expected) or None.
+ModelCheck = Callable[[ModelConfig], "tuple[str, str] | None"]
+
+
+def path_check(model: ModelConfig) -> tuple[str, str] | None:
+    """check-config's: the model's directory exists, holds the IR files of its kind, and is readable by this user
+    and, run as root, by the service user."""
+    problem = model_files.path_problem(model.path, model.kind)
+    return ("path", problem) if problem else None
+
+
+def served_path_check(model: ModelConfig) -> tuple[str, str] | None:
+    """The serving process's: the same, for the user it runs as (its workers read the files as that user)."""
+    problem = model_files.path_problem(model.path, model.kind, user_name=None)
+    return ("path", problem) if problem else None
+
+
+def model_problems(models: list[ModelConfig | None], checks: list[ModelCheck]) -> list[str]:
+    """Every check's problem with every model, one line each naming the key and the model."""
+    lines = []
+    for i, model in enumerate(models):
+        for check in checks if model is not None else ():
+            found = check(model)
+            if found:
+                lines.append(f"models[{i}].{found[0]}: {found[1]} (model {model.name!r})")
+    return lines
+
+
+def parse_config(data: Any, source: str, checks: list[ModelCheck] = ()) -> Config:
+    """The config in `data`, or a ConfigError naming every problem (with `checks`: of each model too)."""
     if data is None:
         data = {}
-    try:
-        if not isinstance(data, dict):
-            raise ConfigError("top level: expected a mapping with 'server' and 'models'")
-        config = _build(Config, data, "")
-        _check_ranges(config, data.get("models") or [])
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level: expected a mapping with 'server' and 'models'")
+    problems = Problems()
+    config = _build(Config, data, "", problems)
+    _check_ranges(config, data.get("models") if isinstance(data.get("models"), list) else [], problems)
+    problems.extend(model_problems(config.models, list(checks)))
+    if problems:
+        raise ConfigError("\n".join(f"{source}: {problem}" for problem in problems))
     config.source = source
     return config
 
 
-def load_config(path: os.PathLike | str) -> Config:
+def load_config(path: os.PathLike | str, checks: list[ModelCheck] = ()) -> Config:
     path = Path(path)
     try:
         text = path.read_text()
@@ -381,7 +476,7 @@ def load_config(path: os.PathLike | str) -> Config:
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = " ".join(str(getattr(exc, "problem", None) or exc).split())  # ReaderError has no .problem
         raise ConfigError(f"{path}: not valid YAML{at}: {problem}") from None
-    return parse_config(data, str(path))
+    return parse_config(data, str(path), checks)
 
 
 def demo_config(**server: Any) -> Config:

@@ -183,9 +183,10 @@ def service_user(name: str) -> tuple[int, set[int]] | None:
 SERVICE_USER = "openarc"  # User= of the units (units/openarc.sysusers.conf)
 
 
-def path_problem(path: str, kind: str, user_name: str = SERVICE_USER) -> str | None:
+def path_problem(path: str, kind: str, user_name: str | None = SERVICE_USER) -> str | None:
     """Why a model's `path` cannot be served as `kind` (None: it can): it does not exist, is not a directory, is not
-    readable (by this process, and by the service user when run as root), or lacks the IR files of its kind."""
+    readable (by this process, and, run as root, by the service user `user_name` if that user exists), or lacks the
+    IR files of its kind."""
     directory = Path(path)
     if not directory.exists():
         return f"expected an OpenVINO model directory; {path!r} does not exist"
@@ -200,7 +201,7 @@ def path_problem(path: str, kind: str, user_name: str = SERVICE_USER) -> str | N
         what = f"it holds a model of kind {found.kind!r}" if found.kind else found.reason
         return (f"expected an OpenVINO IR directory for kind {kind!r}; {path!r} lacks {', '.join(missing)} "
                 f"({what})")
-    user = service_user(user_name) if os.geteuid() == 0 else None
+    user = service_user(user_name) if user_name and os.geteuid() == 0 else None
     for stem in IR_FILES[kind] if user is not None else ():
         blocked = unreadable_by(directory / f"{stem}.bin", *user)
         if blocked:

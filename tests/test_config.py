@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import socket
 import subprocess
 import sys
@@ -67,7 +68,8 @@ def test_runtime_config_overrides_first_class_options(tmp_path):
 
 
 @pytest.mark.parametrize("data, expected", [
-    ({"server": {"prot": 1}}, "server.prot: unknown key (expected one of: host, port,"),
+    ({"server": {"prot": 1}}, "server.prot: unknown key (did you mean 'port'?)"),
+    ({"server": {"colour": 1}}, "server.colour: unknown key (expected one of: host, port,"),
     ({"server": {"port": "8000"}}, "server.port: expected an integer, got '8000'"),
     ({"server": {"port": True}}, "server.port: expected an integer, got True"),
     ({"server": {"port": 70000}}, "server.port: expected a port number 1-65535"),
@@ -124,32 +126,76 @@ def run_cli(*args) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-def test_check_config_exits_zero_on_a_valid_file(tmp_path):
-    done = run_cli("check-config", write(tmp_path, FULL))
+def with_paths(data: dict, *paths) -> dict:
+    """`data` with its models' paths replaced by real model directories (check-config reads them)."""
+    data = copy.deepcopy(data)
+    for model, path in zip(data["models"], paths):
+        model["path"] = str(path)
+    return data
+
+
+def test_check_config_exits_zero_on_a_valid_file(tmp_path, demo_model):
+    done = run_cli("check-config", write(tmp_path, with_paths(FULL, demo_model, demo_model)))
     assert done.returncode == 0, done.stderr
     assert "OK: qwen-14b (GPU.0), small (CPU)" in done.stdout
 
 
-def test_check_config_names_each_model_kind_but_llm(tmp_path):
-    data = {"models": [{"name": "chat", "path": "/m/chat"},
-                       {"name": "bge", "path": "/m/bge", "kind": "embedding", "device": "GPU.0", "pooling": "mean"},
-                       {"name": "rank", "path": "/m/rank", "kind": "rerank"}]}
+def test_check_config_names_each_model_kind_but_llm(tmp_path, demo_model, embedding_model, rerank_model):
+    data = {"models": [{"name": "chat", "path": str(demo_model)},
+                       {"name": "bge", "path": str(embedding_model), "kind": "embedding", "device": "GPU.0",
+                        "pooling": "mean"},
+                       {"name": "rank", "path": str(rerank_model), "kind": "rerank"}]}
     done = run_cli("check-config", write(tmp_path, data))
     assert done.returncode == 0, done.stderr
     assert "OK: chat (CPU), bge (GPU.0, embedding), rank (CPU, rerank)" in done.stdout
 
 
-def test_check_config_exits_nonzero_with_one_clear_line(tmp_path):
-    path = write(tmp_path, {"models": [{"name": "a", "path": "/a", "devise": "GPU"}]})
+def test_check_config_exits_nonzero_with_one_clear_line(tmp_path, demo_model):
+    path = write(tmp_path, {"models": [{"name": "a", "path": str(demo_model), "devise": "GPU"}]})
     done = run_cli("check-config", path)
     assert done.returncode == 2
-    assert done.stderr.strip() == (f"openarc: config error: {path}: models[0].devise: unknown key (expected one of: "
-                                   "name, path, kind, device, port, pipeline, runtime_config, scheduler_config, "
-                                   "sdpa_optimization, enable_weightless, max_context, default_max_tokens, max_inputs, "
-                                   "pooling, normalize, matryoshka_dimensions, max_audio_seconds, max_upload_bytes, "
-                                   "word_timestamps, max_running, max_queue, stall_timeout_s, load_timeout_s, "
-                                   "ready_wait_s, reload, restart, tool_parser, reasoning_parser, chat_template)")
-    assert "Traceback" not in done.stderr
+    assert done.stderr.strip() == f"openarc: config error: {path}: models[0].devise: unknown key (did you mean 'device'?)"
+    assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_check_config_prints_every_error_at_once(tmp_path, demo_model):
+    """Five mistakes of five kinds: five lines, each with file, key path and what was expected."""
+    data = {"server": {"port": "8000", "log_levle": "debug"},
+            "models": [{"name": "chat", "path": str(demo_model), "devise": "GPU"},
+                       {"name": "lost", "path": str(tmp_path / "no-such-model")},
+                       {"name": "third", "path": str(demo_model), "device": "gpu"}]}
+    path = write(tmp_path, data)
+    done = run_cli("check-config", path)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"openarc: config error: {path}: {line}" for line in (
+        "server.log_levle: unknown key (did you mean 'log_level'?)",
+        "server.port: expected an integer, got '8000'",
+        "models[0].devise: unknown key (did you mean 'device'?)",
+        "models[2].device: expected an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case)",
+        f"models[1].path: expected an OpenVINO model directory; {str(tmp_path / 'no-such-model')!r} does not exist "
+        "(model 'lost')")]
+
+
+def test_check_config_refuses_a_directory_that_is_not_its_kinds_model(tmp_path, demo_model, embedding_model):
+    path = write(tmp_path, {"models": [{"name": "asr", "path": str(embedding_model), "kind": "transcription"},
+                                       {"name": "chat", "path": str(demo_model)}]})
+    done = run_cli("check-config", path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"openarc: config error: {path}: models[0].path: expected an OpenVINO IR directory for kind 'transcription'; "
+        f"{str(embedding_model)!r} lacks openvino_encoder_model.xml/.bin, openvino_decoder_model.xml/.bin "
+        "(it holds a model of kind 'embedding') (model 'asr')")
+
+
+def test_strict_checks_each_models_device_is_present(tmp_path, demo_model):
+    """This machine has no GPU (OpenVINO lists CPU only): --strict says so; without it the device is not checked."""
+    path = write(tmp_path, {"models": [{"name": "cpu", "path": str(demo_model)},
+                                       {"name": "gpu", "path": str(demo_model), "device": "HETERO:GPU.1,CPU"}]})
+    assert run_cli("check-config", path).returncode == 0
+    done = run_cli("check-config", "--strict", path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"openarc: config error: {path}: models[1].device: expected a device present here "
+                                   "(CPU); GPU.1 is not (model 'gpu')")
 
 
 def test_serve_refuses_an_invalid_config_without_starting(tmp_path):
@@ -179,14 +225,17 @@ def test_serve_model_must_exist_in_the_config(tmp_path):
 
 # --- several GPUs ------------------------------------------------------------------------------------------
 
-def two_models(first_device: str, second_device: str) -> dict:
-    return {"models": [{"name": "a", "path": "/m/a", "device": first_device, "port": 8001},
-                       {"name": "b", "path": "/m/b", "device": second_device, "port": 8002}]}
+@pytest.fixture
+def two_models(demo_model):
+    def config(first_device: str, second_device: str) -> dict:
+        return {"models": [{"name": "a", "path": str(demo_model), "device": first_device, "port": 8001},
+                           {"name": "b", "path": str(demo_model), "device": second_device, "port": 8002}]}
+    return config
 
 
 @pytest.mark.parametrize("first,second,gpu", [("GPU.0", "GPU.0", 0), ("GPU", "GPU.0", 0),
                                               ("HETERO:GPU.1,CPU", "GPU.1", 1)])
-def test_check_config_warns_when_two_models_share_a_gpu(tmp_path, first, second, gpu):
+def test_check_config_warns_when_two_models_share_a_gpu(tmp_path, two_models, first, second, gpu):
     path = write(tmp_path, two_models(first, second))
     done = run_cli("check-config", path)
     assert done.returncode == 0, done.stderr
@@ -197,18 +246,19 @@ def test_check_config_warns_when_two_models_share_a_gpu(tmp_path, first, second,
 
 
 @pytest.mark.parametrize("first,second", [("GPU.0", "GPU.1"), ("GPU", "GPU"), ("GPU.1", "CPU"), ("AUTO", "GPU.0")])
-def test_check_config_is_quiet_about_one_card_per_model(tmp_path, first, second):
+def test_check_config_is_quiet_about_one_card_per_model(tmp_path, two_models, first, second):
     """Bare GPU everywhere is one card's box, or Kubernetes pods that each see only their own card."""
     done = run_cli("check-config", write(tmp_path, two_models(first, second)))
     assert done.returncode == 0 and done.stderr == ""
 
 
-def test_multi_gpu_example_gives_each_card_its_model_and_port(tmp_path):
+def test_multi_gpu_example_gives_each_card_its_model_and_port(tmp_path, demo_model):
     example = REPO / "units" / "openarc.multi-gpu.yaml"
     config = load_config(example)
     assert [(m.device, m.port) for m in config.models] == [("GPU.0", 8001), ("GPU.1", 8002)]
-    assert run_cli("check-config", str(example)).stderr == ""
+    # On a box with the model it names, check-config is quiet.
+    data = with_paths(yaml.safe_load(example.read_text()), demo_model, demo_model)
+    assert run_cli("check-config", write(tmp_path, data)).stderr == ""
     # The same file with both models on one card is what the warning is for.
-    data = yaml.safe_load(example.read_text())
     data["models"][1]["device"] = "GPU.0"
     assert "models 'qwen-gpu0', 'qwen-gpu1' share GPU.0" in run_cli("check-config", write(tmp_path, data)).stderr

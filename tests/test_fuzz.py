@@ -1,5 +1,5 @@
 """Bad input, generated: no request body makes a 5xx or shows a traceback, and no config raises anything but a
-one-line ConfigError that names the file and where in it.
+ConfigError with a line per problem, each naming the file and where in it.
 
 Request bodies go to a live appliance (random JSON, mutated valid bodies, raw bytes and headers); configs go
 through parse_config and, as files, load_config. Example counts are bounded so the module runs in well under a
@@ -301,22 +301,27 @@ KEY_PATH = re.compile(r"(top level|server|models)\b")
 UNREADABLE = object()  # a file that is no YAML at all: its error can name no key
 
 
-def assert_one_line_naming(message: str, source: str, data) -> None:
-    assert "\n" not in message and "\r" not in message, message
-    assert message.startswith(f"{source}: "), message
-    if data is UNREADABLE:
-        return
-    where = message[len(source) + 2:]
-    # an unknown top-level key is named as it is, or quoted
-    top_keys = tuple(f"{name}: " for k in data for name in (k, repr(k))) if isinstance(data, dict) else ()
-    assert KEY_PATH.match(where) or where.startswith(top_keys), message
+def assert_each_line_naming(message: str, source: str, data) -> None:
+    """Every problem is reported, each on a line of its own that names the file and the key."""
+    assert "\r" not in message, message
+    lines = message.split("\n")
+    assert len(lines) == len(set(lines)), message  # no problem twice
+    for line in lines:
+        assert line.startswith(f"{source}: "), message
+        if data is UNREADABLE:
+            assert len(lines) == 1, message
+            continue
+        where = line[len(source) + 2:]
+        # an unknown top-level key is named as it is, or quoted
+        top_keys = tuple(f"{name}: " for k in data for name in (k, repr(k))) if isinstance(data, dict) else ()
+        assert KEY_PATH.match(where) or where.startswith(top_keys), message
 
 
 def parses_or_explains(data, source: str = "fuzz.yaml") -> None:
     try:
         config = parse_config(data, source)
     except ConfigError as exc:
-        assert_one_line_naming(str(exc), source, data)
+        assert_each_line_naming(str(exc), source, data)
     else:
         assert isinstance(config, Config)
 
@@ -330,13 +335,13 @@ def test_the_valid_config_the_mutations_start_from_is_valid():
 @example(data={"server": {"drain_timeout_s": 10 ** 400}})
 @example(data={"models": [{"name": "a", "path": "p", "restart": {"window_s": -(10 ** 400)}}]})
 @example(data={"server": {"a\nb": 1}})
-def test_random_configs_parse_or_fail_with_a_one_line_config_error(data):
+def test_random_configs_parse_or_fail_with_a_config_error_line_per_problem(data):
     parses_or_explains(data)
 
 
 @CONFIG_FUZZ
 @given(data=mutated_configs())
-def test_mutated_valid_configs_parse_or_fail_with_a_one_line_config_error(data):
+def test_mutated_valid_configs_parse_or_fail_with_a_config_error_line_per_problem(data):
     parses_or_explains(data)
 
 
@@ -345,13 +350,13 @@ def test_mutated_valid_configs_parse_or_fail_with_a_one_line_config_error(data):
     lambda c: utf8(yaml.safe_dump(c, allow_unicode=True))))
 @example(content=b"\xff\xfe: 1")
 @example(content=b"server: \x07")
-def test_config_files_load_or_fail_with_a_one_line_config_error(tmp_path, content):
+def test_config_files_load_or_fail_with_a_config_error_line_per_problem(tmp_path, content):
     path = tmp_path / "openarc.yaml"
     path.write_bytes(content)
     try:
         config = load_config(path)
     except ConfigError as exc:
-        assert_one_line_naming(str(exc), str(path), yaml_data(content))
+        assert_each_line_naming(str(exc), str(path), yaml_data(content))
     else:
         assert isinstance(config, Config) and config.source == str(path)
 

@@ -349,12 +349,18 @@ def test_image_matches_what_the_quadlets_expect(quadlet_root, tmp_path):
     assert {args for name, args in instructions if name == "FROM"} <= {"${BASE_IMAGE}", "${BASE_IMAGE} AS build"}
 
 
-def test_example_container_config_is_valid_and_uses_container_paths():
-    done = subprocess.run([sys.executable, "-m", "appliance", "check-config", str(CONTAINERS / "openarc.yaml")],
+def test_example_container_config_is_valid_and_uses_container_paths(tmp_path, demo_model):
+    config = yaml.safe_load((CONTAINERS / "openarc.yaml").read_text())
+    assert config["models"] and all(m["path"].startswith("/models/") for m in config["models"])
+    # check-config reads the models' directories: give it /models as the container sees it (the demo model).
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "demo").symlink_to(demo_model)
+    for model in config["models"]:
+        model["path"] = str(tmp_path / model["path"].lstrip("/"))
+    (tmp_path / "openarc.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "appliance", "check-config", str(tmp_path / "openarc.yaml")],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    models = yaml.safe_load((CONTAINERS / "openarc.yaml").read_text())["models"]
-    assert models and all(m["path"].startswith("/models/") for m in models)
 
 
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from appliance.config import ModelConfig
+from appliance.config import ModelConfig, served_path_check
 from appliance.front.device_faults import DeviceFaults
 from appliance.front.lifecycle import (CRASH_REASONS, Exit, ExitReason, Lifecycle, ModelState, RestartBudget, describe,
                                        describe_exit)
@@ -160,6 +160,9 @@ class WorkerLife:
     async def _one_life(self) -> Exit:
         """One worker from spawn to reaped, whatever happens in between; never raises."""
         self.current = CurrentWorker()
+        problem = served_path_check(self.model)
+        if problem:  # check-config's check: a directory that cannot load gets no worker, and says why
+            return Exit(ExitReason.LOAD_ERROR, detail=": ".join(problem))
         try:
             async with self.load_gate:
                 if self.stopping:

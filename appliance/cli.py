@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import subprocess
@@ -13,8 +12,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from appliance.config import (DEFAULT_CONFIG_PATH, MODEL_KINDS, Config, ConfigError, ModelConfig, demo_config,
-                              load_config, missing_devices, model_problems, path_check, served_path_check)
+from appliance.config import (DEFAULT_CONFIG_PATH, MODEL_KINDS, Config, ConfigError, ModelConfig, available_devices,
+                              demo_config, load_config, missing_devices, model_problems, path_check,
+                              served_path_check)
 from appliance.logs import setup_logging
 
 log = logging.getLogger("openarc")
@@ -65,21 +65,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(appliance.serve(config.server.host, config.server.port, also_bind))
 
 
-def available_devices() -> list[str]:
-    """OpenVINO's device list (Core().available_devices), read in a child process: the front never imports
-    OpenVINO, and a broken GPU runtime must not take this process down."""
-    code = "import json, openvino; print(json.dumps(openvino.Core().available_devices))"
-    try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    except (subprocess.SubprocessError, OSError) as exc:
-        raise ConfigError(f"cannot list OpenVINO's devices for --strict: {exc}") from None
-    try:
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        detail = " ".join(done.stderr.split()[-40:]) or f"exit status {done.returncode}"
-        raise ConfigError(f"cannot list OpenVINO's devices for --strict: {detail}") from None
-
-
 def device_check(available: list[str]):
     """--strict: each device a model names is one OpenVINO lists on this machine."""
     def check(model: ModelConfig) -> tuple[str, str] | None:
@@ -101,6 +86,16 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     for warning in socket_unit_warnings(config):
         print(f"openarc: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from appliance.pull import PullError, pull
+    try:
+        return pull(args.repo_id, args.revision, Path(args.dir) if args.dir else None, args.name,
+                    Path(args.add) if args.add else None)
+    except PullError as exc:
+        print(f"openarc pull: {exc}", file=sys.stderr)
+        return 1
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
@@ -154,6 +149,15 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--strict", action="store_true",
                        help="also check that each model's device is present here (OpenVINO's device list)")
     check.set_defaults(func=cmd_check_config)
+    pull = sub.add_parser("pull", help="download an OpenVINO model from the Hugging Face hub (HF_ENDPOINT, HF_TOKEN) "
+                                       "and print its config entry, or add it to a config")
+    pull.add_argument("repo_id", metavar="REPO_ID", help="e.g. OpenVINO/Qwen2.5-7B-Instruct-int4-ov")
+    pull.add_argument("--revision", default="main", help="branch, tag or commit (default main)")
+    pull.add_argument("--dir", help="where the model goes (default /var/lib/openarc/models/NAME)")
+    pull.add_argument("--name", help="the model's name in the config (default: the repository's name, lower case)")
+    pull.add_argument("--add", metavar="CONFIG", help="add the model's entry to this config file (validated, "
+                                                      "written atomically)")
+    pull.set_defaults(func=cmd_pull)
     demo = sub.add_parser("demo-model", help="build a tiny demo model into DIR")
     demo.add_argument("dir", nargs="?", help="where to build it (default: the cache, reused if present)")
     demo.add_argument("--kind", choices=MODEL_KINDS, default="llm",

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import re
+import subprocess
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -241,6 +244,21 @@ def missing_devices(device: str, available: list[str]) -> list[str]:
         return (name in available or (name == "GPU" and any(a.startswith("GPU") for a in available))
                 or (name == "GPU.0" and "GPU" in available))
     return [name for name in DEVICE_IN_STRING.findall(device) if not present(name)]
+
+
+def available_devices() -> list[str]:
+    """OpenVINO's device list (Core().available_devices), read in a child process: the front never imports
+    OpenVINO, and a broken GPU runtime must not take this process down."""
+    code = "import json, openvino; print(json.dumps(openvino.Core().available_devices))"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except (subprocess.SubprocessError, OSError) as exc:
+        raise ConfigError(f"cannot list OpenVINO's devices: {exc}") from None
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        detail = " ".join(done.stderr.split()[-40:]) or f"exit status {done.returncode}"
+        raise ConfigError(f"cannot list OpenVINO's devices: {detail}") from None
 
 
 def _gpu_indices(device: str) -> set[int | None]:

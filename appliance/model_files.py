@@ -137,11 +137,16 @@ def read_dir(path: Path) -> tuple[set[str], dict[str, Any] | None]:
             files.update(f"{entry.name}/{sub.name}" for sub in entry.iterdir() if sub.is_file())
         else:
             files.add(entry.name)
+    return files, read_json(path / "config.json")
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A config.json's mapping; None if it is absent or not a JSON object."""
     try:
-        config = json.loads((path / "config.json").read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
-        config = None
-    return files, config if isinstance(config, dict) else None
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _permits(st: os.stat_result, uid: int, gids: set[int], want: int) -> bool:

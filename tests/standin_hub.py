@@ -38,6 +38,9 @@ class StandinHub:
     def __init__(self, repos: dict[str, Path]):
         self.repos = {repo_id: Repo(repo_id, Path(root)) for repo_id, root in repos.items()}
         self.requests: list[tuple[str, str]] = []
+        self.ranges: list[tuple[str, str]] = []  # (file, Range header) of each GET that asked for part of a file
+        # file name -> bytes: the next GET of that file sends this many bytes of it, then drops the connection
+        self.cut_once: dict[str, int] = {}
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -102,22 +105,30 @@ class StandinHub:
         ranged = re.fullmatch(r"bytes=(\d+)-", request.headers.get("Range", ""))
         if ranged:
             start = min(int(ranged.group(1)), len(data))
+            if send_body:
+                self.ranges.append((name, request.headers["Range"]))
         headers = {"X-Repo-Commit": repo.sha, "ETag": f'"{repo.oid(name)}"', "Accept-Ranges": "bytes",
                    "Content-Type": "application/octet-stream"}
         if ranged:
             headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-        self.send(request, 206 if ranged else 200, data[start:], headers, send_body)
+        cut = self.cut_once.pop(name, None) if send_body else None
+        self.send(request, 206 if ranged else 200, data[start:], headers, send_body, cut)
 
     def reply(self, request, status: int, body, headers: dict, send_body: bool) -> None:
         self.send(request, status, json.dumps(body).encode(), {"Content-Type": "application/json", **headers},
                   send_body)
 
     @staticmethod
-    def send(request: BaseHTTPRequestHandler, status: int, body: bytes, headers: dict, send_body: bool) -> None:
+    def send(request: BaseHTTPRequestHandler, status: int, body: bytes, headers: dict, send_body: bool,
+             cut: int | None = None) -> None:
         request.send_response(status)
         for key, value in headers.items():
             request.send_header(key, value)
         request.send_header("Content-Length", str(len(body)))
         request.end_headers()
         if send_body:
-            request.wfile.write(body)
+            request.wfile.write(body[:cut])
+        if cut is not None:  # a connection lost mid-file: what arrived so far is all the client gets
+            request.wfile.flush()
+            request.close_connection = True
+            request.connection.shutdown(2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +22,9 @@ from standin_hub import StandinHub
 DEMO_REPOS = {"llm": "openarc-test/demo-llm-ov", "embedding": "openarc-test/demo-embedding-ov",
               "rerank": "openarc-test/demo-rerank-ov", "transcription": "openarc-test/demo-whisper-ov"}
 PYTORCH_REPO, GGUF_REPO = "Qwen/Qwen2.5-0.5B-Instruct", "bartowski/Qwen2.5-0.5B-Instruct-GGUF"
+# An llm's files with weights larger than huggingface_hub's download chunk (10 MiB): what arrives of it before a
+# lost connection is kept and resumed from (smaller pieces are fetched again whole). Pulled, never served.
+BIG_REPO, BIG_WEIGHTS = "openarc-test/big-weights-ov", 12 << 20
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +41,11 @@ def hub(demo_dirs, tmp_path_factory):
     gguf = tmp_path_factory.mktemp("gguf")
     (gguf / "qwen2.5-0.5b-instruct-q4_k_m.gguf").write_bytes(b"GGUF" + b"\0" * 4096)
     (gguf / "README.md").write_text("quantized from Qwen/Qwen2.5-0.5B-Instruct\n")
+    big = tmp_path_factory.mktemp("big") / "model"
+    shutil.copytree(demo_dirs["llm"], big)
+    (big / "openvino_model.bin").write_bytes(os.urandom(BIG_WEIGHTS))
     repos = {DEMO_REPOS[kind]: path for kind, path in demo_dirs.items()}
-    with StandinHub({**repos, PYTORCH_REPO: pytorch, GGUF_REPO: gguf}) as hub:
+    with StandinHub({**repos, PYTORCH_REPO: pytorch, GGUF_REPO: gguf, BIG_REPO: big}) as hub:
         yield hub
 
 
@@ -76,6 +83,15 @@ def test_pulling_again_fetches_nothing_already_there(hub, tmp_path):
     again = pull(tmp_path, hub.url, DEMO_REPOS["llm"], "--dir", str(dest))
     assert again.returncode == 0, again.stderr
     assert hub.fetched()[before:] == []  # every file is there and known (huggingface_hub's metadata in DIR/.cache)
+
+
+def test_a_download_cut_short_resumes_where_it_stopped(hub, tmp_path):
+    hub.cut_once["openvino_model.bin"] = 11 << 20
+    dest = tmp_path / "big"
+    done = pull(tmp_path, hub.url, BIG_REPO, "--dir", str(dest))
+    assert done.returncode == 0, done.stderr
+    assert ("openvino_model.bin", f"bytes={10 << 20}-") in hub.ranges  # the rest, not the whole again
+    assert model_files_of(dest) == model_files_of(hub.repos[BIG_REPO].root)
 
 
 CONFIG = """\

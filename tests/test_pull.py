@@ -192,6 +192,26 @@ def test_a_gguf_repository_is_refused_with_the_conversion_of_its_original(hub, t
            "--weight-format int4" in line
 
 
+def test_a_kind_no_worker_serves_is_refused_before_downloading(hub, demo_dirs, tmp_path):
+    vlm = tmp_path / "vlm-repo"
+    vlm.mkdir()
+    for stem in ("openvino_language_model", "openvino_vision_embeddings_model", "openvino_text_embeddings_model"):
+        shutil.copy(demo_dirs["llm"] / "openvino_model.xml", vlm / f"{stem}.xml")
+        shutil.copy(demo_dirs["llm"] / "openvino_model.bin", vlm / f"{stem}.bin")
+    for name in ("openvino_tokenizer.xml", "openvino_tokenizer.bin", "openvino_detokenizer.xml",
+                 "openvino_detokenizer.bin"):
+        shutil.copy(demo_dirs["llm"] / name, vlm / name)
+    (vlm / "config.json").write_text(json.dumps({"architectures": ["Qwen2VLForConditionalGeneration"],
+                                                 "vision_config": {}}))
+    with StandinHub({"OpenVINO/Qwen2-VL-2B-Instruct-int4-ov": vlm}) as vlm_hub:
+        done = pull(tmp_path, vlm_hub.url, "OpenVINO/Qwen2-VL-2B-Instruct-int4-ov", "--dir", str(tmp_path / "v"))
+        assert vlm_hub.fetched() == ["config.json"]
+    assert done.returncode == 1
+    assert done.stderr.strip() == ("openarc pull: OpenVINO/Qwen2-VL-2B-Instruct-int4-ov is an OpenVINO vlm model, a "
+                                   "kind this version of openarc does not serve (it serves llm, embedding, rerank, "
+                                   "transcription); nothing was downloaded")
+
+
 def test_an_unknown_repository_or_revision_is_one_line(hub, tmp_path):
     done = pull(tmp_path, hub.url, "openarc-test/no-such-model")
     assert (done.returncode, done.stderr.strip()) == (1, f"openarc pull: no repository openarc-test/no-such-model on "

@@ -9,6 +9,7 @@ fetched (appliance.model_files): a PyTorch or GGUF repository is refused with th
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import re
@@ -69,6 +70,10 @@ def hub_error(exc: Exception, repo_id: str, revision: str) -> PullError:
     if isinstance(exc, errors.HfHubHTTPError):
         status = exc.response.status_code if exc.response is not None else "an error"
         return PullError(f"{endpoint} answered {status} for {repo_id}")
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+        # the disk's fault, not the network's: a full disk or a directory this user may not write
+        return PullError(f"cannot write {exc.filename or 'the model directory'}: {exc.strerror}; run the same pull "
+                         "again to resume once that is fixed")
     reason = " ".join(str(exc).split()) or type(exc).__name__
     return PullError(f"cannot reach the hub at {endpoint} ({reason}); check the network, or HF_ENDPOINT for a mirror")
 

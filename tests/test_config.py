@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from appliance.config import ConfigError, load_config
-from conftest import REPO
+from conftest import REPO, model_entry
 
 
 def write(tmp_path, data) -> str:
@@ -262,3 +262,27 @@ def test_multi_gpu_example_gives_each_card_its_model_and_port(tmp_path, demo_mod
     # The same file with both models on one card is what the warning is for.
     data["models"][1]["device"] = "GPU.0"
     assert "models 'qwen-gpu0', 'qwen-gpu1' share GPU.0" in run_cli("check-config", write(tmp_path, data)).stderr
+
+
+# --- the server's start checks the model directories as check-config does -------------------------------------
+
+def test_serve_names_every_bad_model_at_start_and_serves_the_good_ones(appliance_factory, demo_model,
+                                                                      embedding_model, tmp_path):
+    budget = {"backoff_initial_s": 0.05, "backoff_max_s": 0.1, "max_failures": 1, "window_s": 60}
+    missing = tmp_path / "no-such-model"
+    app = appliance_factory({"models": [model_entry("lost", missing, restart=budget),
+                                        model_entry("asr", embedding_model, kind="transcription", restart=budget),
+                                        model_entry("chat", demo_model)]}, wait_ready=False)
+    lost, asr = app.wait_model("lost", "failed"), app.wait_model("asr", "failed")
+    app.wait_model("chat", "ready")
+    logs = app.logs()
+    assert (f"models[0].path: expected an OpenVINO model directory; {str(missing)!r} does not exist (model 'lost'); "
+            "this model will not load") in logs
+    assert "models[1].path: expected an OpenVINO IR directory for kind 'transcription'" in logs
+    for status in (lost, asr):
+        assert status["last_exit"] == "load_error" and status["pid"] is None
+    assert "does not exist" in lost["last_error"] and "openvino_encoder_model.xml/.bin" in asr["last_error"]
+    assert "worker[lost]" not in logs and "worker[asr]" not in logs  # no worker was started for either
+    reply = app.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=3)
+    assert reply.usage.completion_tokens == 3

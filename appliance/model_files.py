@@ -133,10 +133,13 @@ def read_dir(path: Path) -> tuple[set[str], dict[str, Any] | None]:
     config.json (None if absent or not JSON)."""
     files = set()
     for entry in path.iterdir():
-        if entry.is_dir():
-            files.update(f"{entry.name}/{sub.name}" for sub in entry.iterdir() if sub.is_file())
-        else:
+        if not entry.is_dir():
             files.add(entry.name)
+            continue
+        try:
+            files.update(f"{entry.name}/{sub.name}" for sub in entry.iterdir() if sub.is_file())
+        except OSError:  # a subdirectory this user cannot list holds nothing a worker could read either
+            continue
     return files, read_json(path / "config.json")
 
 
@@ -193,9 +196,13 @@ def path_problem(path: str, kind: str, user_name: str | None = SERVICE_USER) -> 
     readable (by this process, and, run as root, by the service user `user_name` if that user exists), or lacks the
     IR files of its kind."""
     directory = Path(path)
-    if not directory.exists():
+    try:
+        is_dir = stat.S_ISDIR(directory.stat().st_mode)
+    except FileNotFoundError:
         return f"expected an OpenVINO model directory; {path!r} does not exist"
-    if not directory.is_dir():
+    except OSError as exc:
+        return f"expected a directory this user can read; cannot reach {path!r} ({exc.strerror})"
+    if not is_dir:
         return f"expected an OpenVINO model directory; {path!r} is a file"
     if not os.access(directory, os.R_OK | os.X_OK):
         return f"expected a directory this user can read; cannot read {path!r}"
@@ -206,9 +213,13 @@ def path_problem(path: str, kind: str, user_name: str | None = SERVICE_USER) -> 
         what = f"it holds a model of kind {found.kind!r}" if found.kind else found.reason
         return (f"expected an OpenVINO IR directory for kind {kind!r}; {path!r} lacks {', '.join(missing)} "
                 f"({what})")
+    ir = [directory / f"{stem}.{ext}" for stem in IR_FILES.get(kind, ()) for ext in ("xml", "bin")]
+    unreadable = [str(file) for file in ir if not os.access(file, os.R_OK)]
+    if unreadable:
+        return f"expected files this user can read; cannot read {unreadable[0]!r}"
     user = service_user(user_name) if user_name and os.geteuid() == 0 else None
-    for stem in IR_FILES[kind] if user is not None else ():
-        blocked = unreadable_by(directory / f"{stem}.bin", *user)
+    for file in ir if user else ():
+        blocked = unreadable_by(file, *user)
         if blocked:
             return f"expected files the service user {user_name!r} can read; it cannot read {blocked!r}"
     return None

@@ -41,6 +41,8 @@ class StandinHub:
         self.ranges: list[tuple[str, str]] = []  # (file, Range header) of each GET that asked for part of a file
         # file name -> bytes: the next GET of that file sends this many bytes of it, then drops the connection
         self.cut_once: dict[str, int] = {}
+        # private repositories: repo id -> the token a request must bear (as HF_TOKEN makes the client send it)
+        self.tokens: dict[str, str] = {}
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -79,6 +81,9 @@ class StandinHub:
         api = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+))?(/.*)?", path)
         resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
         repo = self.repos.get((api or resolve).group(1)) if (api or resolve) else None
+        token = self.tokens.get(repo.id) if repo else None
+        if token and request.headers.get("Authorization") != f"Bearer {token}":
+            repo = None  # the hub answers for a private repository as for one that does not exist
         if repo is None:
             return self.reply(request, 404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"},
                               send_body)

@@ -14,6 +14,7 @@ import pytest
 
 from appliance import model_files
 from appliance.model_files import detect, export_command, missing_ir, path_problem, read_dir
+from conftest import run_as_nobody
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +122,19 @@ def test_a_model_the_service_user_cannot_read_is_named(shared_dir, demo_dirs):
         f"expected files the service user 'nobody' can read; it cannot read {str(model / 'openvino_model.bin')!r}")
     model.chmod(0o700)  # the directory itself closed: named before its files
     assert path_problem(str(model), "llm", user_name="nobody").endswith(f"cannot read {str(model)!r}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as another user")
+def test_as_the_serving_user_itself_unreadable_weights_are_named(shared_dir, demo_dirs):
+    """The server's own check (no service user to look up: it is that user) asks the kernel."""
+    model = shared_dir / "m"
+    shutil.copytree(demo_dirs["llm"], model)
+    model.chmod(0o755)
+    (model / "openvino_model.bin").chmod(0o600)
+    done = run_as_nobody("from appliance.model_files import path_problem; "
+                         f"print(path_problem({str(model)!r}, 'llm', user_name=None)); "
+                         "print(path_problem('/root/openarc-no-such-model', 'llm', user_name=None))", "model_files")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"expected files this user can read; cannot read {str(model / 'openvino_model.bin')!r}",
+        "expected a directory this user can read; cannot reach '/root/openarc-no-such-model' (Permission denied)"]

@@ -6,10 +6,14 @@ unreachable hub in one line."""
 from __future__ import annotations
 
 import json
+import fcntl
 import os
+import pty
 import shutil
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -49,10 +53,9 @@ def hub(demo_dirs, tmp_path_factory):
         yield hub
 
 
-def pull(tmp_path: Path, endpoint: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf-home"),
-           "HF_HUB_DISABLE_TELEMETRY": "1"}
-    env.pop("HF_TOKEN", None)
+def pull(tmp_path: Path, endpoint: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k != "HF_TOKEN"}, "PYTHONPATH": str(REPO), "HF_ENDPOINT": endpoint,
+           "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "appliance", "pull", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=180)
 
@@ -74,6 +77,42 @@ def test_a_pulled_model_arrives_whole_and_its_kind_is_detected(hub, demo_dirs, t
     # Not a terminal: plain lines, no progress bar drawing.
     assert f"an OpenVINO {kind} model" in done.stderr and "\r" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].endswith(f"{len(model_files_of(dest))}/{len(model_files_of(dest))} files")
+
+
+def test_a_terminal_gets_progress_bars(hub, tmp_path):
+    """stderr on a pseudo-terminal: huggingface_hub draws its bars (redrawn in place), not our plain lines."""
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal has a size
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home")}
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", "pull", DEMO_REPOS["llm"], "--dir",
+                             str(tmp_path / "m")], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=child)
+    os.close(child)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # EIO: the child side is closed
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(main)
+    assert proc.wait(180) == 0, shown.decode(errors="replace")
+    proc.stdout.close()
+    text = shown.decode(errors="replace")
+    assert "\r" in text and "Fetching 12 files" in text and "100%" in text
+    assert "openarc pull: 1/12 files" not in text
+
+
+def test_a_private_repository_needs_hf_token(hub, demo_dirs, tmp_path):
+    with StandinHub({"someone/private-ov": demo_dirs["embedding"]}) as private:
+        private.tokens["someone/private-ov"] = "hf_secret"
+        denied = pull(tmp_path, private.url, "someone/private-ov", "--dir", str(tmp_path / "p"))
+        assert (denied.returncode, denied.stderr.strip()) == (
+            1, f"openarc pull: no repository someone/private-ov on {private.url} (a private one needs HF_TOKEN)")
+        allowed = pull(tmp_path, private.url, "someone/private-ov", "--dir", str(tmp_path / "p"), env={"HF_TOKEN": "hf_secret"})
+    assert allowed.returncode == 0, allowed.stderr
+    assert yaml.safe_load(allowed.stdout)[0]["kind"] == "embedding"
 
 
 def test_pulling_again_fetches_nothing_already_there(hub, tmp_path):

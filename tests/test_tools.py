@@ -47,7 +47,10 @@ FAMILIES = {"qwen3": ("Qwen-Qwen3-0.6B.jinja", "hermes"), "coder": ("tool_chat_t
 def app(demo_model, tmp_path_factory):
     models = [model_entry("demo", demo_model), model_entry("sdpa", demo_model, pipeline="stateful"),
               model_entry("notools", demo_model, tool_parser="none"),
-              model_entry("r1", demo_model, chat_template=str(TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"))]
+              model_entry("r1", demo_model, chat_template=str(TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")),
+              # the distills' original template: no <think> in it, only the </think> it splits history on
+              model_entry("r1-original", demo_model,
+                          chat_template=str(TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"))]
     from appliance.demo.catalog import build_demo_model
     varied = build_demo_model(tmp_path_factory.mktemp("models") / "varied", logit_scale=1.0)
     models.append(model_entry("varied", varied))
@@ -77,6 +80,7 @@ def test_status_shows_each_models_formats_detected_or_configured(app):
     assert status["notools"]["tool_parser"] is None
     assert (status["qwen3"]["tool_parser"], status["qwen3"]["reasoning_parser"]) == ("hermes", "qwen3")
     assert (status["r1"]["tool_parser"], status["r1"]["reasoning_parser"]) == (None, "deepseek_r1")
+    assert (status["r1-original"]["tool_parser"], status["r1-original"]["reasoning_parser"]) == (None, "deepseek_r1")
     for name, (_, family) in FAMILIES.items():
         assert status[name]["tool_parser"] == family
 
@@ -268,6 +272,18 @@ def test_a_template_that_opens_the_think_block_splits_reasoning(app):
     message = reply.choices[0].message
     assert message.reasoning_content and "<think>" not in message.reasoning_content
     assert message.content.startswith("OK "), message
+    assert 0 < reply.usage.completion_tokens_details.reasoning_tokens < reply.usage.completion_tokens
+
+
+def test_a_template_that_only_strips_reasoning_still_splits_the_think_block_the_model_opens(app):
+    """DeepSeek-R1-Distill-Llama-8B's original template never writes <think>: the model opens the block itself,
+    and it goes to reasoning_content, not into content (where it landed before the template was detected)."""
+    reply = app.client().chat.completions.create(
+        model="r1-original", messages=CHAT, max_tokens=100,
+        extra_body={"structured_outputs": {"regex": r"<think>\n[a-z ]{5,30}\n</think>\n\nOK [a-z]{2,5}"}})
+    message = reply.choices[0].message
+    assert message.reasoning_content and "think>" not in message.reasoning_content
+    assert message.content.startswith("OK ") and "think>" not in message.content, message
     assert 0 < reply.usage.completion_tokens_details.reasoning_tokens < reply.usage.completion_tokens
 
 

@@ -97,20 +97,22 @@ def test_path_problems_name_the_path_and_what_was_expected(tmp_path, demo_dirs):
 
 
 @pytest.fixture
-def shared_dir():
-    """A directory every user can pass through (pytest's tmp dirs are private to root)."""
-    path = tempfile.mkdtemp(prefix="openarc-model-files-")
-    os.chmod(path, 0o755)
-    yield Path(path)
-    shutil.rmtree(path)
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as another user")
-def test_a_model_the_service_user_cannot_read_is_named(shared_dir, demo_dirs):
-    model = shared_dir / "private"
+def private_weights(demo_dirs):
+    """A copy of the chat demo model whose weights only root may read, in a directory every user can pass through
+    (pytest's tmp dirs are private to root)."""
+    shared = Path(tempfile.mkdtemp(prefix="openarc-model-files-"))
+    shared.chmod(0o755)
+    model = shared / "model"
     shutil.copytree(demo_dirs["llm"], model)
     model.chmod(0o755)
     (model / "openvino_model.bin").chmod(0o600)
+    yield model
+    shutil.rmtree(shared)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as another user")
+def test_a_model_the_service_user_cannot_read_is_named(private_weights):
+    model = private_weights
     nobody = model_files.service_user("nobody")
     # The permission bits say what the kernel says when that user opens the files.
     for name, readable in (("openvino_model.bin", False), ("openvino_tokenizer.bin", True)):
@@ -125,12 +127,9 @@ def test_a_model_the_service_user_cannot_read_is_named(shared_dir, demo_dirs):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as another user")
-def test_as_the_serving_user_itself_unreadable_weights_are_named(shared_dir, demo_dirs):
+def test_as_the_serving_user_itself_unreadable_weights_are_named(private_weights):
     """The server's own check (no service user to look up: it is that user) asks the kernel."""
-    model = shared_dir / "m"
-    shutil.copytree(demo_dirs["llm"], model)
-    model.chmod(0o755)
-    (model / "openvino_model.bin").chmod(0o600)
+    model = private_weights
     done = run_as_nobody("from appliance.model_files import path_problem; "
                          f"print(path_problem({str(model)!r}, 'llm', user_name=None)); "
                          "print(path_problem('/root/openarc-no-such-model', 'llm', user_name=None))", "model_files")

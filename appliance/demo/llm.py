@@ -177,7 +177,7 @@ def _phrase_texts(rng: np.random.Generator, eos_after: int) -> list[str]:
     return [text + "." if _phrase_slot(i)[0] + 1 == eos_after else text for i, text in enumerate(texts)]
 
 
-def _train_bpe() -> dict:
+def _train_bpe(specials: list[str] = SPECIAL_TOKENS) -> dict:
     """Byte-level BPE (specials first, so <|endoftext|> = 0, <|im_start|> = 1, <|im_end|> = 2) trained on CORPUS;
     returns the `tokenizers` JSON spec.  Training on a fixed corpus is deterministic."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -185,18 +185,18 @@ def _train_bpe() -> dict:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=SPECIAL_TOKENS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(CORPUS, trainer)
     return json.loads(bpe.to_str())
 
 
-def _bpe_ends_line(bpe_spec: dict) -> np.ndarray:
+def _bpe_ends_line(bpe_spec: dict, specials: list[str] = SPECIAL_TOKENS) -> np.ndarray:
     """For each BPE token id: is it a special token, or does its text end with whitespace?"""
     byte_of = {c: b for b, c in _bytes_to_unicode().items()}
     ends_line = np.zeros(len(bpe_spec["model"]["vocab"]), dtype=bool)
     for token, i in bpe_spec["model"]["vocab"].items():
-        ends_line[i] = token in SPECIAL_TOKENS or bytes([byte_of[token[-1]]]).isspace()
+        ends_line[i] = token in specials or bytes([byte_of[token[-1]]]).isspace()
     return ends_line
 
 
@@ -286,12 +286,18 @@ def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generato
     return model
 
 
-def _decoder_layer(x, layer: int, mask, beam_idx, weight, caches: list):
-    """Pre-norm attention + SwiGLU MLP; appends this layer's KV-cache (parameter, result) pairs to `caches`."""
+def _decoder_layer(x, layer: int, mask, beam_idx, weight, caches: list, head=None):
+    """Pre-norm attention + SwiGLU MLP; appends this layer's KV-cache (parameter, result) pairs to `caches`.
+    `head`, if given, replaces some heads' queries, keys and values (head.qkv) and is handed the attention's
+    output (head.output): the demo VLM's image-reading head (appliance.demo.vlm)."""
     h = _rms_norm(x)
     q, k, v = (_split_heads(ops.matmul(h, weight(HIDDEN, HIDDEN, std=HIDDEN ** -0.5), False, True)) for _ in "qkv")
+    if head is not None:
+        q, k, v = head.qkv(q, k, v)
     keys_values = _kv_cache(k, v, str(layer), beam_idx, caches)
     attn = ops.scaled_dot_product_attention(q, *keys_values, mask, causal=False)
+    if head is not None:
+        head.output = attn
     x = ops.add(x, ops.matmul(_merge_heads(attn), weight(HIDDEN, HIDDEN), False, True))
     h = _rms_norm(x)
     gate = ops.swish(ops.matmul(h, weight(MLP_HIDDEN, HIDDEN, std=HIDDEN ** -0.5), False, True))
@@ -313,10 +319,13 @@ def _logits(x, nxt, vocab_size: int, phrase_base: int, rng: np.random.Generator,
     return ops.matmul(features, ops.constant(lm_head), False, True)
 
 
-def _next_token(input_ids, position_ids, next_token: np.ndarray, phrase_base: int):
+def _next_token(input_ids, position_ids, next_token: np.ndarray, phrase_base: int, chosen_variant=None):
     """Token id to emit after each input token: next_token[t], plus for a prompt token the variant (t + p) % VARIANTS
-    (p its position), so the answer varies with the prompt's last token and length."""
+    (p its position), so the answer varies with the prompt's last token and length; or `chosen_variant` where it
+    is not negative (the demo VLM's image colour)."""
     variant = ops.floor_mod(ops.add(input_ids, position_ids), ops.constant(np.int64(VARIANTS)))
+    if chosen_variant is not None:
+        variant = ops.select(ops.greater_equal(chosen_variant, ops.constant(np.int64(0))), chosen_variant, variant)
     is_phrase = ops.greater_equal(input_ids, ops.constant(np.int64(phrase_base)))
     offset = ops.select(is_phrase, ops.constant(np.int64(0)), variant)
     return ops.add(ops.gather(ops.constant(next_token), input_ids, 0), offset)

@@ -102,11 +102,11 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     """Build a demo model into DIR, or into the cache (reused while its build parameters match)."""
     from appliance.demo import catalog as demo_model
     params = {}
-    if args.kind == "llm":
+    if args.kind in ("llm", "vlm"):  # the demo VLM walks the chat demo's phrases
         params = {key: value for key, value in (("eos_after", args.eos_after), ("max_new_tokens", args.max_new_tokens),
                                                 ("logit_scale", args.logit_scale)) if value is not None}
     elif args.eos_after is not None or args.max_new_tokens is not None or args.logit_scale is not None:
-        print("openarc: --eos-after, --max-new-tokens and --logit-scale apply to --kind llm only", file=sys.stderr)
+        print("openarc: --eos-after, --max-new-tokens and --logit-scale apply to --kind llm and vlm only", file=sys.stderr)
         return 2
     if args.kind not in demo_model.DEMO_KINDS:
         print(f"openarc: no demo model of kind {args.kind!r} yet", file=sys.stderr)

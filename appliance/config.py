@@ -36,11 +36,15 @@ DEVICE_PATTERN = re.compile(r"^(CPU|NPU|GPU(\.\d+)?|(AUTO|MULTI|HETERO|BATCH)(:[
 GPU_IN_DEVICE = re.compile(r"\bGPU(?:\.(\d+))?\b")
 
 # What a model's worker runs: a chat/completion LLM, or one of the request-in, result-out kinds.
-MODEL_KINDS = ("llm", "embedding", "rerank", "transcription")
-# Keys that mean something for one kind only: set for another kind they are a mistake worth naming.
-KIND_ONLY_KEYS = {
-    "pipeline": "llm", "scheduler_config": "llm", "default_max_tokens": "llm", "tool_parser": "llm",
-    "reasoning_parser": "llm", "chat_template": "llm",
+MODEL_KINDS = ("llm", "vlm", "embedding", "rerank", "transcription")
+# The kinds that generate text (chat and text completions); vlm also takes images in chat.
+GENERATIVE_KINDS = ("llm", "vlm")
+# Keys that mean something for some kinds only (a kind, or a tuple of kinds): set for another kind they are a
+# mistake worth naming.
+KIND_ONLY_KEYS: dict[str, str | tuple[str, ...]] = {
+    "pipeline": GENERATIVE_KINDS, "scheduler_config": GENERATIVE_KINDS, "default_max_tokens": GENERATIVE_KINDS,
+    "tool_parser": GENERATIVE_KINDS, "reasoning_parser": GENERATIVE_KINDS, "chat_template": GENERATIVE_KINDS,
+    "max_image_bytes": "vlm", "max_image_pixels": "vlm", "image_formats": "vlm",
     "pooling": "embedding", "normalize": "embedding", "matryoshka_dimensions": "embedding",
     "max_audio_seconds": "transcription", "max_upload_bytes": "transcription", "word_timestamps": "transcription",
 }
@@ -95,7 +99,7 @@ class RestartPolicy:
 class ModelConfig:
     name: str
     path: str
-    kind: Literal["llm", "embedding", "rerank", "transcription"] = "llm"
+    kind: Literal["llm", "vlm", "embedding", "rerank", "transcription"] = "llm"
     device: str = "CPU"
     # Port of this model's own listener under `openarc serve --model NAME` (openarc@NAME.service).
     port: int | None = None
@@ -126,6 +130,12 @@ class ModelConfig:
     max_audio_seconds: float = 1800.0
     max_upload_bytes: int = 25 << 20
     word_timestamps: bool = False
+    # vlm: the largest image a request may send (encoded bytes, after base64), the most pixels it may decode to
+    # (width x height, checked from the header before decoding: decompression bombs), and the formats taken.
+    max_image_bytes: int = 10 << 20
+    max_image_pixels: int = 25_000_000
+    image_formats: list[Literal["png", "jpeg", "webp", "gif"]] = field(
+        default_factory=lambda: ["png", "jpeg", "webp", "gif"])
     max_running: int = 8
     max_queue: int = 32
     stall_timeout_s: float = 60.0
@@ -172,6 +182,16 @@ class ModelConfig:
 
 
 @dataclass
+class ImageFetch:
+    """Remote (http/https) image URLs in chat: off by default (a server that fetches any URL for anyone is an SSRF
+    hole); on, only from the hosts listed, each answer at most max_bytes and timeout_s."""
+    enabled: bool = False
+    allow_hosts: list[str] = field(default_factory=list)
+    max_bytes: int = 10 << 20
+    timeout_s: float = 10.0
+
+
+@dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -184,6 +204,7 @@ class ServerConfig:
     load_concurrency: int = 1
     cache_dir: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    image_fetch: ImageFetch = field(default_factory=ImageFetch)
 
 
 @dataclass
@@ -381,9 +402,34 @@ def _build(cls: type, data: dict, where: str, problems: Problems | None = None) 
 def _check_kind_keys(model: ModelConfig, raw: Any, at: str, problems: Problems) -> None:
     """A key written for another kind of model (pooling on an llm, scheduler_config on a reranker) is named."""
     for key in raw if isinstance(raw, dict) else ():
-        kind = KIND_ONLY_KEYS.get(key)
-        if kind is not None and kind != model.kind:
-            problems.append(f"{at}.{key}: applies to kind {kind!r} models only (this one is kind {model.kind!r})")
+        kinds = KIND_ONLY_KEYS.get(key)
+        if kinds is not None and model.kind not in _kinds(kinds):
+            named = " or ".join(repr(k) for k in _kinds(kinds))
+            problems.append(f"{at}.{key}: applies to kind {named} models only (this one is kind {model.kind!r})")
+
+
+def _kinds(kinds: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (kinds,) if isinstance(kinds, str) else kinds
+
+
+# The files that tell an OpenVINO export's kind, for the two kinds a user mixes up (one HF repo name ends in -VL).
+VLM_FILES = ("openvino_language_model.xml", "openvino_vision_embeddings_model.xml")
+LLM_FILE = "openvino_model.xml"
+
+
+def export_kind_mismatch(kind: str, path: str) -> str | None:
+    """Why the model directory `path` does not fit `kind` (llm or vlm), or None: a VLM export (language model
+    plus vision embeddings) given as kind llm, or an LLM export (openvino_model.xml) given as kind vlm.  A path
+    that is not a directory (yet) is not judged here: the worker's load says what is missing."""
+    directory = Path(path)
+    if kind not in GENERATIVE_KINDS or not directory.is_dir():
+        return None
+    is_vlm = all((directory / name).is_file() for name in VLM_FILES)
+    if kind == "llm" and is_vlm:
+        return f"{path} is a vision-language model export ({', '.join(VLM_FILES)}): use kind: vlm"
+    if kind == "vlm" and not is_vlm and (directory / LLM_FILE).is_file():
+        return f"{path} is a text-only LLM export ({LLM_FILE}, no {VLM_FILES[1]}): use kind: llm"
+    return None
 
 
 def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
@@ -396,6 +442,11 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
     require(s.max_body_bytes >= 1024, "server.max_body_bytes", "at least 1024")
     require(s.load_concurrency >= 1, "server.load_concurrency", "at least 1")
     require(s.drain_timeout_s >= 0, "server.drain_timeout_s", "a non-negative number")
+    f = s.image_fetch
+    require(f.max_bytes >= 1024, "server.image_fetch.max_bytes", "at least 1024")
+    require(f.timeout_s > 0, "server.image_fetch.timeout_s", "a positive number of seconds")
+    require(all(h and "/" not in h for h in f.allow_hosts), "server.image_fetch.allow_hosts",
+            "host names (host or host:port, no scheme or path)")
     seen: set[str] = set()
     for i, m in enumerate(config.models):
         if m is None:  # its problems are reported already
@@ -416,6 +467,12 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
                 "a list of positive integers")
         require(m.max_audio_seconds > 0, f"{at}.max_audio_seconds", "a positive number of seconds")
         require(m.max_upload_bytes >= 1024, f"{at}.max_upload_bytes", "at least 1024")
+        require(m.max_image_bytes >= 1024, f"{at}.max_image_bytes", "at least 1024")
+        require(m.max_image_pixels >= 1, f"{at}.max_image_pixels", "at least 1")
+        require(bool(m.image_formats), f"{at}.image_formats", "at least one of png, jpeg, webp, gif")
+        mismatch = export_kind_mismatch(m.kind, m.path)
+        if mismatch:
+            problems.append(f"{at}.kind: {mismatch}")
         require(m.stall_timeout_s > 0 and m.load_timeout_s > 0, f"{at}.stall_timeout_s",
                 "positive timeouts (stall_timeout_s, load_timeout_s)")
         require(0 <= m.ready_wait_s <= MAX_READY_WAIT_S, f"{at}.ready_wait_s",
@@ -508,7 +565,8 @@ def demo_config(**server: Any) -> Config:
 
 
 # Keys of one kind (config.KIND_ONLY_KEYS) that only the front reads: its workers get every other key of their kind.
-FRONT_ONLY_KIND_KEYS = frozenset({"max_audio_seconds", "max_upload_bytes"})
+FRONT_ONLY_KIND_KEYS = frozenset({"max_audio_seconds", "max_upload_bytes", "max_image_bytes", "max_image_pixels",
+                                  "image_formats"})
 
 
 def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
@@ -516,6 +574,6 @@ def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
     spec = {"name": model.name, "kind": model.kind, "path": model.path, "device": model.device,
             "properties": model.ov_properties(config.ov_cache_dir()), "max_context": model.max_context,
             "log_level": config.server.log_level}
-    spec.update({key: getattr(model, key) for key, kind in KIND_ONLY_KEYS.items()
-                 if kind == model.kind and key not in FRONT_ONLY_KIND_KEYS})
+    spec.update({key: getattr(model, key) for key, kinds in KIND_ONLY_KEYS.items()
+                 if model.kind in _kinds(kinds) and key not in FRONT_ONLY_KIND_KEYS})
     return spec

@@ -9,21 +9,21 @@ upload being decoded (a 400) and the process is started again for the next one.
 Only the container formats listed in FORMATS are opened, recognised by their first bytes and named explicitly
 to FFmpeg: FFmpeg's own probing would also accept playlists (HLS, concat) that make it open other files.
 
-Protocol, one request at a time: the front writes a JSON line {"bytes": n, "max_seconds": s, "out": path}
-and n bytes of upload; the decoder writes the samples (float32, native order) to `out` and answers with a
+Protocol (appliance.front.decoder_process), one request at a time: the front writes a JSON line {"bytes": n,
+"max_seconds": s, "out": path} and n bytes of upload; the decoder writes the samples (float32, native order) to `out` and answers with a
 JSON line {"seconds": d} or {"error": "undecodable" | "too_long" | "empty", "message": ...}.
 """
 
 from __future__ import annotations
 
-import asyncio
 import io
-import json
 import logging
 import os
 import sys
 import wave
 from dataclasses import dataclass
+
+from appliance.front.decoder_process import DecoderFailed, DecoderProcess, serve
 
 SAMPLE_RATE = 16000
 DECODE_TIMEOUT_S = 120.0  # a decoder stuck on one file is killed: generous, decoding runs at 100x real time or more
@@ -113,22 +113,13 @@ def _speech_wav(data: bytes, max_samples: int, max_seconds: float):
     return np.frombuffer(raw[:len(raw) // 2 * 2], "<i2").astype(np.float32) / 32768.0
 
 
-def serve(stdin, stdout) -> None:
-    """The decoder process's loop (see the module doc); ends at EOF."""
-    while True:
-        line = stdin.readline()
-        if not line:
-            return
-        request = json.loads(line)
-        data = stdin.read(request["bytes"])
-        try:
-            pcm = decode(data, request["max_seconds"])
-            pcm.tofile(request["out"])
-            reply = {"seconds": pcm.size / SAMPLE_RATE}
-        except AudioError as exc:
-            reply = {"error": exc.kind, "message": str(exc)}
-        stdout.write(json.dumps(reply).encode() + b"\n")
-        stdout.flush()
+def _handle(request: dict, data: bytes) -> dict:
+    try:
+        pcm = decode(data, request["max_seconds"])
+        pcm.tofile(request["out"])
+        return {"seconds": pcm.size / SAMPLE_RATE}
+    except AudioError as exc:
+        return {"error": exc.kind, "message": str(exc)}
 
 
 @dataclass
@@ -137,79 +128,28 @@ class DecodedAudio:
     seconds: float
 
 
-class AudioDecoder:
+class AudioDecoder(DecoderProcess):
     """The front's handle on the decoder process: one upload at a time, restarted after a crash."""
 
     def __init__(self):
-        self._proc: asyncio.subprocess.Process | None = None
-        self._lock = asyncio.Lock()
+        super().__init__("appliance.front.audio_decoder", DECODE_TIMEOUT_S, "audio decoder")
 
     async def decode(self, data: bytes, max_seconds: float, out_path: str) -> DecodedAudio:
         """Decode `data` into `out_path`; AudioError for anything that is not usable audio."""
-        header = json.dumps({"bytes": len(data), "max_seconds": max_seconds, "out": out_path}).encode() + b"\n"
-        async with self._lock:
-            # A decoder that died since the last upload, or on this one, gets one more try in a fresh process.
-            for _ in range(2):
-                proc = await self.start()
-                try:
-                    line = await self._exchange(proc, header, data)
-                except asyncio.TimeoutError:
-                    await self._discard(proc, "hung")
-                    raise AudioError("undecodable", f"Decoding took longer than {DECODE_TIMEOUT_S:g} s.") from None
-                if line:
-                    break
-                await self._discard(proc, "died")
-            else:
-                raise AudioError("undecodable", "The audio could not be decoded (the decoder crashed on this file).")
-        reply = json.loads(line)
+        try:
+            reply = await self.ask({"max_seconds": max_seconds, "out": out_path}, data)
+        except DecoderFailed as exc:
+            if exc.how == "hung":
+                raise AudioError("undecodable", f"Decoding took longer than {DECODE_TIMEOUT_S:g} s.") from None
+            raise AudioError("undecodable", "The audio could not be decoded (the decoder crashed on this file).") from None
         if "error" in reply:
             raise AudioError(reply["error"], reply["message"])
         return DecodedAudio(out_path, reply["seconds"])
 
-    async def start(self) -> asyncio.subprocess.Process:
-        """The decoder process, started if there is none (the front starts it early when it serves audio)."""
-        if self._proc is None or self._proc.returncode is not None:
-            self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "appliance.front.audio_decoder",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-        return self._proc
-
-    async def _exchange(self, proc: asyncio.subprocess.Process, header: bytes, data: bytes) -> bytes:
-        """One request and its reply line; b"" if the process died on it."""
-        try:
-            proc.stdin.write(header)
-            proc.stdin.write(data)
-            await proc.stdin.drain()
-            return await asyncio.wait_for(proc.stdout.readline(), DECODE_TIMEOUT_S)
-        except ConnectionError:
-            return b""
-        except asyncio.CancelledError:  # the client left mid-decode: its reply must not reach the next upload
-            proc.kill()
-            self._proc = None
-            raise
-
-    async def _discard(self, proc: asyncio.subprocess.Process, how: str) -> None:
-        """Kill a decoder that died or hung, and reap it."""
-        if proc.returncode is None:
-            proc.kill()
-        returncode = await proc.wait()
-        log.warning("audio decoder process %d %s on an upload (exit %d); starting a new one", proc.pid, how, returncode)
-        self._proc = None
-
-    async def close(self) -> None:
-        if self._proc is not None and self._proc.returncode is None:
-            self._proc.stdin.close()
-            try:
-                await asyncio.wait_for(self._proc.wait(), 5)
-            except asyncio.TimeoutError:
-                self._proc.kill()
-                await self._proc.wait()
-        self._proc = None
-
 
 def main() -> None:
     os.nice(5)  # decoding yields to the model workers on a busy box
-    serve(sys.stdin.buffer, sys.stdout.buffer)
+    serve(sys.stdin.buffer, sys.stdout.buffer, _handle)
 
 
 if __name__ == "__main__":

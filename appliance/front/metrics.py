@@ -92,6 +92,12 @@ class Metrics:
                                         ["model"], registry=r)
         self.audio_seconds = Counter("openarc_audio_seconds", "Seconds of audio transcribed or translated",
                                      ["model"], registry=r)
+        self.images = Counter("openarc_images", "Images sent to vision models (decoded and checked)", ["model"],
+                              registry=r)
+        self.image_rejections = Counter("openarc_image_rejections", "Images refused with a 400, by reason "
+                                        "(bad_url, bad_base64, too_large, unsupported_format, too_many_pixels, "
+                                        "undecodable, fetch_disabled, host_not_allowed, fetch_failed)",
+                                        ["model", "reason"], registry=r)
         self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",
                                     registry=r)
 

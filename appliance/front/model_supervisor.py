@@ -13,7 +13,7 @@ import asyncio
 from typing import Any, AsyncIterator, Callable
 
 from appliance import ipc
-from appliance.config import Config, ModelConfig, worker_spec
+from appliance.config import GENERATIVE_KINDS, Config, ModelConfig, worker_spec
 from appliance.front.lifecycle import Exit, ExitReason, ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.request import Event, Request
@@ -65,7 +65,7 @@ class ModelSupervisor:
     def status(self) -> dict[str, Any]:
         life, formats = self.life, self.life.formats or {}
         return {"name": self.name, "kind": self.model.kind, "state": life.state.value, "pid": life.pid,
-                "device": self.model.device, "pipeline": self.model.pipeline if self.model.kind == "llm" else None,
+                "device": self.model.device, "pipeline": self.model.pipeline if self.model.kind in GENERATIVE_KINDS else None,
                 "restarts": life.restarts, "crashes": life.crashes,
                 "last_error": life.last_error, "hint": life.last_hint,
                 "last_exit": life.last_exit.reason.value if life.last_exit else None,

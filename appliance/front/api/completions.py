@@ -13,6 +13,7 @@ from typing import Any
 
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_object, model_name, number, utf8
+from appliance.front.api.images import Content, content_text
 from appliance.front.api.sampling import sampling_params
 from appliance.front.api.structured import constraint
 from appliance.front.api.tools import ToolRequest, assistant_tool_calls, name_tool_results, parse_tools
@@ -35,6 +36,8 @@ class GenerationRequest:
     constraint: dict[str, Any] | None = None  # structured output (appliance.front.api.structured / tools)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
     n: int = 1
+    content: Content = field(default_factory=Content)  # the messages' image parts (appliance.front.api.images)
+    images: list[dict[str, Any]] = field(default_factory=list)  # their pixel files, once resolved for the model
 
     def frames(self) -> list[dict[str, Any]]:
         """One generate frame per choice: `n` choices are `n` requests batched together (genai's
@@ -55,6 +58,8 @@ class GenerationRequest:
                     "template_kwargs": self.template_kwargs}
         else:
             body = {"prompt": self.prompt}
+        if self.images:
+            body["images"] = self.images
         return {"kind": self.kind, "params": self.params, "stream": self.stream, "constraint": self.constraint, **body}
 
 
@@ -93,25 +98,12 @@ def _common(body: Any, chat: bool) -> tuple[str, dict[str, Any], bool, bool, int
     return model, params, stream, bool(options.get("include_usage")), choices
 
 
-def _message_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return utf8(content, where)
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"{where}: only text content parts are supported", where)
-            parts.append(utf8(part["text"], where))
-        return "".join(parts)
-    raise InvalidRequest(f"{where} must be a string or a list of text parts", where)
-
-
 def parse_chat(body: Any) -> GenerationRequest:
     model, params, stream, include_usage, choices = _common(body, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", "messages")
-    parsed = []
+    parsed, content = [], Content()
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -119,13 +111,13 @@ def parse_chat(body: Any) -> GenerationRequest:
         role = message.get("role")
         if role not in ROLES:
             raise InvalidRequest(f"'{where}.role' must be one of {', '.join(ROLES)}", f"{where}.role")
-        parsed.append(_message(message, role, where))
+        parsed.append(_message(message, role, where, content))
     name_tool_results(parsed)
     tools = parse_tools(body)
     kwargs = body.get("chat_template_kwargs")
     req = GenerationRequest(model, "chat", stream, include_usage, params, messages=parsed, tools=tools,
                             template_kwargs=json_object(kwargs, "chat_template_kwargs") if kwargs is not None else {},
-                            n=choices)
+                            n=choices, content=content)
     tool_constraint, output_constraint = tools.constraint(), constraint(body)
     if tool_constraint and output_constraint:
         raise InvalidRequest("a forced or strict tool call cannot be combined with 'response_format'",
@@ -134,11 +126,11 @@ def parse_chat(body: Any) -> GenerationRequest:
     return req
 
 
-def _message(message: dict, role: str, where: str) -> dict[str, Any]:
+def _message(message: dict, role: str, where: str, found: Content) -> dict[str, Any]:
     """One conversation turn in the shape chat templates read: tool calls with their arguments as objects,
     tool results with the id (and name) of the call they answer."""
     content = message.get("content")
-    text = "" if content is None and role == "assistant" else _message_text(content, f"{where}.content")
+    text = "" if content is None and role == "assistant" else content_text(content, f"{where}.content", found)
     out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
     if role == "assistant" and message.get("tool_calls"):
         out["tool_calls"] = assistant_tool_calls(message["tool_calls"], f"{where}.tool_calls")

@@ -16,22 +16,37 @@ from appliance.front.api.completions import GenerationRequest, ResponseShaper, p
 from appliance.front.api import sse
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_body
+from appliance.front.api.images import ImageResolver, body_limit
 from appliance.front.api.route import Call, route
 from appliance.front.api.tool_parsers import parser_for
 from appliance.front.request import Event, RequestFailed
+from appliance.config import GENERATIVE_KINDS
 
 
 def add_routes(app: web.Application, appliance) -> None:
     routes = GenerationRoutes(appliance)
     app.router.add_post("/v1/chat/completions", route(appliance, "chat/completions", routes.chat_completions))
     app.router.add_post("/v1/completions", route(appliance, "completions", routes.completions))
+    app.on_startup.append(routes.start)
+    app.on_cleanup.append(routes.close)
 
 
 class GenerationRoutes:
     def __init__(self, appliance):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
+        self.images = ImageResolver(appliance.config.server.image_fetch, appliance.metrics)
+
+    async def start(self, app: web.Application) -> None:
+        """Start the image decoder with the server when it serves a vision model, so the first image does not wait."""
+        if any(model.kind == "vlm" for model in self.appliance.config.models):
+            await self.images.decoder.start()
+
+    async def close(self, app: web.Application) -> None:
+        await self.images.close()
 
     async def chat_completions(self, request: web.Request, call: Call) -> web.StreamResponse:
+        # images come base64 in the body: a server with a vision model reads larger chat bodies
+        request = request.clone(client_max_size=body_limit(self.appliance.config))
         return await self._generate(request, call, parse_chat)
 
     async def completions(self, request: web.Request, call: Call) -> web.StreamResponse:
@@ -41,13 +56,18 @@ class GenerationRoutes:
         body = await json_body(request)
         call.label(body)
         req = parse(body)
-        sup = await self.appliance.model_for(req.model, call.endpoint, ("llm",))
-        answers = [self._answer_parser(sup, req) for _ in range(req.n)]
-        if req.constraint:
-            # a constraint genai cannot compile names the request field it came from
-            call.params["invalid_grammar"] = req.constraint["param"]
-            self.appliance.metrics.structured_requests.labels(model=req.model, kind=req.constraint["kind"]).inc()
-        return await (self._stream(request, call, sup, req, answers) if req.stream else self._whole(sup, req, answers))
+        sup = await self.appliance.model_for(req.model, call.endpoint, GENERATIVE_KINDS)
+        req.images = await self.images.resolve(req.content, sup.model)
+        try:
+            answers = [self._answer_parser(sup, req) for _ in range(req.n)]
+            if req.constraint:
+                # a constraint genai cannot compile names the request field it came from
+                call.params["invalid_grammar"] = req.constraint["param"]
+                self.appliance.metrics.structured_requests.labels(model=req.model, kind=req.constraint["kind"]).inc()
+            return await (self._stream(request, call, sup, req, answers) if req.stream
+                          else self._whole(sup, req, answers))
+        finally:  # the worker has read the image files by the time the request is over
+            self.images.release(req.images)
 
     @staticmethod
     def _answer_parser(sup, req: GenerationRequest) -> AnswerParser | None:

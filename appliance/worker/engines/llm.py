@@ -56,6 +56,9 @@ class Request:
     seed: int = field(default_factory=lambda: random.getrandbits(32))
     logprobs: list[float] | None = None  # per generated token, when the request asked for them
     config: Any = None     # its openvino_genai.GenerationConfig, built and validated once
+    text: str = ""         # the prompt as text (a VLM's pipeline takes the text with its image tags)
+    images: list = field(default_factory=list)  # a VLM request's images (ov.Tensor, HWC uint8)
+    handle: Any = None     # its GenerationHandle, where the engine reads it after the request has left the batch
 
 
 def cut_at_stop(req: Request, text: str) -> str:
@@ -157,7 +160,7 @@ class LLMEngine(Engine):
 
     def _request(self, message: dict[str, Any]) -> Request:
         params = message["params"]
-        input_ids, prefix, thinking = self._prompt(message)
+        input_ids, prefix, thinking, text = self._prompt(message)
         prompt_tokens = int(input_ids.get_shape()[1])
         max_tokens = params.get("max_tokens") or self.spec["default_max_tokens"]
         limit = self.spec["max_context"]
@@ -172,7 +175,7 @@ class LLMEngine(Engine):
                       stream=message.get("stream", True), structured=self._structured(message, thinking, opened=bool(prefix)),
                       prefix=prefix,
                       template_opened=bool(prefix), logprobs=[] if params.get("logprobs") else None,
-                      chat=message["kind"] == "chat")
+                      chat=message["kind"] == "chat", text=text)
         if params.get("seed") is not None:
             req.seed = params["seed"]
         try:
@@ -182,10 +185,10 @@ class LLMEngine(Engine):
             raise Refused(INVALID_REQUEST, f"invalid sampling parameters: {genai_message(exc)}") from None
         return req
 
-    def _prompt(self, message: dict[str, Any]) -> tuple[Any, str, bool]:
-        """The prompt's token ids, the text the template already wrote for the answer (an opened <think>), and
+    def _prompt(self, message: dict[str, Any]) -> tuple[Any, str, bool, str]:
+        """The prompt's token ids, the text the template already wrote for the answer (an opened <think>),
         whether the answer starts with reasoning (a reasoning model whose template did not close the block, as
-        Qwen3's does for enable_thinking: false)."""
+        Qwen3's does for enable_thinking: false), and the prompt's text."""
         prefix, text, thinking = "", message.get("prompt", ""), False
         if message["kind"] == "chat":
             try:
@@ -200,7 +203,7 @@ class LLMEngine(Engine):
                 thinking = not tail.endswith(chat_formats.THINK_CLOSE)
         try:
             input_ids = self.tokenizer.encode(text, add_special_tokens=message["kind"] != "chat").input_ids
-            return input_ids, prefix, thinking
+            return input_ids, prefix, thinking, text
         except Exception as exc:  # a tokenizer error belongs to this request only
             raise Refused(self.classify(str(exc)), str(exc)) from None
 
@@ -366,11 +369,17 @@ class BatchingEngine(LLMEngine):
 
     def on_generate_prepared(self, req: Request) -> None:
         try:
-            handle = self.pipe.add_request(req.id, req.input_ids, req.config)
+            handle = self.add_request(req)
+        except Refused as refused:
+            self.fail(req.id, refused.fault, str(refused))
+            return
         except Exception as exc:
             self.exit_if_device_lost(self.fail_all([req], exc))
             return
         self.active[req.id] = (req, handle)
+
+    def add_request(self, req: Request):
+        return self.pipe.add_request(req.id, req.input_ids, req.config)
 
     def _collect(self) -> None:
         # Statuses as plain ints: a pybind enum comparison costs a microsecond or two, and this loop made several per
@@ -431,7 +440,11 @@ class SequentialEngine(LLMEngine):
     def __init__(self, spec, channel):
         import openvino_genai
         self.pipe = openvino_genai.LLMPipeline(spec["path"], spec["device"], **spec["properties"])
-        super().__init__(spec, channel, self.pipe.get_tokenizer())
+        self._init_sequential(spec, channel)
+
+    def _init_sequential(self, spec, channel) -> None:
+        """What follows loading self.pipe (an LLMPipeline, or a VLMPipeline in the VLM engine)."""
+        LLMEngine.__init__(self, spec, channel, self.pipe.get_tokenizer())
         self.cancelled: set[int] = set()
         self.waiting: list[dict[str, Any]] = []
         self.current: Request | None = None
@@ -488,7 +501,11 @@ class SequentialEngine(LLMEngine):
 
         self.current, streamer = req, Streamer()
         try:
-            self.pipe.generate(req.input_ids, req.config, streamer)
+            self.run_pipeline(req, streamer)
+        except Refused as refused:  # the request's own fault (a VLM prompt's image tags): the worker goes on
+            self.current = None
+            self.fail(req.id, refused.fault, str(refused))
+            return
         except Exception as exc:
             if streamer.error is None:
                 self.current = None
@@ -500,6 +517,9 @@ class SequentialEngine(LLMEngine):
         if req.id not in self.cancelled and not req.stopped:
             self.finish(req, "length" if len(req.generated) >= req.max_tokens else "stop")
         self.cancelled.discard(req.id)
+
+    def run_pipeline(self, req: Request, streamer) -> None:
+        self.pipe.generate(req.input_ids, req.config, streamer)
 
 
 def finish_reason_name(reason, req: Request) -> str:

@@ -1,0 +1,105 @@
+"""A long-lived helper process the front sends untrusted media to (uploaded audio, images in chat), so a decoder
+library that crashes on a malformed file takes down only that process, never the front or a model's worker.
+
+Protocol, one request at a time: the front writes a JSON line (the request) and its n bytes of data; the process
+answers with one JSON line.  A process that dies on a request gets one more try in a fresh process (it may have
+died of an earlier file); one that hangs past the timeout is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from typing import Any, Callable
+
+log = logging.getLogger("openarc")
+
+
+class DecoderFailed(Exception):
+    """The process died on this input twice, or hung on it: `how` is "crashed" or "hung"."""
+
+    def __init__(self, how: str):
+        super().__init__(how)
+        self.how = how
+
+
+class DecoderProcess:
+    """The front's handle on one decoder process (`python -m <module>`): started on first use, restarted after a
+    crash."""
+
+    def __init__(self, module: str, timeout_s: float, what: str):
+        self.module = module
+        self.timeout_s = timeout_s
+        self.what = what  # for the log: "audio decoder", "image decoder"
+        self._proc: asyncio.subprocess.Process | None = None
+        self._lock = asyncio.Lock()
+
+    async def ask(self, request: dict[str, Any], data: bytes) -> dict[str, Any]:
+        """The process's reply to `request` with `data`; DecoderFailed if it crashed twice or hung."""
+        header = json.dumps({**request, "bytes": len(data)}).encode() + b"\n"
+        async with self._lock:
+            for _ in range(2):
+                proc = await self.start()
+                try:
+                    line = await self._exchange(proc, header, data)
+                except asyncio.TimeoutError:
+                    await self._discard(proc, "hung")
+                    raise DecoderFailed("hung") from None
+                if line:
+                    return json.loads(line)
+                await self._discard(proc, "died")
+        raise DecoderFailed("crashed")
+
+    async def start(self) -> asyncio.subprocess.Process:
+        """The process, started if there is none (the front starts it early when a model needs it)."""
+        if self._proc is None or self._proc.returncode is not None:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", self.module, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        return self._proc
+
+    async def _exchange(self, proc: asyncio.subprocess.Process, header: bytes, data: bytes) -> bytes:
+        """One request and its reply line; b"" if the process died on it."""
+        try:
+            proc.stdin.write(header)
+            proc.stdin.write(data)
+            await proc.stdin.drain()
+            return await asyncio.wait_for(proc.stdout.readline(), self.timeout_s)
+        except ConnectionError:
+            return b""
+        except asyncio.CancelledError:  # the client left mid-decode: its reply must not reach the next request
+            proc.kill()
+            self._proc = None
+            raise
+
+    async def _discard(self, proc: asyncio.subprocess.Process, how: str) -> None:
+        """Kill a process that died or hung, and reap it."""
+        if proc.returncode is None:
+            proc.kill()
+        returncode = await proc.wait()
+        log.warning("%s process %d %s on its input (exit %d); starting a new one", self.what, proc.pid, how, returncode)
+        self._proc = None
+
+    async def close(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.stdin.close()
+            try:
+                await asyncio.wait_for(self._proc.wait(), 5)
+            except asyncio.TimeoutError:
+                self._proc.kill()
+                await self._proc.wait()
+        self._proc = None
+
+
+def serve(stdin, stdout, handle: Callable[[dict[str, Any], bytes], dict[str, Any]]) -> None:
+    """The decoder process's loop: each request line and its data through `handle`, whose dict is the reply
+    line; ends at EOF."""
+    while True:
+        line = stdin.readline()
+        if not line:
+            return
+        request = json.loads(line)
+        reply = handle(request, stdin.read(request["bytes"]))
+        stdout.write(json.dumps(reply).encode() + b"\n")
+        stdout.flush()

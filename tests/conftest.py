@@ -59,6 +59,14 @@ def demo_whisper(tmp_path_factory) -> Path:
     return build_demo_model(tmp_path_factory.mktemp("models") / "whisper", "transcription")
 
 
+@pytest.fixture(scope="session")
+def demo_vlm(tmp_path_factory) -> Path:
+    """The tiny LLaVA-shaped model (appliance.demo.vlm): its answer starts by naming the images' dominant colour
+    ("Red image:", ...), then walks the chat demo's phrases; stops by itself after 12 tokens."""
+    from appliance.demo.catalog import build_demo_model
+    return build_demo_model(tmp_path_factory.mktemp("models") / "vlm", "vlm", eos_after=12, max_new_tokens=64)
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
     """Poll predicate() until it returns something truthy (returned) or the timeout passes (AssertionError naming
     `what`). OSError counts as not yet: the server may not be listening. The one poll loop of the tests."""

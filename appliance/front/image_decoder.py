@@ -63,16 +63,17 @@ def decode(data: bytes, max_pixels: int, formats: list[str]):
         raise ImageError("unsupported_format", f"unsupported image format ({found}); this model takes "
                                                f"{', '.join(formats)}")
     name, pil_name = sniffed
-    # Pillow's own bomb guard, as a second line behind the header check below: an error, not a warning, past it.
-    Image.MAX_IMAGE_PIXELS = max_pixels
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
+            Image.MAX_IMAGE_PIXELS = None  # open() reads the header only: the check just below names the limit
             image = Image.open(io.BytesIO(data), formats=[pil_name])
             width, height = image.size
             if width * height > max_pixels:
                 raise ImageError("too_many_pixels", f"the image is {width}x{height} = {width * height} pixels; this "
                                                     f"model takes at most max_image_pixels={max_pixels}")
+            # Pillow's own guard from here on (an error, not a warning, past the limit): a later frame's size
+            Image.MAX_IMAGE_PIXELS = max_pixels
             image.seek(0)  # an animation's first frame
             image.load()
             return _rgb(image)

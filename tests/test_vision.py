@@ -1,0 +1,321 @@
+"""Images in chat completions, through the official openai SDK against a real `openarc serve` with the tiny
+LLaVA-shaped demo VLM (appliance.demo.vlm: its answer starts by naming the images' dominant colour): one image,
+two, an image in an earlier turn, streaming, every format, image-dependent answers, image tokens in usage; bad
+images (each a 400 naming its part, never a 5xx or a worker restart); remote URLs off by default and fetched from
+allowed hosts only; a worker SIGABRTed mid-generation; metrics; check-config's kind hints.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import openai
+import pytest
+import yaml
+from PIL import Image
+
+from conftest import REPO, Appliance, http, model_entry, pid_alive, wait_until
+
+HANG_BOUND_S = 3.0  # a client waiting longer than this after a fault is a hang, not a slow error
+RED, GREEN, BLUE, GRAY = (220, 30, 30), (30, 200, 40), (20, 40, 230), (128, 128, 128)
+IMAGE_TOKENS = 17  # the demo's 16 patches, and the newline genai's LLaVA support puts after them
+LIMITED = {"max_image_bytes": 4096, "max_image_pixels": 10_000, "image_formats": ["png"]}
+
+
+@pytest.fixture(scope="module")
+def app(demo_vlm, demo_model, tmp_path_factory):
+    config = {"models": [model_entry("vlm", demo_vlm, kind="vlm"),
+                         model_entry("vlm-limited", demo_vlm, kind="vlm", **LIMITED),
+                         model_entry("chat", demo_model)]}
+    appliance = Appliance(config, tmp_path_factory.mktemp("vision")).start()
+    yield appliance
+    appliance.stop()
+
+
+def encoded(rgb=RED, fmt: str = "png", size=(40, 30)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, rgb).save(out, fmt.upper())
+    return out.getvalue()
+
+
+def data_url(data: bytes, fmt: str = "png") -> str:
+    return f"data:image/{fmt};base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def ask(app, *images: str, text: str = "What is in the picture?", model: str = "vlm", **kwargs):
+    content = [{"type": "text", "text": text}, *(image_part(url) for url in images)]
+    return app.client().chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                                **kwargs)
+
+
+def answer(app, *images: str, **kwargs) -> str:
+    return ask(app, *images, **kwargs).choices[0].message.content
+
+
+# --- what the model sees -----------------------------------------------------------------------------------------
+
+def test_the_answer_depends_on_the_image(app):
+    answers = {colour: answer(app, data_url(encoded(rgb)), seed=7)
+               for colour, rgb in (("Red", RED), ("Green", GREEN), ("Blue", BLUE), ("Gray", GRAY))}
+    for colour, text in answers.items():
+        assert text.startswith(f"{colour} image:"), answers
+    assert len(set(answers.values())) == 4  # the whole answer differs, not only its first phrase
+
+
+@pytest.mark.parametrize("fmt", ["png", "jpeg", "webp", "gif"])
+def test_every_allowed_format_reaches_the_model(app, fmt):
+    assert answer(app, data_url(encoded(BLUE, fmt), fmt)).startswith("Blue image:")
+
+
+def test_usage_counts_the_image_tokens(app):
+    text_only = app.client().chat.completions.create(
+        model="vlm", messages=[{"role": "user", "content": "What is in the picture?"}])
+    one = ask(app, data_url(encoded(RED)))
+    two = ask(app, data_url(encoded(RED)), data_url(encoded(GREEN)))
+    # the image tags genai replaces are text too: compare images with images
+    assert two.usage.prompt_tokens - one.usage.prompt_tokens == IMAGE_TOKENS
+    assert one.usage.prompt_tokens > text_only.usage.prompt_tokens + IMAGE_TOKENS - 8
+    assert one.usage.completion_tokens == 13 and one.choices[0].finish_reason == "stop"  # 12 phrases and EOS
+
+
+def test_two_images_in_one_message(app):
+    # two red images and a blue one: red dominates the patches the model reads
+    text = answer(app, data_url(encoded(RED)), data_url(encoded(BLUE)), data_url(encoded(RED)))
+    assert text.startswith("Red image:")
+
+
+def test_an_image_in_an_earlier_turn(app):
+    messages = [
+        {"role": "user", "content": [image_part(data_url(encoded(GREEN))), {"type": "text", "text": "Look."}]},
+        {"role": "assistant", "content": "I see it."},
+        {"role": "user", "content": "And what colour was it?"},
+    ]
+    reply = app.client().chat.completions.create(model="vlm", messages=messages)
+    assert reply.choices[0].message.content.startswith("Green image:")
+    without = app.client().chat.completions.create(model="vlm", messages=messages[1:])
+    assert reply.usage.prompt_tokens >= without.usage.prompt_tokens + IMAGE_TOKENS
+
+
+def test_streaming_with_an_image(app):
+    url = data_url(encoded(GRAY, "webp"), "webp")
+    whole = ask(app, url, seed=3)
+    chunks = list(ask(app, url, seed=3, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text.startswith("Gray image:")
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_structured_output_with_an_image(app):
+    # unconstrained, the demo says "Red image: ..."; a choice constraint reaching genai makes it pick one
+    choices = ["a red square", "a blue circle"]
+    reply = ask(app, data_url(encoded(RED)), max_tokens=40, extra_body={"structured_outputs": {"choice": choices}})
+    assert reply.choices[0].message.content in choices
+    reply = ask(app, data_url(encoded(RED)), max_tokens=40, stream=True,
+                extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{4}"}})
+    assert re.fullmatch("[0-9]{3}-[a-z]{4}", "".join(c.choices[0].delta.content or "" for c in reply if c.choices))
+
+
+# --- bad input: a 400 naming the part, the worker untouched ---------------------------------------------------------
+
+def bomb_png(side: int = 20000) -> bytes:
+    """A real, valid 1-bit PNG of side x side black pixels: a few tens of kB that decode to side^2 pixels."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    row = b"\x00" * (1 + side // 8)
+    packer = zlib.compressobj(9)
+    idat = b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0))
+            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+BAD_IMAGES = {
+    # name: (model, url, reason as counted, what the message says)
+    "bad_base64": ("vlm", "data:image/png;base64,iVBORw0K!!!notbase64", "bad_base64", "not valid base64"),
+    "truncated_png": ("vlm", data_url(encoded(RED, size=(64, 64))[:60]), "undecodable", "could not be decoded"),
+    "not_an_image": ("vlm", data_url(b"hello, I am text, not a picture"), "unsupported_format", "unsupported image"),
+    "oversized": ("vlm-limited", data_url(os.urandom(5000)), "too_large", "max_image_bytes=4096"),
+    "too_many_pixels": ("vlm-limited", data_url(encoded(RED, size=(200, 100))), "too_many_pixels", "20000 pixels"),
+    "format_not_allowed": ("vlm-limited", data_url(encoded(RED, "gif"), "gif"), "unsupported_format", "image/gif"),
+    "remote_url_by_default": ("vlm", "http://127.0.0.1:9/cat.png", "fetch_disabled", "server.image_fetch"),
+    "other_scheme": ("vlm", "file:///etc/passwd", "bad_url", "data: URL"),
+}
+
+
+def post_chat(app, body: dict) -> tuple[int, dict]:
+    status, _, reply = http("POST", app.base + "/v1/chat/completions", body, timeout=60)
+    return status, reply
+
+
+@pytest.mark.parametrize("name", BAD_IMAGES)
+def test_a_bad_image_is_a_400_naming_its_part(app, name):
+    model, url, reason, says = BAD_IMAGES[name]
+    pid = app.worker_pid(model)
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(app, data_url(encoded(GREEN)), url, model=model)
+    error = caught.value.body
+    assert error["param"] == "messages[0].content[2]" and says in error["message"], error
+    assert error["message"].startswith("messages[0].content[2]: ")
+    status = app.model_status(model)
+    assert status["pid"] == pid and status["crashes"] == 0 and status["state"] == "ready"
+    assert f'openarc_image_rejections_total{{model="{model}",reason="{reason}"}}' in app.metrics()
+    assert answer(app, data_url(encoded(RED)), model=model).startswith("Red image:")  # and it goes on serving
+
+
+def test_a_decompression_bomb_is_refused_from_its_header(app):
+    bomb = bomb_png()
+    assert len(bomb) < 200_000
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(app, data_url(bomb))
+    assert "400000000 pixels" in caught.value.body["message"] and "max_image_pixels=25000000" in caught.value.body["message"]
+    assert time.monotonic() - started < 10  # refused from the header, not after decoding 400 MP
+
+
+def test_malformed_parts_are_400s(app):
+    for content, param in (
+            ([{"type": "image_url"}], "messages[0].content[0].image_url.url"),
+            ([{"type": "image_url", "image_url": {"url": data_url(encoded()), "detail": "max"}}],
+             "messages[0].content[0].image_url.detail"),
+            ([{"type": "audio", "audio": {}}], "messages[0].content[0]"),
+            ([{"type": "text", "text": "<ov_genai_image_0> hi"}, image_part(data_url(encoded()))],
+             "messages[0].content[0]"),
+            ([image_part(data_url(encoded()))] * 9, "messages[0].content")):
+        status, body = post_chat(app, {"model": "vlm", "messages": [{"role": "user", "content": content}]})
+        assert status == 400 and body["error"]["param"] == param, body
+
+
+def test_a_text_model_refuses_images(app):
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(app, data_url(encoded()), model="chat")
+    assert caught.value.body["param"] == "messages[0].content[1]" and "kind vlm" in caught.value.body["message"]
+    assert ask(app, model="chat").choices[0].message.content  # text alone still works
+
+
+def test_a_large_image_body_is_read(app):
+    """A chat body with a few MB of base64 image passes where a text body that size would not (max_body_bytes 1 MB)."""
+    noise = Image.frombytes("RGB", (1200, 900), os.urandom(1200 * 900 * 3))
+    out = io.BytesIO()
+    noise.save(out, "PNG")
+    assert len(out.getvalue()) > 2 << 20
+    assert answer(app, data_url(out.getvalue()))
+
+
+def test_metrics_count_images(app):
+    def images() -> float:
+        line = next((ln for ln in app.metrics().splitlines() if ln.startswith('openarc_images_total{model="vlm"}')), None)
+        return float(line.split()[-1]) if line else 0.0
+    before = images()
+    ask(app, data_url(encoded(RED)), data_url(encoded(BLUE)))
+    assert images() == before + 2
+
+
+# --- remote URLs ---------------------------------------------------------------------------------------------------
+
+class ImageServer:
+    """A local HTTP server with one red PNG at /red.png (and a redirect to it at /moved), counting requests."""
+
+    def __init__(self):
+        png, hits = encoded(RED), []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                hits.append(self.path)
+                if self.path == "/moved":
+                    self.send_response(302)
+                    self.send_header("Location", "/red.png")
+                    self.end_headers()
+                    return
+                self.send_response(200 if self.path == "/red.png" else 404)
+                self.send_header("Content-Type", "image/png")
+                self.end_headers()
+                self.wfile.write(png if self.path == "/red.png" else b"")
+
+            def log_message(self, *args):
+                pass
+
+        self.hits = hits
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_remote_urls_from_allowed_hosts_only(appliance_factory, demo_vlm):
+    images = ImageServer()
+    try:
+        app = appliance_factory({"server": {"image_fetch": {"enabled": True, "allow_hosts": ["127.0.0.1"]}},
+                                 "models": [model_entry("vlm", demo_vlm, kind="vlm")]})
+        assert answer(app, f"http://127.0.0.1:{images.port}/red.png").startswith("Red image:")
+        assert images.hits == ["/red.png"]
+        for url, says in ((f"http://localhost:{images.port}/red.png", "not in server.image_fetch.allow_hosts"),
+                          (f"http://127.0.0.1:{images.port}/missing.png", "HTTP 404"),
+                          (f"http://127.0.0.1:{images.port}/moved", "HTTP 302")):
+            with pytest.raises(openai.BadRequestError) as caught:
+                answer(app, url)
+            assert says in caught.value.body["message"] and caught.value.body["param"] == "messages[0].content[1]"
+        assert images.hits == ["/red.png", "/missing.png", "/moved"]  # localhost was never fetched, nor the redirect
+    finally:
+        images.close()
+
+
+# --- failures ------------------------------------------------------------------------------------------------------
+
+def test_worker_abort_mid_generation_is_fast_then_restarts(appliance_factory, tmp_path_factory):
+    from appliance.demo.catalog import build_demo_model
+    long_vlm = build_demo_model(tmp_path_factory.mktemp("models") / "vlm-long", "vlm", eos_after=0,
+                                max_new_tokens=4096)
+    app = appliance_factory({"models": [model_entry("vlm", long_vlm, kind="vlm")]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.05"})
+    pid = app.worker_pid("vlm")
+    stream = ask(app, data_url(encoded(RED)), stream=True, max_tokens=2000)
+    first = next(c for c in stream if c.choices and c.choices[0].delta.content)
+    assert first.choices[0].delta.content.startswith("Red image:")
+    os.kill(pid, signal.SIGABRT)
+    aborted = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            pass
+    assert time.monotonic() - aborted < HANG_BOUND_S
+    new = app.wait_model("vlm", "ready", new_pid_not=pid)
+    assert new["crashes"] == 1 and "SIGABRT" in new["last_error"] and not pid_alive(pid)
+    assert answer(app, data_url(encoded(BLUE)), max_tokens=4).startswith("Blue image:")
+
+
+# --- config --------------------------------------------------------------------------------------------------------
+
+def check_config(tmp_path, model: dict) -> subprocess.CompletedProcess:
+    path = tmp_path / "openarc.yaml"
+    path.write_text(yaml.safe_dump({"models": [model]}))
+    return subprocess.run([sys.executable, "-m", "appliance", "check-config", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_check_config_names_the_kind_of_an_export(tmp_path, demo_vlm, demo_model):
+    as_llm = check_config(tmp_path, {"name": "v", "path": str(demo_vlm)})
+    assert as_llm.returncode == 2
+    assert "models[0].kind:" in as_llm.stderr and "use kind: vlm" in as_llm.stderr
+    as_vlm = check_config(tmp_path, {"name": "t", "path": str(demo_model), "kind": "vlm"})
+    assert as_vlm.returncode == 2 and "use kind: llm" in as_vlm.stderr
+    assert check_config(tmp_path, {"name": "v", "path": str(demo_vlm), "kind": "vlm",
+                                   "max_image_pixels": 1 << 20}).returncode == 0
+    wrong_key = check_config(tmp_path, {"name": "t", "path": str(demo_model), "max_image_bytes": 1 << 20})
+    assert "applies to kind 'vlm' models only" in wrong_key.stderr

@@ -260,7 +260,6 @@ def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generato
     """Llama-like stateful decoder with the inputs, outputs and KV-cache pattern GenAI expects (so it also
     converts to PagedAttention), whose logits pick `_next_token`'s choice by a wide margin."""
     import openvino as ov
-    from openvino._offline_transformations import apply_make_stateful_transformation
 
     def weight(*shape, std=0.02):
         return ops.constant(rng.normal(0.0, std, shape).astype(np.float32))
@@ -278,11 +277,20 @@ def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generato
     logits = ops.result(_logits(x, nxt, len(next_token), phrase_base, rng, logit_scale))
     logits.get_output_tensor(0).set_names({"logits"})
 
-    model = ov.Model([logits, *(result for _, result in caches)],
-                     [input_ids, attention_mask, position_ids, beam_idx, *(past for past, _ in caches)], "openarc-demo")
+    return stateful_model(logits, [input_ids, attention_mask, position_ids, beam_idx], caches, "openarc-demo",
+                          input_ids)
+
+
+def stateful_model(logits, inputs: list, caches: list, name: str, batch_of):
+    """The model of `logits` over `inputs` and the KV-cache (parameter, result) pairs of `caches`, made stateful as
+    GenAI expects (the caches become states that start empty, their batch taken from `batch_of`)."""
+    import openvino as ov
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    model = ov.Model([logits, *(result for _, result in caches)], [*inputs, *(past for past, _ in caches)], name)
     apply_make_stateful_transformation(model, {
         past.get_friendly_name(): result.get_output_tensor(0).get_any_name() for past, result in caches})
-    _zero_initial_state(model, input_ids)
+    _zero_initial_state(model, batch_of)
     return model
 
 

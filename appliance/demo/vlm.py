@@ -188,7 +188,6 @@ class _ImageHead:
 def _language_model(next_token: np.ndarray, phrase_base: int, rng: np.random.Generator, logit_scale: float):
     """The chat demo's decoder on inputs_embeds (see the module doc)."""
     import openvino as ov
-    from openvino._offline_transformations import apply_make_stateful_transformation
 
     def weight(*shape, std=0.02):
         return ops.constant(rng.normal(0.0, std, shape).astype(np.float32))
@@ -208,11 +207,6 @@ def _language_model(next_token: np.ndarray, phrase_base: int, rng: np.random.Gen
     nxt = llm._next_token(input_ids, position_ids, next_token, phrase_base, head.variant())
     logits = ops.result(llm._logits(x, nxt, len(next_token), phrase_base, rng, logit_scale))
     logits.get_output_tensor(0).set_names({"logits"})
-    model = ov.Model([logits, *(result for _, result in caches)],
-                     [embeds, attention_mask, position_ids, beam_idx, *(past for past, _ in caches)],
-                     "openarc-demo-vlm-language")
-    apply_make_stateful_transformation(model, {
-        past.get_friendly_name(): result.get_output_tensor(0).get_any_name() for past, result in caches})
-    llm._zero_initial_state(model, input_ids)
-    return model
+    return llm.stateful_model(logits, [embeds, attention_mask, position_ids, beam_idx], caches,
+                              "openarc-demo-vlm-language", input_ids)
 

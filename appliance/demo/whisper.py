@@ -31,8 +31,8 @@ import pathlib
 import numpy as np
 
 # HIDDEN and the attention heads as the chat demo's, whose attention helpers this shares.
-from appliance.demo.llm import (HEADS, HIDDEN, _kv_cache, _merge_heads, _rms_norm, _split_heads, write_json,
-                                  _zero_initial_state, ops)
+from appliance.demo.llm import (HEADS, HIDDEN, _kv_cache, _merge_heads, _rms_norm, _split_heads, ops,
+                                  stateful_model, write_json)
 
 TRANSCRIPT = " hello world from a tiny model."
 
@@ -236,7 +236,6 @@ def _build_decoder(state_logits, layout: _Layout, rng: np.random.Generator):
     genai decomposes to read alignment heads for word timestamps), an MLP; logits from the rule (see module doc)
     plus the layer's output, scaled down to a nudge."""
     import openvino as ov
-    from openvino._offline_transformations import apply_make_stateful_transformation
 
     rows, sound_states, silence_states = state_logits
     input_ids = ops.parameter([-1, -1], ov.Type.i64, name="input_ids")
@@ -263,13 +262,8 @@ def _build_decoder(state_logits, layout: _Layout, rng: np.random.Generator):
     logits = ops.result(ops.matmul(ops.concat([one_hot, nudge], -1), ops.constant(head.astype(np.float32)),
                                    False, True))
     logits.get_output_tensor(0).set_names({"logits"})
-    model = ov.Model([logits, *(present for _, present in caches)],
-                     [input_ids, audio, cache_position, beam_idx, *(past for past, _ in caches)],
-                     "openarc-demo-whisper-decoder")
-    apply_make_stateful_transformation(model, {
-        past.get_friendly_name(): present.get_output_tensor(0).get_any_name() for past, present in caches})
-    _zero_initial_state(model, input_ids)
-    return model
+    return stateful_model(logits, [input_ids, audio, cache_position, beam_idx], caches, "openarc-demo-whisper-decoder",
+                          input_ids)
 
 
 def _self_attention(h, cache_position, beam_idx, rng, caches: list):

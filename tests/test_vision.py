@@ -38,6 +38,7 @@ LIMITED = {"max_image_bytes": 4096, "max_image_pixels": 10_000, "image_formats":
 def app(demo_vlm, demo_model, tmp_path_factory):
     config = {"models": [model_entry("vlm", demo_vlm, kind="vlm"),
                          model_entry("vlm-limited", demo_vlm, kind="vlm", **LIMITED),
+                         model_entry("vlm-stateful", demo_vlm, kind="vlm", pipeline="stateful"),
                          model_entry("chat", demo_model)]}
     appliance = Appliance(config, tmp_path_factory.mktemp("vision")).start()
     yield appliance
@@ -83,14 +84,18 @@ def test_every_allowed_format_reaches_the_model(app, fmt):
     assert answer(app, data_url(encoded(BLUE, fmt), fmt)).startswith("Blue image:")
 
 
-def test_usage_counts_the_image_tokens(app):
+def test_usage_counts_the_image_tokens(app, demo_vlm):
+    from tokenizers import Tokenizer
     text_only = app.client().chat.completions.create(
         model="vlm", messages=[{"role": "user", "content": "What is in the picture?"}])
+    # the prompt is the conversation in the (ChatML) template once: genai must not template it again
+    templated = "<|im_start|>user\nWhat is in the picture?<|im_end|>\n<|im_start|>assistant\n"
+    assert text_only.usage.prompt_tokens == len(Tokenizer.from_file(str(demo_vlm / "tokenizer.json")).encode(templated).ids)
     one = ask(app, data_url(encoded(RED)))
     two = ask(app, data_url(encoded(RED)), data_url(encoded(GREEN)))
     # the image tags genai replaces are text too: compare images with images
     assert two.usage.prompt_tokens - one.usage.prompt_tokens == IMAGE_TOKENS
-    assert one.usage.prompt_tokens > text_only.usage.prompt_tokens + IMAGE_TOKENS - 8
+    assert one.usage.prompt_tokens == text_only.usage.prompt_tokens + IMAGE_TOKENS
     assert one.usage.completion_tokens == 13 and one.choices[0].finish_reason == "stop"  # 12 phrases and EOS
 
 
@@ -110,6 +115,17 @@ def test_an_image_in_an_earlier_turn(app):
     assert reply.choices[0].message.content.startswith("Green image:")
     without = app.client().chat.completions.create(model="vlm", messages=messages[1:])
     assert reply.usage.prompt_tokens >= without.usage.prompt_tokens + IMAGE_TOKENS
+
+
+def test_the_stateful_pipeline_sees_the_images_too(app):
+    """pipeline: stateful runs VLMPipeline: the same answers and usage as the batching pipeline."""
+    urls = data_url(encoded(GREEN)), data_url(encoded(BLUE, "jpeg"), "jpeg")
+    batched, stateful = (ask(app, *urls, seed=5, model=model) for model in ("vlm", "vlm-stateful"))
+    assert stateful.choices[0].message.content == batched.choices[0].message.content
+    assert stateful.choices[0].message.content.startswith("Green image:")  # a tie goes to the first colour
+    assert stateful.usage == batched.usage
+    chunks = list(ask(app, data_url(encoded(RED)), model="vlm-stateful", stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).startswith("Red image:")
 
 
 def test_streaming_with_an_image(app):

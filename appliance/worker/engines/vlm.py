@@ -50,6 +50,13 @@ class VisionRequests:
         req.images = load_images(message)
         return req
 
+    def generation_config(self, req: Request):
+        config = super().generation_config(req)
+        # The prompt is text here (a VLM pipeline takes no token ids), already templated by the engine: genai
+        # would wrap it in the chat template a second time.
+        config.apply_chat_template = False
+        return config
+
     @staticmethod
     def refused_tags(exc: Exception) -> Refused | None:
         message = str(exc)

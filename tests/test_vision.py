@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import os
 import re
 import signal
@@ -26,7 +25,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from conftest import REPO, Appliance, http, model_entry, pid_alive, wait_until
+from conftest import REPO, Appliance, http, model_entry, pid_alive, quick_side_bench
 
 HANG_BOUND_S = 3.0  # a client waiting longer than this after a fault is a hang, not a slow error
 RED, GREEN, BLUE, GRAY = (220, 30, 30), (30, 200, 40), (20, 40, 230), (128, 128, 128)
@@ -314,6 +313,15 @@ def test_worker_abort_mid_generation_is_fast_then_restarts(appliance_factory, tm
     new = app.wait_model("vlm", "ready", new_pid_not=pid)
     assert new["crashes"] == 1 and "SIGABRT" in new["last_error"] and not pid_alive(pid)
     assert answer(app, data_url(encoded(BLUE)), max_tokens=4).startswith("Blue image:")
+
+
+# --- bench ---------------------------------------------------------------------------------------------------------
+
+def test_quick_vision_bench_reports_every_figure(tmp_path):
+    """`python -m bench.vision --quick`: server against in-process, every figure there (never a timing)."""
+    figures = quick_side_bench("vision", tmp_path)
+    assert len(figures) == 3 and all(f["unit"] == "ms" for f in figures.values())
+    assert all(figures[name]["value"] > 0 for name in list(figures)[:2])
 
 
 # --- config --------------------------------------------------------------------------------------------------------

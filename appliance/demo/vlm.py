@@ -29,7 +29,6 @@ the decoded pixels reached the model.  How it is wired:
 from __future__ import annotations
 
 import pathlib
-from types import SimpleNamespace
 
 import numpy as np
 

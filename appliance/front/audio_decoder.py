@@ -17,7 +17,6 @@ JSON line {"seconds": d} or {"error": "undecodable" | "too_long" | "empty", "mes
 from __future__ import annotations
 
 import io
-import logging
 import os
 import sys
 import wave
@@ -28,7 +27,6 @@ from appliance.front.decoder_process import DecoderFailed, DecoderProcess, serve
 SAMPLE_RATE = 16000
 DECODE_TIMEOUT_S = 120.0  # a decoder stuck on one file is killed: generous, decoding runs at 100x real time or more
 
-log = logging.getLogger("openarc.audio")
 
 # (magic bytes at offset, offset, FFmpeg demuxer)
 FORMATS = (

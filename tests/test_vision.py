@@ -243,10 +243,17 @@ def test_metrics_count_images(app):
 # --- remote URLs ---------------------------------------------------------------------------------------------------
 
 class ImageServer:
-    """A local HTTP server with one red PNG at /red.png (and a redirect to it at /moved), counting requests."""
+    """A local HTTP server with a red PNG at /red.png, a large bluish one (noise, about 2 MB, sent in many pieces) at
+    /big.png, and a redirect to the red one at /moved; it records the paths asked for."""
 
     def __init__(self):
-        png, hits = encoded(RED), []
+        import numpy as np
+        noise = np.random.default_rng(0).integers(0, 60, (800, 1000, 3), dtype=np.uint8)
+        noise[..., 2] += 190
+        big = io.BytesIO()
+        Image.fromarray(noise).save(big, "PNG")
+        files, hits = {"/red.png": encoded(RED), "/big.png": big.getvalue()}, []
+        self.big_bytes = len(big.getvalue())
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
@@ -256,10 +263,14 @@ class ImageServer:
                     self.send_header("Location", "/red.png")
                     self.end_headers()
                     return
-                self.send_response(200 if self.path == "/red.png" else 404)
+                body = files.get(self.path, b"")
+                self.send_response(200 if body else 404)
                 self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(png if self.path == "/red.png" else b"")
+                for i in range(0, len(body), 8192):
+                    self.wfile.write(body[i:i + 8192])
+                    self.wfile.flush()
 
             def log_message(self, *args):
                 pass
@@ -280,14 +291,16 @@ def test_remote_urls_from_allowed_hosts_only(appliance_factory, demo_vlm):
         app = appliance_factory({"server": {"image_fetch": {"enabled": True, "allow_hosts": ["127.0.0.1"]}},
                                  "models": [model_entry("vlm", demo_vlm, kind="vlm")]})
         assert answer(app, f"http://127.0.0.1:{images.port}/red.png").startswith("Red image:")
-        assert images.hits == ["/red.png"]
+        assert images.big_bytes > 1 << 20
+        assert answer(app, f"http://127.0.0.1:{images.port}/big.png").startswith("Blue image:")  # read whole
+        assert images.hits == ["/red.png", "/big.png"]
         for url, says in ((f"http://localhost:{images.port}/red.png", "not in server.image_fetch.allow_hosts"),
                           (f"http://127.0.0.1:{images.port}/missing.png", "HTTP 404"),
                           (f"http://127.0.0.1:{images.port}/moved", "HTTP 302")):
             with pytest.raises(openai.BadRequestError) as caught:
                 answer(app, url)
             assert says in caught.value.body["message"] and caught.value.body["param"] == "messages[0].content[1]"
-        assert images.hits == ["/red.png", "/missing.png", "/moved"]  # localhost was never fetched, nor the redirect
+        assert images.hits == ["/red.png", "/big.png", "/missing.png", "/moved"]  # not localhost, not the redirect
     finally:
         images.close()
 

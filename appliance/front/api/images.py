@@ -184,13 +184,17 @@ class ImageResolver:
                 if response.status != 200:
                     raise ImageRejected(f"fetching the image answered HTTP {response.status}", part.where,
                                         "fetch_failed")
-                data = await response.content.read(limit + 1)
+                data = bytearray()
+                async for chunk in response.content.iter_chunked(1 << 16):  # read(n) returns what has arrived
+                    data += chunk
+                    if len(data) > limit:
+                        break
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             raise ImageRejected(f"fetching the image failed: {type(exc).__name__} {exc}".strip(), part.where,
                                 "fetch_failed") from None
         if len(data) > limit:
             raise ImageRejected(f"the image is larger than {limit} bytes", part.where, "too_large")
-        return data
+        return bytes(data)
 
     def _spool(self) -> str:
         if self.spool is None:

@@ -127,6 +127,15 @@ def test_the_stateful_pipeline_sees_the_images_too(app):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).startswith("Red image:")
 
 
+def test_concurrent_requests_each_see_their_own_images(app):
+    """The batching pipeline steps requests together: each answer follows its own image, none another's."""
+    from concurrent.futures import ThreadPoolExecutor
+    colours = [("Red", RED), ("Green", GREEN), ("Blue", BLUE), ("Gray", GRAY)] * 2
+    with ThreadPoolExecutor(len(colours)) as pool:
+        answers = list(pool.map(lambda c: answer(app, data_url(encoded(c[1])), seed=1), colours))
+    assert [a.split(" image:")[0] for a in answers] == [name for name, _ in colours]
+
+
 def test_streaming_with_an_image(app):
     url = data_url(encoded(GRAY, "webp"), "webp")
     whole = ask(app, url, seed=3)
@@ -344,6 +353,22 @@ def check_config(tmp_path, model: dict) -> subprocess.CompletedProcess:
     path.write_text(yaml.safe_dump({"models": [model]}))
     return subprocess.run([sys.executable, "-m", "appliance", "check-config", str(path)], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
+
+
+def test_demo_model_command_builds_the_same_vlm_twice(tmp_path):
+    """`openarc demo-model --kind vlm DIR`: the files genai's LLaVA support reads, byte-identical weights per build."""
+    builds = []
+    for name in ("a", "b"):
+        done = subprocess.run([sys.executable, "-m", "appliance", "demo-model", "--kind", "vlm", "--eos-after", "4",
+                               str(tmp_path / name)], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.strip() == str(tmp_path / name), done.stderr[-2000:]
+        builds.append(tmp_path / name)
+    for model in ("language", "text_embeddings", "vision_embeddings"):
+        a, b = ((build / f"openvino_{model}_model.bin").read_bytes() for build in builds)
+        assert a == b and len(a) > 0
+    config = yaml.safe_load((builds[0] / "config.json").read_text())
+    assert config["model_type"] == "llava" and config["vision_config"]["patch_size"] == 8
+    assert (builds[0] / "preprocessor_config.json").is_file() and (builds[0] / "openvino_tokenizer.xml").is_file()
 
 
 def test_check_config_names_the_kind_of_an_export(tmp_path, demo_vlm, demo_model):

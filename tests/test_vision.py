@@ -346,6 +346,22 @@ def test_quick_vision_bench_reports_every_figure(tmp_path):
     assert all(figures[name]["value"] > 0 for name in list(figures)[:2])
 
 
+def test_a_worker_stuck_before_its_first_token_is_caught_by_the_stall_monitor(appliance_factory, demo_vlm):
+    """A worker frozen when an image request reaches it (as a hung vision encoder would leave it: the request added,
+    nothing sent back) gets the caller a 504 within stall_timeout_s, and the model restarts."""
+    app = appliance_factory({"models": [model_entry("vlm", demo_vlm, kind="vlm", stall_timeout_s=1)]})
+    pid = app.worker_pid("vlm")
+    os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    status, reply = post_chat(app, {"model": "vlm", "messages": [
+        {"role": "user", "content": [image_part(data_url(encoded(RED)))]}]})
+    assert status == 504 and reply["error"]["code"] == "stall", reply
+    assert time.monotonic() - started < 1 + HANG_BOUND_S
+    new = app.wait_model("vlm", "ready", new_pid_not=pid)
+    assert "no progress" in new["last_error"] and not pid_alive(pid)
+    assert answer(app, data_url(encoded(GREEN)), max_tokens=2).startswith("Green image:")
+
+
 # --- config --------------------------------------------------------------------------------------------------------
 
 def check_config(tmp_path, model: dict) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import re
 import signal
@@ -38,6 +39,7 @@ def app(demo_vlm, demo_model, tmp_path_factory):
     config = {"models": [model_entry("vlm", demo_vlm, kind="vlm"),
                          model_entry("vlm-limited", demo_vlm, kind="vlm", **LIMITED),
                          model_entry("vlm-stateful", demo_vlm, kind="vlm", pipeline="stateful"),
+                         model_entry("vlm-think", demo_vlm, kind="vlm", reasoning_parser="qwen3"),
                          model_entry("chat", demo_model)]}
     appliance = Appliance(config, tmp_path_factory.mktemp("vision")).start()
     yield appliance
@@ -74,13 +76,16 @@ def test_the_answer_depends_on_the_image(app):
     answers = {colour: answer(app, data_url(encoded(rgb)), seed=7)
                for colour, rgb in (("Red", RED), ("Green", GREEN), ("Blue", BLUE), ("Gray", GRAY))}
     for colour, text in answers.items():
-        assert text.startswith(f"{colour} image:"), answers
-    assert len(set(answers.values())) == 4  # the whole answer differs, not only its first phrase
+        assert text.startswith(f"{colour} "), answers
+    assert len(set(answers.values())) == 4
+    without = app.client().chat.completions.create(
+        model="vlm", messages=[{"role": "user", "content": "What is in the picture?"}], seed=7)
+    assert without.choices[0].message.content.split()[0] not in answers  # no image, no colour
 
 
 @pytest.mark.parametrize("fmt", ["png", "jpeg", "webp", "gif"])
 def test_every_allowed_format_reaches_the_model(app, fmt):
-    assert answer(app, data_url(encoded(BLUE, fmt), fmt)).startswith("Blue image:")
+    assert answer(app, data_url(encoded(BLUE, fmt), fmt)).startswith("Blue ")
 
 
 def test_usage_counts_the_image_tokens(app, demo_vlm):
@@ -101,7 +106,7 @@ def test_usage_counts_the_image_tokens(app, demo_vlm):
 def test_two_images_in_one_message(app):
     # two red images and a blue one: red dominates the patches the model reads
     text = answer(app, data_url(encoded(RED)), data_url(encoded(BLUE)), data_url(encoded(RED)))
-    assert text.startswith("Red image:")
+    assert text.startswith("Red ")
 
 
 def test_an_image_in_an_earlier_turn(app):
@@ -111,7 +116,7 @@ def test_an_image_in_an_earlier_turn(app):
         {"role": "user", "content": "And what colour was it?"},
     ]
     reply = app.client().chat.completions.create(model="vlm", messages=messages)
-    assert reply.choices[0].message.content.startswith("Green image:")
+    assert reply.choices[0].message.content.startswith("Green ")
     without = app.client().chat.completions.create(model="vlm", messages=messages[1:])
     assert reply.usage.prompt_tokens >= without.usage.prompt_tokens + IMAGE_TOKENS
 
@@ -121,10 +126,10 @@ def test_the_stateful_pipeline_sees_the_images_too(app):
     urls = data_url(encoded(GREEN)), data_url(encoded(BLUE, "jpeg"), "jpeg")
     batched, stateful = (ask(app, *urls, seed=5, model=model) for model in ("vlm", "vlm-stateful"))
     assert stateful.choices[0].message.content == batched.choices[0].message.content
-    assert stateful.choices[0].message.content.startswith("Green image:")  # a tie goes to the first colour
+    assert stateful.choices[0].message.content.startswith("Green ")  # a tie goes to the first colour
     assert stateful.usage == batched.usage
     chunks = list(ask(app, data_url(encoded(RED)), model="vlm-stateful", stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).startswith("Red image:")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).startswith("Red ")
 
 
 def test_concurrent_requests_each_see_their_own_images(app):
@@ -133,7 +138,7 @@ def test_concurrent_requests_each_see_their_own_images(app):
     colours = [("Red", RED), ("Green", GREEN), ("Blue", BLUE), ("Gray", GRAY)] * 2
     with ThreadPoolExecutor(len(colours)) as pool:
         answers = list(pool.map(lambda c: answer(app, data_url(encoded(c[1])), seed=1), colours))
-    assert [a.split(" image:")[0] for a in answers] == [name for name, _ in colours]
+    assert [a.split(" ")[0] for a in answers] == [name for name, _ in colours]
 
 
 def test_streaming_with_an_image(app):
@@ -141,18 +146,36 @@ def test_streaming_with_an_image(app):
     whole = ask(app, url, seed=3)
     chunks = list(ask(app, url, seed=3, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == whole.choices[0].message.content and text.startswith("Gray image:")
+    assert text == whole.choices[0].message.content and text.startswith("Gray ")
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
 def test_structured_output_with_an_image(app):
-    # unconstrained, the demo says "Red image: ..."; a choice constraint reaching genai makes it pick one
+    # unconstrained, the demo says "Red ...: ..."; a choice constraint reaching genai makes it pick one
     choices = ["a red square", "a blue circle"]
     reply = ask(app, data_url(encoded(RED)), max_tokens=40, extra_body={"structured_outputs": {"choice": choices}})
     assert reply.choices[0].message.content in choices
     reply = ask(app, data_url(encoded(RED)), max_tokens=40, stream=True,
                 extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{4}"}})
     assert re.fullmatch("[0-9]{3}-[a-z]{4}", "".join(c.choices[0].delta.content or "" for c in reply if c.choices))
+
+
+def test_a_tool_call_about_an_image(app):
+    tools = [{"type": "function", "function": {"name": "report_colour", "parameters": {
+        "type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+        "required": ["colour"], "additionalProperties": False}}}]
+    reply = ask(app, data_url(encoded(BLUE)), tools=tools, tool_choice="required", max_tokens=100)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "report_colour" and set(json.loads(call.function.arguments)) == {"colour"}
+
+
+def test_reasoning_is_split_as_for_text(app):
+    reply = ask(app, data_url(encoded(RED)), model="vlm-think", max_tokens=100,
+                extra_body={"structured_outputs": {"regex": r"<think>[a-z ]{5,40}</think>\nHello [a-z]{3,10}"}})
+    message = reply.choices[0].message
+    assert re.fullmatch("[a-z ]{5,40}", message.reasoning_content) and re.fullmatch("Hello [a-z]{3,10}", message.content)
+    assert 0 < reply.usage.completion_tokens_details.reasoning_tokens < reply.usage.completion_tokens
 
 
 # --- bad input: a 400 naming the part, the worker untouched ---------------------------------------------------------
@@ -198,7 +221,7 @@ def test_a_bad_image_is_a_400_naming_its_part(app, name):
     status = app.model_status(model)
     assert status["pid"] == pid and status["crashes"] == 0 and status["state"] == "ready"
     assert f'openarc_image_rejections_total{{model="{model}",reason="{reason}"}}' in app.metrics()
-    assert answer(app, data_url(encoded(RED)), model=model).startswith("Red image:")  # and it goes on serving
+    assert answer(app, data_url(encoded(RED)), model=model).startswith("Red ")  # and it goes on serving
 
 
 def test_a_decompression_bomb_is_refused_from_its_header(app):
@@ -299,9 +322,9 @@ def test_remote_urls_from_allowed_hosts_only(appliance_factory, demo_vlm):
     try:
         app = appliance_factory({"server": {"image_fetch": {"enabled": True, "allow_hosts": ["127.0.0.1"]}},
                                  "models": [model_entry("vlm", demo_vlm, kind="vlm")]})
-        assert answer(app, f"http://127.0.0.1:{images.port}/red.png").startswith("Red image:")
+        assert answer(app, f"http://127.0.0.1:{images.port}/red.png").startswith("Red ")
         assert images.big_bytes > 1 << 20
-        assert answer(app, f"http://127.0.0.1:{images.port}/big.png").startswith("Blue image:")  # read whole
+        assert answer(app, f"http://127.0.0.1:{images.port}/big.png").startswith("Blue ")  # read whole
         assert images.hits == ["/red.png", "/big.png"]
         for url, says in ((f"http://localhost:{images.port}/red.png", "not in server.image_fetch.allow_hosts"),
                           (f"http://127.0.0.1:{images.port}/missing.png", "HTTP 404"),
@@ -325,7 +348,7 @@ def test_worker_abort_mid_generation_is_fast_then_restarts(appliance_factory, tm
     pid = app.worker_pid("vlm")
     stream = ask(app, data_url(encoded(RED)), stream=True, max_tokens=2000)
     first = next(c for c in stream if c.choices and c.choices[0].delta.content)
-    assert first.choices[0].delta.content.startswith("Red image:")
+    assert first.choices[0].delta.content.startswith("Red ")
     os.kill(pid, signal.SIGABRT)
     aborted = time.monotonic()
     with pytest.raises(openai.APIError):
@@ -334,7 +357,7 @@ def test_worker_abort_mid_generation_is_fast_then_restarts(appliance_factory, tm
     assert time.monotonic() - aborted < HANG_BOUND_S
     new = app.wait_model("vlm", "ready", new_pid_not=pid)
     assert new["crashes"] == 1 and "SIGABRT" in new["last_error"] and not pid_alive(pid)
-    assert answer(app, data_url(encoded(BLUE)), max_tokens=4).startswith("Blue image:")
+    assert answer(app, data_url(encoded(BLUE)), max_tokens=4).startswith("Blue ")
 
 
 # --- bench ---------------------------------------------------------------------------------------------------------
@@ -359,7 +382,7 @@ def test_a_worker_stuck_before_its_first_token_is_caught_by_the_stall_monitor(ap
     assert time.monotonic() - started < 1 + HANG_BOUND_S
     new = app.wait_model("vlm", "ready", new_pid_not=pid)
     assert "no progress" in new["last_error"] and not pid_alive(pid)
-    assert answer(app, data_url(encoded(GREEN)), max_tokens=2).startswith("Green image:")
+    assert answer(app, data_url(encoded(GREEN)), max_tokens=2).startswith("Green ")
 
 
 # --- config --------------------------------------------------------------------------------------------------------

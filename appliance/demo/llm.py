@@ -163,8 +163,9 @@ def _hf_config(vocab_size: int) -> dict:
 
 def _phrase_slot(i: int) -> tuple[int, int]:
     """(counter k, variant v) of phrase i: first the CLOCK x VARIANTS grid (i = k * VARIANTS + v), then
-    VARIANTS line-start forms of phrase (0, v), used when the prompt ends with whitespace or a special token."""
-    return divmod(i, VARIANTS) if i < CLOCK * VARIANTS else (0, i - CLOCK * VARIANTS)
+    VARIANTS line-start forms of phrase (0, v), used when the prompt ends with whitespace or a special token (the
+    demo VLM has several groups of VARIANTS line starts: v counts within a group)."""
+    return divmod(i, VARIANTS) if i < CLOCK * VARIANTS else (0, (i - CLOCK * VARIANTS) % VARIANTS)
 
 
 def _phrase_texts(rng: np.random.Generator, eos_after: int) -> list[str]:
@@ -327,13 +328,13 @@ def _logits(x, nxt, vocab_size: int, phrase_base: int, rng: np.random.Generator,
     return ops.matmul(features, ops.constant(lm_head), False, True)
 
 
-def _next_token(input_ids, position_ids, next_token: np.ndarray, phrase_base: int, chosen_variant=None):
+def _next_token(input_ids, position_ids, next_token: np.ndarray, phrase_base: int, extra_offset=None):
     """Token id to emit after each input token: next_token[t], plus for a prompt token the variant (t + p) % VARIANTS
-    (p its position), so the answer varies with the prompt's last token and length; or `chosen_variant` where it
-    is not negative (the demo VLM's image colour)."""
+    (p its position), so the answer varies with the prompt's last token and length; plus `extra_offset` for prompt
+    tokens where given (the demo VLM's choice of line-start group)."""
     variant = ops.floor_mod(ops.add(input_ids, position_ids), ops.constant(np.int64(VARIANTS)))
-    if chosen_variant is not None:
-        variant = ops.select(ops.greater_equal(chosen_variant, ops.constant(np.int64(0))), chosen_variant, variant)
+    if extra_offset is not None:
+        variant = ops.add(variant, extra_offset)
     is_phrase = ops.greater_equal(input_ids, ops.constant(np.int64(phrase_base)))
     offset = ops.select(is_phrase, ops.constant(np.int64(0)), variant)
     return ops.add(ops.gather(ops.constant(next_token), input_ids, 0), offset)

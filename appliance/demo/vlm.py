@@ -11,10 +11,11 @@ real genai VLM pipeline on CPU.  It has the files, inputs and outputs genai's LL
   input_ids; config.json (model_type llava), preprocessor_config.json (CLIP sizes), tokenizer IRs with `<image>`.
 
 What it answers (the contract tests rely on): exactly the chat demo's walk of two-word phrases (see
-appliance.demo.llm), except that the walk's variant, for a prompt that holds an image, is the images' dominant
-colour, and the answer's first phrase names it: "Red image:", "Green image:", "Blue image:" or "Gray image:".
-So two images of different colours get different answers with the same prompt and seed, and a test can tell that
-the decoded pixels reached the model.  How it is wired:
+appliance.demo.llm), except that for a chat prompt that holds an image the answer's first phrase names the images'
+dominant colour: "Red" (or "Green", "Blue", "Gray"), then one of "image:", "picture:", "photo:", "scene:" (the
+chat demo's variant), e.g. "Red photo: calm lantern ...".  Two images of different colours get different answers
+with the same prompt and seed, and a test can tell that the decoded pixels reached the model.  Without an image it
+answers as the chat demo.  How it is wired:
 
 * each embedding carries its token in fixed channels: channels 0 and 1 the token id's two base-32 digits (small
   integers stay exact where the CPU plugin computes in bf16, which rounds 1740 to 1744), channel 2 "is an image
@@ -22,8 +23,10 @@ the decoded pixels reached the model.  How it is wired:
   furthest above the patch's mean, or gray when none is GRAY_MARGIN above it); the rest are random features;
 * head 0 of the first layer is wired, not random: every token attends (causally, through the KV cache, so it
   works in batches and chunked prefill) almost only to image patches, and reads their colours' average;
-* the token after the prompt's last token is chosen as in the chat demo, with the colour read by that head as the
-  variant when an image came before it.
+* the token after a prompt token that ends a line (a chat prompt's last) is a line start, as in the chat demo,
+  from the group of the colour that head read (a fifth group, the chat demo's own, without an image).  Only the
+  group depends on the image, not the variant: under an output constraint (which bans phrases, so the model writes
+  prompt-like tokens) the variant still changes with the position, and the model does not repeat one token forever.
 """
 
 from __future__ import annotations
@@ -39,16 +42,18 @@ IMAGE_TOKEN = "<image>"
 SPECIAL_TOKENS = [*llm.SPECIAL_TOKENS, IMAGE_TOKEN]  # <image> = 3, as in the recipe LLaVA exports use
 IMAGE_SIZE, PATCH = 32, 8
 PATCHES = (IMAGE_SIZE // PATCH) ** 2  # image tokens per image
-COLOURS = ("Red", "Green", "Blue", "Gray")  # one per variant of the chat demo's walk (llm.VARIANTS)
+COLOURS = ("Red", "Green", "Blue", "Gray")  # a group of line starts each, then the chat demo's own group
+NOUNS = ("image", "picture", "photo", "scene")  # one per variant of the chat demo's walk (llm.VARIANTS)
 GRAY_MARGIN = 0.08  # a channel this far above the patch's mean RGB (0..1) makes it coloured, else gray
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 TOKEN, IS_IMAGE, COLOUR = 0, 2, 3  # embedding channels: TOKEN, TOKEN + 1 the id's digits; COLOUR .. COLOUR + 4
 DIGIT = 32
 FEATURES = COLOUR + len(COLOURS)  # first random channel
+BLANK_PENALTY = 100.0
 IMAGE_SCORE = 160.0  # the wired head's key on a patch; x 1/sqrt(HEAD_DIM) = 40 logits over any text token
 
-assert len(COLOURS) == llm.VARIANTS
+assert len(NOUNS) == llm.VARIANTS
 
 
 def write_vlm_model(out: pathlib.Path, *, eos_after: int, max_new_tokens: int, seed: int,
@@ -71,7 +76,8 @@ def write_vlm_model(out: pathlib.Path, *, eos_after: int, max_new_tokens: int, s
     vocab_size = len(next_token)
     ov.save_model(_text_embeddings(vocab_size, rng), out / "openvino_text_embeddings_model.xml")
     ov.save_model(_vision_embeddings(image_id, rng), out / "openvino_vision_embeddings_model.xml")
-    ov.save_model(_language_model(next_token, len(ends_line), rng, logit_scale), out / "openvino_language_model.xml")
+    blank = np.array([tokenizer.decode([i]).isspace() for i in range(vocab_size)])
+    ov.save_model(_language_model(next_token, ends_line, blank, rng, logit_scale), out / "openvino_language_model.xml")
     write_json(out / "config.json", _hf_config(vocab_size, image_id))
     write_json(out / "preprocessor_config.json", {
         "image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"shortest_edge": IMAGE_SIZE},
@@ -85,12 +91,12 @@ def write_vlm_model(out: pathlib.Path, *, eos_after: int, max_new_tokens: int, s
 
 
 def _phrase_texts(rng: np.random.Generator, eos_after: int) -> list[str]:
-    """The chat demo's phrases, whose line-start forms (the answer's first phrase) name the colours."""
+    """The chat demo's phrases, with a group of line starts (an answer's first phrase) per colour before its own."""
     texts = llm._phrase_texts(rng, eos_after)
-    starts = len(texts) - llm.VARIANTS
-    for v, colour in enumerate(COLOURS):
-        texts[starts + v] = f"{colour} image:" + ("." if eos_after == 1 else "")
-    return texts
+    grid = len(texts) - llm.VARIANTS
+    end = "." if eos_after == 1 else ""  # the phrase before a forced EOS ends the sentence, as in the chat demo
+    colours = [f"{colour} {noun}:{end}" for colour in COLOURS for noun in NOUNS]
+    return texts[:grid] + colours + texts[grid:]
 
 
 def _hf_config(vocab_size: int, image_id: int) -> dict:
@@ -174,18 +180,23 @@ class _ImageHead:
                                                    ops.matmul(self.embeds, ops.constant(value), False, False))]
         return (ops.concat([w, ops.slice(r, [1], [HEADS], [1], [1])], 1) for w, r in zip(wired, (q, k, v)))
 
-    def variant(self):
-        """[batch, seq] i64: the images' dominant colour (0..3), or -1 where no image came before."""
+    def group(self):
+        """[batch, seq] i64: the images' dominant colour (0..3), or 4 (the chat demo's group) where no image came
+        before."""
         head = ops.squeeze(ops.slice(self.output, [0], [1], [1], [1]), [1])  # [b, seq, HEAD_DIM]
         colours = ops.slice(head, [0], [len(COLOURS)], [1], [2])
         best = ops.squeeze(ops.topk(colours, ops.constant(np.int64(1)), 2, "max", "none", "i64").output(1), [2])
         seen = ops.greater(ops.squeeze(ops.slice(head, [len(COLOURS)], [len(COLOURS) + 1], [1], [2]), [2]),
                            ops.constant(np.float32(0.5)))
-        return ops.select(seen, best, ops.constant(np.int64(-1)))
+        return ops.select(seen, best, ops.constant(np.int64(len(COLOURS))))
 
 
-def _language_model(next_token: np.ndarray, phrase_base: int, rng: np.random.Generator, logit_scale: float):
-    """The chat demo's decoder on inputs_embeds (see the module doc)."""
+def _language_model(next_token: np.ndarray, ends_line: np.ndarray, blank: np.ndarray, rng: np.random.Generator,
+                    logit_scale: float):
+    """The chat demo's decoder on inputs_embeds (see the module doc), whose blank tokens (whitespace only) sit
+    BLANK_PENALTY logits lower: the walk never picks them, and under an output constraint (JSON, a tool call) the
+    model writes what the grammar allows other than blanks, where it would otherwise pick the same blank each step
+    (a blank shares a code digit with the line starts it is steered to)."""
     import openvino as ov
 
     def weight(*shape, std=0.02):
@@ -203,8 +214,13 @@ def _language_model(next_token: np.ndarray, phrase_base: int, rng: np.random.Gen
     x = embeds
     for layer in range(llm.LAYERS):
         x = llm._decoder_layer(x, layer, mask, beam_idx, weight, caches, head if layer == 0 else None)
-    nxt = llm._next_token(input_ids, position_ids, next_token, phrase_base, head.variant())
-    logits = ops.result(llm._logits(x, nxt, len(next_token), phrase_base, rng, logit_scale))
+    # a line start's group: the colour's where the token ends a line (phrase tokens ignore the offset)
+    ends = ops.gather(ops.constant(np.pad(ends_line, (0, len(next_token) - len(ends_line)))), input_ids, 0)
+    group = ops.select(ends, ops.multiply(head.group(), ops.constant(np.int64(llm.VARIANTS))),
+                       ops.constant(np.int64(0)))
+    nxt = llm._next_token(input_ids, position_ids, next_token, len(ends_line), group)
+    logits = ops.result(ops.add(llm._logits(x, nxt, len(next_token), len(ends_line), rng, logit_scale),
+                                ops.constant(np.where(blank, -BLANK_PENALTY, 0.0).astype(np.float32))))
     logits.get_output_tensor(0).set_names({"logits"})
     return llm.stateful_model(logits, [embeds, attention_mask, position_ids, beam_idx], caches,
                               "openarc-demo-vlm-language", input_ids)

@@ -412,26 +412,6 @@ def _kinds(kinds: str | tuple[str, ...]) -> tuple[str, ...]:
     return (kinds,) if isinstance(kinds, str) else kinds
 
 
-# The files that tell an OpenVINO export's kind, for the two kinds a user mixes up (one HF repo name ends in -VL).
-VLM_FILES = ("openvino_language_model.xml", "openvino_vision_embeddings_model.xml")
-LLM_FILE = "openvino_model.xml"
-
-
-def export_kind_mismatch(kind: str, path: str) -> str | None:
-    """Why the model directory `path` does not fit `kind` (llm or vlm), or None: a VLM export (language model
-    plus vision embeddings) given as kind llm, or an LLM export (openvino_model.xml) given as kind vlm.  A path
-    that is not a directory (yet) is not judged here: the worker's load says what is missing."""
-    directory = Path(path)
-    if kind not in GENERATIVE_KINDS or not directory.is_dir():
-        return None
-    is_vlm = all((directory / name).is_file() for name in VLM_FILES)
-    if kind == "llm" and is_vlm:
-        return f"{path} is a vision-language model export ({', '.join(VLM_FILES)}): use kind: vlm"
-    if kind == "vlm" and not is_vlm and (directory / LLM_FILE).is_file():
-        return f"{path} is a text-only LLM export ({LLM_FILE}, no {VLM_FILES[1]}): use kind: llm"
-    return None
-
-
 def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
     def require(ok: bool, key: str, expected: str) -> None:
         if not ok:
@@ -470,9 +450,6 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
         require(m.max_image_bytes >= 1024, f"{at}.max_image_bytes", "at least 1024")
         require(m.max_image_pixels >= 1, f"{at}.max_image_pixels", "at least 1")
         require(bool(m.image_formats), f"{at}.image_formats", "at least one of png, jpeg, webp, gif")
-        mismatch = export_kind_mismatch(m.kind, m.path)
-        if mismatch:
-            problems.append(f"{at}.kind: {mismatch}")
         require(m.stall_timeout_s > 0 and m.load_timeout_s > 0, f"{at}.stall_timeout_s",
                 "positive timeouts (stall_timeout_s, load_timeout_s)")
         require(0 <= m.ready_wait_s <= MAX_READY_WAIT_S, f"{at}.ready_wait_s",

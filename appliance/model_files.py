@@ -210,7 +210,7 @@ def path_problem(path: str, kind: str, user_name: str | None = SERVICE_USER) -> 
     missing = missing_ir(files, kind)
     if missing:
         found = detect(files, config)
-        what = f"it holds a model of kind {found.kind!r}" if found.kind else found.reason
+        what = f"it holds a model of kind {found.kind!r}; use kind: {found.kind}" if found.kind else found.reason
         return (f"expected an OpenVINO IR directory for kind {kind!r}; {path!r} lacks {', '.join(missing)} "
                 f"({what})")
     ir = [directory / f"{stem}.{ext}" for stem in IR_FILES.get(kind, ()) for ext in ("xml", "bin")]

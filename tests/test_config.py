@@ -184,7 +184,7 @@ def test_check_config_refuses_a_directory_that_is_not_its_kinds_model(tmp_path, 
     assert done.stderr.strip() == (
         f"openarc: config error: {path}: models[0].path: expected an OpenVINO IR directory for kind 'transcription'; "
         f"{str(embedding_model)!r} lacks openvino_encoder_model.xml/.bin, openvino_decoder_model.xml/.bin "
-        "(it holds a model of kind 'embedding') (model 'asr')")
+        "(it holds a model of kind 'embedding'; use kind: embedding) (model 'asr')")
 
 
 def test_strict_checks_each_models_device_is_present(tmp_path, demo_model):

@@ -413,9 +413,10 @@ def test_demo_model_command_builds_the_same_vlm_twice(tmp_path):
 def test_check_config_names_the_kind_of_an_export(tmp_path, demo_vlm, demo_model):
     as_llm = check_config(tmp_path, {"name": "v", "path": str(demo_vlm)})
     assert as_llm.returncode == 2
-    assert "models[0].kind:" in as_llm.stderr and "use kind: vlm" in as_llm.stderr
+    assert "models[0].path:" in as_llm.stderr and "kind 'vlm'; use kind: vlm" in as_llm.stderr, as_llm.stderr
     as_vlm = check_config(tmp_path, {"name": "t", "path": str(demo_model), "kind": "vlm"})
-    assert as_vlm.returncode == 2 and "use kind: llm" in as_vlm.stderr
+    assert as_vlm.returncode == 2 and "lacks openvino_language_model.xml/.bin" in as_vlm.stderr
+    assert "kind 'llm'; use kind: llm" in as_vlm.stderr
     assert check_config(tmp_path, {"name": "v", "path": str(demo_vlm), "kind": "vlm",
                                    "max_image_pixels": 1 << 20}).returncode == 0
     wrong_key = check_config(tmp_path, {"name": "t", "path": str(demo_model), "max_image_bytes": 1 << 20})

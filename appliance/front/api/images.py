@@ -249,5 +249,6 @@ def _unlink(path: str) -> None:
 def body_limit(config) -> int:
     """The largest chat request body the server reads: its max_body_bytes, plus room for MAX_IMAGES base64 images
     of the largest max_image_bytes where a vision model is configured."""
-    largest = max((m.max_image_bytes for m in config.models if m.kind == "vlm"), default=0)
-    return config.server.max_body_bytes + MAX_IMAGES * (largest * 4 // 3 + 64)
+    largest = max((m.max_image_bytes for m in config.models if m.kind == "vlm"), default=None)
+    extra = 0 if largest is None else MAX_IMAGES * (largest * 4 // 3 + 64)  # + a data URL's head
+    return config.server.max_body_bytes + extra

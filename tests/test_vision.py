@@ -224,6 +224,19 @@ def test_a_bad_image_is_a_400_naming_its_part(app, name):
     assert answer(app, data_url(encoded(RED)), model=model).startswith("Red ")  # and it goes on serving
 
 
+def test_a_dead_image_decoder_is_replaced(app):
+    """The decoder process is the front's child; killed between requests, the next image gets a new one."""
+    def decoder_pid() -> int:
+        children = open(f"/proc/{app.proc.pid}/task/{app.proc.pid}/children").read().split()
+        pids = [int(pid) for pid in children if "appliance.front.image_decoder" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(pids) == 1, pids
+        return pids[0]
+    decoder = decoder_pid()
+    os.kill(decoder, signal.SIGKILL)
+    assert answer(app, data_url(encoded(BLUE))).startswith("Blue ")
+    assert decoder_pid() != decoder and app.model_status("vlm")["crashes"] == 0
+
+
 def test_a_decompression_bomb_is_refused_from_its_header(app):
     bomb = bomb_png()
     assert len(bomb) < 200_000
@@ -358,6 +371,30 @@ def test_worker_abort_mid_generation_is_fast_then_restarts(appliance_factory, tm
     new = app.wait_model("vlm", "ready", new_pid_not=pid)
     assert new["crashes"] == 1 and "SIGABRT" in new["last_error"] and not pid_alive(pid)
     assert answer(app, data_url(encoded(BLUE)), max_tokens=4).startswith("Blue ")
+
+
+# --- parsing, without a server ---------------------------------------------------------------------------------------
+
+def test_image_parts_become_tags_in_order_across_messages():
+    from appliance.front.api.completions import parse_chat
+    req = parse_chat({"model": "m", "messages": [
+        {"role": "user", "content": [image_part("data:a"), {"type": "text", "text": "compare "}, image_part("data:b")]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "and"}, image_part("data:c")]}]})
+    assert [m["content"] for m in req.messages] == ["<ov_genai_image_0>compare <ov_genai_image_1>", "ok",
+                                                     "and<ov_genai_image_2>"]
+    assert [(p.where, p.url) for p in req.content.images] == [
+        ("messages[0].content[0]", "data:a"), ("messages[0].content[2]", "data:b"), ("messages[2].content[1]", "data:c")]
+
+
+def test_the_body_limit_grows_only_with_a_vision_model():
+    from appliance.config import parse_config
+    from appliance.front.api.images import MAX_IMAGES, body_limit
+    text = parse_config({"models": [{"name": "t", "path": "/t"}]}, "x")
+    vision = parse_config({"models": [{"name": "t", "path": "/t"}, {"name": "v", "path": "/v", "kind": "vlm",
+                                                                    "max_image_bytes": 3000}]}, "x")
+    assert body_limit(text) == text.server.max_body_bytes
+    assert body_limit(vision) >= vision.server.max_body_bytes + MAX_IMAGES * 4000
 
 
 # --- bench ---------------------------------------------------------------------------------------------------------

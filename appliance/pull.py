@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from appliance import model_files
-from appliance.config import MODEL_KINDS, ConfigError, available_devices, parse_config
+from appliance.config import ConfigError, available_devices, parse_config
 
 MODELS_DIR = Path("/var/lib/openarc/models")
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -256,9 +256,6 @@ def pull(repo_id: str, revision: str, dest: Path | None, name: str | None, add: 
     found = model_files.detect(files, config)
     if not found.is_openvino or found.kind is None:
         raise refusal(repo_id, found, dest)
-    if found.kind not in MODEL_KINDS:
-        raise PullError(f"{repo_id} is an OpenVINO {found.kind} model, a kind this version of openarc does not serve "
-                        f"(it serves {', '.join(MODEL_KINDS)}); nothing was downloaded")
     total = sum(size or 0 for size in files.values())
     say(f"{repo_id}@{commit[:12]}: an OpenVINO {found.kind} model, {len(files)} files, {size_text(total)}, into {dest}")
     download(repo_id, commit, dest)

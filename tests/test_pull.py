@@ -23,7 +23,7 @@ import yaml
 from conftest import REPO, Appliance, free_port
 from standin_hub import StandinHub
 
-DEMO_REPOS = {"llm": "openarc-test/demo-llm-ov", "embedding": "openarc-test/demo-embedding-ov",
+DEMO_REPOS = {"llm": "openarc-test/demo-llm-ov", "vlm": "openarc-test/demo-vlm-ov", "embedding": "openarc-test/demo-embedding-ov",
               "rerank": "openarc-test/demo-rerank-ov", "transcription": "openarc-test/demo-whisper-ov"}
 PYTORCH_REPO, GGUF_REPO = "Qwen/Qwen2.5-0.5B-Instruct", "bartowski/Qwen2.5-0.5B-Instruct-GGUF"
 # An llm's files with weights larger than huggingface_hub's download chunk (10 MiB): what arrives of it before a
@@ -32,8 +32,9 @@ BIG_REPO, BIG_WEIGHTS = "openarc-test/big-weights-ov", 12 << 20
 
 
 @pytest.fixture(scope="module")
-def demo_dirs(demo_model, embedding_model, rerank_model, demo_whisper):
-    return {"llm": demo_model, "embedding": embedding_model, "rerank": rerank_model, "transcription": demo_whisper}
+def demo_dirs(demo_model, demo_vlm, embedding_model, rerank_model, demo_whisper):
+    return {"llm": demo_model, "vlm": demo_vlm, "embedding": embedding_model, "rerank": rerank_model,
+            "transcription": demo_whisper}
 
 
 @pytest.fixture(scope="module")
@@ -229,26 +230,6 @@ def test_a_gguf_repository_is_refused_with_the_conversion_of_its_original(hub, t
     assert "\n" not in line and line.startswith(f"openarc pull: {GGUF_REPO} is a GGUF repository")
     assert "optimum-cli export openvino --model <the original repository> --task text-generation-with-past " \
            "--weight-format int4" in line
-
-
-def test_a_kind_no_worker_serves_is_refused_before_downloading(hub, demo_dirs, tmp_path):
-    vlm = tmp_path / "vlm-repo"
-    vlm.mkdir()
-    for stem in ("openvino_language_model", "openvino_vision_embeddings_model", "openvino_text_embeddings_model"):
-        shutil.copy(demo_dirs["llm"] / "openvino_model.xml", vlm / f"{stem}.xml")
-        shutil.copy(demo_dirs["llm"] / "openvino_model.bin", vlm / f"{stem}.bin")
-    for name in ("openvino_tokenizer.xml", "openvino_tokenizer.bin", "openvino_detokenizer.xml",
-                 "openvino_detokenizer.bin"):
-        shutil.copy(demo_dirs["llm"] / name, vlm / name)
-    (vlm / "config.json").write_text(json.dumps({"architectures": ["Qwen2VLForConditionalGeneration"],
-                                                 "vision_config": {}}))
-    with StandinHub({"OpenVINO/Qwen2-VL-2B-Instruct-int4-ov": vlm}) as vlm_hub:
-        done = pull(tmp_path, vlm_hub.url, "OpenVINO/Qwen2-VL-2B-Instruct-int4-ov", "--dir", str(tmp_path / "v"))
-        assert vlm_hub.fetched() == ["config.json"]
-    assert done.returncode == 1
-    assert done.stderr.strip() == ("openarc pull: OpenVINO/Qwen2-VL-2B-Instruct-int4-ov is an OpenVINO vlm model, a "
-                                   "kind this version of openarc does not serve (it serves llm, embedding, rerank, "
-                                   "transcription); nothing was downloaded")
 
 
 def test_an_unknown_repository_or_revision_is_one_line(hub, tmp_path):

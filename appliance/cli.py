@@ -101,12 +101,16 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def cmd_demo_model(args: argparse.Namespace) -> int:
     """Build a demo model into DIR, or into the cache (reused while its build parameters match)."""
     from appliance.demo import catalog as demo_model
-    params = {}
-    if args.kind in ("llm", "vlm"):  # the demo VLM walks the chat demo's phrases
-        params = {key: value for key, value in (("eos_after", args.eos_after), ("max_new_tokens", args.max_new_tokens),
-                                                ("logit_scale", args.logit_scale)) if value is not None}
-    elif args.eos_after is not None or args.max_new_tokens is not None or args.logit_scale is not None:
+    shared = ("eos_after", "max_new_tokens", "logit_scale")  # the demo VLM walks the chat demo's phrases
+    pair = ("layers", "draft_miss", "prompt_phrases")  # the chat demo's speculative-decoding pair
+    # eos_after 0 is a value (never stop); an unset flag is None, an absent --prompt-phrases False
+    given = [key for key in shared + pair if getattr(args, key) is not None and getattr(args, key) is not False]
+    params = {key: getattr(args, key) for key in given}
+    if set(given) & set(shared) and args.kind not in ("llm", "vlm"):
         print("openarc: --eos-after, --max-new-tokens and --logit-scale apply to --kind llm and vlm only", file=sys.stderr)
+        return 2
+    if set(given) & set(pair) and args.kind != "llm":
+        print("openarc: --layers, --draft-miss and --prompt-phrases apply to --kind llm only", file=sys.stderr)
         return 2
     if args.kind not in demo_model.DEMO_KINDS:
         print(f"openarc: no demo model of kind {args.kind!r} yet", file=sys.stderr)
@@ -166,6 +170,11 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, help="llm: generation_config.json max_new_tokens (64)")
     demo.add_argument("--logit-scale", type=float, help="llm: how far the chosen token leads (64: sampling equals "
                                                         "greedy; 1: samples vary with temperature and seed)")
+    demo.add_argument("--layers", type=int, help="llm: transformer layers (2); more make each step costlier, as a "
+                                                 "main model beside a 1-layer draft")
+    demo.add_argument("--draft-miss", type=int, help="llm: a draft that guesses every Nth token wrong (0: never)")
+    demo.add_argument("--prompt-phrases", action="store_true",
+                      help="llm: the model's answer text in a prompt encodes to its own tokens (prompt lookup)")
     demo.set_defaults(func=cmd_demo_model)
     health = sub.add_parser("health", help="exit 0 iff the appliance answers /ready with 200")
     health.add_argument("--url", default=os.environ.get("OPENARC_URL", "http://127.0.0.1:8000"))

@@ -45,6 +45,8 @@ KIND_ONLY_KEYS: dict[str, str | tuple[str, ...]] = {
     "pipeline": GENERATIVE_KINDS, "scheduler_config": GENERATIVE_KINDS, "default_max_tokens": GENERATIVE_KINDS,
     "tool_parser": GENERATIVE_KINDS, "reasoning_parser": GENERATIVE_KINDS, "chat_template": GENERATIVE_KINDS,
     "max_image_bytes": "vlm", "max_image_pixels": "vlm", "image_formats": "vlm",
+    "draft_model": "llm", "prompt_lookup": "llm", "num_assistant_tokens": "llm",
+    "assistant_confidence_threshold": "llm", "max_ngram_size": "llm",
     "pooling": "embedding", "normalize": "embedding", "matryoshka_dimensions": "embedding",
     "max_audio_seconds": "transcription", "max_upload_bytes": "transcription", "word_timestamps": "transcription",
 }
@@ -63,6 +65,13 @@ SCHEDULER_FIELDS = {
 
 
 MAX_READY_WAIT_S = 3600.0
+
+# Speculative decoding's knobs, per model and per request: tokens a draft (or prompt lookup) proposes a step, and
+# the n-gram prompt lookup matches. Beyond these the main model verifies more than it could ever accept.
+MAX_ASSISTANT_TOKENS = 32
+MAX_NGRAM_SIZE = 16
+DEFAULT_ASSISTANT_TOKENS = 5
+DEFAULT_NGRAM_SIZE = 3
 
 
 class ConfigError(ValueError):
@@ -93,6 +102,15 @@ class RestartPolicy:
     backoff_max_s: float = 60.0
     max_failures: int = 5
     window_s: float = 600.0
+
+
+@dataclass
+class DraftModelConfig:
+    """A smaller model with the same tokenizer that proposes tokens for the main model to verify (speculative
+    decoding). It loads in the main model's worker; device None means the main model's device."""
+    path: str
+    device: str | None = None
+    runtime_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -155,6 +173,34 @@ class ModelConfig:
     # A .jinja file that replaces the chat template the model was converted with (converted models often carry
     # an old or broken one).
     chat_template: str | None = None
+    # Speculative decoding (continuous_batching only): a draft model, or drafts copied from the prompt (prompt
+    # lookup), verified by this model so greedy answers are unchanged. The three knobs are defaults a request may
+    # override: tokens proposed a step (or a confidence threshold for the draft's proposals instead), and the
+    # n-gram prompt lookup matches.
+    draft_model: DraftModelConfig | None = None
+    prompt_lookup: bool = False
+    num_assistant_tokens: int | None = None
+    assistant_confidence_threshold: float | None = None
+    max_ngram_size: int | None = None
+
+    @property
+    def speculative(self) -> str | None:
+        """"draft", "prompt_lookup" or None: how this model decodes."""
+        return "draft" if self.draft_model else "prompt_lookup" if self.prompt_lookup else None
+
+    def speculative_defaults(self) -> dict[str, Any]:
+        """The generation knobs every request of a speculative model starts from (genai refuses a request of such
+        a pipeline without them)."""
+        if not self.speculative:
+            return {}
+        defaults: dict[str, Any] = {}
+        if self.assistant_confidence_threshold is not None:
+            defaults["assistant_confidence_threshold"] = self.assistant_confidence_threshold
+        else:
+            defaults["num_assistant_tokens"] = self.num_assistant_tokens or DEFAULT_ASSISTANT_TOKENS
+        if self.prompt_lookup:
+            defaults["max_ngram_size"] = self.max_ngram_size or DEFAULT_NGRAM_SIZE
+        return defaults
 
     @property
     def is_gpu(self) -> bool:
@@ -461,12 +507,82 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
                 "max_failures >= 1 and window_s > 0")
         require(m.chat_template is None or os.access(m.chat_template, os.R_OK) and Path(m.chat_template).is_file(),
                 f"{at}.chat_template", f"a readable .jinja file (cannot read {m.chat_template!r})")
+        problems.extend(_speculative_problems(m, at))
         for key, value in m.scheduler_config.items():
             expected = SCHEDULER_FIELDS.get(key)
             require(expected is not None, f"{at}.scheduler_config.{key}",
                     "a SchedulerConfig field: " + ", ".join(SCHEDULER_FIELDS))
             if expected is not None:
                 _checked(value, expected, f"{at}.scheduler_config.{key}", problems)
+
+
+def _speculative_problems(m: ModelConfig, at: str):
+    """A draft model or prompt lookup, not both; knobs in range; a draft with the main model's tokenizer."""
+    if m.draft_model and m.prompt_lookup:
+        yield (f"{at}.prompt_lookup: a model decodes with a draft_model or with prompt_lookup, not both "
+                          "(remove one)")
+    if m.speculative and m.pipeline == "stateful":
+        yield (f"{at}.{'draft_model' if m.draft_model else 'prompt_lookup'}: speculative decoding needs "
+                          "pipeline: continuous_batching (the stateful pipeline has no draft)")
+    if m.num_assistant_tokens is not None and not 1 <= m.num_assistant_tokens <= MAX_ASSISTANT_TOKENS:
+        yield (f"{at}.num_assistant_tokens: expected 1 to {MAX_ASSISTANT_TOKENS}")
+    if m.max_ngram_size is not None and not 1 <= m.max_ngram_size <= MAX_NGRAM_SIZE:
+        yield (f"{at}.max_ngram_size: expected 1 to {MAX_NGRAM_SIZE}")
+    threshold = m.assistant_confidence_threshold
+    if threshold is not None:
+        if not 0 < threshold < 1:
+            yield (f"{at}.assistant_confidence_threshold: expected a number between 0 and 1")
+        if m.num_assistant_tokens is not None:
+            yield (f"{at}.assistant_confidence_threshold: set it or num_assistant_tokens, not both")
+        if m.prompt_lookup:
+            yield (f"{at}.assistant_confidence_threshold: applies to a draft_model (prompt lookup "
+                              "proposes num_assistant_tokens)")
+    if m.max_ngram_size is not None and not m.prompt_lookup:
+        yield (f"{at}.max_ngram_size: applies with prompt_lookup: true only")
+    if m.draft_model:
+        d = m.draft_model
+        if d.device is not None and DEVICE_PATTERN.match(d.device) is None:
+            yield (f"{at}.draft_model.device: expected an OpenVINO device name such as CPU, GPU, GPU.0")
+        mismatch = tokenizer_mismatch(m.path, d.path)
+        if mismatch:
+            yield (f"{at}.draft_model.path: {mismatch}")
+
+
+# What makes two tokenizers the same: the vocabulary and merges (tokenizer.json), else the converted OpenVINO
+# tokenizer's weights. Other files (tokenizer_config.json's model_max_length, a chat template) may differ.
+TOKENIZER_FILES = ("openvino_tokenizer.bin", "openvino_detokenizer.bin")
+
+
+def tokenizer_identity(model_dir: str) -> Any:
+    """A comparable account of a model directory's tokenizer, or None if there is none to read (yet)."""
+    import json
+    hf = Path(model_dir) / "tokenizer.json"
+    try:
+        spec = json.loads(hf.read_text())
+        model = spec.get("model") or {}
+        return ("tokenizer.json", model.get("type"), model.get("vocab"), model.get("merges"),
+                sorted((t.get("id"), t.get("content")) for t in spec.get("added_tokens") or ()))
+    except (OSError, ValueError):
+        pass
+    import hashlib
+    digests = []
+    for name in TOKENIZER_FILES:
+        try:
+            digests.append(hashlib.sha256((Path(model_dir) / name).read_bytes()).hexdigest())
+        except OSError:
+            return None
+    return ("openvino_tokenizer", *digests)
+
+
+def tokenizer_mismatch(main_dir: str, draft_dir: str) -> str | None:
+    """Why a draft cannot serve a main model (their tokenizers differ), or None. Directories that hold no readable
+    tokenizer (not there yet) are not judged here; the worker's load judges them again."""
+    main, draft = tokenizer_identity(main_dir), tokenizer_identity(draft_dir)
+    if main is None or draft is None or main == draft:
+        return None
+    how = "vocabularies" if main[0] == draft[0] == "tokenizer.json" else "tokenizers"
+    return (f"the draft model {draft_dir!r} and the main model {main_dir!r} have different {how}; a draft must share "
+            "its main model's tokenizer (e.g. Qwen2.5-0.5B-Instruct for Qwen2.5-7B-Instruct)")
 
 
 # A check of one model beyond its keys' values (its files, its device): (key, what was expected) or None.
@@ -477,12 +593,18 @@ def path_check(model: ModelConfig) -> tuple[str, str] | None:
     """check-config's: the model's directory exists, holds the IR files of its kind, and is readable by this user
     and, run as root, by the service user."""
     problem = model_files.path_problem(model.path, model.kind)
+    if problem is None and model.draft_model:  # the draft loads in the same worker: its files count too
+        problem = model_files.path_problem(model.draft_model.path, "llm")
+        return ("draft_model.path", problem) if problem else None
     return ("path", problem) if problem else None
 
 
 def served_path_check(model: ModelConfig) -> tuple[str, str] | None:
     """The serving process's: the same, for the user it runs as (its workers read the files as that user)."""
     problem = model_files.path_problem(model.path, model.kind, user_name=None)
+    if problem is None and model.draft_model:
+        problem = model_files.path_problem(model.draft_model.path, "llm", user_name=None)
+        return ("draft_model.path", problem) if problem else None
     return ("path", problem) if problem else None
 
 
@@ -553,4 +675,13 @@ def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
             "log_level": config.server.log_level}
     spec.update({key: getattr(model, key) for key, kinds in KIND_ONLY_KEYS.items()
                  if model.kind in _kinds(kinds) and key not in FRONT_ONLY_KIND_KEYS})
+    if model.draft_model:
+        d = model.draft_model
+        # The draft compiles with the main model's first-class options (cache dir, GPU weightless) on its own device,
+        # and its own runtime_config.
+        as_model = dataclasses.replace(model, device=d.device or model.device, runtime_config=d.runtime_config)
+        spec["draft_model"] = {"path": d.path, "device": as_model.device,
+                               "properties": as_model.ov_properties(config.ov_cache_dir())}
+    if model.kind == "llm":
+        spec["speculative"] = model.speculative_defaults()
     return spec

@@ -51,8 +51,10 @@ OPS: dict[str, Op] = {
                  "the worker cannot go on (a load error, or an internal error after loading) and exits"),
     "tokens": _op("worker", "id text n", "logprobs",
                   "new text of a request, how many tokens it took, and their [text, logprob] if asked for"),
-    "done": _op("worker", "id finish_reason prompt_tokens completion_tokens", "reasoning_tokens",
-                "a request finished (reasoning_tokens on a model with a reasoning format)"),
+    "done": _op("worker", "id finish_reason prompt_tokens completion_tokens",
+                "reasoning_tokens draft_accepted draft_rejected",
+                "a request finished (reasoning_tokens on a model with a reasoning format; draft_* on a model with a "
+                "draft or prompt lookup: proposed tokens the main model accepted and rejected)"),
     "result": _op("worker", "id result", "counts",
                   "the one answer of a request op; counts add to the model's counters (supervisor.RESULT_COUNTERS)"),
     "error": _op("worker", "id kind code message retryable", "hint",

@@ -103,6 +103,22 @@ DEMO_KINDS = {
 }
 
 
+# The speculative-decoding demo: a main model made costlier (more layers) and drafts of one layer that share its
+# tokenizer, one predicting it exactly and one wrong every fourth token. All have prompt_phrases, so the main
+# model also serves prompt lookup: its answer pasted into a prompt encodes to the tokens it will generate.
+SPECULATIVE_DEMO = {
+    "main": {"layers": 12, "prompt_phrases": True},
+    "draft": {"layers": 1, "prompt_phrases": True},
+    "draft_miss": {"layers": 1, "draft_miss": 4, "prompt_phrases": True},
+}
+
+
+def ensure_speculative_demo(cache_dir: os.PathLike, **params) -> dict[str, pathlib.Path]:
+    """The speculative demo's models by role (SPECULATIVE_DEMO), built or found in the cache; `params` (eos_after,
+    max_new_tokens, seed) apply to all of them, as a shared tokenizer needs."""
+    return {role: ensure_demo_model(cache_dir, "llm", **params, **extra) for role, extra in SPECULATIVE_DEMO.items()}
+
+
 def demo_model_name(kind: str) -> str:
     """The demo's model name, in configs and in the cache: "demo" for the chat model, "demo-<kind>" otherwise."""
     return DEMO_MODEL_NAME if kind == "llm" else f"{DEMO_MODEL_NAME}-{kind}"

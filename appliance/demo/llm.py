@@ -109,37 +109,50 @@ ops = _LazyOpset()
 
 
 def checked_params(*, eos_after: int = 48, max_new_tokens: int = 64, seed: int = 0,
-                    logit_scale: float = LOGIT_SCALE) -> dict:
+                    logit_scale: float = LOGIT_SCALE, layers: int = LAYERS, draft_miss: int = 0,
+                    prompt_phrases: bool = False) -> dict:
     if not 0 <= eos_after <= CLOCK:
         raise ValueError(f"eos_after must be in 0..{CLOCK}, got {eos_after}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if not 0 < logit_scale <= LOGIT_SCALE:
         raise ValueError(f"logit_scale must be in (0, {LOGIT_SCALE:g}], got {logit_scale}")
+    if not 1 <= layers <= 64:
+        raise ValueError(f"layers must be in 1..64, got {layers}")
+    if draft_miss < 0:
+        raise ValueError(f"draft_miss must be 0 (never) or a positive period, got {draft_miss}")
     params = {"eos_after": int(eos_after), "max_new_tokens": int(max_new_tokens), "seed": int(seed)}
-    if logit_scale != LOGIT_SCALE:  # the default keeps the marker (and the cache path) of builds before this knob
+    # Defaults stay out of the marker, which keeps the cache path of builds made before each knob existed.
+    if logit_scale != LOGIT_SCALE:
         params["logit_scale"] = float(logit_scale)
+    if layers != LAYERS:
+        params["layers"] = int(layers)
+    if draft_miss:
+        params["draft_miss"] = int(draft_miss)
+    if prompt_phrases:
+        params["prompt_phrases"] = True
     return params
 
 
 def _write_model_files(out: pathlib.Path, *, eos_after: int, max_new_tokens: int, seed: int,
-                       logit_scale: float = LOGIT_SCALE) -> None:
+                       logit_scale: float = LOGIT_SCALE, layers: int = LAYERS, draft_miss: int = 0,
+                       prompt_phrases: bool = False) -> None:
     import openvino as ov
     import openvino_tokenizers
 
     rng = np.random.default_rng(seed)
     bpe_spec = _train_bpe()
     phrases = _phrase_texts(rng, eos_after)
-    hf_tokenizer = _hf_tokenizer(bpe_spec, phrases)
+    hf_tokenizer = _hf_tokenizer(bpe_spec, phrases, prompt_phrases)
     vocab_size = len(hf_tokenizer)
     ov_tokenizer, ov_detokenizer = openvino_tokenizers.convert_tokenizer(hf_tokenizer, with_detokenizer=True)
     ov.save_model(ov_tokenizer, out / "openvino_tokenizer.xml")
     ov.save_model(ov_detokenizer, out / "openvino_detokenizer.xml")
     hf_tokenizer.save_pretrained(out)
     bpe_ends_line = _bpe_ends_line(bpe_spec)
-    next_token = _next_token_table(bpe_ends_line, len(phrases), eos_after)
-    ov.save_model(_build_llm(next_token, len(bpe_ends_line), rng, logit_scale), out / "openvino_model.xml")
-    write_json(out / "config.json", _hf_config(vocab_size))
+    next_token = _next_token_table(bpe_ends_line, len(phrases), eos_after, draft_miss)
+    ov.save_model(_build_llm(next_token, len(bpe_ends_line), rng, logit_scale, layers), out / "openvino_model.xml")
+    write_json(out / "config.json", _hf_config(vocab_size, layers))
     write_json(out / "generation_config.json", {
         "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "max_new_tokens": max_new_tokens, "do_sample": False,
     })
@@ -149,11 +162,11 @@ def write_json(path: pathlib.Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _hf_config(vocab_size: int) -> dict:
+def _hf_config(vocab_size: int, layers: int = LAYERS) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
         "vocab_size": vocab_size, "hidden_size": HIDDEN, "intermediate_size": MLP_HIDDEN,
-        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "head_dim": HEAD_DIM,
+        "num_hidden_layers": layers, "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "head_dim": HEAD_DIM,
         "max_position_embeddings": MAX_POSITIONS, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "bos_token_id": None,
         "tie_word_embeddings": False,
     }
@@ -201,8 +214,12 @@ def _bpe_ends_line(bpe_spec: dict, specials: list[str] = SPECIAL_TOKENS) -> np.n
     return ends_line
 
 
-def _hf_tokenizer(bpe_spec: dict, phrases: list[str]):
-    """The trained BPE plus the phrase tokens, as a transformers tokenizer (ChatML template, left padding)."""
+def _hf_tokenizer(bpe_spec: dict, phrases: list[str], prompt_phrases: bool = False):
+    """The trained BPE plus the phrase tokens, as a transformers tokenizer (ChatML template, left padding).
+
+    With `prompt_phrases` the phrases are also added tokens, matched in text before BPE: the model's own answer,
+    pasted into a prompt, encodes to the phrase tokens it was generated as, so an answer can repeat its prompt
+    token for token (what prompt-lookup decoding speeds up)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -211,8 +228,11 @@ def _hf_tokenizer(bpe_spec: dict, phrases: list[str]):
     byte_chars = _bytes_to_unicode()
     base = len(vocab)
     for i, phrase in enumerate(phrases):
-        # In the vocabulary but made by no merge (BPE never sees text across a space): decodable, never encoded.
-        vocab["".join(byte_chars[b] for b in phrase.encode())] = base + i
+        if prompt_phrases:  # an added token, matched in text before BPE (the same id)
+            spec["added_tokens"].append({"id": base + i, "content": phrase, "single_word": False, "lstrip": False,
+                                         "rstrip": False, "normalized": False, "special": False})
+        else:  # in the vocabulary but made by no merge (BPE never sees text across a space): decoded, never encoded
+            vocab["".join(byte_chars[b] for b in phrase.encode())] = base + i
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token="<|im_end|>", pad_token="<|endoftext|>",
         padding_side="left", model_max_length=MAX_POSITIONS,
@@ -235,16 +255,22 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 # --- model -----------------------------------------------------------------------------------------------------
 
-def _next_token_table(bpe_ends_line: np.ndarray, phrase_count: int, eos_after: int) -> np.ndarray:
+def _next_token_table(bpe_ends_line: np.ndarray, phrase_count: int, eos_after: int, draft_miss: int = 0) -> np.ndarray:
     """next[t] for every token id t.  A phrase's successor is phrase (k + 1, v), or EOS when k + 1 == eos_after.
     For a prompt token it is the first of the VARIANTS phrases to start from (the graph adds the variant):
-    the line-start forms after whitespace or a special token, else the grid's k = 0 row."""
+    the line-start forms after whitespace or a special token, else the grid's k = 0 row.
+
+    `draft_miss` N > 0 builds a draft that guesses wrong now and then: the successor of every phrase whose next
+    counter is a multiple of N takes the next variant instead, so a model with the plain walk accepts about
+    N - 1 of every N of its guesses."""
     base = len(bpe_ends_line)
     line_starts = base + CLOCK * VARIANTS
     table = np.where(bpe_ends_line, line_starts, base).astype(np.int64)
     successors = []
     for i in range(phrase_count):
         k, v = _phrase_slot(i)
+        if draft_miss and (k + 1) % draft_miss == 0:
+            v = (v + 1) % VARIANTS
         successors.append(EOS_ID if k + 1 == eos_after else base + (k + 1) % CLOCK * VARIANTS + v)
     return np.concatenate([table, np.array(successors, dtype=np.int64)])
 
@@ -257,7 +283,8 @@ def _token_codes(vocab_size: int) -> np.ndarray:
     return np.concatenate([high, low], axis=1)
 
 
-def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generator, logit_scale: float = LOGIT_SCALE):
+def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generator, logit_scale: float = LOGIT_SCALE,
+               layers: int = LAYERS):
     """Llama-like stateful decoder with the inputs, outputs and KV-cache pattern GenAI expects (so it also
     converts to PagedAttention), whose logits pick `_next_token`'s choice by a wide margin."""
     import openvino as ov
@@ -272,7 +299,7 @@ def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generato
     x = ops.gather(weight(len(next_token), HIDDEN, std=1.0), input_ids, 0)
     mask = _attention_mask(input_ids, attention_mask)
     caches = []  # (past_key_values.N.* parameter, present.N.* result)
-    for layer in range(LAYERS):
+    for layer in range(layers):
         x = _decoder_layer(x, layer, mask, beam_idx, weight, caches)
     nxt = _next_token(input_ids, position_ids, next_token, phrase_base)
     logits = ops.result(_logits(x, nxt, len(next_token), phrase_base, rng, logit_scale))

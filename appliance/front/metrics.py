@@ -18,6 +18,27 @@ MODEL_STATES = tuple(state.value for state in ModelState)
 
 
 @dataclass
+class DraftTokens:
+    """A model's openarc_draft_tokens_total series and their totals since it was configured (for /openarc/status)."""
+
+    accepted_series: Any
+    rejected_series: Any
+    accepted: int = 0
+    rejected: int = 0
+
+    def add(self, accepted: int, rejected: int) -> None:
+        """One speculative request's proposals (its done frame's draft_accepted / draft_rejected)."""
+        self.accepted_series.inc(accepted)
+        self.rejected_series.inc(rejected)
+        self.accepted, self.rejected = self.accepted + accepted, self.rejected + rejected
+
+    def status(self) -> dict[str, Any]:
+        total = self.accepted + self.rejected
+        return {"draft_tokens_accepted": self.accepted, "draft_tokens_rejected": self.rejected,
+                "draft_acceptance_ratio": round(self.accepted / total, 4) if total else None}
+
+
+@dataclass
 class ModelMetrics:
     """One model's series, labelled once: labels() is a locked dict lookup, too dear on every token."""
 
@@ -34,6 +55,7 @@ class ModelMetrics:
     kv_cache_usage: Any
     embedding_inputs: Any
     audio_seconds: Any
+    draft: DraftTokens  # labelled by outcome too: built apart in for_model
 
 
 class Metrics:
@@ -98,6 +120,8 @@ class Metrics:
                                         "(bad_url, bad_base64, too_large, unsupported_format, too_many_pixels, "
                                         "undecodable, fetch_disabled, host_not_allowed, fetch_failed)",
                                         ["model", "reason"], registry=r)
+        self.draft_tokens = Counter("openarc_draft_tokens", "Tokens a draft model or prompt lookup proposed, by whether "
+                                    "the main model accepted them", ["model", "outcome"], registry=r)
         self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",
                                     registry=r)
 
@@ -109,7 +133,9 @@ class Metrics:
             self.model_info.remove(model, previous)
         self.model_kinds[model] = kind
         self.model_info.labels(model=model, kind=kind).set(1)
-        return ModelMetrics(**{name: getattr(self, name).labels(model=model) for name in ModelMetrics.__annotations__})
+        series = {name: getattr(self, name).labels(model=model) for name in ModelMetrics.__annotations__ if name != "draft"}
+        draft = DraftTokens(*(self.draft_tokens.labels(model=model, outcome=o) for o in ("accepted", "rejected")))
+        return ModelMetrics(**series, draft=draft)
 
     def set_state(self, model: str, state: str) -> None:
         for name in MODEL_STATES:

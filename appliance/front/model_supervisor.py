@@ -74,7 +74,9 @@ class ModelSupervisor:
                 "tool_parser": formats.get("tool_parser", self.model.tool_parser),
                 "reasoning_parser": formats.get("reasoning_parser", self.model.reasoning_parser),
                 "requests_running": len(self.router.running),
-                "requests_waiting": len(self.router.waiting) + self.router.awaiting_ready}
+                "requests_waiting": len(self.router.waiting) + self.router.awaiting_ready,
+                **({"speculative": self.model.speculative, **self.series.draft.status()} if self.model.kind == "llm"
+                   else {})}
 
     def _state_changed(self, old: ModelState, new: ModelState) -> None:
         if self.reports:

@@ -143,6 +143,8 @@ class RequestRouter:
             self._on_tokens(req, message)
         elif op == "done":
             self.series.prompt_tokens.inc(message["prompt_tokens"])
+            if "draft_accepted" in message:
+                self.series.draft.add(message["draft_accepted"], message["draft_rejected"])
             self.finish(req, Event("done", finish_reason=message["finish_reason"],
                                    prompt_tokens=message["prompt_tokens"], completion_tokens=message["completion_tokens"],
                                    reasoning_tokens=message.get("reasoning_tokens")))

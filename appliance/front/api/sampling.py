@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from appliance.config import MAX_ASSISTANT_TOKENS, MAX_NGRAM_SIZE
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import flag, number
 
@@ -29,9 +30,27 @@ def sampling_params(body: dict, chat: bool) -> dict[str, Any]:
         "frequency_penalty": number(body, "frequency_penalty", -2, 2),
         "repetition_penalty": repetition,
         "logprobs": _chat_logprobs(body) if chat else _completion_logprobs(body),
+        **speculative_params(body),
     }
     _refuse_unsupported(body, chat)
     return params
+
+
+def speculative_params(body: dict) -> dict[str, Any]:
+    """A request's speculative-decoding knobs (vLLM's and llama.cpp's users pass them): they override the model's
+    defaults on a model with a draft or prompt lookup, and change nothing on another (the answer is the same)."""
+    params = {
+        "num_assistant_tokens": number(body, "num_assistant_tokens", 1, MAX_ASSISTANT_TOKENS, integer=True),
+        "assistant_confidence_threshold": number(body, "assistant_confidence_threshold", 0, 1),
+        "max_ngram_size": number(body, "max_ngram_size", 1, MAX_NGRAM_SIZE, integer=True),
+    }
+    if params["num_assistant_tokens"] is not None and params["assistant_confidence_threshold"] is not None:
+        raise InvalidRequest("set 'num_assistant_tokens' or 'assistant_confidence_threshold', not both",
+                             "assistant_confidence_threshold")
+    if params["assistant_confidence_threshold"] in (0, 1):
+        raise InvalidRequest("'assistant_confidence_threshold' must be strictly between 0 and 1",
+                             "assistant_confidence_threshold")
+    return {key: value for key, value in params.items() if value is not None}
 
 
 def _min_p(body: dict) -> float | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from appliance import chat_formats
 from appliance.host import faults
 from appliance.worker.detokenize import make_detokenizer
+from appliance.worker.engines import speculative
 from appliance.worker.engines.base import Engine
 from appliance.worker.engines.constraints import GrammarProbe, InvalidGrammar, after_reasoning, genai_message
 from appliance.ipc import frame
@@ -59,6 +60,8 @@ class Request:
     text: str = ""         # the prompt as text (a VLM's pipeline takes the text with its image tags)
     images: list = field(default_factory=list)  # a VLM request's images (ov.Tensor, HWC uint8)
     handle: Any = None     # its GenerationHandle, where the engine reads it after the request has left the batch
+    proposal: int = 0      # speculative decoding: tokens proposed a step (speculative.apply)
+    tally: Any = None      # speculative.DraftTally of a request on a speculative pipeline
 
 
 def cut_at_stop(req: Request, text: str) -> str:
@@ -255,6 +258,7 @@ class LLMEngine(Engine):
             config.stop_strings = set(req.params["stop"])
             config.include_stop_str_in_output = False
         config.set_eos_token_id(self.tokenizer.get_eos_token_id())
+        req.proposal = speculative.apply(config, self.spec.get("speculative") or {}, req.params)
         return config
 
     def post_text(self, req: Request, text: str) -> None:
@@ -296,6 +300,8 @@ class LLMEngine(Engine):
         req.held = ""
         reasoning = self.formats["reasoning_parser"] and req.chat
         extra = {"reasoning_tokens": self.reasoning_tokens(req)} if reasoning else {}
+        if req.tally is not None:
+            extra.update(req.tally.frame_fields())
         self.post(frame("done", id=req.id, finish_reason=finish_reason, prompt_tokens=req.prompt_tokens,
                         completion_tokens=len(req.generated), **extra))
 
@@ -325,7 +331,8 @@ class BatchingEngine(LLMEngine):
         scheduler = openvino_genai.SchedulerConfig()
         for key, value in spec["scheduler_config"].items():
             setattr(scheduler, key, value)
-        self.pipe = openvino_genai.ContinuousBatchingPipeline(spec["path"], scheduler, spec["device"], spec["properties"])
+        self.pipe = speculative.load_pipeline(spec, scheduler)
+        self.speculative = bool(spec.get("speculative"))
         super().__init__(spec, channel, self.pipe.get_tokenizer())
         self.active: dict[int, tuple[Request, Any]] = {}
         status = openvino_genai.GenerationStatus
@@ -368,6 +375,8 @@ class BatchingEngine(LLMEngine):
             self.on_generate_prepared(req)
 
     def on_generate_prepared(self, req: Request) -> None:
+        if self.speculative:
+            req.tally = speculative.DraftTally(req.proposal, req.max_tokens)
         try:
             handle = self.add_request(req)
         except Refused as refused:
@@ -395,6 +404,8 @@ class BatchingEngine(LLMEngine):
                 while handle.can_read():  # read() returns one step's output; after the end several may wait
                     for output in handle.read().values():
                         new_ids += output.generated_ids
+                        if req.tally is not None:
+                            req.tally.read(len(output.generated_ids))
                         finish = output.finish_reason
                         if req.logprobs is not None:
                             req.logprobs += output.generated_log_probs

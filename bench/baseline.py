@@ -25,11 +25,12 @@ from bench import workload
 class InProcess:
     """A warm ContinuousBatchingPipeline (the engine the appliance's worker runs) and the templating it needs."""
 
-    def __init__(self, model_path: str, device: str = "CPU"):
+    def __init__(self, model_path: str, device: str = "CPU", properties: dict | None = None):
         import openvino_genai
         self.og = openvino_genai
         started = time.monotonic()
-        self.pipe = openvino_genai.ContinuousBatchingPipeline(model_path, openvino_genai.SchedulerConfig(), device, {})
+        self.pipe = openvino_genai.ContinuousBatchingPipeline(model_path, openvino_genai.SchedulerConfig(), device,
+                                                              properties or {})
         self.load_seconds = time.monotonic() - started
         self.tokenizer = self.pipe.get_tokenizer()
 
@@ -47,9 +48,35 @@ class InProcess:
         config.ignore_eos = True
         return config
 
-    def generate(self, prompts: list[int], max_tokens: int, streamer=None) -> list:
-        texts = [self.prompt(i) for i in prompts]
-        return self.pipe.generate(texts, [self.config(max_tokens)] * len(texts), streamer)
+    def generate(self, prompts: list[int], max_tokens: int, streamer=None) -> int:
+        """generate() on the templated prompts, the answers decoded (as a server must): the tokens it generated."""
+        ids = [self.tokenizer.encode(self.prompt(i), add_special_tokens=False).input_ids for i in prompts]
+        results = self.pipe.generate(ids, [self.config(max_tokens)] * len(ids), streamer)
+        outputs = [result.m_generation_ids[0] for result in results]
+        self.tokenizer.decode(outputs)
+        return sum(len(tokens) for tokens in outputs)
+
+    def step_loop(self, prompts: list[int], max_tokens: int, on_step=None) -> int:
+        """The worker's own engine API without the worker: add_request, step(), read every handle each step, decode
+        at the end; `on_step(tokens so far)` after each step. The tokens it generated."""
+        handles = [self.pipe.add_request(i, self.tokenizer.encode(self.prompt(p), add_special_tokens=False).input_ids,
+                                         self.config(max_tokens)) for i, p in enumerate(prompts)]
+        outputs: list[list[int]] = [[] for _ in handles]
+        running = self.og.GenerationStatus.RUNNING.value
+        while True:
+            self.pipe.step()
+            live = False
+            for handle, tokens in zip(handles, outputs):
+                while handle.can_read():
+                    for output in handle.read().values():
+                        tokens += output.generated_ids
+                live = live or handle.get_status().value == running
+            if on_step:
+                on_step(sum(len(tokens) for tokens in outputs))
+            if not live:
+                break
+        self.tokenizer.decode(outputs)
+        return sum(len(tokens) for tokens in outputs)
 
 
 def warm(engine: InProcess, tokens: int, requests: int) -> dict:
@@ -59,44 +86,62 @@ def warm(engine: InProcess, tokens: int, requests: int) -> dict:
 
 
 def latency(engine: InProcess, tokens: int, requests: int) -> dict:
-    """One request at a time: templating + generate() + decoding, timed."""
-    seconds = []
+    """One request at a time: templating + generate() + decoding, and the same through the step loop, timed
+    request by request in turns (so load that drifts hits both alike); the tokens each generated."""
+    seconds, step_seconds, generated = [], [], []
     for i in range(requests):
         started = time.perf_counter()
-        engine.generate([i], tokens)
+        generated.append(engine.generate([i], tokens))
         seconds.append(time.perf_counter() - started)
-    return {"seconds": seconds}
+        started = time.perf_counter()
+        generated.append(engine.step_loop([i], tokens))
+        step_seconds.append(time.perf_counter() - started)
+    return {"seconds": seconds, "step_seconds": step_seconds, "generated": generated}
 
 
 def stream(engine: InProcess, requests: int, warm_first: bool) -> dict:
-    """Streams through a streamer callback: tokens / time from the call to the last token (the first one, if
-    warm_first, only warms the longer KV cache)."""
-    rates = []
+    """The streaming rate, two ways: the step loop reading every handle each step (the engine's raw rate, what the
+    worker's loop runs on; no per-token Python callback), and generate() with a streamer callback per token (what
+    a Python program streaming with genai gets). Tokens / time from the call to the last token; the first request,
+    if warm_first, only warms the longer KV cache."""
+    rates, callback_rates = [], []
     for i in range(requests + warm_first):
         times: list[float] = []
+        counted: list[int] = []
+
+        def on_step(tokens: int):
+            if not counted or tokens > counted[-1]:
+                times.append(time.perf_counter())
+                counted.append(tokens)
+
+        started = time.perf_counter()
+        produced = engine.step_loop([i], workload.STREAM_TOKENS, on_step)
+        rate = workload.stream_rate(started, times, produced)
+        callback_times: list[float] = []
 
         def on_text(text: str):
-            times.append(time.perf_counter())
+            callback_times.append(time.perf_counter())
             return engine.og.StreamingStatus.RUNNING
 
         started = time.perf_counter()
-        engine.generate([i], workload.STREAM_TOKENS, on_text)
-        rate = workload.stream_rate(started, times, workload.STREAM_TOKENS)
-        if (i or not warm_first) and rate is not None:
+        produced_by_callback = engine.generate([i], workload.STREAM_TOKENS, on_text)
+        callback_rate = workload.stream_rate(started, callback_times, produced_by_callback)
+        if (i or not warm_first) and rate is not None and callback_rate is not None:
             rates.append(rate)
-    return {"rates": rates}
+            callback_rates.append(callback_rate)
+    return {"rates": rates, "callback_rates": callback_rates}
 
 
 def aggregate(engine: InProcess, clients: int, rounds: int, warm_first: bool) -> dict:
-    """The clients' requests at once, as one batch, `rounds` times: tokens, seconds, and this process's CPU time."""
+    """The clients' requests at once, as one batch, `rounds` times: the tokens generated (counted, not planned),
+    seconds, and this process's CPU time."""
     prompts = list(range(clients))
     if warm_first:
         engine.generate(prompts, workload.CONCURRENCY_TOKENS)
     started, cpu = time.perf_counter(), time.process_time()
-    for _ in range(rounds):
-        assert len(engine.generate(prompts, workload.CONCURRENCY_TOKENS)) == clients
-    return {"tokens": clients * workload.CONCURRENCY_TOKENS * rounds, "seconds": time.perf_counter() - started,
-            "cpu_seconds": time.process_time() - cpu}
+    tokens = sum(engine.generate(prompts, workload.CONCURRENCY_TOKENS) for _ in range(rounds))
+    return {"tokens": tokens, "planned": clients * workload.CONCURRENCY_TOKENS * rounds,
+            "seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu}
 
 
 def no_core_dumps() -> None:
@@ -131,9 +176,9 @@ def finish(engine: InProcess, model_path: str, device: str, death_trials: int) -
             "death_notice_s": [death_notice(model_path, device) for _ in range(death_trials)]}
 
 
-def serve(model_path: str, device: str) -> None:
+def serve(model_path: str, device: str, properties: dict) -> None:
     """Load, say so, then answer one JSON command per line of stdin with one JSON line, until `finish`."""
-    engine = InProcess(model_path, device)
+    engine = InProcess(model_path, device, properties)
     reply({"pipeline": "ContinuousBatchingPipeline", "load_seconds": engine.load_seconds})
     ops = {"warm": warm, "latency": latency, "stream": stream, "aggregate": aggregate}
     for line in sys.stdin:
@@ -154,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.baseline")
     parser.add_argument("model_path")
     parser.add_argument("--device", default="CPU")
+    parser.add_argument("--properties", default="{}", help="OpenVINO properties as JSON (INFERENCE_NUM_THREADS)")
     args = parser.parse_args(argv)
-    serve(args.model_path, args.device)
+    serve(args.model_path, args.device, json.loads(args.properties))
     return 0
 
 

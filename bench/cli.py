@@ -21,21 +21,27 @@ OWN_NAME = "openarc"
 DEMO_MODEL = ("the demo model, built with `openarc demo-model --eos-after 0` (never stops before max_tokens, "
               "so every reply has the length asked for)")
 NOTES = [
-    "Every ratio compares the server with the same model, prompts and token counts driven in process through "
+    "Every figure compares the server with the same model, prompts and token counts driven in process through "
     "openvino_genai.ContinuousBatchingPipeline (the worker's engine), warm, in a bare process, run just before. "
-    "The baseline ignores EOS, so it always generates the tokens asked for; a server reply with fewer tokens (its "
-    "usage, else its text chunks) makes that figure 'not comparable' instead of a ratio of unequal work.",
-    "Latency: one request at a time over a kept-alive connection, timed at the client from send to parsed body; "
-    "the baseline is templating + generate() + decoding. 'Added p99' is p99(server) - p99(baseline).",
-    "Streaming: tokens / time from the request to the last token, for the SSE client and for an in-process "
-    "streamer callback (not from the first token: a server that falls behind sends queued tokens as one burst).",
+    "The baseline ignores EOS and counts the tokens it generated; a server reply with fewer tokens (its usage, else "
+    "its text chunks) makes that figure 'not comparable' instead of a ratio of unequal work.",
+    "The headline is what the server adds: per request (1-token request, server median - generate() median) and "
+    "per token ((32-token added - 1-token added) / 31, against the step loop: add_request + step() + reading every "
+    "handle each step, the engine API the worker itself drives, so the figure is the worker's own per-step work). "
+    "The 32-token ratio to generate() is information. Requests are timed one at a time over a kept-alive connection, "
+    "at the client from send to parsed body; the baseline times templating + generation + decoding.",
+    "Streaming: tokens / time from the request to the last token. Like with like: the server holds text up to 2 ms "
+    "to send fewer frames; the baseline is the step loop's raw rate (no per-token callback). generate() with a "
+    "per-token Python callback, what a Python program streaming with genai gets, is shown for information.",
     "Concurrency: N clients each send requests back to back; the baseline runs N requests as one generate() batch. "
-    "CPU: each process's CPU time over the phase's wall time (100 % = one core; the machine has 2).",
+    "The server's max_running is shown beside each level: a level above it queues by configuration. "
+    "CPU: each process's CPU time over the phase's wall time (100 % = one core).",
     f"Faults hit a second copy of the model (`{FAULT_MODEL}`, stall_timeout_s={STALL_TIMEOUT_S:g}, restart backoff "
     f"{RESTART['backoff_initial_s']:g} s, included in recovery). Recovery ends at the first 200 of a 1-token request "
     "polled every 5 ms; the load time subtracted is that restart's openarc_model_load_seconds (spawn to ready).",
     "Client cost: the load generator's CPU time (asyncio + aiohttp, one process) per request and as a share of one "
     "core; it runs on the same cores as the server, so it is part of what the server figures pay.",
+    "Memory is in MiB (2^20 bytes); each row says when it was read.",
 ]
 PEER_NOTE = ("Side by side: the servers take turns, block by block (the order reversed every other block), with the "
              "same requests; each cell is that server's own figure, 'median / p99' for latencies. Memory and CPU "
@@ -61,9 +67,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peer-pid", action="append", default=[], metavar="NAME=PID",
                    help="the main process of a peer (or of the --url server): its memory, its CPU, and a "
                         "SIGABRT-mid-stream trial that may end it for good")
+    p.add_argument("--engine-threads", type=int, metavar="N",
+                   help="INFERENCE_NUM_THREADS for the in-process baseline and the bench's own appliance alike "
+                        "(default: OpenVINO's, every core)")
     p.add_argument("--out", default=str(RESULTS), help="where results.json, results.md and the appliance's log go "
                                                        "(default: bench/results)")
     args = p.parse_args(argv)
+    if args.engine_threads is not None and args.engine_threads < 1:
+        p.error("--engine-threads must be at least 1")
+    args.properties = {"INFERENCE_NUM_THREADS": args.engine_threads} if args.engine_threads else {}
     args.peers = [_named(p, value, "--peer") for value in args.peer]
     args.peer_pids = {}
     for value in args.peer_pid:
@@ -107,12 +119,14 @@ async def measure(session: aiohttp.ClientSession, servers: list[Server], plan, c
         concurrency=await phases.concurrency(session, servers, plan, cpu_probe, baseline))
 
 
-def primary_figures(measured: sidebyside.Measured, name: str, baseline: dict | None) -> list:
+def primary_figures(measured: sidebyside.Measured, name: str, baseline: dict | None,
+                    max_running: int | None = None) -> list:
     base = baseline or {}
-    return (figures.latency(measured.fixed[name], base.get("fixed_latencies_s"), workload.FIXED_COST_TOKENS)
-            + figures.latency(measured.latency[name], base.get("latencies_s"), workload.OVERHEAD_TOKENS)
+    return (figures.costs(measured.fixed[name], measured.latency[name], baseline)
+            + figures.latency(measured.latency[name], base.get("latencies_s"), workload.OVERHEAD_TOKENS,
+                              base.get("step_latencies_s"))
             + [figures.streaming(measured.streaming[name], baseline)]
-            + figures.concurrency(measured.concurrency[name], baseline))
+            + figures.concurrency(measured.concurrency[name], baseline, max_running))
 
 
 class Run:
@@ -154,14 +168,16 @@ class Run:
 
     async def start_baseline(self) -> phases.InProcess | None:
         """The in-process baseline's process (idle while the servers are measured), when there is a model on disk."""
-        return await phases.InProcess.start(self.model_path, self.args.device) if self.model_path else None
+        if not self.model_path:
+            return None
+        return await phases.InProcess.start(self.model_path, self.args.device, self.args.properties)
 
     async def finish_baseline(self, in_process: phases.InProcess | None) -> None:
         if in_process:
             self.baseline = await in_process.finish(self.plan.death_trials)
 
     async def against_own_appliance(self, out: Path) -> tuple[list, dict | None]:
-        app = OwnAppliance(self.model_path, out, device=self.args.device)
+        app = OwnAppliance(self.model_path, out, device=self.args.device, runtime_config=self.args.properties)
         in_process = None
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
             try:
@@ -193,7 +209,8 @@ class Run:
                 app.stop()
                 if in_process:
                     in_process.kill()
-        found = (primary_figures(measured, OWN_NAME, self.baseline) + figures.fault_figures(aborts, stalls, self.baseline)
+        found = (primary_figures(measured, OWN_NAME, self.baseline, app.max_running(PERF_MODEL))
+                 + figures.fault_figures(aborts, stalls, self.baseline)
                  + figures.memory(front_idle, peak.peak, worker_rss, self.baseline) + [lag.figure()])
         return found, self.side_by_side(measured)
 

@@ -34,11 +34,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def appliance_config(model_path: Path, port: int, device: str = "CPU") -> dict:
+def appliance_config(model_path: Path, port: int, device: str = "CPU", runtime_config: dict | None = None) -> dict:
+    common = {"path": str(model_path), "device": device, "runtime_config": runtime_config or {}}
     return {"server": {"host": "127.0.0.1", "port": port},
-            "models": [{"name": PERF_MODEL, "path": str(model_path), "device": device,
-                        "max_running": 16, "max_queue": 64},
-                       {"name": FAULT_MODEL, "path": str(model_path), "device": device, "max_running": 4,
+            "models": [{"name": PERF_MODEL, **common, "max_running": 16, "max_queue": 64},
+                       {"name": FAULT_MODEL, **common, "max_running": 4,
                         "stall_timeout_s": STALL_TIMEOUT_S, "restart": RESTART}]}
 
 
@@ -48,17 +48,22 @@ def child_env() -> dict[str, str]:
 
 
 class OwnAppliance:
-    def __init__(self, model_path: Path, workdir: Path, models: list[dict] | None = None, device: str = "CPU"):
+    def __init__(self, model_path: Path, workdir: Path, models: list[dict] | None = None, device: str = "CPU",
+                 runtime_config: dict | None = None):
         """`models`: the config's models instead of the two copies of `model_path` (another bench's own)."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.config_path = workdir / "appliance.yaml"
-        config = appliance_config(model_path, self.port, device)
+        config = appliance_config(model_path, self.port, device, runtime_config)
         if models is not None:
             config["models"] = models
+        self.config = config
         self.config_path.write_text(yaml.safe_dump(config))
         self.log_path = workdir / "appliance.log"
         self.proc: subprocess.Popen | None = None
+
+    def max_running(self, model: str) -> int | None:
+        return next((m.get("max_running", 8) for m in self.config["models"] if m["name"] == model), None)
 
     @property
     def pid(self) -> int:

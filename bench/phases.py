@@ -134,9 +134,10 @@ class InProcess:
         self.results: dict = dict(loaded, aggregate_tokens_per_s={}, aggregate_cpu={})
 
     @classmethod
-    async def start(cls, model_path, device: str) -> InProcess:
+    async def start(cls, model_path, device: str, properties: dict | None = None) -> InProcess:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.baseline", str(model_path), "--device", device, env=child_env(),
+            sys.executable, "-m", "bench.baseline", str(model_path), "--device", device,
+            "--properties", json.dumps(properties or {}), env=child_env(),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, limit=1 << 24)
         baseline = cls(proc, {})
         baseline.results.update(await baseline._reply())
@@ -185,13 +186,20 @@ async def latency(session: aiohttp.ClientSession, servers: list[Server], plan: P
     found = {s.name: Latency(Counts(tokens)) for s in servers}
     sizes = split(plan.overhead_requests, plan.blocks)
     in_process: list[float] = []
+    step_loop: list[float] = []
+    generated: list[int] = []
     if baseline:
         await baseline.call("warm", tokens=tokens, requests=plan.warmup)
-        baseline.results["fixed_latencies_s" if tokens == workload.FIXED_COST_TOKENS else "latencies_s"] = in_process
+        key = "fixed_latencies_s" if tokens == workload.FIXED_COST_TOKENS else "latencies_s"
+        baseline.results[key], baseline.results["step_" + key] = in_process, step_loop
+        baseline.results[f"generated_{tokens}"] = generated
 
     async def run_block(server: Server | None, index: int) -> None:
         if server is None:
-            in_process.extend((await baseline.call("latency", tokens=tokens, requests=sizes[index]))["seconds"])
+            done = await baseline.call("latency", tokens=tokens, requests=sizes[index])
+            in_process.extend(done["seconds"])
+            step_loop.extend(done["step_seconds"])
+            generated.extend(done["generated"])
             return
         seen = found[server.name]
         cpu, wall = time.process_time(), time.perf_counter()
@@ -216,12 +224,16 @@ async def streaming(session: aiohttp.ClientSession, servers: list[Server], plan:
         await client.stream(session, server.base, chat_body(server.model, 0, workload.STREAM_TOKENS, stream=True))
     sizes = split(plan.stream_requests, plan.blocks)
     in_process: list[float] = []
+    callback: list[float] = []
     if baseline:
         baseline.results["stream_tokens_per_s"] = in_process
+        baseline.results["stream_callback_tokens_per_s"] = callback
 
     async def run_block(server: Server | None, index: int) -> None:
         if server is None:
-            in_process.extend((await baseline.call("stream", requests=sizes[index], warm_first=index == 0))["rates"])
+            done = await baseline.call("stream", requests=sizes[index], warm_first=index == 0)
+            in_process.extend(done["rates"])
+            callback.extend(done["callback_rates"])
             return
         seen = found[server.name]
         cpu, wall = time.process_time(), time.perf_counter()
@@ -247,7 +259,7 @@ async def concurrency(session: aiohttp.ClientSession, servers: list[Server], pla
         for server in servers:
             await _clients(session, server, clients, 1, Counts(workload.CONCURRENCY_TOKENS))  # warm this batch size
 
-        in_process = {"tokens": 0, "seconds": 0.0, "cpu_seconds": 0.0}
+        in_process = {"tokens": 0, "planned": 0, "seconds": 0.0, "cpu_seconds": 0.0}
 
         async def run_block(server: Server | None, index: int) -> None:
             if server is None:
@@ -271,6 +283,7 @@ async def concurrency(session: aiohttp.ClientSession, servers: list[Server], pla
         if baseline:
             baseline.results["aggregate_tokens_per_s"][str(clients)] = in_process["tokens"] / in_process["seconds"]
             baseline.results["aggregate_cpu"][str(clients)] = in_process["cpu_seconds"] / in_process["seconds"]
+            baseline.results.setdefault("aggregate_short", {})[str(clients)] = in_process["planned"] - in_process["tokens"]
         for name, aggregate in level.items():
             aggregate.cpu = {k: v / aggregate.seconds for k, v in aggregate.cpu.items()} if aggregate.seconds else {}
             found[name].append(aggregate)

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 
 from appliance.host.telemetry import process_rss_bytes
-from bench import client, figures, phases, report, sidebyside, workload
+from bench import client, figures, phases, report, sidebyside, speculative, workload
 from bench.launcher import FAULT_MODEL, PERF_MODEL, RESTART, STALL_TIMEOUT_S, OwnAppliance
 from bench.phases import CpuWatch, Server, process_tree
 
@@ -42,6 +42,9 @@ NOTES = [
     "Client cost: the load generator's CPU time (asyncio + aiohttp, one process) per request and as a share of one "
     "core; it runs on the same cores as the server, so it is part of what the server figures pay.",
     "Memory is in MiB (2^20 bytes); each row says when it was read.",
+    "Speculative decoding rows: bench.speculative's, on the demo pair (a 12-layer main model, 1-layer drafts sharing "
+    "its tokenizer), one client, the same prompts for every model, speed-up against the plain model in the same "
+    "run; the acceptance ratio is the server's own (/openarc/status).",
 ]
 PEER_NOTE = ("Side by side: the servers take turns, block by block (the order reversed every other block), with the "
              "same requests; each cell is that server's own figure, 'median / p99' for latencies. Memory and CPU "
@@ -254,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             target = f"its own appliance (python -m appliance serve, {args.device})"
             found, side = asyncio.run(run.against_own_appliance(out))
+            if args.device == "CPU":  # the demo pair is built for the CPU
+                spec_dir = Path(tmp) / "speculative"
+                spec_dir.mkdir()
+                found += asyncio.run(speculative.measure(spec_dir, args.quick, args.properties))[1]
     names = ", ".join(f"{s.name} ({s.base})" for s in run.servers[1:])
     meta = {"date": report.now(), "mode": plan_name, "duration_s": time.monotonic() - started,
             "target": target + (f", alongside {names}" if names else ""), "primary": run.servers[0].name,

@@ -18,12 +18,13 @@ import pytest
 
 from conftest import REPO, free_port, http, model_entry, pid_alive, wait_until
 
-BENCH_TIMEOUT_S = 300  # only catches a hang: the quick run takes ~15 s
+BENCH_TIMEOUT_S = 300  # only catches a hang: the quick run takes ~50 s (20 of them the speculative rows)
 VERDICTS = {"PASS", "MISS", "info", "not measured", "not comparable"}
 STANDIN = Path(__file__).resolve().parent / "standin_server.py"
 STANDIN_TOKENS = 7  # standin_server.STOP_AFTER
-TARGETED = ("median ratio", "1-token chat completion: added median", "Streaming", "Concurrency, 4", "Concurrency, 8 ",
-            "Concurrency, 16", "8 -> 16", "SIGABRT", "Recovery", "SIGSTOP", "Front RSS", "Worker RSS")
+TARGETED = ("Per-request fixed cost", "Per-token added cost", "Streaming", "Concurrency, 4", "Concurrency, 8 ",
+            "Concurrency, 16", "8 -> 16", "SIGABRT", "Recovery", "SIGSTOP", "Front RSS", "Worker RSS",
+            "Speculative decoding: greedy replies identical")
 
 
 def run_bench(out: Path, *args: str) -> dict:
@@ -120,10 +121,38 @@ def test_quick_bench_alongside_a_peer_reports_every_figure_against_its_baseline(
         matching = [v for name, v in verdicts.items() if word in name]
         assert matching and set(matching) <= {"PASS", "MISS"}, (word, verdicts)
     assert sum("aggregate tokens/s" in name for name in verdicts) == 4
+    assert_new_rows(result)
     assert all(f["baseline"] for f in result["figures"] if "ratio" in f["name"] or "aggregate tokens/s" in f["name"])
     # its appliance stopped cleanly, and took its workers with it
     assert "stopped" in (tmp_path / "appliance.log").read_text()
     assert not [p for p in Path("/proc").glob("[0-9]*") if _cmdline_mentions(p, str(tmp_path))]
+
+
+def assert_new_rows(result: dict) -> None:
+    """The headline costs, the step loop beside generate(), like-for-like streaming, max_running, counted baseline
+    tokens and the speculative rows: present, and computed from what ran (values, not placeholders)."""
+    figures = {f["name"]: f for f in result["figures"]}
+    fixed = figures["Per-request fixed cost: 1-token request, added median"]
+    assert isinstance(fixed["value"], float) and "step loop" in fixed["baseline"] and "spread" in fixed["baseline"]
+    per_token = figures["Per-token added cost: from the 1- and 32-token requests"]
+    assert per_token["unit"] == "us" and "us/token beyond the step loop" in per_token["measured"], per_token
+    loop = figures["In-process step loop / generate(), 32-token request"]
+    assert 0.3 < loop["value"] < 3, loop  # both ran the same 32 tokens; a ratio far off would be unequal work
+    stream = figures["Streaming, 512 tokens over SSE: tokens/s against the raw step rate"]
+    assert "(step loop, no callback)" in stream["baseline"] and "per-token callback" in stream["baseline"]
+    assert "Concurrency, 16 clients: aggregate tokens/s (server max_running 16)" in figures
+    assert "tokens counted" in figures["Concurrency, 16 clients: aggregate tokens/s (server max_running 16)"]["baseline"]
+    assert "MiB" in figures["Front RSS, idle (after warm-up, before the load phases)"]["measured"]
+    speculative = [f for name, f in figures.items() if name.startswith("Speculative decoding, 1 client")]
+    assert len(speculative) == 8, list(figures)
+    for row in speculative:
+        assert row["value"] > 0, row
+        if "plain model" not in row["name"]:
+            assert "acceptance" in row["measured"] and "plain" in row["baseline"], row
+    exact = next(f for f in speculative if "predicting the main model exactly" in f["name"])
+    assert "acceptance 100%" in exact["measured"] or "acceptance 9" in exact["measured"], exact
+    identical = figures["Speculative decoding: greedy replies identical to the plain model's"]
+    assert identical["verdict"] == "PASS" and identical["measured"].startswith("8 of 8"), identical
 
 
 def test_quick_bench_against_a_url_measures_the_http_figures_only(appliance_factory, long_demo_model, tmp_path):
@@ -136,7 +165,7 @@ def test_quick_bench_against_a_url_measures_the_http_figures_only(appliance_fact
         by_verdict.setdefault(figure["verdict"], []).append(figure["name"])
     # no in-process baseline without --model-path: absolute figures, no verdicts; no signals to someone else's workers
     assert set(by_verdict) == {"info", "not measured"}
-    assert any("Concurrency, 16 clients" in name for name in by_verdict["info"])
+    assert "Concurrency, 16 clients: aggregate tokens/s (server max_running unknown)" in by_verdict["info"]
     assert any("SIGABRT" in name for name in by_verdict["not measured"])
     assert "side_by_side" not in result
     assert app.model_status("served")["restarts"] == 0
@@ -156,10 +185,12 @@ def test_a_server_that_stops_early_is_reported_not_compared(appliance_factory, d
                        "--peer", f"standin={standin_url}")
     assert_report_matches(result, tmp_path)
     figures = {f["name"]: f for f in result["figures"]}
-    assert figures["Latency, 32-token chat completion: median ratio"]["verdict"] in ("PASS", "MISS")
-    for name in ("Streaming, 512 tokens over SSE: tokens/s", "Concurrency, 16 clients: aggregate tokens/s"):
+    assert figures["Per-request fixed cost: 1-token request, added median"]["verdict"] in ("PASS", "MISS")
+    assert figures["Per-token added cost: from the 1- and 32-token requests"]["verdict"] in ("PASS", "MISS")
+    sixteen = "Concurrency, 16 clients: aggregate tokens/s (server max_running unknown)"
+    for name in ("Streaming, 512 tokens over SSE: tokens/s against the raw step rate", sixteen):
         assert figures[name]["verdict"] == "not comparable", figures[name]
-    assert f"stopped early (median {produced} of 128 tokens)" in figures["Concurrency, 16 clients: aggregate tokens/s"]["measured"]
+    assert f"stopped early (median {produced} of 128 tokens)" in figures[sixteen]["measured"]
     assert side_by_side(result, "demo48")["Tokens per 32-token reply"] == "32 in all 10 replies"
     assert_standin_counted(result)
     assert "not measured (no pid)" in side_by_side(result, "standin")["SIGABRT mid-stream (after chunk 5)"]

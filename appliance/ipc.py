@@ -45,7 +45,7 @@ OPS: dict[str, Op] = {
     "cancel": _op("front", "id", doc="the caller is gone: stop generating for it"),
     "shutdown": _op("front", doc="leave now (without destructors)"),
     # worker -> front
-    "ready": _op("worker", "load_seconds", "formats",
+    "ready": _op("worker", "load_seconds", "formats pipeline_load_seconds",
                  "the pipeline is loaded; its own load time, and its chat formats (tool_parser, reasoning_parser)"),
     "fatal": _op("worker", "kind message", "hint",
                  "the worker cannot go on (a load error, or an internal error after loading) and exits"),

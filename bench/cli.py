@@ -38,7 +38,8 @@ NOTES = [
     "CPU: each process's CPU time over the phase's wall time (100 % = one core).",
     f"Faults hit a second copy of the model (`{FAULT_MODEL}`, stall_timeout_s={STALL_TIMEOUT_S:g}, restart backoff "
     f"{RESTART['backoff_initial_s']:g} s, included in recovery). Recovery ends at the first 200 of a 1-token request "
-    "polled every 5 ms; the load time subtracted is that restart's openarc_model_load_seconds (spawn to ready).",
+    "polled every 5 ms; what is subtracted is the pipeline's own load in the new worker (/openarc/status "
+    "pipeline_load_seconds, imports excluded); the rest of spawn to ready (interpreter, imports) is its own row.",
     "Client cost: the load generator's CPU time (asyncio + aiohttp, one process) per request and as a share of one "
     "core; it runs on the same cores as the server, so it is part of what the server figures pay.",
     "Memory is in MiB (2^20 bytes); each row says when it was read.",
@@ -129,7 +130,9 @@ def primary_figures(measured: sidebyside.Measured, name: str, baseline: dict | N
             + figures.latency(measured.latency[name], base.get("latencies_s"), workload.OVERHEAD_TOKENS,
                               base.get("step_latencies_s"))
             + [figures.streaming(measured.streaming[name], baseline)]
-            + figures.concurrency(measured.concurrency[name], baseline, max_running))
+            + figures.concurrency(measured.concurrency[name], baseline, max_running)
+            + [report.Figure("Dialect deviations from OpenAI's API (all replies)",
+                             sidebyside.deviations_text(measured, name), None, "")])
 
 
 class Run:

@@ -42,6 +42,8 @@ class Reply:
     tokens: int | None          # usage.completion_tokens; None when the server sends no usage
     error: dict | None = None
     unexpected: Unexpected = field(default_factory=Unexpected)
+    finish_reason: str | None = None
+    reasoning: bool = False     # text came in reasoning_content / reasoning (a plain model has none)
 
 
 @dataclass
@@ -58,6 +60,8 @@ class Stream:
     broken: str | None = None    # how the stream ended without [DONE]: the connection dropped, or just closed
     broken_at: float | None = None
     unexpected: Unexpected = field(default_factory=Unexpected)
+    finish_reason: str | None = None
+    reasoning: bool = False     # some text came in reasoning_content / reasoning
 
     @property
     def tokens(self) -> int:
@@ -88,6 +92,10 @@ async def complete(session: aiohttp.ClientSession, base: str, body: dict) -> Rep
     choices = parsed.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         reply.unexpected.add(raw.decode(errors="replace"))
+        return reply
+    reply.finish_reason = choices[0].get("finish_reason")
+    message = choices[0].get("message")
+    reply.reasoning = isinstance(message, dict) and any(message.get(key) for key in TEXT_FIELDS[1:])
     return reply
 
 
@@ -168,6 +176,10 @@ def _record_event(seen: Stream, event, now: float, on_token: Callable[[int], Non
         seen.unexpected.add(json.dumps(event))
         return
     for choice in choices:
+        if isinstance(choice, dict):
+            seen.finish_reason = choice.get("finish_reason") or seen.finish_reason
+            delta = choice.get("delta")
+            seen.reasoning = seen.reasoning or (isinstance(delta, dict) and any(delta.get(k) for k in TEXT_FIELDS[1:]))
         if _carries_text(choice, seen.unexpected):
             seen.token_times.append(now)
             if on_token:

@@ -22,7 +22,8 @@ from bench.workload import chat_body, distribution
 
 # Names of the figures only the bench's own appliance can measure (http_only() lists them as not measured).
 ABORT_TO_ERROR = "SIGABRT mid-stream -> client has the error event"
-RECOVERY = "Recovery after SIGABRT, minus the model's load time"
+RECOVERY = "Recovery after SIGABRT, minus the pipeline's own load"
+SPAWN = "Worker spawn cost in a restart (spawn to ready, minus the pipeline's own load)"
 STALL_TO_ERROR = f"SIGSTOP -> client error, minus stall_timeout_s={STALL_TIMEOUT_S:g}"
 FRONT_RSS = "Front RSS"
 WORKER_RSS = "Worker RSS beyond the bare pipeline, after the load phases"
@@ -257,9 +258,10 @@ def memory(front_idle: int, front_peak: int, worker: int, baseline: dict | None)
 class FaultTrial:
     to_error_s: float      # signal sent -> the client has the SSE error event
     recovery_s: float      # signal sent -> the model answers a request again
-    load_s: float          # the restarted workers' load time (openarc_model_load_seconds)
+    load_s: float          # the restarted workers' load time (openarc_model_load_seconds: spawn to ready)
     restarts: int          # 1, unless the model went down again before it served (a fault of its own)
     code: str
+    pipeline_s: float      # the pipeline's own load in the worker that served (/openarc/status pipeline_load_seconds)
 
 
 async def scrape(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
@@ -296,7 +298,14 @@ async def fault_trial(session: aiohttp.ClientSession, app: OwnAppliance, sig: si
         raise RuntimeError(f"{FAULT_MODEL} did not serve again after {sig.name}")
     load_sum, load_count = await load_seconds_sum(session, app.base, FAULT_MODEL)
     return FaultTrial(seen.error_at - sent[0], served - sent[0], load_sum - loads_before[0],
-                      round(load_count - loads_before[1]), seen.error["code"])
+                      round(load_count - loads_before[1]), seen.error["code"],
+                      await pipeline_load_seconds(session, app.base, FAULT_MODEL))
+
+
+async def pipeline_load_seconds(session: aiohttp.ClientSession, base: str, model: str) -> float:
+    async with session.get(base + "/openarc/status") as response:
+        status = await response.json()
+    return next(m["pipeline_load_seconds"] for m in status["models"] if m["name"] == model)
 
 
 async def trials(session: aiohttp.ClientSession, app: OwnAppliance, sig: signal.Signals, count: int) -> list[FaultTrial]:
@@ -320,15 +329,19 @@ def extra_restarts(trials: list[FaultTrial]) -> str:
 
 def fault_figures(aborts: list[FaultTrial], stalls: list[FaultTrial], baseline: dict) -> list[Figure]:
     to_error = [t.to_error_s for t in aborts]
-    recovery = [t.recovery_s - t.load_s for t in aborts]
-    loads = [t.load_s / t.restarts for t in aborts]
+    recovery = [t.recovery_s - t.pipeline_s * t.restarts for t in aborts]
+    loads = [t.pipeline_s for t in aborts]
+    spawn = [t.load_s / t.restarts - t.pipeline_s for t in aborts]
     beyond_stall = [t.to_error_s - STALL_TIMEOUT_S for t in stalls]
     return [
         judged(ABORT_TO_ERROR, workload.percentile(to_error, 99) * 1e3, "ms",
                spread(to_error), below=50,
                baseline=f"{spread(baseline['death_notice_s'])}: bare process SIGABRT -> its socket closes"),
         judged(RECOVERY, workload.percentile(recovery, 99), "s",
-               f"{spread(recovery)}; one load takes {spread(loads)}{extra_restarts(aborts)}", below=1),
+               f"{spread(recovery)}; the pipeline's load takes {spread(loads)}{extra_restarts(aborts)}", below=1,
+               baseline=f"bare process: the pipeline loads in {baseline['load_seconds'] * 1e3:.0f} ms" if baseline else ""),
+        Figure(SPAWN, spread(spawn) + " (a new interpreter, its imports, the channel)",
+               workload.percentile(spawn, 50) * 1e3, "ms"),
         judged(STALL_TO_ERROR, max(beyond_stall), "s",
                spread(beyond_stall) + extra_restarts(stalls), below=0.5),
     ]
@@ -336,4 +349,5 @@ def fault_figures(aborts: list[FaultTrial], stalls: list[FaultTrial], baseline: 
 
 def http_only(reason: str) -> list[Figure]:
     """Figures that need the bench's own appliance (signals to its workers, /proc of its processes)."""
-    return [not_measured(name, reason) for name in (ABORT_TO_ERROR, RECOVERY, STALL_TO_ERROR, FRONT_RSS, WORKER_RSS)]
+    return [not_measured(name, reason) for name in (ABORT_TO_ERROR, RECOVERY, SPAWN, STALL_TO_ERROR, FRONT_RSS,
+                                                    WORKER_RSS)]

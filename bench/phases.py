@@ -59,6 +59,7 @@ class Counts:
     produced: list[int | None] = field(default_factory=list)  # None: the server did not say (no usage)
     failed: list[str] = field(default_factory=list)
     unexpected: Unexpected = field(default_factory=Unexpected)
+    deviations: dict[str, int] = field(default_factory=dict)  # dialect deviations from OpenAI's API, by kind
 
     def merge_unexpected(self, other: Unexpected) -> None:
         for sample in other.samples:
@@ -207,7 +208,7 @@ async def latency(session: aiohttp.ClientSession, servers: list[Server], plan: P
             started = time.perf_counter()
             reply = await client.complete(session, server.base, chat_body(server.model, i, tokens))
             elapsed = time.perf_counter() - started
-            _count(seen.counts, reply.status, reply.error, reply.tokens, reply.unexpected)
+            _count(seen.counts, reply.status, reply.error, reply.tokens, reply.unexpected, reply)
             if reply.status == 200 and not reply.error:
                 seen.seconds.append(elapsed)
         seen.spend.add(time.process_time() - cpu, time.perf_counter() - wall, sizes[index])
@@ -240,7 +241,7 @@ async def streaming(session: aiohttp.ClientSession, servers: list[Server], plan:
         for i in range(sizes[index]):
             got = await client.stream(session, server.base, chat_body(server.model, i, workload.STREAM_TOKENS, stream=True))
             error = got.error or (None if got.done else {"message": got.broken or "no [DONE]"})
-            _count(seen.counts, got.status, error, got.tokens, got.unexpected)
+            _count(seen.counts, got.status, error, got.tokens, got.unexpected, got)
             rate = workload.stream_rate(got.started, got.token_times, got.tokens)
             if rate is not None and not error:
                 seen.rates.append(rate)
@@ -295,19 +296,34 @@ async def _clients(session: aiohttp.ClientSession, server: Server, clients: int,
         produced = 0
         for _ in range(rounds):
             reply = await client.complete(session, server.base, chat_body(server.model, c, workload.CONCURRENCY_TOKENS))
-            _count(counts, reply.status, reply.error, reply.tokens, reply.unexpected)
+            _count(counts, reply.status, reply.error, reply.tokens, reply.unexpected, reply)
             produced += reply.tokens or 0
         return produced
 
     return sum(await asyncio.gather(*(one_client(c) for c in range(clients))))
 
 
-def _count(counts: Counts, status: int, error: dict | None, tokens: int | None, unexpected: Unexpected) -> None:
+def _count(counts: Counts, status: int, error: dict | None, tokens: int | None, unexpected: Unexpected,
+           seen: client.Reply | client.Stream | None = None) -> None:
     counts.merge_unexpected(unexpected)
     if status != 200 or error:
         counts.failed.append(f"{status}: {(error or {}).get('message', '')}")
-    else:
-        counts.produced.append(tokens)
+        return
+    counts.produced.append(tokens)
+    for deviation in dialect_deviations(seen, tokens, counts.asked) if seen else ():
+        counts.deviations[deviation] = counts.deviations.get(deviation, 0) + 1
+
+
+def dialect_deviations(seen: client.Reply | client.Stream, tokens: int | None, asked: int) -> list[str]:
+    """Where a successful reply departs from OpenAI's dialect in ways a client acts on (a policy, tested alone)."""
+    found = []
+    if seen.finish_reason is None:
+        found.append("no finish_reason")
+    elif tokens == asked and seen.finish_reason == "stop":  # the bench's model never stops by itself
+        found.append("finish_reason 'stop' on a reply cut by max_tokens")
+    if seen.reasoning:
+        found.append("text in reasoning_content for a plain model")
+    return found
 
 
 class CpuWatch:

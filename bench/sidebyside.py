@@ -35,12 +35,33 @@ class AbortTrial:
     after_s: float | None          # signal -> that
     serves_again_s: float | None   # signal -> the first 200 of a one-token request; None: not within the timeout
     waited_s: float
+    history: str = ""              # the server's own crash count and restart backoff (openarc's /openarc/status)
 
     def text(self) -> str:
         when = f" after {self.after_s * 1e3:.1f} ms" if self.after_s is not None else ""
         again = (f"serves again after {self.serves_again_s:.2f} s" if self.serves_again_s is not None
                  else f"not serving {self.waited_s:g} s later")
-        return f"{self.saw}{when}; {again} (SIGABRT to {self.target})"
+        history = f"; {self.history}" if self.history else ""
+        return f"{self.saw}{when}; {again}{history} (SIGABRT to {self.target})"
+
+
+async def crash_history(session: aiohttp.ClientSession, base: str, model: str) -> tuple[int, float | None] | None:
+    """(crashes so far, the restart backoff in force) where the server says (openarc's /openarc/status), else None:
+    a server's second trial in a row waits out a doubled backoff, which is its policy, not its speed."""
+    try:
+        async with session.get(base + "/openarc/status") as response:
+            status = await response.json() if response.status == 200 else {}
+        found = next(m for m in status.get("models", ()) if m.get("name") == model)
+        return int(found.get("crashes") or 0), found.get("restart_backoff_s")
+    except (aiohttp.ClientError, ValueError, StopIteration, TypeError, AttributeError):
+        return None
+
+
+def history_text(before: tuple[int, float | None] | None, after: tuple[int, float | None] | None) -> str:
+    if before is None or after is None:
+        return "crash count and backoff not reported by the server"
+    backoff = f"{after[1]:g} s" if after[1] is not None else "none"
+    return f"{before[0]} crashes before this trial, {after[0]} after; restart backoff in force {backoff}"
 
 
 async def abort_trial(session: aiohttp.ClientSession, base: str, model: str, pid: int,
@@ -55,6 +76,13 @@ async def abort_trial(session: aiohttp.ClientSession, base: str, model: str, pid
             sent.append(time.perf_counter())
 
     body = chat_body(model, 0, ABORT_STREAM_TOKENS, stream=True)
+    before = await crash_history(session, base, model)
+    trial = await _abort(session, base, model, body, abort, sent, target, revive_timeout_s)
+    trial.history = history_text(before, await crash_history(session, base, model))
+    return trial
+
+
+async def _abort(session, base, model, body, abort, sent, target, revive_timeout_s) -> AbortTrial:
     try:
         seen = await asyncio.wait_for(client.stream(session, base, body, on_token=abort), ABORT_ANSWER_TIMEOUT_S)
     except asyncio.TimeoutError:
@@ -173,6 +201,7 @@ def rows(servers: list[Server], measured: Measured, baseline: dict | None, rss: 
         table.append([f"Aggregate, {clients} client{'s' * (clients > 1)} x {workload.CONCURRENCY_TOKENS} tokens",
                       f"{in_process:,.0f} tokens/s" if in_process else ""]
                      + [_aggregate_cell(measured.concurrency[n][i]) for n in names])
+    table.append(["Dialect deviations (all replies)", "" ] + [deviations_text(measured, n) for n in names])
     most = workload.CONCURRENCY_LEVELS[-1]
     base_cpu = base.get("aggregate_cpu", {}).get(str(most))
     table.append([f"CPU at {most} clients, share of one core", f"{base_cpu:.0%}" if base_cpu else ""]
@@ -185,6 +214,18 @@ def rows(servers: list[Server], measured: Measured, baseline: dict | None, rss: 
                   f"socket closes after {statistics.median(death) * 1e3:.1f} ms" if death else ""]
                  + [aborts[n].text() if aborts.get(n) else "not measured (no pid)" for n in names])
     return table
+
+
+def deviations_text(measured: Measured, name: str) -> str:
+    """Every dialect deviation a server's replies showed, over all phases, with how many replies."""
+    phases = [measured.fixed[name].counts, measured.latency[name].counts, measured.streaming[name].counts,
+              *(level.counts for level in measured.concurrency[name])]
+    total: dict[str, int] = {}
+    for counts in phases:
+        for kind, n in counts.deviations.items():
+            total[kind] = total.get(kind, 0) + n
+    replies = sum(len(counts.produced) for counts in phases)
+    return "; ".join(f"{kind}: {n} of {replies} replies" for kind, n in total.items()) or f"none in {replies} replies"
 
 
 def markdown(servers: list[Server], table: list[list[str]]) -> list[str]:

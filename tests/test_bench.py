@@ -105,6 +105,8 @@ def test_quick_bench_alongside_a_peer_reports_every_figure_against_its_baseline(
     assert_report_matches(result, tmp_path)
     assert [s["name"] for s in result["side_by_side"]["servers"]] == ["openarc", "standin"]
     assert_standin_counted(result)
+    assert "text in reasoning_content for a plain model" in side_by_side(result, "standin")["Dialect deviations (all replies)"]
+    assert side_by_side(result, "openarc")["Dialect deviations (all replies)"].startswith("none in ")
     # the peer's SIGABRT trial: the stand-in is one process, so its client saw the connection drop, and it stayed dead
     trial = side_by_side(result, "standin")["SIGABRT mid-stream (after chunk 5)"]
     assert trial.startswith("connection dropped") and "not serving" in trial, trial
@@ -113,6 +115,9 @@ def test_quick_bench_alongside_a_peer_reports_every_figure_against_its_baseline(
     own = side_by_side(result, "openarc")
     assert own["SIGABRT mid-stream (after chunk 5)"].startswith("SSE error event (worker_crash), then [DONE]"), own
     assert "serves again after" in own["SIGABRT mid-stream (after chunk 5)"]
+    # openarc says how often the model crashed and the backoff it waited; the stand-in cannot
+    assert "0 crashes before this trial, 1 after; restart backoff in force 0.05 s" in own["SIGABRT mid-stream (after chunk 5)"]
+    assert "crash count and backoff not reported by the server" in trial
     assert "-m appliance.worker)" in own["SIGABRT mid-stream (after chunk 5)"]  # the model's process, not the front
     assert own["Tokens per 32-token reply"] == "32 in all 10 replies"
     assert own["Resident memory (process and children)"].endswith(" MB")
@@ -151,6 +156,10 @@ def assert_new_rows(result: dict) -> None:
             assert "acceptance" in row["measured"] and "plain" in row["baseline"], row
     exact = next(f for f in speculative if "predicting the main model exactly" in f["name"])
     assert "acceptance 100%" in exact["measured"] or "acceptance 9" in exact["measured"], exact
+    spawn = figures["Worker spawn cost in a restart (spawn to ready, minus the pipeline's own load)"]
+    assert spawn["value"] > 0 and "interpreter" in spawn["measured"], spawn
+    recovery = figures["Recovery after SIGABRT, minus the pipeline's own load"]
+    assert "the pipeline's load takes" in recovery["measured"] and "bare process" in recovery["baseline"], recovery
     identical = figures["Speculative decoding: greedy replies identical to the plain model's"]
     assert identical["verdict"] == "PASS" and identical["measured"].startswith("8 of 8"), identical
 

@@ -66,10 +66,10 @@ class ModelSupervisor:
         life, formats = self.life, self.life.formats or {}
         return {"name": self.name, "kind": self.model.kind, "state": life.state.value, "pid": life.pid,
                 "device": self.model.device, "pipeline": self.model.pipeline if self.model.kind in GENERATIVE_KINDS else None,
-                "restarts": life.restarts, "crashes": life.crashes,
+                "restarts": life.restarts, "crashes": life.crashes, "restart_backoff_s": life.last_backoff_s,
                 "last_error": life.last_error, "hint": life.last_hint,
                 "last_exit": life.last_exit.reason.value if life.last_exit else None,
-                "load_seconds": life.load_seconds,
+                "load_seconds": life.load_seconds, "pipeline_load_seconds": life.pipeline_load_seconds,
                 # chat formats: as the worker resolved them (configured, else detected), or as configured until then
                 "tool_parser": formats.get("tool_parser", self.model.tool_parser),
                 "reasoning_parser": formats.get("reasoning_parser", self.model.reasoning_parser),

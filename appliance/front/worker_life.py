@@ -68,6 +68,8 @@ class WorkerLife:
         self.last_hint: str | None = None
         self.last_exit: Exit | None = None
         self.load_seconds: float | None = None  # the worker's own measure of its last load
+        self.pipeline_load_seconds: float | None = None  # the part of it that built the pipeline (no imports)
+        self.last_backoff_s: float | None = None  # the wait before the latest restart (doubles with each crash in a row)
         self.formats: dict[str, Any] | None = None  # the chat formats the worker reported when it became ready
 
     # --- state -----------------------------------------------------------------------------------------------
@@ -203,6 +205,7 @@ class WorkerLife:
             self.end_worker(Exit(ExitReason.PROTOCOL_ERROR, detail=f"the worker sent {message['op']!r} before 'ready'"))
             return False
         self.load_seconds = message["load_seconds"]
+        self.pipeline_load_seconds = message.get("pipeline_load_seconds")
         self.series.model_load.observe(time.monotonic() - spawned)
         if self.stopping:  # stopped while it loaded: it has been asked to leave, and serves nothing
             return False
@@ -306,6 +309,7 @@ class WorkerLife:
                                           f"within {self.model.restart.window_s:g}s); last: {self.last_error}", hint)
             return None
         self.enter(ModelState.RESTARTING)
+        self.last_backoff_s = backoff
         return backoff
 
 

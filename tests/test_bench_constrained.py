@@ -24,6 +24,12 @@ def test_quick_run_reports_every_figure(tmp_path):
     names = [f["name"] for f in results["figures"]]
     assert any("unconstrained" in n for n in names) and any("JSON schema" in n for n in names)
     rates = results["meta"]["rates"]
-    assert len(rates["unconstrained"]) == len(rates["json_schema"]) == 2
+    for kind in ("unconstrained", "json_schema"):  # each stream's rate, first token and per-token time, all measured
+        assert [len(rates[f"{kind} {what}"]) for what in ("rate", "first_s", "per_token_s")] == [2, 2, 2]
+        assert all(value > 0 for what in ("rate", "first_s") for value in rates[f"{kind} {what}"])
+        # 0 when a loaded machine delivered the whole stream in one frame (the chunks carry the text, not the time)
+        assert all(value >= 0 for value in rates[f"{kind} per_token_s"])
     assert all(f["value"] is not None for f in results["figures"])
-    assert all(f["value"] > 0 for f in results["figures"] if f["unit"] in ("tokens/s", "ms"))
+    # the two costs apart: differences, so either sign is a measurement; they are there, and said apart
+    assert any(n.startswith("Per-token mask cost") for n in names) and any(n.startswith("First-token cost") for n in names)
+    assert all(f["value"] > 0 for f in results["figures"] if f["unit"] == "tokens/s" or f["name"].startswith("1-token"))

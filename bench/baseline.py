@@ -39,6 +39,11 @@ class InProcess:
         history = self.og.ChatHistory(workload.messages(i))
         return self.tokenizer.apply_chat_template(history, add_generation_prompt=True)
 
+    def configs(self, count: int, tokens: int | list[int]) -> list:
+        """One config per request: `tokens` each, or request i the i-th of a list (equal work with a server whose
+        replies stopped early: the baseline generates what the server produced, reply by reply)."""
+        return [self.config(tokens[i % len(tokens)] if isinstance(tokens, list) else tokens) for i in range(count)]
+
     def config(self, max_tokens: int):
         config = self.og.GenerationConfig()
         config.max_new_tokens = max_tokens
@@ -48,10 +53,11 @@ class InProcess:
         config.ignore_eos = True
         return config
 
-    def generate(self, prompts: list[int], max_tokens: int, streamer=None) -> int:
-        """generate() on the templated prompts, the answers decoded (as a server must): the tokens it generated."""
+    def generate(self, prompts: list[int], max_tokens: int | list[int], streamer=None) -> int:
+        """generate() on the templated prompts, the answers decoded (as a server must): the tokens it generated.
+        `max_tokens`: for all, or a list, one per prompt."""
         ids = [self.tokenizer.encode(self.prompt(i), add_special_tokens=False).input_ids for i in prompts]
-        results = self.pipe.generate(ids, [self.config(max_tokens)] * len(ids), streamer)
+        results = self.pipe.generate(ids, self.configs(len(ids), max_tokens), streamer)
         outputs = [result.m_generation_ids[0] for result in results]
         self.tokenizer.decode(outputs)
         return sum(len(tokens) for tokens in outputs)
@@ -85,21 +91,26 @@ def warm(engine: InProcess, tokens: int, requests: int) -> dict:
     return {}
 
 
-def latency(engine: InProcess, tokens: int, requests: int) -> dict:
+def nth(tokens: int | list[int], i: int) -> int:
+    return tokens[i % len(tokens)] if isinstance(tokens, list) else tokens
+
+
+def latency(engine: InProcess, tokens: int | list[int], requests: int) -> dict:
     """One request at a time: templating + generate() + decoding, and the same through the step loop, timed
-    request by request in turns (so load that drifts hits both alike); the tokens each generated."""
+    request by request in turns (so load that drifts hits both alike); the tokens each generated. `tokens`: a
+    list gives request i its i-th count (equal work)."""
     seconds, step_seconds, generated = [], [], []
     for i in range(requests):
         started = time.perf_counter()
-        generated.append(engine.generate([i], tokens))
+        generated.append(engine.generate([i], nth(tokens, i)))
         seconds.append(time.perf_counter() - started)
         started = time.perf_counter()
-        generated.append(engine.step_loop([i], tokens))
+        generated.append(engine.step_loop([i], nth(tokens, i)))
         step_seconds.append(time.perf_counter() - started)
     return {"seconds": seconds, "step_seconds": step_seconds, "generated": generated}
 
 
-def stream(engine: InProcess, requests: int, warm_first: bool) -> dict:
+def stream(engine: InProcess, requests: int, warm_first: bool, tokens: int | list[int] = workload.STREAM_TOKENS) -> dict:
     """The streaming rate, two ways: the step loop reading every handle each step (the engine's raw rate, what the
     worker's loop runs on; no per-token Python callback), and generate() with a streamer callback per token (what
     a Python program streaming with genai gets). Tokens / time from the call to the last token; the first request,
@@ -115,7 +126,7 @@ def stream(engine: InProcess, requests: int, warm_first: bool) -> dict:
                 counted.append(tokens)
 
         started = time.perf_counter()
-        produced = engine.step_loop([i], workload.STREAM_TOKENS, on_step)
+        produced = engine.step_loop([i], nth(tokens, i), on_step)
         rate = workload.stream_rate(started, times, produced)
         callback_times: list[float] = []
 
@@ -124,7 +135,7 @@ def stream(engine: InProcess, requests: int, warm_first: bool) -> dict:
             return engine.og.StreamingStatus.RUNNING
 
         started = time.perf_counter()
-        produced_by_callback = engine.generate([i], workload.STREAM_TOKENS, on_text)
+        produced_by_callback = engine.generate([i], nth(tokens, i), on_text)
         callback_rate = workload.stream_rate(started, callback_times, produced_by_callback)
         if (i or not warm_first) and rate is not None and callback_rate is not None:
             rates.append(rate)
@@ -132,15 +143,20 @@ def stream(engine: InProcess, requests: int, warm_first: bool) -> dict:
     return {"rates": rates, "callback_rates": callback_rates}
 
 
-def aggregate(engine: InProcess, clients: int, rounds: int, warm_first: bool) -> dict:
+def aggregate(engine: InProcess, clients: int, rounds: int, warm_first: bool,
+              tokens: int | list[int] = workload.CONCURRENCY_TOKENS) -> dict:
     """The clients' requests at once, as one batch, `rounds` times: the tokens generated (counted, not planned),
-    seconds, and this process's CPU time."""
+    seconds, and this process's CPU time. `tokens`: a list gives the batch's requests their counts in turn."""
     prompts = list(range(clients))
     if warm_first:
-        engine.generate(prompts, workload.CONCURRENCY_TOKENS)
+        engine.generate(prompts, tokens)
     started, cpu = time.perf_counter(), time.process_time()
-    tokens = sum(engine.generate(prompts, workload.CONCURRENCY_TOKENS) for _ in range(rounds))
-    return {"tokens": tokens, "planned": clients * workload.CONCURRENCY_TOKENS * rounds,
+    generated = 0
+    for r in range(rounds):
+        counts = [nth(tokens, r * clients + c) for c in range(clients)]
+        generated += engine.generate(prompts, counts)
+    planned = sum(nth(tokens, i) for i in range(clients * rounds))
+    return {"tokens": generated, "planned": planned,
             "seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu}
 
 

@@ -128,7 +128,7 @@ def primary_figures(measured: sidebyside.Measured, name: str, baseline: dict | N
     base = baseline or {}
     return (figures.costs(measured.fixed[name], measured.latency[name], baseline)
             + figures.latency(measured.latency[name], base.get("latencies_s"), workload.OVERHEAD_TOKENS,
-                              base.get("step_latencies_s"))
+                              base.get("step_latencies_s"), figures.equal_work(baseline).get("latencies_s"))
             + [figures.streaming(measured.streaming[name], baseline)]
             + figures.concurrency(measured.concurrency[name], baseline, max_running)
             + [report.Figure("Dialect deviations from OpenAI's API (all replies)",
@@ -178,7 +178,9 @@ class Run:
             return None
         return await phases.InProcess.start(self.model_path, self.args.device, self.args.properties)
 
-    async def finish_baseline(self, in_process: phases.InProcess | None) -> None:
+    async def finish_baseline(self, in_process: phases.InProcess | None, measured=None) -> None:
+        if in_process and measured is not None:
+            await phases.equal_work(in_process, measured, self.servers[0].name)
         if in_process:
             self.baseline = await in_process.finish(self.plan.death_trials)
 
@@ -210,7 +212,7 @@ class Run:
                 stalls = await figures.trials(session, app, signal.SIGSTOP, self.plan.stall_trials)
                 await self.abort_peers(session)
                 app.stop()
-                await self.finish_baseline(in_process)
+                await self.finish_baseline(in_process, measured)
             finally:
                 app.stop()
                 if in_process:
@@ -230,7 +232,7 @@ class Run:
             try:
                 measured = await measure(session, self.servers, self.plan, self.cpu_probe, in_process)
                 await self.abort_peers(session)
-                await self.finish_baseline(in_process)
+                await self.finish_baseline(in_process, measured)
             finally:
                 if in_process:
                     in_process.kill()

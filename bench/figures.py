@@ -54,10 +54,20 @@ def unequal(name: str, measured: str, value: float | None, unit: str, counts: Co
     return Figure(name, f"{measured}; {counts.problems()}", value, unit, baseline, verdict=NOT_COMPARABLE, client=client)
 
 
+EQUAL_WORK = "equal work: the baseline generated the server's own token count, reply by reply"
+
+
+def equal_work(baseline: dict | None) -> dict:
+    """The baseline's figures for the work the server really did, where it stopped early (phases.equal_work)."""
+    return (baseline or {}).get("equal_work") or {}
+
+
 # --- latency: one short request at a time ---------------------------------------------------------------
 
-def latency(found: Latency, baseline_s: list[float] | None, tokens: int, step_s: list[float] | None = None) -> list[Figure]:
-    """The ratio to generate(), for information (the headline is costs(): what a request and a token add)."""
+def latency(found: Latency, baseline_s: list[float] | None, tokens: int, step_s: list[float] | None = None,
+            equal_s: list[float] | None = None) -> list[Figure]:
+    """The ratio to generate(), for information (the headline is costs(): what a request and a token add); where
+    the server stopped early, against the baseline's equal work (`equal_s`) instead."""
     name = f"Latency, {tokens}-token chat completion"
     if not found.seconds:
         return [Figure(name, f"no successful reply; {found.counts.problems()}", None, "ms", verdict=NOT_COMPARABLE)]
@@ -73,6 +83,12 @@ def latency(found: Latency, baseline_s: list[float] | None, tokens: int, step_s:
         base_text += f"; step loop: median {ms(statistics.median(step_s))}"
     added_p99 = server["p99"] - base["p99"]
     ratio = server["median"] / base["median"]
+    if not found.counts.comparable() and equal_s:
+        equal = statistics.median(equal_s)
+        ratio = server["median"] / equal
+        return [Figure(f"{name}: median ratio to generate(), equal work", f"{ratio:.2f}x ({measured}; "
+                       f"{found.counts.problems()})", ratio, "x", f"generate() median {ms(equal)}; {EQUAL_WORK}",
+                       client=spend)]
     if not found.counts.comparable():
         return [unequal(f"{name}: median ratio", f"{ratio:.2f}x ({measured})", ratio, "x", found.counts, base_text, spend)]
     return [Figure(f"{name}: median ratio to generate()", f"{ratio:.2f}x ({measured})", ratio, "x", base_text,
@@ -143,6 +159,11 @@ def streaming(found: Streaming, baseline: dict | None) -> Figure:
     base_text = f"{tokens_per_s(base)} (step loop, no callback)"
     if callback:
         base_text += f"; generate() with a per-token callback {tokens_per_s(statistics.median(callback))}"
+    equal = equal_work(baseline).get("stream_tokens_per_s")
+    if not found.counts.comparable() and equal:
+        share = rate / statistics.median(equal) * 100
+        return Figure(name + ", equal work", f"{share:.0f} % ({measured}; {found.counts.problems()})", share, "%",
+                      f"{tokens_per_s(statistics.median(equal))} (step loop); {EQUAL_WORK}", client=spend)
     if not found.counts.comparable():
         return unequal(name, f"{share:.0f} % ({measured})", share, "%", found.counts, base_text, spend)
     return judged(name, share, "%", f"{percent(share)} ({measured}; text held up to 2 ms a frame)",
@@ -170,7 +191,12 @@ def concurrency(found: list[Aggregate], baseline: dict | None, max_running: int 
         base_text = f"{tokens_per_s(in_process)} ({clients} request{'s' * (clients > 1)} per batch, tokens counted)"
         if baseline.get("aggregate_short", {}).get(str(clients)):
             base_text += f"; {baseline['aggregate_short'][str(clients)]} tokens fewer than planned"
-        if not level.counts.comparable():
+        equal = equal_work(baseline).get("aggregate_tokens_per_s", {}).get(str(clients))
+        if not level.counts.comparable() and equal:
+            share = level.rate / equal * 100
+            figures.append(Figure(name + ", equal work", f"{share:.0f} % ({measured}; {level.counts.problems()})",
+                                  share, "%", f"{tokens_per_s(equal)}; {EQUAL_WORK}", client=spend))
+        elif not level.counts.comparable():
             figures.append(unequal(name, f"{share:.0f} % ({measured})", share, "%", level.counts, base_text, spend))
         elif clients in BATCHING_TARGET_CLIENTS:
             figures.append(judged(name, share, "%", f"{percent(share)} ({measured})", at_least=BATCHING_TARGET_PERCENT,

@@ -371,3 +371,33 @@ def process_tree(pid: int) -> list[int]:
         tree.append(current)
         todo += children.get(current, [])
     return tree
+
+
+def equal_work_counts(counts: Counts) -> list[int] | None:
+    """The server's tokens reply by reply, where it produced fewer than asked but every reply succeeded and was
+    counted: what the baseline generates again for a comparison of equal work. None when the work was already
+    equal, or cannot be known."""
+    if counts.comparable() or counts.failed or counts.uncounted or not counts.produced:
+        return None
+    return [n for n in counts.produced if n is not None]
+
+
+async def equal_work(baseline: InProcess, measured, name: str) -> None:
+    """Where the server `name` stopped early, the baseline generates what it produced, reply by reply, and keeps the
+    figures under results["equal_work"] (latencies_s, stream_tokens_per_s, aggregate_tokens_per_s by clients)."""
+    found: dict = {}
+    latency = equal_work_counts(measured.latency[name].counts)
+    if latency:
+        found["latencies_s"] = (await baseline.call("latency", tokens=latency, requests=len(latency)))["seconds"]
+        found["latency_tokens"] = statistics.median(latency)
+    stream = equal_work_counts(measured.streaming[name].counts)
+    if stream:
+        found["stream_tokens_per_s"] = (await baseline.call("stream", requests=len(stream), warm_first=True,
+                                                            tokens=stream))["rates"]
+    for level in measured.concurrency[name]:
+        counts = equal_work_counts(level.counts)
+        if counts:
+            done = await baseline.call("aggregate", clients=level.clients, rounds=max(1, len(counts) // level.clients),
+                                       warm_first=True, tokens=counts)
+            found.setdefault("aggregate_tokens_per_s", {})[str(level.clients)] = done["tokens"] / done["seconds"]
+    baseline.results["equal_work"] = found

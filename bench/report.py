@@ -12,6 +12,7 @@ from pathlib import Path
 
 MB = 1 << 20
 NOT_COMPARABLE = "not comparable"  # the server did other work than its baseline (stopped early, failed, uncounted)
+WITHIN_NOISE = "within noise"      # missed its target by less than the spread of the baseline's own repeats
 
 
 @dataclass
@@ -32,15 +33,19 @@ def percent(share: float) -> str:
 
 
 def judged(name: str, value: float, unit: str, measured: str, *, at_most: float | None = None,
-           at_least: float | None = None, below: float | None = None, baseline: str = "", client: str = "") -> Figure:
-    """A figure with a target: exactly one of at_most (<=), below (<) or at_least (>=)."""
+           at_least: float | None = None, below: float | None = None, baseline: str = "", client: str = "",
+           noise: float = 0.0) -> Figure:
+    """A figure with a target: exactly one of at_most (<=), below (<) or at_least (>=). `noise`: how far the
+    baseline's own repeats spread, in `unit`; a miss by less than that is reported as within noise, not as a MISS
+    (between two runs the reference moved by half, and verdicts flipped)."""
     if at_most is not None:
-        target, ok = f"<= {at_most:g}{_spaced(unit)}", value <= at_most
+        target, ok, near = f"<= {at_most:g}{_spaced(unit)}", value <= at_most, value - noise <= at_most
     elif below is not None:
-        target, ok = f"< {below:g}{_spaced(unit)}", value < below
+        target, ok, near = f"< {below:g}{_spaced(unit)}", value < below, value - noise < below
     else:
-        target, ok = f">= {at_least:g}{_spaced(unit)}", value >= at_least
-    return Figure(name, measured, value, unit, baseline, target, "PASS" if ok else "MISS", client)
+        target, ok, near = f">= {at_least:g}{_spaced(unit)}", value >= at_least, value + noise >= at_least
+    verdict = "PASS" if ok else WITHIN_NOISE if near else "MISS"
+    return Figure(name, measured, value, unit, baseline, target, verdict, client)
 
 
 def not_measured(name: str, why: str) -> Figure:

@@ -201,7 +201,12 @@ def rows(servers: list[Server], measured: Measured, baseline: dict | None, rss: 
         table.append([f"Aggregate, {clients} client{'s' * (clients > 1)} x {workload.CONCURRENCY_TOKENS} tokens",
                       f"{in_process:,.0f} tokens/s" if in_process else ""]
                      + [_aggregate_cell(measured.concurrency[n][i]) for n in names])
-    table.append(["Dialect deviations (all replies)", "" ] + [deviations_text(measured, n) for n in names])
+    table.append(["Dialect deviations (all replies)", ""] + [deviations_text(measured, n) for n in names])
+    # The bench's own client shares the cores: a server that sends one event per token costs it more CPU, which the
+    # server's figures pay for; shown per server, nothing subtracted.
+    table.append(["Load generator CPU per request (latency; SSE)", ""]
+                 + [f"{measured.latency[n].spend.text() or 'none'}; {measured.streaming[n].spend.text() or 'none'}"
+                    for n in names])
     most = workload.CONCURRENCY_LEVELS[-1]
     base_cpu = base.get("aggregate_cpu", {}).get(str(most))
     table.append([f"CPU at {most} clients, share of one core", f"{base_cpu:.0%}" if base_cpu else ""]

@@ -198,3 +198,16 @@ def test_a_draft_that_fails_to_load_fails_the_model_with_the_reason(pair, applia
     code, _, body = http("POST", app.base + "/v1/chat/completions",
                          {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert code == 503, body
+
+
+def test_draft_tally_counts_acceptances_from_each_steps_output():
+    """genai's step API gives no per-request counts: each read is one step's output, 1 + accepted tokens."""
+    from appliance.worker.engines.speculative import DraftTally
+    tally = DraftTally(proposal=4, max_tokens=12)
+    for produced in (1, 5, 3, 3):  # prompt step; all 4 accepted; 2 of 4; then 2 of the 2 still allowed
+        tally.read(produced)
+    assert (tally.accepted, tally.rejected, tally.generated) == (8, 2, 12)
+    threshold = DraftTally(proposal=0, max_tokens=10)  # a confidence threshold: proposals of unknown size
+    for produced in (1, 3, 1):
+        threshold.read(produced)
+    assert (threshold.accepted, threshold.rejected) == (2, 0)

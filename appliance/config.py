@@ -359,6 +359,9 @@ def _convert(value: Any, tp: Any, where: str, problems: Problems | None = None) 
     be built becomes None; its config is rejected anyway)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
+        sections = [o for o in typing.get_args(tp) if dataclasses.is_dataclass(o)]
+        if isinstance(value, dict) and len(sections) == 1:  # a section (draft_model): its own error names the key
+            return _convert(value, sections[0], where)
         for option in typing.get_args(tp):
             try:
                 return _convert(value, option, where)

@@ -211,3 +211,37 @@ def test_draft_tally_counts_acceptances_from_each_steps_output():
     for produced in (1, 3, 1):
         threshold.read(produced)
     assert (threshold.accepted, threshold.rejected) == (2, 0)
+
+
+@pytest.mark.parametrize("keys, error", [
+    ({"prompt_lookup": True, "num_assistant_tokens": 0}, "models[0].num_assistant_tokens: expected 1 to 32"),
+    ({"prompt_lookup": True, "max_ngram_size": 17}, "models[0].max_ngram_size: expected 1 to 16"),
+    ({"max_ngram_size": 3}, "models[0].max_ngram_size: applies with prompt_lookup: true only"),
+    ({"prompt_lookup": True, "assistant_confidence_threshold": 0.5},
+     "models[0].assistant_confidence_threshold: applies to a draft_model"),
+    ({"draft_model": {"path": "/nowhere"}, "num_assistant_tokens": 3, "assistant_confidence_threshold": 0.5},
+     "models[0].assistant_confidence_threshold: set it or num_assistant_tokens, not both"),
+    ({"draft_model": {"path": "/nowhere", "device": "gpu"}}, "models[0].draft_model.device: expected an OpenVINO"),
+    ({"draft_model": {"path": "/nowhere", "size": 1}}, "models[0].draft_model.size: unknown key"),
+    ({"kind": "embedding", "prompt_lookup": True}, "models[0].prompt_lookup: applies to kind 'llm' models only"),
+])
+def test_speculative_config_errors_name_the_key(keys, error):
+    from appliance.config import ConfigError, parse_config
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"models": [{"name": "m", "path": "/m", **keys}]}, "openarc.yaml")
+    assert str(caught.value).startswith(f"openarc.yaml: {error}"), caught.value
+
+
+def test_speculative_defaults_reach_the_worker_spec():
+    from appliance.config import parse_config, worker_spec
+    config = parse_config({"models": [
+        {"name": "d", "path": "/m", "device": "GPU.1", "draft_model": {"path": "/d", "runtime_config": {"A": 1}}},
+        {"name": "t", "path": "/m", "draft_model": {"path": "/d", "device": "CPU"}, "assistant_confidence_threshold": 0.4},
+        {"name": "l", "path": "/m", "prompt_lookup": True, "max_ngram_size": 2},
+        {"name": "p", "path": "/m"}]}, "x.yaml")
+    d, t, l, p = (worker_spec(m, config) for m in config.models)
+    assert d["draft_model"]["device"] == "GPU.1" and d["draft_model"]["properties"]["A"] == 1
+    assert d["speculative"] == {"num_assistant_tokens": 5}
+    assert t["speculative"] == {"assistant_confidence_threshold": 0.4} and t["draft_model"]["device"] == "CPU"
+    assert l["speculative"] == {"num_assistant_tokens": 5, "max_ngram_size": 2} and l["prompt_lookup"] is True
+    assert p["speculative"] == {} and p["draft_model"] is None

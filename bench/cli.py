@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-threads", type=int, metavar="N",
                    help="INFERENCE_NUM_THREADS for the in-process baseline and the bench's own appliance alike "
                         "(default: OpenVINO's, every core)")
+    p.add_argument("--demo-cache", type=Path, metavar="DIR",
+                   help="where the speculative rows' demo pair is built or found (default: a temporary directory)")
     p.add_argument("--out", default=str(RESULTS), help="where results.json, results.md and the appliance's log go "
                                                        "(default: bench/results)")
     args = p.parse_args(argv)
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.device == "CPU":  # the demo pair is built for the CPU
                 spec_dir = Path(tmp) / "speculative"
                 spec_dir.mkdir()
-                found += asyncio.run(speculative.measure(spec_dir, args.quick, args.properties))[1]
+                found += asyncio.run(speculative.measure(spec_dir, args.quick, args.properties, args.demo_cache))[1]
     names = ", ".join(f"{s.name} ({s.base})" for s in run.servers[1:])
     meta = {"date": report.now(), "mode": plan_name, "duration_s": time.monotonic() - started,
             "target": target + (f", alongside {names}" if names else ""), "primary": run.servers[0].name,

@@ -106,10 +106,12 @@ async def draft_status(session: aiohttp.ClientSession, base: str) -> dict[str, t
             for m in status["models"]}
 
 
-async def measure(workdir: Path, quick: bool, properties: dict | None = None) -> tuple[dict, list[Figure]]:
+async def measure(workdir: Path, quick: bool, properties: dict | None = None,
+                  demo_cache: Path | None = None) -> tuple[dict, list[Figure]]:
+    """`demo_cache`: where the demo pair is built, or found already built (default: inside `workdir`)."""
     from appliance.demo.catalog import ensure_speculative_demo
     tokens, requests = SIZES[quick]
-    pair = ensure_speculative_demo(workdir / "cache", eos_after=0, max_new_tokens=4096)
+    pair = ensure_speculative_demo(demo_cache or workdir / "cache", eos_after=0, max_new_tokens=4096)
     app = OwnAppliance(pair["main"], workdir, models=served_models(pair, properties or {}))
     found = {(name, stream): Tally() for name in ROLES for stream in (False, True)}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -163,10 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a few requests: checks the bench, measures nothing")
     parser.add_argument("--engine-threads", type=int, metavar="N", help="INFERENCE_NUM_THREADS of every model")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where speculative.{json,md} go")
+    parser.add_argument("--demo-cache", type=Path, help="where the demo pair is built or found (default: a temporary "
+                                                        "directory; a host without transformers needs one built)")
     args = parser.parse_args(argv)
     properties = {"INFERENCE_NUM_THREADS": args.engine_threads} if args.engine_threads else {}
     with tempfile.TemporaryDirectory(prefix="openarc-bench-") as tmp:
-        meta, found = asyncio.run(measure(Path(tmp), args.quick, properties))
+        meta, found = asyncio.run(measure(Path(tmp), args.quick, properties, args.demo_cache))
     print(report.write_side_bench(args.out, "speculative", meta, found, ("name", "measured", "baseline", "verdict")),
           end="", flush=True)
 

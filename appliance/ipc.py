@@ -46,7 +46,8 @@ OPS: dict[str, Op] = {
     "shutdown": _op("front", doc="leave now (without destructors)"),
     # worker -> front
     "ready": _op("worker", "load_seconds", "formats pipeline_load_seconds",
-                 "the pipeline is loaded; its own load time, and its chat formats (tool_parser, reasoning_parser)"),
+                 "the pipeline is loaded; its own load time (and the pipeline's part of it), and its chat formats "
+                 "(tool_parser, reasoning_parser)"),
     "fatal": _op("worker", "kind message", "hint",
                  "the worker cannot go on (a load error, or an internal error after loading) and exits"),
     "tokens": _op("worker", "id text n", "logprobs",

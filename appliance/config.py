@@ -361,7 +361,7 @@ def _convert(value: Any, tp: Any, where: str, problems: Problems | None = None) 
     if origin in (typing.Union, types.UnionType):
         sections = [o for o in typing.get_args(tp) if dataclasses.is_dataclass(o)]
         if isinstance(value, dict) and len(sections) == 1:  # a section (draft_model): its own error names the key
-            return _convert(value, sections[0], where)
+            return _convert(value, sections[0], where, problems)
         for option in typing.get_args(tp):
             try:
                 return _convert(value, option, where)

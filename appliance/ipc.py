@@ -41,7 +41,8 @@ OPS: dict[str, Op] = {
                     "output constraint"),
     "request": _op("front", "id kind body",
                    "run one request of a one-answer kind (embedding, rerank, transcription): body holds the fields "
-                   "its route validated, read by appliance.worker.engines.<kind>"),
+                   "its route validated, read by appliance.worker.engines.<kind>; to an llm worker: count the "
+                   "prompt tokens of body (a chat generate frame's messages, tools, template_kwargs)"),
     "cancel": _op("front", "id", doc="the caller is gone: stop generating for it"),
     "shutdown": _op("front", doc="leave now (without destructors)"),
     # worker -> front
@@ -53,9 +54,10 @@ OPS: dict[str, Op] = {
     "tokens": _op("worker", "id text n", "logprobs",
                   "new text of a request, how many tokens it took, and their [text, logprob] if asked for"),
     "done": _op("worker", "id finish_reason prompt_tokens completion_tokens",
-                "reasoning_tokens draft_accepted draft_rejected",
+                "reasoning_tokens draft_accepted draft_rejected stop_sequence",
                 "a request finished (reasoning_tokens on a model with a reasoning format; draft_* on a model with a "
-                "draft or prompt lookup: proposed tokens the main model accepted and rejected)"),
+                "draft or prompt lookup: proposed tokens the main model accepted and rejected; stop_sequence: the one "
+                "of the request's stop sequences that ended it)"),
     "result": _op("worker", "id result", "counts",
                   "the one answer of a request op; counts add to the model's counters (supervisor.RESULT_COUNTERS)"),
     "error": _op("worker", "id kind code message retryable", "hint",

@@ -29,6 +29,7 @@ class Event:
     completion_tokens: int = 0
     logprobs: list | None = None  # [[token text, logprob], ...] when the request asked for them
     reasoning_tokens: int | None = None  # done, on a model with a reasoning format
+    stop_sequence: str | None = None  # done: the stop sequence that ended the answer, if one did
     result: dict[str, Any] | None = None  # result: the one answer of a one-answer kind
 
 

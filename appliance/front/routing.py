@@ -147,7 +147,8 @@ class RequestRouter:
                 self.series.draft.add(message["draft_accepted"], message["draft_rejected"])
             self.finish(req, Event("done", finish_reason=message["finish_reason"],
                                    prompt_tokens=message["prompt_tokens"], completion_tokens=message["completion_tokens"],
-                                   reasoning_tokens=message.get("reasoning_tokens")))
+                                   reasoning_tokens=message.get("reasoning_tokens"),
+                                   stop_sequence=message.get("stop_sequence")))
         elif op == "result":
             counts = message.get("counts", {})
             for name in RESULT_COUNTERS.intersection(counts):

@@ -67,10 +67,7 @@ class Engine:
             except queue.Empty:
                 return
             block = False
-            if op == "generate":
-                self.on_generate(arg)
-            else:
-                self.on_cancel(arg)
+            getattr(self, f"on_{op}")(arg)  # on_generate, on_cancel (and an engine's own ops)
 
     def on_generate(self, message: dict[str, Any]) -> None:
         raise NotImplementedError

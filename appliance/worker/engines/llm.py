@@ -48,6 +48,7 @@ class Request:
     reported: int = 0      # tokens already counted to the front
     held: str = ""         # text that may be the start of a stop sequence, not yet sent
     stopped: bool = False  # a stop sequence was found: the request is finished
+    stop_sequence: str | None = None  # the one found (Anthropic's stop_reason "stop_sequence" names it)
     structured: Any = None  # openvino_genai.StructuredOutputConfig of a constrained request
     prefix: str = ""       # text the template already wrote for the answer (an opened <think>), sent first
     template_opened: bool = False  # the prompt ends inside a think block the template opened
@@ -74,8 +75,10 @@ def cut_at_stop(req: Request, text: str) -> str:
     buffer = req.held + text
     hits = [i for i in (buffer.find(s) for s in stops) if i >= 0]
     if hits:
+        at = min(hits)
+        req.stop_sequence = next(s for s in stops if buffer.find(s) == at)
         req.held, req.stopped = "", True
-        return buffer[:min(hits)]
+        return buffer[:at]
     hold = max((k for s in stops for k in range(1, len(s)) if buffer.endswith(s[:k])), default=0)
     req.held = buffer[len(buffer) - hold:] if hold else ""
     return buffer[:len(buffer) - hold]
@@ -105,7 +108,11 @@ class LLMEngine(Engine):
         threading.Thread(target=self._probe_loop, name="grammar-probe", daemon=True).start()
 
     def submit(self, message: dict[str, Any]) -> None:
-        """(channel reader thread) A request with a constraint not compiled yet goes by the probe thread."""
+        """(channel reader thread) A request with a constraint not compiled yet goes by the probe thread; a
+        `request` op (count a conversation's prompt tokens) is counted here, where tokenizing releases the GIL."""
+        if message["op"] == "request":
+            self.inbox.put(("count", self._count(message)))
+            return
         constraint = message.get("constraint")
         if constraint and not self.probe.known(constraint, self.formats["tool_parser"]):
             self.probing.add(message["id"])
@@ -122,6 +129,20 @@ class LLMEngine(Engine):
         except Refused as refused:
             message["prepared"] = refused
         super().submit(message)
+
+    def _count(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The reply frame to a `request` op: the prompt tokens of its body (a chat generate frame's messages,
+        tools and template_kwargs) as the model's template renders them, or why they cannot be counted."""
+        try:
+            input_ids, _, _ = self._prompt({**message["body"], "kind": "chat"})
+        except Refused as refused:
+            fault = refused.fault
+            return frame("error", id=message["id"], kind=fault.kind, code=fault.code, hint=fault.hint,
+                         message=str(refused), retryable=fault.retryable)
+        return frame("result", id=message["id"], result={"input_tokens": int(input_ids.get_shape()[1])}, counts={})
+
+    def on_count(self, reply: dict[str, Any]) -> None:
+        self.post(reply)
 
     def _probe_loop(self) -> None:
         while True:
@@ -302,6 +323,8 @@ class LLMEngine(Engine):
         extra = {"reasoning_tokens": self.reasoning_tokens(req)} if reasoning else {}
         if req.tally is not None:
             extra.update(req.tally.frame_fields())
+        if req.stop_sequence is not None:
+            extra["stop_sequence"] = req.stop_sequence
         self.post(frame("done", id=req.id, finish_reason=finish_reason, prompt_tokens=req.prompt_tokens,
                         completion_tokens=len(req.generated), **extra))
 

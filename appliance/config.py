@@ -251,6 +251,8 @@ class ServerConfig:
     cache_dir: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     image_fetch: ImageFetch = field(default_factory=ImageFetch)
+    # /v1/responses with store on: the last N responses of each model stay in memory for previous_response_id.
+    stored_responses: int = 100
 
 
 @dataclass
@@ -476,6 +478,7 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
     require(f.timeout_s > 0, "server.image_fetch.timeout_s", "a positive number of seconds")
     require(all(h and "/" not in h for h in f.allow_hosts), "server.image_fetch.allow_hosts",
             "host names (host or host:port, no scheme or path)")
+    require(s.stored_responses >= 0, "server.stored_responses", "a non-negative number (0: none kept)")
     seen: set[str] = set()
     for i, m in enumerate(config.models):
         if m is None:  # its problems are reported already

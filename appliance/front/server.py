@@ -20,7 +20,7 @@ from aiohttp import web
 from appliance import __version__
 from appliance.front import listen
 from appliance.host import oom, telemetry
-from appliance.front.api import audio, embeddings, generate, rerank
+from appliance.front.api import audio, dialects, embeddings, generate, messages, rerank
 from appliance.front.api.errors import error_response
 from appliance.config import Config, ConfigError
 from appliance.front.lifecycle import ModelState
@@ -69,6 +69,7 @@ class Appliance:
         app.router.add_get("/openarc/status", self.status)
         app.router.add_get("/v1/models", self.list_models)
         generate.add_routes(app, self)
+        dialects.add_routes(app, self)
         embeddings.add_routes(app, self)
         rerank.add_routes(app, self)
         audio.add_routes(app, self)
@@ -76,7 +77,7 @@ class Appliance:
 
     @web.middleware
     async def errors_middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        """Every error leaves as an OpenAI error body; no traceback ever reaches a client."""
+        """Every error leaves as an error body in the route's dialect; no traceback ever reaches a client."""
         try:
             return await handler(request)
         except web.HTTPException as exc:
@@ -85,20 +86,30 @@ class Appliance:
             message = {404: f"no route {request.method} {request.path}",
                        405: f"method {request.method} is not allowed on {request.path}",
                        413: f"request body exceeds the limit of {self.config.server.max_body_bytes} bytes"}
-            return error_response(exc.status, message.get(exc.status, exc.reason), code=exc.reason.lower().replace(" ", "_"))
+            return self.error_shape(request)(exc.status, message.get(exc.status, exc.reason),
+                                             code=exc.reason.lower().replace(" ", "_"))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.path)
-            return error_response(500, "internal server error", code="internal_error")
+            return self.error_shape(request)(500, "internal server error", code="internal_error")
+
+    @staticmethod
+    def error_shape(request: web.Request) -> Callable[..., web.Response]:
+        """Anthropic's error body on its routes, OpenAI's everywhere else."""
+        return messages.error_response if request.path.startswith("/v1/messages") else error_response
 
     @web.middleware
     async def auth_middleware(self, request: web.Request, handler) -> web.StreamResponse:
         if self.api_key and not self._open_route(request.path):
-            presented = request.headers.get("Authorization", "")
-            # Constant-time compare; the presented key is never logged.
-            if not hmac.compare_digest(presented.encode(), f"Bearer {self.api_key}".encode()):
-                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", "invalid_api_key")
+            # Anthropic's clients send x-api-key; OpenAI's Authorization: Bearer. Constant-time compares; the
+            # presented key is never logged.
+            bearer = request.headers.get("Authorization", "").encode()
+            api_key = request.headers.get("x-api-key", "").encode()
+            if not (hmac.compare_digest(bearer, f"Bearer {self.api_key}".encode())
+                    | hmac.compare_digest(api_key, self.api_key.encode())):
+                return self.error_shape(request)(401, "invalid or missing API key (Authorization: Bearer ... or "
+                                                      "x-api-key: ...)", "invalid_api_key")
         return await handler(request)
 
     def _open_route(self, path: str) -> bool:

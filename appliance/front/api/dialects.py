@@ -1,0 +1,117 @@
+"""The routes of the other API dialects: POST /v1/responses (OpenAI Responses), /v1/messages and
+/v1/messages/count_tokens (Anthropic Messages).
+
+Each dialect's module translates its request into the chat generation request (appliance.front.api.responses,
+.messages); here it runs on the chat path (the model's answer parser splits reasoning and tool calls) and the
+answer's deltas go through the dialect's item stream, into named SSE events or one whole object. The route wrapper
+(appliance.front.api.route) counts and shapes errors: a failure before the first byte is the dialect's error body,
+a failure mid-stream the dialect's error event, then the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from aiohttp import web
+
+from appliance.front.api import messages, responses, sse
+from appliance.front.api.answer_items import Events
+from appliance.front.api.fields import json_body
+from appliance.front.api.generate import GenerationRoutes
+from appliance.front.api.response_store import ResponseStore
+from appliance.front.api.results import ResultRequest, ResultRoute
+from appliance.front.api.route import OPENAI, Call, route
+from appliance.front.request import RequestFailed
+
+
+@dataclass
+class Dialect:
+    parse: Callable[[Any], Any]              # body -> the dialect's request (with .gen, the chat request)
+    stream: Callable[[Any], Any]             # request -> its item stream (start, feed, finish, fail)
+    whole: Callable[[Any], dict[str, Any]]   # the finished item stream -> the whole object
+    finished: Callable[[Any, Any], None] = lambda req, stream: None  # after the answer's end (storing it)
+
+
+def add_routes(app: web.Application, appliance) -> None:
+    store = ResponseStore(appliance.config.server.stored_responses)
+
+    def keep(req: responses.ResponsesRequest, stream: responses.ResponseStream) -> None:
+        if req.store:
+            store.keep(req.gen.model, stream.id, req.history + [stream.turn()])
+
+    routes = {
+        "responses": (DialectRoute(appliance, Dialect(lambda body: responses.parse_responses(body, store),
+                                                      responses.ResponseStream, lambda s: s.response, keep)).handler,
+                      OPENAI),
+        "messages": (DialectRoute(appliance, Dialect(messages.parse_messages, messages.MessageStream,
+                                                     lambda s: s.message)).handler, messages.ANTHROPIC),
+        "messages/count_tokens": (ResultRoute(appliance, ("llm",), count_tokens_request,
+                                              lambda req, event: web.json_response(event.result)).handler,
+                                  messages.ANTHROPIC),
+    }
+    for endpoint, (handler, errors) in routes.items():
+        app.router.add_post(f"/v1/{endpoint}", route(appliance, endpoint, handler, errors))
+
+
+def count_tokens_request(body: Any) -> ResultRequest:
+    """/v1/messages/count_tokens: counted by the model's worker with its template and tokenizer (the front has
+    neither)."""
+    model, count_body = messages.count_frame(body)
+    return ResultRequest(model, 1, count_body)
+
+
+class DialectRoute:
+    """One dialect's generation route; `handler` runs in the route wrapper."""
+
+    def __init__(self, appliance, dialect: Dialect):
+        self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
+        self.dialect = dialect
+        self.chat = GenerationRoutes(appliance)  # the chat path's answer parser and finish reason
+
+    async def handler(self, request: web.Request, call: Call) -> web.StreamResponse:
+        body = await json_body(request)
+        call.label(body)
+        req = self.dialect.parse(body)
+        gen = req.gen
+        sup = await self.appliance.model_for(gen.model, call.endpoint, ("llm",))
+        answer = self.chat._answer_parser(sup, gen)
+        if gen.constraint:
+            call.params["invalid_grammar"] = gen.constraint["param"]
+            self.appliance.metrics.structured_requests.labels(model=gen.model, kind=gen.constraint["kind"]).inc()
+        items = self.dialect.stream(req)
+        handle = sup.open(gen.frame())
+        stream = None
+        try:
+            events = sup.events(handle)
+            event = await sse.next_event(events)
+            sse.refused_before_start(event)
+            if gen.stream:
+                stream = await sse.EventStream(request).open()
+                await send(stream, items.start())
+            while True:
+                if isinstance(event, RequestFailed):
+                    if stream is None:
+                        raise event
+                    await send(stream, items.fail(event, call.stream_failed(event)))
+                    break
+                if event.op == "tokens":
+                    out = [e for delta in answer.feed(event.text) for e in items.feed(delta)]
+                else:
+                    out = [e for delta in answer.finish() for e in items.feed(delta)]
+                    out += items.finish(event, self.chat._finish_reason(gen, answer, event))
+                    self.dialect.finished(req, items)
+                if stream is not None:
+                    await send(stream, out)
+                if event.op == "done":
+                    break
+                event = await sse.next_event(events)
+        finally:
+            sup.close(handle)
+        return await stream.close() if stream is not None else web.json_response(self.dialect.whole(items))
+
+
+async def send(stream: sse.EventStream, events: Events) -> None:
+    """Named events (Anthropic's SDK reads the name; OpenAI's the data's type)."""
+    for name, data in events:
+        await stream.send(data, name)

@@ -1,0 +1,292 @@
+"""The Anthropic Messages dialect (POST /v1/messages, /v1/messages/count_tokens): its request turned into the chat
+generation request, and the answer's items turned back into a message object or Anthropic's SSE events.
+
+Content blocks become chat turns the model's template renders: an assistant's `tool_use` blocks its tool calls,
+a user's `tool_result` blocks tool results (before the user's text, as they answer the turn before), `thinking`
+blocks the assistant turn's reasoning_content. `thinking: {"type": "enabled"}` switches a template's
+`enable_thinking` on (off otherwise, as Claude does not think unless asked); what the model writes inside its think
+block comes back as `thinking` blocks either way.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from appliance.front.api.answer_items import CALL_ITEM, REASONING_ITEM, TEXT_ITEM, Events, Item, ItemStream
+from appliance.front.api.completions import GenerationRequest
+from appliance.front.api.errors import InvalidRequest
+from appliance.front.api.route import ErrorShape
+from appliance.front.api.fields import flag, json_object, model_name, number, text
+from appliance.front.api.tools import ToolRequest, name_tool_results, parse_tools
+from appliance.front.request import Event, RequestFailed
+
+MAX_STOP_SEQUENCES = 8
+STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
+BLOCK_TYPES = {REASONING_ITEM: "thinking", TEXT_ITEM: "text", CALL_ITEM: "tool_use"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+class AnthropicErrors(ErrorShape):
+    """Anthropic's error body, the same before a stream (with the status) and as its `error` event; it has no code
+    or param, so the message names the field."""
+
+    def body(self, failure: RequestFailed, param: str | None) -> dict[str, Any]:
+        return error_body(failure.status, f"{failure.message} ({failure.hint})" if failure.hint else failure.message)
+
+
+ANTHROPIC = AnthropicErrors()
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+                   hint: str | None = None, retry_after: float | None = None) -> web.Response:
+    """errors.error_response in Anthropic's shape, for the middlewares' errors on its routes (401, 404, 413)."""
+    return ANTHROPIC.response(RequestFailed(status, code or "error", message, code, hint, retry_after), param)
+
+
+@dataclass
+class MessagesRequest:
+    gen: GenerationRequest
+
+
+def parse_conversation(body: Any) -> tuple[str, list[dict[str, Any]], ToolRequest, dict[str, Any]]:
+    """What a message and a token count share: the model, the chat turns (system first), the tools and the
+    template's keyword arguments."""
+    model = model_name(body)
+    messages = _system(body.get("system")) + _messages(body.get("messages"))
+    name_tool_results(messages)
+    tools = parse_tools(_chat_tools(body))
+    return model, messages, tools, {"enable_thinking": _thinking(body)}
+
+
+def parse_messages(body: Any) -> MessagesRequest:
+    model, messages, tools, kwargs = parse_conversation(body)
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        raise InvalidRequest("'max_tokens' is required", "max_tokens")
+    params = {"max_tokens": number(body, "max_tokens", 1, 1 << 20, integer=True),
+              "temperature": number(body, "temperature", 0, 1), "top_p": number(body, "top_p", 0, 1),
+              "top_k": number(body, "top_k", 1, 1 << 31, integer=True), "stop": _stop_sequences(body),
+              "logprobs": False}
+    budget = (body.get("thinking") or {}).get("budget_tokens")
+    if budget is not None and budget >= params["max_tokens"]:
+        raise InvalidRequest("'thinking.budget_tokens' must be less than 'max_tokens'", "thinking.budget_tokens")
+    if body.get("metadata") is not None:
+        json_object(body["metadata"], "metadata")
+    gen = GenerationRequest(model, "chat", flag(body, "stream"), False, params, messages=messages, tools=tools,
+                            constraint=tools.constraint(), template_kwargs=kwargs)
+    return MessagesRequest(gen)
+
+
+def count_frame(body: Any) -> tuple[str, dict[str, Any]]:
+    """/v1/messages/count_tokens: the model, and the body of the worker's `request` frame that counts the prompt."""
+    model, messages, tools, kwargs = parse_conversation(body)
+    return model, {"messages": messages, "tools": tools.tools if tools.active else [], "template_kwargs": kwargs}
+
+
+def _system(system: Any) -> list[dict[str, Any]]:
+    if system is None:
+        return []
+    content = _blocks_text(system, "system")
+    return [{"role": "system", "content": content}] if content else []
+
+
+def _blocks_text(content: Any, where: str) -> str:
+    """A string, or text blocks joined (a tool result's content, a system prompt)."""
+    if isinstance(content, str):
+        return text(content, where, empty=True)
+    if not isinstance(content, list):
+        raise InvalidRequest(f"'{where}' must be a string or a list of text blocks", where)
+    parts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise InvalidRequest(f"'{where}[{j}]': only text blocks are supported", f"{where}[{j}]")
+        parts.append(text(block.get("text"), f"{where}[{j}].text", empty=True))
+    return "\n".join(parts) if where == "system" else "".join(parts)
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty list", "messages")
+    turns: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise InvalidRequest(f"'{where}' must be an object with role user or assistant", f"{where}.role")
+        content = message.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise InvalidRequest(f"'{where}.content' must be a string or a list of content blocks", f"{where}.content")
+        turns += (_assistant(blocks, f"{where}.content") if message["role"] == "assistant"
+                  else _user(blocks, f"{where}.content"))
+    return turns
+
+
+def _block(block: Any, where: str, allowed: tuple[str, ...]) -> str:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind not in allowed:
+        raise InvalidRequest(f"'{where}.type' must be one of {', '.join(allowed)} (got {kind!r})", f"{where}.type")
+    return kind
+
+
+def _user(blocks: list, where: str) -> list[dict[str, Any]]:
+    results, texts = [], []
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        if _block(block, at, ("text", "tool_result")) == "text":
+            texts.append(text(block.get("text"), f"{at}.text", empty=True))
+        else:
+            content = block.get("content", "")
+            result = _blocks_text(content, f"{at}.content")
+            if flag(block, "is_error"):
+                result = f"Error: {result}"
+            results.append({"role": "tool", "tool_call_id": text(block.get("tool_use_id"), f"{at}.tool_use_id"),
+                            "content": result})
+    return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+
+
+def _assistant(blocks: list, where: str) -> list[dict[str, Any]]:
+    turn: dict[str, Any] = {"role": "assistant", "content": ""}
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        kind = _block(block, at, ("text", "thinking", "redacted_thinking", "tool_use"))
+        if kind == "text":
+            turn["content"] += text(block.get("text"), f"{at}.text", empty=True)
+        elif kind == "thinking":
+            turn["reasoning_content"] = turn.get("reasoning_content", "") + text(block.get("thinking"),
+                                                                               f"{at}.thinking", empty=True)
+        elif kind == "tool_use":
+            turn.setdefault("tool_calls", []).append(
+                {"id": text(block.get("id"), f"{at}.id"), "type": "function",
+                 "function": {"name": text(block.get("name"), f"{at}.name"),
+                              "arguments": json_object(block.get("input"), f"{at}.input")}})
+    return [turn]
+
+
+def _chat_tools(body: dict) -> dict[str, Any]:
+    """tools and tool_choice as chat completions spells them (checked there)."""
+    chat: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise InvalidRequest("'tools' must be a list", "tools")
+        chat["tools"] = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+            raise InvalidRequest("'tool_choice.type' must be auto, any, tool or none", "tool_choice")
+        if choice["type"] == "tool":
+            chat["tool_choice"] = {"type": "function", "function": {"name": text(choice.get("name"),
+                                                                                 "tool_choice.name")}}
+        else:
+            chat["tool_choice"] = {"any": "required"}.get(choice["type"], choice["type"])
+        chat["parallel_tool_calls"] = not flag(choice, "disable_parallel_tool_use")
+    return chat
+
+
+def _chat_tool(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+        raise InvalidRequest(f"'{where}': only client tools (name, description, input_schema) are supported", where)
+    schema = tool.get("input_schema")
+    function = {"name": tool.get("name"), "parameters": json_object(schema, f"{where}.input_schema")}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    if tool.get("strict") is not None:
+        function["strict"] = tool["strict"]
+    return {"type": "function", "function": function}
+
+
+def _thinking(body: dict) -> bool:
+    thinking = body.get("thinking")
+    if thinking is None:
+        return False
+    if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+        raise InvalidRequest("'thinking.type' must be enabled, disabled or adaptive", "thinking")
+    if thinking["type"] == "enabled":
+        number(thinking, "budget_tokens", 1, 1 << 20, integer=True)  # accepted: genai cannot end a block early
+        if thinking.get("budget_tokens") is None:
+            raise InvalidRequest("'thinking.budget_tokens' is required when thinking is enabled",
+                                 "thinking.budget_tokens")
+    return thinking["type"] != "disabled"
+
+
+def _stop_sequences(body: dict) -> list[str]:
+    stops = body.get("stop_sequences")
+    if stops is None:
+        return []
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES:
+        raise InvalidRequest(f"'stop_sequences' must be a list of at most {MAX_STOP_SEQUENCES} strings",
+                             "stop_sequences")
+    return [text(s, "stop_sequences") for s in stops]
+
+
+def usage(done: Event | None) -> dict[str, int]:
+    return {"input_tokens": done.prompt_tokens if done else 0, "output_tokens": done.completion_tokens if done else 0}
+
+
+@dataclass
+class MessageStream(ItemStream):
+    """One message's events, in the order the SDK's messages.stream() assembles them; `message` is the whole object
+    once finish() ran."""
+
+    req: MessagesRequest
+    id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
+    message: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def envelope(self, done: Event | None, stop_reason: str | None = None,
+                 stop_sequence: str | None = None) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.req.gen.model,
+                "content": [self.block(i) for i in self.items], "stop_reason": stop_reason,
+                "stop_sequence": stop_sequence, "usage": usage(done)}
+
+    def start(self) -> Events:
+        return [("message_start", {"type": "message_start", "message": self.envelope(None)}),
+                ("ping", {"type": "ping"})]
+
+    def finish(self, done: Event, finish_reason: str) -> Events:
+        events = self.close_all()
+        reason = "stop_sequence" if done.stop_sequence is not None else STOP_REASONS.get(finish_reason, "end_turn")
+        self.message = self.envelope(done, reason, done.stop_sequence)
+        return events + [("message_delta", {"type": "message_delta",
+                                            "delta": {"stop_reason": reason, "stop_sequence": done.stop_sequence},
+                                            "usage": usage(done)}),
+                         ("message_stop", {"type": "message_stop"})]
+
+    @staticmethod
+    def fail(failure: RequestFailed, payload: dict[str, Any]) -> Events:
+        """`payload`: the route's error event (AnthropicErrors.stream_event)."""
+        return [("error", payload)]
+
+    def block(self, item: Item, start: bool = False) -> dict[str, Any]:
+        if item.kind == TEXT_ITEM:
+            return {"type": "text", "text": "" if start else item.text}
+        if item.kind == REASONING_ITEM:
+            return {"type": "thinking", "thinking": "" if start else item.text, "signature": ""}
+        return {"type": "tool_use", "id": item.call_id, "name": item.name, "input": {} if start else item.arguments()}
+
+    def opened(self, item: Item) -> Events:
+        return [("content_block_start", {"type": "content_block_start", "index": item.index,
+                                         "content_block": self.block(item, start=True)})]
+
+    def extended(self, item: Item, text_: str) -> Events:
+        delta = {TEXT_ITEM: {"type": "text_delta", "text": text_},
+                 REASONING_ITEM: {"type": "thinking_delta", "thinking": text_},
+                 CALL_ITEM: {"type": "input_json_delta", "partial_json": text_}}[item.kind]
+        return [("content_block_delta", {"type": "content_block_delta", "index": item.index, "delta": delta})]
+
+    def closed(self, item: Item) -> Events:
+        return [("content_block_stop", {"type": "content_block_stop", "index": item.index})]
+

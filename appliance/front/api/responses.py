@@ -1,0 +1,330 @@
+"""The OpenAI Responses dialect (POST /v1/responses): its request turned into the chat generation request, and the
+answer's items turned back into a response object or its typed SSE events.
+
+The request side reuses the chat completions checks (tools, tool_choice, structured outputs) on a chat-shaped copy
+of the body; a refusal then names the Responses field (`text.format`, `tools[0].name`), not the chat one. Input
+items become chat turns the model's template renders: `function_call` items are the assistant's tool calls,
+`function_call_output` items tool results, `reasoning` items the next assistant turn's reasoning_content.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance.front.api.answer_items import CALL_ITEM, REASONING_ITEM, TEXT_ITEM, Events, Item, ItemStream
+from appliance.front.api.completions import GenerationRequest
+from appliance.front.api.errors import InvalidRequest
+from appliance.front.api.fields import flag, json_object, model_name, number, text
+from appliance.front.api.response_store import ResponseStore
+from appliance.front.api.structured import constraint
+from appliance.front.api.tools import assistant_tool_calls, name_tool_results, parse_tools
+from appliance.front.request import Event, RequestFailed
+
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS = ("input_text", "output_text", "text")
+ITEM_PREFIXES = {REASONING_ITEM: "rs_", TEXT_ITEM: "msg_", CALL_ITEM: "fc_"}
+# chat completions' names of the fields the Responses API spells otherwise, for the errors the shared checks raise
+RENAMES = (("response_format.json_schema.schema", "text.format.schema"),
+           ("response_format.json_schema.name", "text.format.name"),
+           ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+           (".function.", "."), ("{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                                 "{\"type\": \"function\", \"name\": ...}"))
+
+
+@dataclass
+class ResponsesRequest:
+    gen: GenerationRequest
+    echo: dict[str, Any]             # the request's settings as the response object repeats them
+    history: list[dict[str, Any]]    # the conversation so far without instructions: what a stored response chains
+    store: bool = True
+    previous: str | None = None
+
+
+def parse_responses(body: Any, store: ResponseStore) -> ResponsesRequest:
+    model = model_name(body)
+    stream = flag(body, "stream")
+    keep = True if body.get("store") is None else flag(body, "store")
+    previous = body.get("previous_response_id")
+    history = []
+    if previous is not None:
+        history = store.history(text(previous, "previous_response_id"))
+    history = history + _input(body.get("input"))
+    instructions = body.get("instructions")
+    system = [{"role": "system", "content": text(instructions, "instructions", empty=True)}] if instructions else []
+    messages = system + history
+    name_tool_results(messages)
+    chat = _chat_shaped(body)
+    tools = _renamed(parse_tools, chat)
+    tool_constraint, output_constraint = tools.constraint(), _renamed(constraint, chat)
+    if tool_constraint and output_constraint:
+        raise InvalidRequest("a required or strict function call cannot be combined with 'text.format'", "text.format")
+    params = {"max_tokens": number(body, "max_output_tokens", 1, 1 << 20, integer=True),
+              "temperature": number(body, "temperature", 0, 2), "top_p": number(body, "top_p", 0, 1),
+              "top_k": None, "stop": [], "logprobs": False}
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        json_object(reasoning, "reasoning")
+    if body.get("metadata") is not None:
+        json_object(body["metadata"], "metadata")
+    gen = GenerationRequest(model, "chat", stream, False, params, messages=messages, tools=tools,
+                            constraint=tool_constraint or output_constraint)
+    echo = {"instructions": instructions, "max_output_tokens": params["max_tokens"],
+            "temperature": params["temperature"], "top_p": params["top_p"], "parallel_tool_calls": tools.parallel,
+            "tool_choice": body.get("tool_choice", "auto"), "tools": [_response_tool(t) for t in tools.tools],
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+            "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": None},
+            "metadata": body.get("metadata") or {}, "store": keep, "previous_response_id": previous}
+    return ResponsesRequest(gen, echo, history, keep, previous)
+
+
+def _renamed(check, chat: dict):
+    """Run a chat completions check on the chat-shaped body; its refusal names the Responses field."""
+    try:
+        return check(chat)
+    except InvalidRequest as exc:
+        message, param = str(exc), exc.param
+        for old, new in RENAMES:
+            message, param = message.replace(old, new), param.replace(old, new) if param else param
+        raise InvalidRequest(message, param, exc.code) from None
+
+
+def _chat_shaped(body: dict) -> dict[str, Any]:
+    """tools, tool_choice, parallel_tool_calls and text.format as chat completions spells them."""
+    chat: dict[str, Any] = {"parallel_tool_calls": body.get("parallel_tool_calls")}
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(tools)]
+    elif tools is not None:
+        chat["tools"] = tools
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    fmt = body.get("text")
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise InvalidRequest("'text' must be an object with a 'format'", "text")
+        fmt = fmt.get("format")
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            fmt = {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema", {})}}
+        if fmt is not None:
+            chat["response_format"] = fmt
+    return chat
+
+
+def _chat_tool(tool: Any, i: int) -> Any:
+    if not isinstance(tool, dict):
+        return tool
+    if tool.get("type") != "function":
+        raise InvalidRequest(f"'tools[{i}].type': only function tools are supported here, got {tool.get('type')!r}",
+                             f"tools[{i}].type")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    function.setdefault("strict", True)  # the Responses API's default, unlike chat completions'
+    if function["strict"] is None:
+        function["strict"] = True
+    return {"type": "function", "function": function}
+
+
+def _response_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool["function"]
+    return {"type": "function", "name": function["name"], "description": function.get("description"),
+            "parameters": function.get("parameters"), "strict": function.get("strict", True)}
+
+
+def _input(value: Any) -> list[dict[str, Any]]:
+    """The `input` as chat turns."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": text(value, "input", empty=True)}]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("'input' must be a string or a non-empty list of items", "input")
+    turns: list[dict[str, Any]] = []
+    reasoning: list[str] = []  # reasoning items waiting for the assistant turn they belong to
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"'{where}' must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            turn = _message(item, where)
+            if turn["role"] == "assistant":
+                _assistant(turns, reasoning)["content"] += turn["content"]
+            else:
+                turns.append(turn)
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            _assistant(turns, reasoning).setdefault("tool_calls", []).extend(assistant_tool_calls([call], where))
+        elif kind == "function_call_output":
+            turns.append({"role": "tool", "tool_call_id": text(item.get("call_id"), f"{where}.call_id"),
+                          "content": _content(item.get("output"), f"{where}.output")})
+        elif kind == "reasoning":
+            reasoning.append(_reasoning_text(item, where))
+        else:
+            raise InvalidRequest(f"'{where}.type' must be message, function_call, function_call_output or reasoning, "
+                                 f"got {kind!r}", f"{where}.type")
+    return turns
+
+
+def _assistant(turns: list[dict[str, Any]], reasoning: list[str]) -> dict[str, Any]:
+    """The assistant turn an assistant item belongs to: the last turn if it is the assistant's and no tool result
+    followed it, else a new one (taking the reasoning items before it)."""
+    if not (turns and turns[-1]["role"] == "assistant") or reasoning:
+        turns.append({"role": "assistant", "content": ""})
+    if reasoning:
+        turns[-1]["reasoning_content"] = "\n".join(reasoning)
+        reasoning.clear()
+    return turns[-1]
+
+
+def _message(item: dict, where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ROLES:
+        raise InvalidRequest(f"'{where}.role' must be one of {', '.join(ROLES)}", f"{where}.role")
+    return {"role": ROLES[role], "content": _content(item.get("content"), f"{where}.content")}
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return text(content, where, empty=True)
+    if not isinstance(content, list):
+        raise InvalidRequest(f"'{where}' must be a string or a list of input_text parts", where)
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
+            raise InvalidRequest(f"'{where}[{j}]': only text parts (input_text, output_text) are supported",
+                                 f"{where}[{j}]")
+        parts.append(text(part.get("text"), f"{where}[{j}].text", empty=True))
+    return "".join(parts)
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    content = item.get("content") or item.get("summary") or []
+    if not isinstance(content, list):
+        raise InvalidRequest(f"'{where}.content' must be a list of reasoning_text parts", f"{where}.content")
+    return "".join(text(part.get("text") if isinstance(part, dict) else None, f"{where}.content[{j}].text",
+                        empty=True) for j, part in enumerate(content))
+
+
+def usage(done: Event) -> dict[str, Any]:
+    return {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": done.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": done.reasoning_tokens or 0},
+            "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+
+@dataclass
+class ResponseStream(ItemStream):
+    """One response's events, in the order the SDK's responses.stream() assembles them; `response` is the whole
+    object once finish() or fail() ran."""
+
+    req: ResponsesRequest
+    id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    sequence: int = 0
+    response: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def envelope(self, status: str, **fields: Any) -> dict[str, Any]:
+        out = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+               "model": self.req.gen.model, "output": [self.item(i) for i in self.items if i.done],
+               "error": None, "incomplete_details": None, "usage": None, "truncation": "disabled",
+               "user": None, **self.req.echo}
+        out.update(fields)
+        return out
+
+    def event(self, type_: str, **data: Any) -> tuple[str, dict[str, Any]]:
+        self.sequence += 1
+        return type_, {"type": type_, "sequence_number": self.sequence - 1, **data}
+
+    def start(self) -> Events:
+        return [self.event("response.created", response=self.envelope("in_progress")),
+                self.event("response.in_progress", response=self.envelope("in_progress"))]
+
+    def finish(self, done: Event, finish_reason: str) -> Events:
+        cut = finish_reason == "length"
+        if cut and self.current:
+            self.current.extra["status"] = "incomplete"
+        events = self.close_all()
+        status = "incomplete" if cut else "completed"
+        self.response = self.envelope(status, usage=usage(done), completed_at=int(time.time()),
+                                      incomplete_details={"reason": "max_output_tokens"} if cut else None)
+        return events + [self.event(f"response.{status}", response=self.response)]
+
+    def fail(self, exc: RequestFailed, payload: dict[str, Any]) -> Events:
+        """An `error` event (the route's OpenAI error `payload` is chat's shape, not this one), then
+        response.failed."""
+        self.response = self.envelope("failed", error={"code": "server_error", "message": exc.message})
+        return [self.event("error", code=exc.code, message=exc.message, param=None),
+                self.event("response.failed", response=self.response)]
+
+    # --- items ---------------------------------------------------------------------------------------------
+
+    def item(self, item: Item, status: str | None = None) -> dict[str, Any]:
+        status = status or item.extra.get("status", "completed")
+        item_id = item.extra["id"]
+        if item.kind == TEXT_ITEM:
+            content = [self.part(item)] if status != "in_progress" else []
+            return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+        if item.kind == REASONING_ITEM:
+            content = [self.part(item)] if status != "in_progress" else []
+            return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+        return {"id": item_id, "type": "function_call", "call_id": item.call_id, "name": item.name,
+                "arguments": item.text if status != "in_progress" else "", "status": status}
+
+    @staticmethod
+    def part(item: Item, text_: str | None = None) -> dict[str, Any]:
+        value = item.text if text_ is None else text_
+        if item.kind == REASONING_ITEM:
+            return {"type": "reasoning_text", "text": value}
+        return {"type": "output_text", "text": value, "annotations": [], "logprobs": []}
+
+    def where(self, item: Item) -> dict[str, Any]:
+        return {"item_id": item.extra["id"], "output_index": item.index}
+
+    def opened(self, item: Item) -> Events:
+        item.extra["id"] = ITEM_PREFIXES[item.kind] + uuid.uuid4().hex
+        events = [self.event("response.output_item.added", output_index=item.index,
+                             item=self.item(item, "in_progress"))]
+        if item.kind != CALL_ITEM:
+            events.append(self.event("response.content_part.added", **self.where(item), content_index=0,
+                                     part=self.part(item, "")))
+        return events
+
+    def extended(self, item: Item, text_: str) -> Events:
+        if item.kind == CALL_ITEM:
+            return [self.event("response.function_call_arguments.delta", **self.where(item), delta=text_)]
+        if item.kind == REASONING_ITEM:
+            return [self.event("response.reasoning_text.delta", **self.where(item), content_index=0, delta=text_)]
+        return [self.event("response.output_text.delta", **self.where(item), content_index=0, delta=text_,
+                           logprobs=[])]
+
+    def closed(self, item: Item) -> Events:
+        if item.kind == CALL_ITEM:
+            events = [self.event("response.function_call_arguments.done", **self.where(item), name=item.name,
+                                 arguments=item.text)]
+        else:
+            done = "response.reasoning_text.done" if item.kind == REASONING_ITEM else "response.output_text.done"
+            extra = {} if item.kind == REASONING_ITEM else {"logprobs": []}
+            events = [self.event(done, **self.where(item), content_index=0, text=item.text, **extra),
+                      self.event("response.content_part.done", **self.where(item), content_index=0,
+                                 part=self.part(item))]
+        return events + [self.event("response.output_item.done", output_index=item.index, item=self.item(item))]
+
+    def turn(self) -> dict[str, Any]:
+        """The answer as the assistant's chat turn, for a later request's previous_response_id."""
+        content = "".join(i.text for i in self.items if i.kind == TEXT_ITEM)
+        turn: dict[str, Any] = {"role": "assistant", "content": content}
+        reasoning = "".join(i.text for i in self.items if i.kind == REASONING_ITEM)
+        if reasoning:
+            turn["reasoning_content"] = reasoning
+        calls = [i for i in self.items if i.kind == CALL_ITEM]
+        if calls:
+            turn["tool_calls"] = [{"id": c.call_id, "type": "function",
+                                   "function": {"name": c.name, "arguments": c.arguments()}} for c in calls]
+        return turn

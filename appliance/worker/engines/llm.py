@@ -277,7 +277,10 @@ class LLMEngine(Engine):
             config.structured_output_config = req.structured
         if req.params.get("stop"):
             config.stop_strings = set(req.params["stop"])
-            config.include_stop_str_in_output = False
+            # genai stops at a stop string but, left to itself, drops the whole token that holds it (text before
+            # the string included) and never says which string it was: cut_at_stop cuts at the string itself and
+            # records it (Anthropic's stop_sequence names it).
+            config.include_stop_str_in_output = True
         config.set_eos_token_id(self.tokenizer.get_eos_token_id())
         req.proposal = speculative.apply(config, self.spec.get("speculative") or {}, req.params)
         return config

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import anthropic
 import openai
 import pytest
 
@@ -138,6 +139,51 @@ def test_worker_death_mid_stream_is_an_error_event_fast(two_models, sig):
     assert signal.Signals(sig).name in new["last_error"]
     reply = app.client().chat.completions.create(model="victim", messages=CHAT, max_tokens=5)
     assert reply.choices[0].finish_reason == "length"
+
+
+def dialect_stream_until_fault(app, dialect: str, fault) -> tuple[list, float]:
+    """Stream from /v1/responses (openai SDK) or /v1/messages (anthropic SDK), run fault() after the 5th text
+    delta; the events read (the anthropic SDK raises the error event: it is the last item), seconds waited."""
+    events: list = []
+    faulted_at = None
+    if dialect == "responses":
+        stream = app.client().responses.create(model="victim", input="Say something long.", max_output_tokens=3000,
+                                               stream=True)
+    else:
+        stream = anthropic.Anthropic(base_url=app.base, api_key="unused", max_retries=0).messages.create(
+            model="victim", max_tokens=3000, messages=CHAT, stream=True)
+    try:
+        for event in stream:
+            events.append(event)
+            if sum("delta" in e.type for e in events) == 5 and faulted_at is None:
+                fault()
+                faulted_at = time.monotonic()
+    except anthropic.APIStatusError as exc:
+        events.append(exc)
+    assert faulted_at is not None, "the stream ended before the fault"
+    return events, time.monotonic() - faulted_at
+
+
+@pytest.mark.parametrize("dialect", ["responses", "messages"])
+def test_worker_abort_mid_stream_ends_each_dialects_stream_with_its_error_event(two_models, dialect):
+    app = two_models
+    pid = app.worker_pid("victim")
+    events, waited = dialect_stream_until_fault(app, dialect, lambda: os.kill(pid, signal.SIGABRT))
+    assert waited < HANG_BOUND_S
+    if dialect == "responses":
+        error, failed = events[-2:]
+        assert error.type == "error" and error.code == "worker_crash" and "died" in error.message
+        assert failed.type == "response.failed" and failed.response.status == "failed"
+        assert failed.response.error.message == error.message
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+    else:
+        error = events[-1]
+        assert isinstance(error, anthropic.APIStatusError), events[-3:]
+        assert error.body["type"] == "error" and error.body["error"]["type"] == "overloaded_error"
+        assert "died" in error.body["error"]["message"]
+        assert not any(getattr(e, "type", None) == "message_stop" for e in events[:-1])
+    bystander_serves(app)
+    app.wait_model("victim", "ready", new_pid_not=pid)
 
 
 def test_worker_abort_mid_request_is_503_with_retry_after(two_models):

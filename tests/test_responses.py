@@ -203,6 +203,15 @@ def test_malformed_requests_are_400s_naming_the_responses_field(app, body, param
     assert "function." not in reply["error"]["message"] and "response_format" not in reply["error"]["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_genai_cannot_compile_is_a_400_naming_text_format(app, stream):
+    status, _, reply = http("POST", app.base + "/v1/responses", {
+        "model": "demo", "input": "Hi", "stream": stream,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": 5}}}})
+    assert status == 400 and reply["error"]["param"] == "text.format.schema", reply
+    assert reply["error"]["code"] == "invalid_grammar"
+
+
 def test_requests_are_counted_under_the_route(app):
     app.client().responses.create(model="demo", input="Hi", max_output_tokens=1)
     metrics = app.metrics()

@@ -59,6 +59,8 @@ def parse_responses(body: Any, store: ResponseStore) -> ResponsesRequest:
     chat = _chat_shaped(body)
     tools = _renamed(parse_tools, chat)
     tool_constraint, output_constraint = tools.constraint(), _renamed(constraint, chat)
+    if output_constraint:  # a schema genai cannot compile is refused naming this field
+        output_constraint["param"] = _rename(output_constraint["param"])
     if tool_constraint and output_constraint:
         raise InvalidRequest("a required or strict function call cannot be combined with 'text.format'", "text.format")
     params = {"max_tokens": number(body, "max_output_tokens", 1, 1 << 20, integer=True),
@@ -85,10 +87,13 @@ def _renamed(check, chat: dict):
     try:
         return check(chat)
     except InvalidRequest as exc:
-        message, param = str(exc), exc.param
-        for old, new in RENAMES:
-            message, param = message.replace(old, new), param.replace(old, new) if param else param
-        raise InvalidRequest(message, param, exc.code) from None
+        raise InvalidRequest(_rename(str(exc)), exc.param and _rename(exc.param), exc.code) from None
+
+
+def _rename(words: str) -> str:
+    for old, new in RENAMES:
+        words = words.replace(old, new)
+    return words
 
 
 def _chat_shaped(body: dict) -> dict[str, Any]:

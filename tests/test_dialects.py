@@ -1,0 +1,254 @@
+"""The Responses and Messages translations as pure functions, without processes: requests into the chat request the
+generation path runs, an answer's chat deltas into each dialect's events and whole object, the response store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from appliance.front.api.errors import InvalidRequest
+from appliance.front.api.messages import MessageStream, count_frame, parse_messages
+from appliance.front.api.response_store import ResponseStore
+from appliance.front.api.responses import ResponseStream, parse_responses
+from appliance.front.request import Event, RequestFailed
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+HEAD = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                        "function": {"name": "get_weather", "arguments": ""}}]}
+DELTAS = [{"reasoning_content": "Let me "}, {"reasoning_content": "think."}, {"content": "Sure"}, {"content": "."},
+          HEAD, {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+          {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}]
+DONE = Event("done", finish_reason="stop", prompt_tokens=20, completion_tokens=9, reasoning_tokens=3)
+
+
+def run(stream, deltas=DELTAS, done=DONE, finish_reason="tool_calls") -> list:
+    events = stream.start()
+    for delta in deltas:
+        events += stream.feed(delta)
+    return events + stream.finish(done, finish_reason)
+
+
+# --- Responses ------------------------------------------------------------------------------------------------
+
+def responses_request(**body):
+    return parse_responses({"model": "m", "input": "Hi", **body}, ResponseStore(4))
+
+
+def test_a_responses_answer_streams_items_in_order_and_the_whole_response_matches():
+    stream = ResponseStream(responses_request())
+    events = run(stream)
+    types = [name for name, _ in events]
+    assert types == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added",
+                     "response.reasoning_text.delta", "response.reasoning_text.delta", "response.reasoning_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.content_part.added",
+                     "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert all(data["type"] == name for name, data in events)
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    response = stream.response
+    assert events[-1][1]["response"] == response and response["status"] == "completed"
+    reasoning, message, call = response["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text",
+                                                                          "text": "Let me think."}]
+    assert message["content"][0]["text"] == "Sure." and message["role"] == "assistant"
+    assert (call["type"], call["call_id"], call["name"], json.loads(call["arguments"])) == \
+           ("function_call", "call_1", "get_weather", {"city": "Paris"})
+    assert response["usage"] == {"input_tokens": 20, "input_tokens_details": {"cached_tokens": 0},
+                                 "output_tokens": 9, "output_tokens_details": {"reasoning_tokens": 3},
+                                 "total_tokens": 29}
+    # the item an output_item.done carries is the one in the response
+    assert [data["item"] for name, data in events if name == "response.output_item.done"] == response["output"]
+
+
+def test_a_cut_answer_is_incomplete_and_its_last_item_too():
+    stream = ResponseStream(responses_request(max_output_tokens=3))
+    events = run(stream, [{"content": "Hello"}], finish_reason="length")
+    assert events[-1][0] == "response.incomplete"
+    assert stream.response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert stream.response["output"][0]["status"] == "incomplete"
+
+
+def test_a_failure_is_an_error_event_then_response_failed():
+    stream = ResponseStream(responses_request())
+    events = stream.start() + stream.feed({"content": "Hi"})
+    events += stream.fail(RequestFailed(503, "worker_crash", "the worker died"), {})
+    (error_name, error), (failed_name, failed) = events[-2:]
+    assert (error_name, error["code"], error["message"]) == ("error", "worker_crash", "the worker died")
+    assert failed_name == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["message"] == "the worker died"
+
+
+def test_input_items_become_the_chat_turns_a_template_renders():
+    req = responses_request(instructions="Be brief.", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Hmm."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+        {"role": "developer", "content": "Mind the units."}])
+    assert req.gen.messages == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Hmm.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny", "name": "get_weather"},
+        {"role": "assistant", "content": "Sunny."}, {"role": "system", "content": "Mind the units."}]
+    assert req.history == req.gen.messages[1:]  # instructions are not carried to a chained response
+
+
+def test_tools_are_strict_by_default_and_tool_choice_and_text_format_translate():
+    tool = {"type": "function", "name": "get_weather", "parameters": SCHEMA}
+    req = responses_request(tools=[tool], tool_choice={"type": "function", "name": "get_weather"},
+                            parallel_tool_calls=False)
+    assert req.gen.tools.tools[0]["function"]["strict"] is True
+    assert req.gen.constraint["required"] and req.gen.constraint["single"]
+    assert req.echo["tools"][0]["name"] == "get_weather" and req.echo["parallel_tool_calls"] is False
+    free = responses_request(tools=[{**tool, "strict": False}])
+    assert free.gen.constraint is None
+    fmt = responses_request(text={"format": {"type": "json_schema", "name": "w", "schema": SCHEMA, "strict": True}})
+    assert fmt.gen.constraint["kind"] == "json_schema" and json.loads(fmt.gen.constraint["schema"]) == SCHEMA
+    assert fmt.gen.constraint["param"] == "text.format.schema"  # named if genai cannot compile it
+
+
+def test_previous_response_id_chains_the_stored_conversation():
+    store = ResponseStore(2)
+    store.keep("m", "resp_a", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    req = parse_responses({"model": "m", "input": "More", "previous_response_id": "resp_a"}, store)
+    assert [m["content"] for m in req.gen.messages] == ["Hi", "Hello", "More"]
+    with pytest.raises(InvalidRequest) as info:
+        parse_responses({"model": "m", "input": "More", "previous_response_id": "resp_b"}, store)
+    assert "resp_b" in str(info.value) and info.value.param == "previous_response_id"
+
+
+def test_the_store_keeps_the_last_n_of_each_model():
+    store = ResponseStore(2)
+    for name in ("a", "b", "c"):
+        store.keep("m", name, [{"role": "user", "content": name}])
+    store.keep("other", "x", [])
+    with pytest.raises(InvalidRequest):
+        store.history("a")
+    assert store.history("b") and store.history("c") and store.history("x") == []
+    store.history("b")[0]["content"] = "changed"  # a copy: chaining cannot alter what is kept
+    assert store.history("b") == [{"role": "user", "content": "b"}]
+    ResponseStore(0).keep("m", "a", [])
+    with pytest.raises(InvalidRequest):
+        ResponseStore(0).history("a")
+
+
+def test_the_answer_as_a_turn_for_the_store():
+    stream = ResponseStream(responses_request())
+    run(stream)
+    assert stream.turn() == {"role": "assistant", "content": "Sure.", "reasoning_content": "Let me think.",
+                             "tool_calls": [{"id": "call_1", "type": "function",
+                                             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": None}, "input"), ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": []}]}, "tools[0].parameters"),
+    ({"text": {"format": {"type": "json_schema", "name": "w", "schema": 5}}}, "text.format.schema"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
+      "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"reasoning": "high"}, "reasoning"), ({"instructions": 5}, "instructions"),
+])
+def test_refusals_name_the_responses_field(body, param):
+    with pytest.raises(InvalidRequest) as info:
+        responses_request(**body)
+    assert info.value.param == param
+
+
+# --- Messages -------------------------------------------------------------------------------------------------
+
+def messages_request(**body):
+    return parse_messages({"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "Hi"}], **body})
+
+
+def test_a_message_streams_content_blocks_and_the_whole_message_matches():
+    stream = MessageStream(messages_request())
+    events = run(stream)
+    assert [name for name, _ in events] == [
+        "message_start", "ping", "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_stop", "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_stop", "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_stop", "message_delta", "message_stop"]
+    deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
+    assert [d["type"] for d in deltas] == ["thinking_delta"] * 2 + ["text_delta"] * 2 + ["input_json_delta"] * 2
+    assert "".join(d.get("partial_json", "") for d in deltas) == '{"city": "Paris"}'
+    assert stream.message["content"] == [{"type": "thinking", "thinking": "Let me think.", "signature": ""},
+                                         {"type": "text", "text": "Sure."},
+                                         {"type": "tool_use", "id": "call_1", "name": "get_weather",
+                                          "input": {"city": "Paris"}}]
+    assert stream.message["stop_reason"] == "tool_use" and stream.message["usage"] == {"input_tokens": 20,
+                                                                                       "output_tokens": 9}
+    assert events[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+
+
+@pytest.mark.parametrize("finish_reason, stop_sequence, expected", [
+    ("stop", None, "end_turn"), ("length", None, "max_tokens"), ("stop", "END", "stop_sequence")])
+def test_stop_reasons(finish_reason, stop_sequence, expected):
+    stream = MessageStream(messages_request())
+    run(stream, [{"content": "x"}], Event("done", finish_reason="stop", stop_sequence=stop_sequence), finish_reason)
+    assert (stream.message["stop_reason"], stream.message["stop_sequence"]) == (expected, stop_sequence)
+
+
+def test_a_tool_use_cut_short_has_an_empty_input():
+    stream = MessageStream(messages_request())
+    run(stream, [HEAD, {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Pa'}}]}],
+        finish_reason="length")
+    assert stream.message["content"][0]["input"] == {} and stream.message["stop_reason"] == "max_tokens"
+
+
+def test_content_blocks_become_the_chat_turns_a_template_renders():
+    req = messages_request(system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
+                           messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Hmm.", "signature": "sig"},
+                                          {"type": "text", "text": "Let me look."},
+                                          {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "Thanks"},
+                                     {"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "sunny"}]}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "no", "is_error": True}]}])
+    assert req.gen.messages == [
+        {"role": "system", "content": "Be brief.\nBe kind."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "Hmm.", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "sunny", "name": "get_weather"},
+        {"role": "user", "content": "Thanks"},
+        {"role": "tool", "tool_call_id": "t1", "content": "Error: no", "name": "get_weather"}]
+
+
+def test_tool_choice_thinking_and_sampling_translate():
+    tools = [{"name": "get_weather", "input_schema": SCHEMA}]
+    req = messages_request(tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                           thinking={"type": "enabled", "budget_tokens": 20}, top_k=5, stop_sequences=["END"],
+                           temperature=0.5, metadata={"user_id": "u"})
+    assert req.gen.constraint["required"] and req.gen.constraint["single"]
+    assert req.gen.template_kwargs == {"enable_thinking": True}
+    assert (req.gen.params["top_k"], req.gen.params["stop"], req.gen.params["temperature"]) == (5, ["END"], 0.5)
+    assert messages_request(tools=tools).gen.constraint is None
+    assert messages_request(tools=tools, tool_choice={"type": "none"}).gen.tools.active is False
+    assert messages_request().gen.template_kwargs == {"enable_thinking": False}
+    model, body = count_frame({"model": "m", "messages": [{"role": "user", "content": "Hi"}], "tools": tools})
+    assert model == "m" and body["tools"][0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": None}, "max_tokens"), ({"system": 5}, "system"),
+    ({"messages": [{"role": "user", "content": [{"type": "document"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": []}]}]},
+     "messages[0].content[0].input"),
+    ({"tools": [{"name": "f"}]}, "tools[0].input_schema"), ({"tool_choice": "any"}, "tool_choice"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 50}}, "thinking.budget_tokens"),
+    ({"top_k": 0}, "top_k"), ({"stop_sequences": [""]}, "stop_sequences"),
+])
+def test_message_refusals_name_the_field(body, param):
+    with pytest.raises(InvalidRequest) as info:
+        messages_request(**body)
+    assert info.value.param == param

@@ -20,7 +20,10 @@ from hypothesis import strategies as st
 from appliance.config import Config, ConfigError, load_config, parse_config
 from conftest import Appliance, http, model_entry
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/v1/responses",
+             "/v1/messages", "/v1/messages/count_tokens")
+ANTHROPIC_ERROR_TYPES = {"invalid_request_error", "authentication_error", "not_found_error", "request_too_large",
+                         "rate_limit_error", "api_error", "overloaded_error", "timeout_error"}
 HTTP_FUZZ = settings(max_examples=120, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
                      suppress_health_check=[HealthCheck.too_slow])
 CONFIG_FUZZ = settings(max_examples=300, deadline=None, database=None,
@@ -54,13 +57,18 @@ REQUEST_KEYS = ("model", "messages", "prompt", "max_tokens", "max_completion_tok
                 "response_format", "structured_outputs", "guided_regex", "guided_choice", "chat_template_kwargs",
                 "logit_bias", "echo", "suffix", "best_of",
                 "input", "encoding_format", "dimensions", "truncate", "query", "documents", "top_n",
-                "return_documents")
+                "return_documents", "instructions", "max_output_tokens", "previous_response_id", "store", "text",
+                "reasoning", "system", "stop_sequences", "thinking", "metadata")
 MODELS = ("demo", "embed", "rank")
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(("system", "developer", "user", "assistant", "tool"))
                                            | texts, "content": texts | json_values}), max_size=3)
 
 
 def valid_body(endpoint: str) -> dict:
+    if endpoint.endswith("responses"):
+        return {"model": "demo", "input": "Hi", "max_output_tokens": 4}
+    if "/messages" in endpoint:
+        return {"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
     if endpoint.endswith("embeddings"):
         return {"model": "embed", "input": ["Hi", "a cat"], "dimensions": 32}
     if endpoint.endswith("rerank"):
@@ -117,6 +125,66 @@ tool_results = st.fixed_dictionaries({"role": st.just("tool"), "content": texts 
                                       "tool_call_id": texts | json_values})
 
 
+# The Responses and Messages dialects' own shapes: input items, content blocks, their tools and choices.
+parts = st.lists(st.fixed_dictionaries({"type": st.sampled_from(("input_text", "output_text", "input_image",
+                                                                 "reasoning_text")) | texts,
+                                        "text": texts | json_values}), max_size=2)
+input_items = st.fixed_dictionaries(
+    {"type": st.sampled_from(("message", "function_call", "function_call_output", "reasoning", "item_reference"))
+     | texts},
+    optional={"role": st.sampled_from(("user", "assistant", "system", "developer")) | texts,
+              "content": texts | parts | json_values, "call_id": texts | json_values,
+              "name": st.just("f") | texts, "arguments": texts | json_values, "output": texts | parts | json_values,
+              "summary": json_values})
+response_fields = {
+    "input": texts | st.lists(input_items, max_size=3) | json_values, "instructions": texts | json_values,
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function") | texts, "name": st.just("f") | texts},
+                                            optional={"parameters": schemas, "strict": st.booleans() | json_values,
+                                                      "description": texts | json_values}), max_size=2),
+    "tool_choice": st.sampled_from(("none", "auto", "required")) | json_values
+    | st.fixed_dictionaries({"type": st.just("function"), "name": st.just("f") | texts}),
+    "text": st.fixed_dictionaries({"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(("text", "json_object", "json_schema")) | texts},
+        optional={"name": texts, "schema": schemas, "strict": json_values})}) | json_values,
+    "previous_response_id": texts | json_values, "store": st.booleans() | json_values,
+    "reasoning": st.fixed_dictionaries({}, optional={"effort": texts, "summary": json_values}) | json_values,
+    "parallel_tool_calls": json_values, "max_output_tokens": numbers, "temperature": numbers, "top_p": numbers}
+blocks = st.fixed_dictionaries(
+    {"type": st.sampled_from(("text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image")) | texts},
+    optional={"text": texts | json_values, "id": texts | json_values, "name": st.just("f") | texts,
+              "input": st.dictionaries(texts, json_values, max_size=2) | json_values, "tool_use_id": texts,
+              "content": texts | st.lists(blocks_text := st.fixed_dictionaries({"type": st.just("text") | texts,
+                                                                                "text": texts}), max_size=2),
+              "is_error": json_values, "thinking": texts | json_values, "signature": texts})
+message_fields = {
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(("user", "assistant")) | texts,
+                                                "content": texts | st.lists(blocks, max_size=3) | json_values}),
+                         max_size=3),
+    "system": texts | st.lists(blocks_text, max_size=2) | json_values,
+    "tools": st.lists(st.fixed_dictionaries({"name": st.just("f") | texts},
+                                            optional={"input_schema": schemas, "description": texts | json_values,
+                                                      "type": st.just("custom") | texts}), max_size=2) | json_values,
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(("auto", "any", "tool", "none")) | texts},
+                                         optional={"name": st.just("f") | texts,
+                                                   "disable_parallel_tool_use": json_values}) | json_values,
+    "thinking": st.fixed_dictionaries({"type": st.sampled_from(("enabled", "disabled", "adaptive")) | texts},
+                                      optional={"budget_tokens": numbers}) | json_values,
+    "stop_sequences": st.lists(texts, max_size=3) | json_values, "metadata": json_values, "top_k": numbers,
+    "max_tokens": numbers, "temperature": numbers}
+
+
+@st.composite
+def dialect_requests(draw) -> tuple[str, dict]:
+    endpoint = draw(st.sampled_from(ENDPOINTS[4:]))
+    body = valid_body(endpoint)
+    fields = response_fields if endpoint.endswith("responses") else message_fields
+    for key in draw(st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=4, unique=True)):
+        body[key] = draw(fields[key])
+    if draw(st.booleans()):
+        body["stream"] = True
+    return endpoint, body
+
+
 DEEP_SCHEMA: dict = {"type": "string"}
 for _ in range(400):  # deep enough to take genai's schema compiler many seconds, and Python's json.dumps to its limit
     DEEP_SCHEMA = {"type": "object", "properties": {"a": DEEP_SCHEMA}}
@@ -124,7 +192,7 @@ for _ in range(400):  # deep enough to take genai's schema compiler many seconds
 
 @st.composite
 def bodies_with_new_fields(draw) -> dict:
-    body = valid_body(draw(st.sampled_from(ENDPOINTS)))
+    body = valid_body(draw(st.sampled_from(ENDPOINTS[:2])))
     options = {"tools": tools, "tool_choice": tool_choices, "parallel_tool_calls": json_values,
                "response_format": response_formats, "structured_outputs": structured,
                "top_k": numbers, "min_p": numbers, "logprobs": json_values, "top_logprobs": numbers,
@@ -146,12 +214,20 @@ CONTENT_TYPES = ("application/json", "text/plain", "application/json; charset=la
 
 # --- checks -------------------------------------------------------------------------------------------------
 
-def assert_clean(status: int, body) -> None:
-    """What any OpenAI client may rely on, whatever it sent."""
+def assert_clean(status: int, body, endpoint: str = "") -> None:
+    """What any OpenAI (or, on /v1/messages, Anthropic) client may rely on, whatever it sent."""
     text = body if isinstance(body, str) else json.dumps(body)
     assert status < 500, f"{status}: {text[:500]}"
     assert "Traceback" not in text and 'File "' not in text, text[:500]
-    if status >= 400:
+    if endpoint.startswith("/v1/messages"):
+        assert_anthropic(status, body, text)
+    elif endpoint == "/v1/responses" and status < 400:
+        if isinstance(body, str):  # a stream ends with the response's last state (or an error)
+            last = body.strip().rsplit("event: ", 1)[-1].split("\n", 1)[0]
+            assert last in ("response.completed", "response.incomplete", "response.failed"), body[-300:]
+        else:
+            assert body["object"] == "response" and body["output"] and "usage" in body, body
+    elif status >= 400:
         assert isinstance(body, dict) and set(body) == {"error"}, text[:500]
         error = body["error"]
         assert isinstance(error["message"], str) and error["message"], error
@@ -160,6 +236,16 @@ def assert_clean(status: int, body) -> None:
         assert body.endswith("data: [DONE]\n\n"), body[-200:]
     else:  # completions have choices, embeddings data, rerank results
         assert (body.get("choices") or body.get("data") or body.get("results")) and "usage" in body, body
+
+
+def assert_anthropic(status: int, body, text: str) -> None:
+    if status >= 400:
+        assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", text[:500]
+        assert body["error"]["type"] in ANTHROPIC_ERROR_TYPES and body["error"]["message"], body
+    elif isinstance(body, str):
+        assert body.rstrip().endswith(('"message_stop"}', "}}")) and "event: message_start" in body, body[-300:]
+    else:
+        assert body.get("input_tokens") or (body["type"] == "message" and body["content"] and body["usage"]), body
 
 
 def post(app, endpoint: str, body=None, raw: bytes | None = None, content_type: str = "application/json"):
@@ -173,7 +259,7 @@ def post(app, endpoint: str, body=None, raw: bytes | None = None, content_type: 
 @HTTP_FUZZ
 @given(endpoint=st.sampled_from(ENDPOINTS), body=json_values)
 def test_random_json_bodies_get_a_4xx_error_body_never_a_5xx(app, endpoint, body):
-    assert_clean(*post(app, endpoint, body))
+    assert_clean(*post(app, endpoint, body), endpoint)
 
 
 @HTTP_FUZZ
@@ -187,7 +273,7 @@ def test_random_json_bodies_get_a_4xx_error_body_never_a_5xx(app, endpoint, body
 @example(endpoint="/v1/rerank", body={"model": "rank", "query": "\x00", "documents": ["", "\U0001f600" * 200],
                                       "truncate": True})
 def test_mutated_valid_bodies_are_served_or_refused_cleanly(app, endpoint, body):
-    assert_clean(*post(app, endpoint, body))
+    assert_clean(*post(app, endpoint, body), endpoint)
 
 
 @HTTP_FUZZ
@@ -200,7 +286,28 @@ def test_mutated_valid_bodies_are_served_or_refused_cleanly(app, endpoint, body)
                "tool_choice": "required"})
 def test_tools_constraints_and_sampling_fields_are_served_or_refused_cleanly(app, body):
     endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    assert_clean(*post(app, endpoint, body))
+    assert_clean(*post(app, endpoint, body), endpoint)
+
+
+@HTTP_FUZZ
+@given(request=dialect_requests())
+@example(request=("/v1/responses", {"model": "demo", "input": [{"type": "function_call", "call_id": "c", "name": "f",
+                                                                 "arguments": '{"a":' * 900 + "1" + "}" * 900}]}))
+@example(request=("/v1/messages", {"model": "demo", "max_tokens": 4, "messages": [
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text"}]}]}]}))
+@example(request=("/v1/messages/count_tokens", {"model": "demo", "messages": [
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {"\ud800": 1}}]}]}))
+@example(request=("/v1/responses", {"model": "demo", "input": "Hi", "max_output_tokens": 4, "stream": True,
+                                    "tools": [{"type": "function", "name": "f", "parameters": {"type": "object",
+                                                                                              "properties": 5}}],
+                                    "tool_choice": "required"}))
+@example(request=("/v1/messages", {"model": "demo", "max_tokens": 40, "stream": True, "tool_choice": {"type": "any"},
+                                   "messages": [{"role": "user", "content": "Hi"}],
+                                   "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {
+                                       "a": {"type": "string", "pattern": "[a-z]{200}"}}}}]}))
+def test_responses_and_messages_fields_are_served_or_refused_cleanly(app, request):
+    endpoint, body = request
+    assert_clean(*post(app, endpoint, body), endpoint)
 
 
 @pytest.mark.parametrize("body", [
@@ -220,7 +327,7 @@ def test_deeply_nested_json_is_refused_before_it_costs_anything(app, body):
 @given(endpoint=st.sampled_from(ENDPOINTS), raw=st.sampled_from(NASTY_RAW) | st.binary(max_size=200),
        content_type=st.sampled_from(CONTENT_TYPES))
 def test_raw_bytes_and_odd_content_types_are_refused_cleanly(app, endpoint, raw, content_type):
-    assert_clean(*post(app, endpoint, raw=raw, content_type=content_type))
+    assert_clean(*post(app, endpoint, raw=raw, content_type=content_type), endpoint)
 
 
 def test_the_appliance_still_serves_after_the_fuzzing(app):
@@ -230,6 +337,8 @@ def test_the_appliance_still_serves_after_the_fuzzing(app):
     assert status == 200 and reply["usage"]["completion_tokens"] == 4
     assert post(app, "/v1/embeddings", valid_body("/v1/embeddings"))[0] == 200
     assert post(app, "/v1/rerank", valid_body("/v1/rerank"))[0] == 200
+    for endpoint in ENDPOINTS[4:]:
+        assert post(app, endpoint, valid_body(endpoint))[0] == 200
     for model in MODELS:
         status = app.model_status(model)
         assert (status["requests_running"], status["crashes"], status["restarts"]) == (0, 0, 0), status

@@ -235,6 +235,9 @@ def test_tool_choice_thinking_and_sampling_translate():
     assert messages_request(tools=tools).gen.constraint is None
     assert messages_request(tools=tools, tool_choice={"type": "none"}).gen.tools.active is False
     assert messages_request().gen.template_kwargs == {"enable_thinking": False}
+    assert messages_request(thinking={"type": "disabled", "budget_tokens": "x"}).gen.template_kwargs == \
+           {"enable_thinking": False}  # a budget that does not apply is not read
+    assert messages_request(tool_choice={"type": "auto"}).gen.tools.active is False  # no tools: accepted
     model, body = count_frame({"model": "m", "messages": [{"role": "user", "content": "Hi"}], "tools": tools})
     assert model == "m" and body["tools"][0]["function"]["name"] == "get_weather"
 

@@ -305,6 +305,8 @@ def test_tools_constraints_and_sampling_fields_are_served_or_refused_cleanly(app
                                    "messages": [{"role": "user", "content": "Hi"}],
                                    "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {
                                        "a": {"type": "string", "pattern": "[a-z]{200}"}}}}]}))
+@example(request=("/v1/messages", {"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+                                   "thinking": {"type": "disabled", "budget_tokens": "x"}}))
 def test_responses_and_messages_fields_are_served_or_refused_cleanly(app, request):
     endpoint, body = request
     assert_clean(*post(app, endpoint, body), endpoint)

@@ -64,6 +64,22 @@ def text(value: Any, where: str, empty: bool = False) -> str:
     return utf8(value, where)
 
 
+def text_parts(content: Any, where: str, kinds: tuple[str, ...], separator: str = "") -> str:
+    """Message content as the dialects write it: a string, or a list of text parts ({"type": one of `kinds`,
+    "text": ...}) joined with `separator`."""
+    if isinstance(content, str):
+        return text(content, where, empty=True)
+    if not isinstance(content, list):
+        raise InvalidRequest(f"'{where}' must be a string or a list of {' or '.join(kinds)} parts", where)
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in kinds:
+            raise InvalidRequest(f"'{where}[{j}]': only text parts ({', '.join(kinds)}) are supported",
+                                 f"{where}[{j}]")
+        parts.append(text(part.get("text"), f"{where}[{j}].text", empty=True))
+    return separator.join(parts)
+
+
 MAX_JSON_DEPTH = 32  # schemas nest far less; genai's schema compile time grows steeply with depth (8 s at 300)
 
 

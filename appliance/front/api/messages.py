@@ -21,7 +21,7 @@ from appliance.front.api.answer_items import CALL_ITEM, REASONING_ITEM, TEXT_ITE
 from appliance.front.api.completions import GenerationRequest
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.route import ErrorShape
-from appliance.front.api.fields import flag, json_object, model_name, number, text
+from appliance.front.api.fields import flag, json_object, model_name, number, text, text_parts
 from appliance.front.api.tools import ToolRequest, name_tool_results, parse_tools
 from appliance.front.request import Event, RequestFailed
 
@@ -78,8 +78,7 @@ def parse_messages(body: Any) -> MessagesRequest:
               "temperature": number(body, "temperature", 0, 1), "top_p": number(body, "top_p", 0, 1),
               "top_k": number(body, "top_k", 1, 1 << 31, integer=True), "stop": _stop_sequences(body),
               "logprobs": False}
-    budget = (body.get("thinking") or {}).get("budget_tokens")
-    if budget is not None and budget >= params["max_tokens"]:
+    if kwargs["enable_thinking"] and (body["thinking"].get("budget_tokens") or 0) >= params["max_tokens"]:
         raise InvalidRequest("'thinking.budget_tokens' must be less than 'max_tokens'", "thinking.budget_tokens")
     if body.get("metadata") is not None:
         json_object(body["metadata"], "metadata")
@@ -102,17 +101,8 @@ def _system(system: Any) -> list[dict[str, Any]]:
 
 
 def _blocks_text(content: Any, where: str) -> str:
-    """A string, or text blocks joined (a tool result's content, a system prompt)."""
-    if isinstance(content, str):
-        return text(content, where, empty=True)
-    if not isinstance(content, list):
-        raise InvalidRequest(f"'{where}' must be a string or a list of text blocks", where)
-    parts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text":
-            raise InvalidRequest(f"'{where}[{j}]': only text blocks are supported", f"{where}[{j}]")
-        parts.append(text(block.get("text"), f"{where}[{j}].text", empty=True))
-    return "\n".join(parts) if where == "system" else "".join(parts)
+    """A string, or text blocks joined (a tool result's content; a system prompt's, a line apart)."""
+    return text_parts(content, where, ("text",), "\n" if where == "system" else "")
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
@@ -182,6 +172,8 @@ def _chat_tools(body: dict) -> dict[str, Any]:
             raise InvalidRequest("'tools' must be a list", "tools")
         chat["tools"] = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
     choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") in ("auto", "none") and not tools:
+        choice = None  # Anthropic accepts these without tools; chat completions' check would refuse them
     if choice is not None:
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
             raise InvalidRequest("'tool_choice.type' must be auto, any, tool or none", "tool_choice")

@@ -17,7 +17,7 @@ from typing import Any
 from appliance.front.api.answer_items import CALL_ITEM, REASONING_ITEM, TEXT_ITEM, Events, Item, ItemStream
 from appliance.front.api.completions import GenerationRequest
 from appliance.front.api.errors import InvalidRequest
-from appliance.front.api.fields import flag, json_object, model_name, number, text
+from appliance.front.api.fields import flag, json_object, model_name, number, text, text_parts
 from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.structured import constraint
 from appliance.front.api.tools import assistant_tool_calls, name_tool_results, parse_tools
@@ -75,7 +75,7 @@ def parse_responses(body: Any, store: ResponseStore) -> ResponsesRequest:
                             constraint=tool_constraint or output_constraint)
     echo = {"instructions": instructions, "max_output_tokens": params["max_tokens"],
             "temperature": params["temperature"], "top_p": params["top_p"], "parallel_tool_calls": tools.parallel,
-            "tool_choice": body.get("tool_choice", "auto"), "tools": [_response_tool(t) for t in tools.tools],
+            "tool_choice": body.get("tool_choice") or "auto", "tools": [_response_tool(t) for t in tools.tools],
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": None},
             "metadata": body.get("metadata") or {}, "store": keep, "previous_response_id": previous}
@@ -193,17 +193,7 @@ def _message(item: dict, where: str) -> dict[str, Any]:
 
 
 def _content(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return text(content, where, empty=True)
-    if not isinstance(content, list):
-        raise InvalidRequest(f"'{where}' must be a string or a list of input_text parts", where)
-    parts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
-            raise InvalidRequest(f"'{where}[{j}]': only text parts (input_text, output_text) are supported",
-                                 f"{where}[{j}]")
-        parts.append(text(part.get("text"), f"{where}[{j}].text", empty=True))
-    return "".join(parts)
+    return text_parts(content, where, TEXT_PARTS)
 
 
 def _reasoning_text(item: dict, where: str) -> str:

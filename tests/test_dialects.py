@@ -188,18 +188,21 @@ def test_a_message_streams_content_blocks_and_the_whole_message_matches():
     assert events[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
 
 
-@pytest.mark.parametrize("finish_reason, stop_sequence, expected", [
-    ("stop", None, "end_turn"), ("length", None, "max_tokens"), ("stop", "END", "stop_sequence")])
-def test_stop_reasons(finish_reason, stop_sequence, expected):
+@pytest.mark.parametrize("finish_reason, stop_sequence, tokens, expected", [
+    ("stop", None, 7, "end_turn"), ("length", None, 50, "max_tokens"), ("stop", "END", 7, "stop_sequence"),
+    ("length", None, 30, "model_context_window_exceeded")])  # the worker fitted max_tokens into the context
+def test_stop_reasons(finish_reason, stop_sequence, tokens, expected):
     stream = MessageStream(messages_request())
-    run(stream, [{"content": "x"}], Event("done", finish_reason="stop", stop_sequence=stop_sequence), finish_reason)
+    assert stream.req.gen.params["max_tokens"] == 50 and stream.req.gen.params["fit_context"]
+    run(stream, [{"content": "x"}], Event("done", finish_reason="stop", completion_tokens=tokens,
+                                          stop_sequence=stop_sequence), finish_reason)
     assert (stream.message["stop_reason"], stream.message["stop_sequence"]) == (expected, stop_sequence)
 
 
 def test_a_tool_use_cut_short_has_an_empty_input():
     stream = MessageStream(messages_request())
     run(stream, [HEAD, {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Pa'}}]}],
-        finish_reason="length")
+        Event("done", finish_reason="length", completion_tokens=50), finish_reason="length")
     assert stream.message["content"][0]["input"] == {} and stream.message["stop_reason"] == "max_tokens"
 
 

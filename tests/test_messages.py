@@ -36,7 +36,7 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def app(demo_model, tmp_path_factory):
-    models = [model_entry("demo", demo_model),
+    models = [model_entry("demo", demo_model), model_entry("small", demo_model, max_context=40),
               model_entry("qwen3", demo_model, chat_template=str(TEMPLATES / "Qwen-Qwen3-0.6B.jinja")),
               model_entry("r1", demo_model,
                           chat_template=str(TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"))]
@@ -180,6 +180,25 @@ def test_thinking_comes_back_as_thinking_blocks(app):
                                           {"type": "text", "text": "Sunny."}]},
         {"role": "user", "content": "Thanks"}])
     assert again.usage.input_tokens > 0
+
+
+def test_max_tokens_is_a_cap_the_context_bounds(app):
+    """Claude Code asks for 32000 tokens whatever the model: the answer gets what the context has left."""
+    anthropic_client = client(app)
+    message = anthropic_client.messages.create(model="small", max_tokens=32000, messages=QUESTION)
+    assert message.stop_reason == "model_context_window_exceeded"
+    assert message.usage.input_tokens + message.usage.output_tokens == 40
+    with anthropic_client.messages.stream(model="small", max_tokens=32000, messages=QUESTION) as stream:
+        assert stream.get_final_message().stop_reason == "model_context_window_exceeded"
+    # a prompt that does not fit at all is still refused
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.create(model="small", max_tokens=10, messages=[{"role": "user", "content": "Hi " * 60}])
+    assert "maximum context length" in info.value.body["error"]["message"]
+    # chat completions keep OpenAI's rule: prompt plus max_tokens must fit
+    status, _, body = http("POST", app.base + "/v1/chat/completions", {"model": "small", "max_tokens": 32000,
+                                                                      "messages": QUESTION},
+                           headers={"x-api-key": KEY})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
 
 
 def test_bearer_auth_works_too_and_a_wrong_key_is_anthropics_401(app):

@@ -77,7 +77,7 @@ def parse_messages(body: Any) -> MessagesRequest:
     params = {"max_tokens": number(body, "max_tokens", 1, 1 << 20, integer=True),
               "temperature": number(body, "temperature", 0, 1), "top_p": number(body, "top_p", 0, 1),
               "top_k": number(body, "top_k", 1, 1 << 31, integer=True), "stop": _stop_sequences(body),
-              "logprobs": False}
+              "logprobs": False, "fit_context": True}  # the worker fits max_tokens into the context
     if kwargs["enable_thinking"] and (body["thinking"].get("budget_tokens") or 0) >= params["max_tokens"]:
         raise InvalidRequest("'thinking.budget_tokens' must be less than 'max_tokens'", "thinking.budget_tokens")
     if body.get("metadata") is not None:
@@ -251,6 +251,8 @@ class MessageStream(ItemStream):
     def finish(self, done: Event, finish_reason: str) -> Events:
         events = self.close_all()
         reason = "stop_sequence" if done.stop_sequence is not None else STOP_REASONS.get(finish_reason, "end_turn")
+        if reason == "max_tokens" and done.completion_tokens < self.req.gen.params["max_tokens"]:
+            reason = "model_context_window_exceeded"  # cut where the context ran out, short of max_tokens
         self.message = self.envelope(done, reason, done.stop_sequence)
         return events + [("message_delta", {"type": "message_delta",
                                             "delta": {"stop_reason": reason, "stop_sequence": done.stop_sequence},

@@ -188,6 +188,10 @@ class LLMEngine(Engine):
         prompt_tokens = int(input_ids.get_shape()[1])
         max_tokens = params.get("max_tokens") or self.spec["default_max_tokens"]
         limit = self.spec["max_context"]
+        if params.get("fit_context") and prompt_tokens < limit:
+            # Anthropic's max_tokens is a cap (Claude Code asks for 32000 whatever the context): the answer gets
+            # what is left of the context, and ends with "length" when it fills it.
+            max_tokens = min(max_tokens, limit - prompt_tokens)
         if prompt_tokens + max_tokens > limit:
             raise Refused(faults.CONTEXT_LENGTH_EXCEEDED,
                           f"This model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} "

@@ -22,7 +22,7 @@ from appliance.front.api.generate import GenerationRoutes
 from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.results import ResultRequest, ResultRoute
 from appliance.front.api.route import OPENAI, Call, route
-from appliance.front.request import RequestFailed
+from appliance.front.request import Event, RequestFailed
 
 
 @dataclass
@@ -79,36 +79,41 @@ class DialectRoute:
         if gen.constraint:
             call.params["invalid_grammar"] = gen.constraint["param"]
             self.appliance.metrics.structured_requests.labels(model=gen.model, kind=gen.constraint["kind"]).inc()
-        items = self.dialect.stream(req)
         handle = sup.open(gen.frame())
-        stream = None
         try:
-            events = sup.events(handle)
-            event = await sse.next_event(events)
-            sse.refused_before_start(event)
-            if gen.stream:
-                stream = await sse.EventStream(request).open()
-                await send(stream, items.start())
-            while True:
-                if isinstance(event, RequestFailed):
-                    if stream is None:
-                        raise event
-                    await send(stream, items.fail(event, call.stream_failed(event)))
-                    break
-                if event.op == "tokens":
-                    out = [e for delta in answer.feed(event.text) for e in items.feed(delta)]
-                else:
-                    out = [e for delta in answer.finish() for e in items.feed(delta)]
-                    out += items.finish(event, self.chat._finish_reason(gen, answer, event))
-                    self.dialect.finished(req, items)
-                if stream is not None:
-                    await send(stream, out)
-                if event.op == "done":
-                    break
-                event = await sse.next_event(events)
+            return await self._answer(request, call, sup.events(handle), req, answer)
         finally:
             sup.close(handle)
-        return await stream.close() if stream is not None else web.json_response(self.dialect.whole(items))
+
+    async def _answer(self, request: web.Request, call: Call, events, req, answer) -> web.StreamResponse:
+        """The chat path's events as the dialect's: a stream, or one whole object at the end."""
+        items, stream = self.dialect.stream(req), None
+        event = await sse.next_event(events)
+        sse.refused_before_start(event)
+        if req.gen.stream:
+            stream = await sse.EventStream(request).open()
+            await send(stream, items.start())
+        while True:
+            if isinstance(event, RequestFailed):
+                if stream is None:
+                    raise event
+                await send(stream, items.fail(event, call.stream_failed(event)))
+                return await stream.close()
+            out = self._translate(req, answer, items, event)
+            if stream is not None:
+                await send(stream, out)
+            if event.op == "done":
+                return await stream.close() if stream is not None else web.json_response(self.dialect.whole(items))
+            event = await sse.next_event(events)
+
+    def _translate(self, req, answer, items, event: Event) -> Events:
+        """One event of the chat path (new text, or the end) as the dialect's events."""
+        if event.op == "tokens":
+            return [e for delta in answer.feed(event.text) for e in items.feed(delta)]
+        out = [e for delta in answer.finish() for e in items.feed(delta)]
+        out += items.finish(event, self.chat._finish_reason(req.gen, answer, event))
+        self.dialect.finished(req, items)
+        return out
 
 
 async def send(stream: sse.EventStream, events: Events) -> None:

@@ -51,8 +51,9 @@ OPS: dict[str, Op] = {
                  "(tool_parser, reasoning_parser)"),
     "fatal": _op("worker", "kind message", "hint",
                  "the worker cannot go on (a load error, or an internal error after loading) and exits"),
-    "tokens": _op("worker", "id text n", "logprobs",
-                  "new text of a request, how many tokens it took, and their [text, logprob] if asked for"),
+    "tokens": _op("worker", "id text n", "logprobs prompt_tokens",
+                  "new text of a request, how many tokens it took, and their [text, logprob] if asked for; the "
+                  "first also the prompt's tokens"),
     "done": _op("worker", "id finish_reason prompt_tokens completion_tokens",
                 "reasoning_tokens draft_accepted draft_rejected stop_sequence",
                 "a request finished (reasoning_tokens on a model with a reasoning format; draft_* on a model with a "

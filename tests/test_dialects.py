@@ -22,8 +22,11 @@ DELTAS = [{"reasoning_content": "Let me "}, {"reasoning_content": "think."}, {"c
 DONE = Event("done", finish_reason="stop", prompt_tokens=20, completion_tokens=9, reasoning_tokens=3)
 
 
+FIRST = Event("tokens", text="", n=1, prompt_tokens=20)
+
+
 def run(stream, deltas=DELTAS, done=DONE, finish_reason="tool_calls") -> list:
-    events = stream.start()
+    events = stream.start(FIRST)
     for delta in deltas:
         events += stream.feed(delta)
     return events + stream.finish(done, finish_reason)
@@ -76,7 +79,7 @@ def test_a_cut_answer_is_incomplete_and_its_last_item_too():
 
 def test_a_failure_is_an_error_event_then_response_failed():
     stream = ResponseStream(responses_request())
-    events = stream.start() + stream.feed({"content": "Hi"})
+    events = stream.start(FIRST) + stream.feed({"content": "Hi"})
     events += stream.fail(RequestFailed(503, "worker_crash", "the worker died"), {})
     (error_name, error), (failed_name, failed) = events[-2:]
     assert (error_name, error["code"], error["message"]) == ("error", "worker_crash", "the worker died")
@@ -179,6 +182,8 @@ def test_a_message_streams_content_blocks_and_the_whole_message_matches():
     deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
     assert [d["type"] for d in deltas] == ["thinking_delta"] * 2 + ["text_delta"] * 2 + ["input_json_delta"] * 2
     assert "".join(d.get("partial_json", "") for d in deltas) == '{"city": "Paris"}'
+    assert events[0][1]["message"]["usage"] == {"input_tokens": 20, "output_tokens": 0}
+    assert events[0][1]["message"]["usage"] == {"input_tokens": 20, "output_tokens": 0}
     assert stream.message["content"] == [{"type": "thinking", "thinking": "Let me think.", "signature": ""},
                                          {"type": "text", "text": "Sure."},
                                          {"type": "tool_use", "id": "call_1", "name": "get_weather",

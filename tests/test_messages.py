@@ -80,8 +80,11 @@ def test_stream_assembles_text(app):
 
 def test_the_raw_stream_has_anthropics_event_order(app):
     with client(app).messages.create(model="demo", max_tokens=4, messages=QUESTION, stream=True) as stream:
-        types = [event.type for event in stream]
+        events = list(stream)
+    types = [event.type for event in events]
     assert types[:2] == ["message_start", "content_block_start"]
+    counted = client(app).messages.count_tokens(model="demo", messages=QUESTION).input_tokens
+    assert events[0].message.usage.input_tokens == counted == events[-2].usage.input_tokens
     assert types[-4:] == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]
 
 

@@ -94,7 +94,8 @@ class RequestRouter:
                 following = req.events.get_nowait()
                 if isinstance(following, Event) and following.op == "tokens":
                     logprobs = (item.logprobs or []) + (following.logprobs or []) if item.logprobs is not None else None
-                    item = Event("tokens", text=item.text + following.text, n=item.n + following.n, logprobs=logprobs)
+                    item = Event("tokens", text=item.text + following.text, n=item.n + following.n, logprobs=logprobs,
+                                 prompt_tokens=item.prompt_tokens or following.prompt_tokens)
                 else:
                     pending = following
                     break
@@ -164,7 +165,8 @@ class RequestRouter:
             self.series.itl.observe((now - req.last_token) / message["n"])
         req.last_token = now
         self.series.generation_tokens.inc(message["n"])
-        req.events.put_nowait(Event("tokens", text=message["text"], n=message["n"], logprobs=message.get("logprobs")))
+        req.events.put_nowait(Event("tokens", text=message["text"], n=message["n"], logprobs=message.get("logprobs"),
+                                    prompt_tokens=message.get("prompt_tokens", 0)))
 
     def finish(self, req: Request, outcome: Event | RequestFailed) -> None:
         self.running.pop(req.id, None)

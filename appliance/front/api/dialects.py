@@ -92,7 +92,7 @@ class DialectRoute:
         sse.refused_before_start(event)
         if req.gen.stream:
             stream = await sse.EventStream(request).open()
-            await send(stream, items.start())
+            await send(stream, items.start(event))
         while True:
             if isinstance(event, RequestFailed):
                 if stream is None:

@@ -244,9 +244,11 @@ class MessageStream(ItemStream):
                 "content": [self.block(i) for i in self.items], "stop_reason": stop_reason,
                 "stop_sequence": stop_sequence, "usage": usage(done)}
 
-    def start(self) -> Events:
-        return [("message_start", {"type": "message_start", "message": self.envelope(None)}),
-                ("ping", {"type": "ping"})]
+    def start(self, first: Event) -> Events:
+        """`first`: the request's first event, which carries the prompt's tokens."""
+        message = self.envelope(None)
+        message["usage"]["input_tokens"] = first.prompt_tokens
+        return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
 
     def finish(self, done: Event, finish_reason: str) -> Events:
         events = self.close_all()

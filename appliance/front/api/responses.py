@@ -237,7 +237,7 @@ class ResponseStream(ItemStream):
         self.sequence += 1
         return type_, {"type": type_, "sequence_number": self.sequence - 1, **data}
 
-    def start(self) -> Events:
+    def start(self, first: Event) -> Events:
         return [self.event("response.created", response=self.envelope("in_progress")),
                 self.event("response.in_progress", response=self.envelope("in_progress"))]
 

@@ -291,6 +291,8 @@ class LLMEngine(Engine):
 
     def post_text(self, req: Request, text: str) -> None:
         tokens = frame("tokens", id=req.id, text=req.prefix + text, n=len(req.generated) - req.reported)
+        if not req.reported:  # the first: the prompt's size is known from here on (Anthropic's message_start has it)
+            tokens["prompt_tokens"] = req.prompt_tokens
         if req.logprobs is not None:
             new = range(req.reported, min(len(req.generated), len(req.logprobs)))
             tokens["logprobs"] = [[self.tokenizer.decode([req.generated[i]]), req.logprobs[i]] for i in new]

@@ -204,6 +204,19 @@ def test_max_tokens_is_a_cap_the_context_bounds(app):
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
 
 
+def test_a_vision_model_serves_text_messages_and_counts(appliance_factory, demo_vlm):
+    """Kind vlm runs the same chat path: a text-only conversation and its token count work on it too (images in
+    these dialects are refused at the route)."""
+    app = appliance_factory({"models": [model_entry("vlm", demo_vlm, kind="vlm")]})
+    anthropic_client = anthropic.Anthropic(base_url=app.base, api_key="unused", max_retries=0)
+    message = anthropic_client.messages.create(model="vlm", max_tokens=5, messages=QUESTION)
+    assert message.content[0].text and message.usage.output_tokens <= 5
+    assert anthropic_client.messages.count_tokens(model="vlm", messages=QUESTION).input_tokens == \
+        message.usage.input_tokens
+    response = app.client().responses.create(model="vlm", input="Hi", max_output_tokens=3)
+    assert response.output_text
+
+
 def test_bearer_auth_works_too_and_a_wrong_key_is_anthropics_401(app):
     status, _, body = http("POST", app.base + "/v1/messages", {"model": "demo", "max_tokens": 1, "messages": QUESTION},
                            headers={"Authorization": f"Bearer {KEY}"})

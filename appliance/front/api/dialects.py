@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from appliance.config import GENERATIVE_KINDS
 from appliance.front.api import messages, responses, sse
 from appliance.front.api.answer_items import Events
 from appliance.front.api.fields import json_body
@@ -46,7 +47,7 @@ def add_routes(app: web.Application, appliance) -> None:
                       OPENAI),
         "messages": (DialectRoute(appliance, Dialect(messages.parse_messages, messages.MessageStream,
                                                      lambda s: s.message)).handler, messages.ANTHROPIC),
-        "messages/count_tokens": (ResultRoute(appliance, ("llm",), count_tokens_request,
+        "messages/count_tokens": (ResultRoute(appliance, GENERATIVE_KINDS, count_tokens_request,
                                               lambda req, event: web.json_response(event.result)).handler,
                                   messages.ANTHROPIC),
     }
@@ -74,7 +75,7 @@ class DialectRoute:
         call.label(body)
         req = self.dialect.parse(body)
         gen = req.gen
-        sup = await self.appliance.model_for(gen.model, call.endpoint, ("llm",))
+        sup = await self.appliance.model_for(gen.model, call.endpoint, GENERATIVE_KINDS)
         answer = self.chat._answer_parser(sup, gen)
         if gen.constraint:
             call.params["invalid_grammar"] = gen.constraint["param"]

@@ -134,7 +134,7 @@ class LLMEngine(Engine):
         """The reply frame to a `request` op: the prompt tokens of its body (a chat generate frame's messages,
         tools and template_kwargs) as the model's template renders them, or why they cannot be counted."""
         try:
-            input_ids, _, _ = self._prompt({**message["body"], "kind": "chat"})
+            input_ids = self._prompt({**message["body"], "kind": "chat"})[0]
         except Refused as refused:
             fault = refused.fault
             return frame("error", id=message["id"], kind=fault.kind, code=fault.code, hint=fault.hint,

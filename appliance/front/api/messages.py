@@ -10,7 +10,6 @@ block comes back as `thinking` blocks either way.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any

@@ -16,7 +16,7 @@ from aiohttp import web
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_body
 from appliance.front.api.route import Call
-from appliance.front.request import Event, RequestFailed
+from appliance.front.request import Event
 
 
 @dataclass

@@ -331,19 +331,26 @@ def test_a_conversation_the_template_refuses_is_a_400(app):
     assert app.client().chat.completions.create(model="qwen3", messages=history, tools=TOOLS, max_tokens=2)
 
 
+def counters(app) -> tuple[float, float]:
+    """(tool calls returned, requests constrained for tool calls) of the demo model so far."""
+    scrape = samples(app.metrics())
+    return (value(scrape, "openarc_tool_calls_total", model="demo"),
+            value(scrape, "openarc_structured_requests_total", kind="tool_calls", model="demo"))
+
+
 def test_auto_with_a_strict_tool_is_constrained_only_once_a_call_starts(app):
     strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}, TOOLS[1]]
+    calls, constrained = counters(app)
     reply = app.client().chat.completions.create(model="demo", messages=CHAT, tools=strict, max_tokens=10)
     assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
-    assert 'openarc_structured_requests_total{kind="tool_calls",model="demo"}' in app.metrics()
+    assert counters(app) == (calls, constrained + 1)  # constrained (the trigger arms the grammar), and no call
 
 
 def test_tool_calls_are_counted(app):
-    app.client().chat.completions.create(model="demo", messages=CHAT, tools=TOOLS, tool_choice="required",
-                                         max_tokens=300)
-    metrics = app.metrics()
-    assert 'openarc_tool_calls_total{model="demo"}' in metrics
-    assert 'openarc_structured_requests_total{kind="tool_calls",model="demo"}' in metrics
+    calls, constrained = counters(app)
+    reply = app.client().chat.completions.create(model="demo", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                                 max_tokens=300)
+    assert counters(app) == (calls + len(reply.choices[0].message.tool_calls), constrained + 1)
 
 
 def test_tools_on_a_model_without_a_tool_format_are_a_400_naming_the_key(app):
@@ -376,3 +383,22 @@ def test_tools_on_a_model_without_a_tool_format_are_a_400_naming_the_key(app):
 def test_malformed_tool_requests_are_refused_by_name(app, body, param):
     status, _, reply = http("POST", app.base + "/v1/chat/completions", {"model": "demo", "messages": CHAT, **body})
     assert status == 400 and reply["error"]["param"] == param, reply
+
+
+def test_parallel_tool_calls_false_returns_the_first_of_the_calls_written_under_plain_auto(app):
+    """Under plain `auto` nothing constrains the calls: the model writes two (a regex makes it), and with
+    parallel_tool_calls false the answer holds the first one only, whole or streamed."""
+    call = r'\{{"name": "{name}", "arguments": \{{"zone": "[a-z]{{3}}"\}}\}}'
+    two = (r'<tool_call>\n' + call.format(name="get_time") + r'\n</tool_call>\n<tool_call>\n' +
+           call.format(name="get_time") + r'\n</tool_call>')
+    ask = dict(model="demo", messages=CHAT, tools=TOOLS, max_tokens=300,
+               extra_body={"structured_outputs": {"regex": two}})
+    client = app.client()
+    assert len(client.chat.completions.create(**ask).choices[0].message.tool_calls) == 2
+    reply = client.chat.completions.create(**ask, parallel_tool_calls=False)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert len(reply.choices[0].message.tool_calls) == 1
+    assert_valid_calls(reply.choices[0].message.tool_calls)
+    with client.chat.completions.stream(**ask, parallel_tool_calls=False) as stream:
+        streamed = stream.get_final_completion().choices[0].message.tool_calls
+    assert len(streamed) == 1

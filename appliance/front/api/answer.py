@@ -15,9 +15,10 @@ from appliance.front.api.tool_parsers import ToolCall, ToolCallParser, ToolCallS
 
 
 class AnswerParser:
-    def __init__(self, reasoning: bool, tool_parser: ToolCallParser | None, stream_arguments: bool = False):
+    def __init__(self, reasoning: bool, tool_parser: ToolCallParser | None, stream_arguments: bool = False,
+                 single_call: bool = False):
         self.reasoning = ReasoningSplitter() if reasoning else None
-        self.tools = ToolCallSplitter(tool_parser, stream_arguments) if tool_parser else None
+        self.tools = ToolCallSplitter(tool_parser, stream_arguments, single_call) if tool_parser else None
 
     @property
     def calls(self) -> list[ToolCall]:

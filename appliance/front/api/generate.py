@@ -83,7 +83,8 @@ class GenerationRoutes:
         parser = parser_for(tool_parser, req.tools.schemas()) if req.tools.active else None
         # A call the grammar shapes cannot turn out malformed: streamed, its arguments go out as they are written.
         stream_arguments = req.stream and parser is not None and (req.constraint or {}).get("type") == "tool_calls"
-        return AnswerParser(bool(formats.get("reasoning_parser")), parser, stream_arguments)
+        return AnswerParser(bool(formats.get("reasoning_parser")), parser, stream_arguments,
+                            single_call=not req.tools.parallel)
 
     def _finish_reason(self, req: GenerationRequest, answer: AnswerParser | None, event: Event) -> str:
         if not (answer and answer.calls):

@@ -244,10 +244,14 @@ class ToolCallSplitter:
     is parsed when the answer ends. Returns ("content", text) and ("call", ToolCall) pieces; .calls has them all.
 
     With stream_arguments (the grammar guarantees the calls' shape) a JSON format's calls go out as written
-    instead: ("call_start", ToolCall) once its head is in, then ("arguments", (ToolCall, text)) pieces."""
+    instead: ("call_start", ToolCall) once its head is in, then ("arguments", (ToolCall, text)) pieces.
 
-    def __init__(self, parser: ToolCallParser, stream_arguments: bool = False):
+    With single (parallel_tool_calls: false) the answer holds one call at most: the first; calls the model writes
+    after it are dropped (a grammar stops after the first where the calls are constrained)."""
+
+    def __init__(self, parser: ToolCallParser, stream_arguments: bool = False, single: bool = False):
         self.parser = parser
+        self.single = single
         self.held = ""
         self.seen = ""        # content already released (an at_start marker must be at the answer's start)
         self.in_section = False
@@ -330,6 +334,8 @@ class ToolCallSplitter:
         return self.writing is not None
 
     def _add(self, calls: list[ToolCall]) -> list[tuple[str, Any]]:
+        if self.single:
+            calls = calls[:max(0, 1 - len(self.calls))]
         self.calls += calls
         return [("call", call) for call in calls]
 

@@ -44,6 +44,7 @@ GENERATIVE_KINDS = ("llm", "vlm")
 KIND_ONLY_KEYS: dict[str, str | tuple[str, ...]] = {
     "pipeline": GENERATIVE_KINDS, "scheduler_config": GENERATIVE_KINDS, "default_max_tokens": GENERATIVE_KINDS,
     "tool_parser": GENERATIVE_KINDS, "reasoning_parser": GENERATIVE_KINDS, "chat_template": GENERATIVE_KINDS,
+    "grammar_compile_timeout_s": GENERATIVE_KINDS,
     "max_image_bytes": "vlm", "max_image_pixels": "vlm", "image_formats": "vlm",
     "draft_model": "llm", "prompt_lookup": "llm", "num_assistant_tokens": "llm",
     "assistant_confidence_threshold": "llm", "max_ngram_size": "llm",
@@ -158,6 +159,10 @@ class ModelConfig:
     max_queue: int = 32
     stall_timeout_s: float = 60.0
     load_timeout_s: float = 900.0
+    # llm: a constraint's grammar compiling on the worker's probe thread counts as progress for this long (a large
+    # schema can take longer than stall_timeout_s); a compile still running after it is treated as hung, and the
+    # stall timer ends the worker stall_timeout_s later.
+    grammar_compile_timeout_s: float = 300.0
     # A request for this model while it loads or restarts waits this long for it to be ready, then gets 503 with
     # Retry-After. 60 s covers a worker restart on a GPU box (backoff, then a cached-compile load of a 7-14B
     # model) and a whole-service restart behind the socket unit; 0 answers 503 at once.
@@ -504,6 +509,7 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
         require(bool(m.image_formats), f"{at}.image_formats", "at least one of png, jpeg, webp, gif")
         require(m.stall_timeout_s > 0 and m.load_timeout_s > 0, f"{at}.stall_timeout_s",
                 "positive timeouts (stall_timeout_s, load_timeout_s)")
+        require(m.grammar_compile_timeout_s > 0, f"{at}.grammar_compile_timeout_s", "a positive number of seconds")
         require(0 <= m.ready_wait_s <= MAX_READY_WAIT_S, f"{at}.ready_wait_s",
                 f"0 to {MAX_READY_WAIT_S:g} seconds (a request never waits unbounded)")
         r = m.restart

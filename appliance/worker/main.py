@@ -121,11 +121,13 @@ def fail_loudly(channel: BlockingChannel, thread: str, exc: BaseException, engin
         os._exit(EXIT_INTERNAL_ERROR)
 
 
-def run_engine(channel: BlockingChannel, engine: Engine) -> None:
+def run_guarded(channel: BlockingChannel, thread: str, target, engine: Engine | None = None) -> None:
+    """Run one of the worker's threads; whatever escapes it goes through fail_loudly (pass the engine only from
+    the engine thread, which owns its requests)."""
     try:
-        engine.run()
+        target()
     except BaseException as exc:
-        fail_loudly(channel, "engine", exc, engine)
+        fail_loudly(channel, thread, exc, engine)
 
 
 def serve(channel: BlockingChannel, engine: Engine) -> None:
@@ -178,7 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     engine.pci_family = probe.family
     channel.send(frame("ready", load_seconds=time.monotonic() - started, pipeline_load_seconds=pipeline_seconds,
                        **engine.ready_info()))
-    threading.Thread(target=run_engine, args=(channel, engine), name="engine", daemon=True).start()
+    threading.Thread(target=run_guarded, args=(channel, "engine", engine.run, engine), name="engine",
+                     daemon=True).start()
+    for name, target in engine.threads():
+        threading.Thread(target=run_guarded, args=(channel, name, target), name=name, daemon=True).start()
     threading.Thread(target=report_telemetry, args=(channel, probe, engine), name="telemetry", daemon=True).start()
     try:
         serve(channel, engine)

@@ -11,7 +11,7 @@ import os
 import queue
 import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 from appliance.host import faults
 from appliance.ipc import BlockingChannel, frame
@@ -102,6 +102,11 @@ class Engine:
 
     def busy(self) -> bool:
         raise NotImplementedError
+
+    def threads(self) -> list[tuple[str, Callable[[], None]]]:
+        """(name, target) of the engine's own threads besides the engine thread, started by the worker through
+        its one exit path (appliance.worker.main.run_guarded)."""
+        return []
 
     def ready_info(self) -> dict[str, Any]:
         """What the front should know about this worker, sent with the ready frame."""

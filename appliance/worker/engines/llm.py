@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import random
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,11 +18,15 @@ from appliance import chat_formats
 from appliance.host import faults
 from appliance.worker.detokenize import make_detokenizer
 from appliance.worker.engines import speculative
-from appliance.worker.engines.base import Engine
+from appliance.worker.engines.base import PROGRESS_INTERVAL_S, Engine, InjectedFault
 from appliance.worker.engines.constraints import GrammarProbe, InvalidGrammar, after_reasoning, genai_message
 from appliance.ipc import frame
 
 log = logging.getLogger("openarc.worker")
+
+# Test knob, never set in production: the probe thread raises after compiling a constraint whose JSON holds this
+# text, to prove that an exception there fails loudly instead of ending the thread in silence.
+PROBE_FAULT_ENV = "OPENARC_DEBUG_PROBE_FAULT"
 
 INVALID_GRAMMAR = faults.Fault("invalid_grammar", "invalid_grammar", None, False)
 INVALID_REQUEST = faults.Fault("invalid_request", "invalid_request", None, False)
@@ -84,6 +91,37 @@ def cut_at_stop(req: Request, text: str) -> str:
     return buffer[:len(buffer) - hold]
 
 
+class CompileHeartbeat:
+    """While a grammar compiles (one C++ call: the probe's, then the pipeline's own when the request first steps),
+    send progress frames so the front's stall timer does not take a slow compile for a hung GPU; for `bound_s` at
+    most: a compile still running then is hung, and the stall timer ends the worker stall_timeout_s later."""
+
+    def __init__(self, channel, bound_s: float, active: bool = True):
+        self.channel, self.bound_s = channel, bound_s
+        self.done = threading.Event()
+        if active:
+            threading.Thread(target=self._beat, name="compile-heartbeat", daemon=True).start()
+        else:
+            self.done.set()
+
+    def stop(self) -> None:
+        self.done.set()
+
+    def __enter__(self) -> CompileHeartbeat:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def _beat(self) -> None:
+        deadline = time.monotonic() + self.bound_s
+        while not self.done.wait(PROGRESS_INTERVAL_S) and time.monotonic() < deadline:
+            try:
+                self.channel.send(frame("progress"))
+            except OSError:  # the front is gone: the reader thread ends the worker
+                return
+
+
 class LLMEngine(Engine):
     """Shared half of both LLM engines: prompt building, generation config, text replies."""
 
@@ -105,7 +143,10 @@ class LLMEngine(Engine):
         self.probe_jobs: queue.Queue[dict[str, Any]] = queue.Queue()
         self.probing: set[int] = set()  # request ids on the probe thread
         self.cancelled_while_probing: set[int] = set()
-        threading.Thread(target=self._probe_loop, name="grammar-probe", daemon=True).start()
+        self.probe_fault = os.environ.get(PROBE_FAULT_ENV) or None
+
+    def threads(self) -> list[tuple[str, Any]]:
+        return [("grammar-probe", self._probe_loop)]
 
     def submit(self, message: dict[str, Any]) -> None:
         """(channel reader thread) A request with a constraint not compiled yet goes by the probe thread; a
@@ -145,20 +186,34 @@ class LLMEngine(Engine):
         self.post(reply)
 
     def _probe_loop(self) -> None:
+        """(probe thread) Compile each new constraint, then admit its request. An exception outside the compile
+        is a bug: it leaves through the worker's one exit path (the front fails the requests and restarts)."""
         while True:
             message = self.probe_jobs.get()
-            try:
-                self.probe.check(message["constraint"], self.formats["tool_parser"])
-            except InvalidGrammar as exc:
-                message["probe_error"] = str(exc)
-            except Exception as exc:  # never lose a request: the engine thread reports whatever this was
-                message["probe_error"] = f"the grammar probe failed: {exc}"
+            with self.compiling():
+                try:
+                    self.probe.check(message["constraint"], self.formats["tool_parser"])
+                except InvalidGrammar as exc:
+                    message["probe_error"] = str(exc)
+                except Exception as exc:  # never lose a request: the engine thread reports whatever this was
+                    message["probe_error"] = f"the grammar probe failed: {exc}"
+            if self.probe_fault and self.probe_fault in json.dumps(message["constraint"]):
+                raise InjectedFault(f"{PROBE_FAULT_ENV}={self.probe_fault} matched")
             self._admit(message)
 
+    def compiling(self, active: bool = True) -> CompileHeartbeat:
+        return CompileHeartbeat(self.channel, self.spec["grammar_compile_timeout_s"], active)
+
     def cancel_probing(self, request_id: int) -> None:
-        """A cancel that overtook its request (still on the probe thread): drop the request when it arrives."""
+        """A cancel that overtook its request (still on the probe thread): drop the request when it arrives.
+        A cancel of a request that is gone already (finished, failed) leaves nothing behind."""
         if request_id in self.probing:
             self.cancelled_while_probing.add(request_id)
+
+    def forget(self, request_id: int) -> None:
+        """(engine thread) A request dropped before prepare(): its probe bookkeeping goes with it."""
+        self.probing.discard(request_id)
+        self.cancelled_while_probing.discard(request_id)
 
     def _template_text(self) -> str:
         try:
@@ -371,6 +426,7 @@ class BatchingEngine(LLMEngine):
         self.status_values = (status.RUNNING.value, status.FINISHED.value, status.IGNORED.value)
         self.finish_none = openvino_genai.GenerationFinishReason.NONE.value
         self.kv_cache_usage_ratio = 0.0
+        self.fresh_constraint = False  # a request with a constraint joined since the last step
 
     def run(self) -> None:
         while True:
@@ -380,8 +436,11 @@ class BatchingEngine(LLMEngine):
             self.flush()
 
     def _step(self) -> None:
+        # genai compiles a constraint again (its own cache) in the first step of the request that brings it
+        fresh, self.fresh_constraint = self.fresh_constraint, False
         try:
-            self.pipe.step()
+            with self.compiling(fresh):
+                self.pipe.step()
         except Exception as exc:  # the whole batch failed inside the plugin
             fault = self.fail_all([req for req, _ in self.active.values()], exc)
             self._drop_all()
@@ -419,6 +478,7 @@ class BatchingEngine(LLMEngine):
             self.exit_if_device_lost(self.fail_all([req], exc))
             return
         self.active[req.id] = (req, handle)
+        self.fresh_constraint = self.fresh_constraint or req.structured is not None
 
     def add_request(self, req: Request):
         return self.pipe.add_request(req.id, req.input_ids, req.config)
@@ -514,9 +574,7 @@ class SequentialEngine(LLMEngine):
         while True:
             self.drain_inbox(block=not self.waiting)
             if self.waiting:
-                message = self.waiting.pop(0)
-                if message["id"] not in self.cancelled:
-                    self._generate(message)
+                self._generate(self.waiting.pop(0))
             self.flush()
 
     def busy(self) -> bool:
@@ -529,13 +587,27 @@ class SequentialEngine(LLMEngine):
         self.waiting.append(message)
 
     def on_cancel(self, request_id: int) -> None:
-        self.cancelled.add(request_id)
+        """Stop the current request at its next token; drop a waiting one; remember nothing of one that is gone
+        (a client that hangs up as its answer comes sends a cancel after the done)."""
+        if self.current is not None and self.current.id == request_id:
+            self.cancelled.add(request_id)  # read by the streamer; discarded when generate() returns
+        elif any(m["id"] == request_id for m in self.waiting):
+            self.waiting = [m for m in self.waiting if m["id"] != request_id]
+            self.forget(request_id)
+        else:
+            self.cancel_probing(request_id)
 
     def _generate(self, message: dict[str, Any]) -> None:
-        import openvino_genai
         req = self.prepare(message)
         if req is None:
             return
+        try:
+            self._generate_prepared(req)
+        finally:  # (an exception leaves `current` set: the worker's exit path fails it)
+            self.cancelled.discard(req.id)
+
+    def _generate_prepared(self, req: Request) -> None:
+        import openvino_genai
         engine = self
 
         class Streamer(openvino_genai.StreamerBase):
@@ -545,6 +617,7 @@ class SequentialEngine(LLMEngine):
                 # genai would print and swallow an exception raised here while generation went on: keep it, stop
                 # generating, and raise it once generate() has returned.
                 try:
+                    compiling.stop()  # the constraint compiled: tokens flow
                     engine.emit_tokens([(req, token if isinstance(token, list) else [token])])
                     engine.flush()
                     engine.drain_inbox(block=False)
@@ -561,7 +634,8 @@ class SequentialEngine(LLMEngine):
 
         self.current, streamer = req, Streamer()
         try:
-            self.run_pipeline(req, streamer)
+            with self.compiling(req.structured is not None) as compiling:  # before the first token
+                self.run_pipeline(req, streamer)
         except Refused as refused:  # the request's own fault (a VLM prompt's image tags): the worker goes on
             self.current = None
             self.fail(req.id, refused.fault, str(refused))
@@ -576,7 +650,6 @@ class SequentialEngine(LLMEngine):
         self.current = None
         if req.id not in self.cancelled and not req.stopped:
             self.finish(req, "length" if len(req.generated) >= req.max_tokens else "stop")
-        self.cancelled.discard(req.id)
 
     def run_pipeline(self, req: Request, streamer) -> None:
         self.pipe.generate(req.input_ids, req.config, streamer)

@@ -46,9 +46,10 @@ OPS: dict[str, Op] = {
     "cancel": _op("front", "id", doc="the caller is gone: stop generating for it"),
     "shutdown": _op("front", doc="leave now (without destructors)"),
     # worker -> front
-    "ready": _op("worker", "load_seconds", "formats pipeline_load_seconds",
-                 "the pipeline is loaded; its own load time (and the pipeline's part of it), and its chat formats "
-                 "(tool_parser, reasoning_parser)"),
+    "ready": _op("worker", "load_seconds", "formats pipeline_load_seconds device_bdf",
+                 "the pipeline is loaded; its own load time (and the pipeline's part of it), its chat formats "
+                 "(tool_parser, reasoning_parser), and the PCI address of its GPU (to match kernel-logged resets to "
+                 "the card)"),
     "fatal": _op("worker", "kind message", "hint",
                  "the worker cannot go on (a load error, or an internal error after loading) and exits"),
     "tokens": _op("worker", "id text n", "logprobs prompt_tokens",

@@ -91,3 +91,49 @@ def test_a_device_oom_next_to_a_gpu_hang_is_a_lost_device_and_ends_the_worker(tm
     after_hang = request_error(sup, frame)
     assert (after_hang.status, after_hang.kind, after_hang.code, after_hang.hint) == (500, "device_lost", "device_lost", None)
     assert sup.life.current.ending.reason is ExitReason.DEVICE_LOST  # the worker's context is gone: it is ended and restarted
+
+
+def as_kmsg(dmesg_lines: str, first_seq: int) -> str:
+    """Recorded dmesg lines as /dev/kmsg records (prefix 6 = kernel, info), with the PCI properties the kernel adds."""
+    records = []
+    for i, line in enumerate(dmesg_lines.strip().splitlines()):
+        bdf = line.split()[1].rstrip(":")
+        records.append(f"6,{first_seq + i},{9_000_000_000 + i},-;{line}\n SUBSYSTEM=pci\n DEVICE=+pci:{bdf}\n")
+    return "".join(records)
+
+
+CARD0, CARD1 = "0000:03:00.0", "0000:0b:00.0"  # the A770 of i915-a770-guc-hang.kmsg; the B60 of xe-b60-vllm55425
+
+
+def test_a_reset_on_another_card_leaves_this_gpus_failures_its_own(tmp_path, demo_model, kernel_log):
+    """Two cards: a B60 at 0b:00.0 resets (its recorded lines), then the GPU.0 worker, whose card is the A770 at
+    03:00.0 as the worker's device probe resolved it, runs out of device memory and later crashes: each is
+    classified as itself. A hang on its own card is what makes either a lost device."""
+    log, source = kernel_log
+    sup, metrics = supervisor(tmp_path, demo_model, log, "GPU.0")
+    sup.life.device_faults.card = CARD0  # what the worker's ready frame reported (device_bdf)
+    frame = ipc.frame("error", id=1, kind="device_oom", code="device_out_of_memory", hint=OOM_HINT,
+                      message=OCL_OUT_OF_RESOURCES, retryable=False)
+    with open(source, "a") as kmsg:
+        kmsg.write(as_kmsg((FIXTURES / "dmesg/xe-b60-vllm55425.txt").read_text(), 50001))
+    assert log.gpu_trouble() is not None and log.gpu_trouble().bdf == CARD1  # the reset was seen, on card 1
+    failure = request_error(sup, frame)
+    assert (failure.status, failure.kind, failure.code) == (500, "device_oom", "device_out_of_memory")
+    assert sup.life.current.ending is None  # the worker goes on
+    assert sup.life.unasked_exit(None, -signal.SIGSEGV).reason is ExitReason.CRASH
+    # the same failures after a hang on its own card
+    with open(source, "a") as kmsg:
+        kmsg.write((FIXTURES / "kmsg/i915-a770-guc-hang.kmsg").read_text())
+    assert request_error(sup, frame).kind == "device_lost"
+    exit = sup.life.unasked_exit(None, -signal.SIGSEGV)
+    assert exit.reason is ExitReason.DEVICE_LOST and CARD0 in exit.detail
+
+
+def test_a_worker_that_never_said_its_card_is_judged_by_any_cards_reset(tmp_path, demo_model, kernel_log):
+    """Without the card (a worker that died loading, an old driver without a PCI address) and more than one card
+    or none in sysfs, a reset anywhere is the likeliest cause, as before."""
+    log, source = kernel_log
+    sup, _ = supervisor(tmp_path, demo_model, log, "GPU.0")
+    with open(source, "a") as kmsg:
+        kmsg.write(as_kmsg((FIXTURES / "dmesg/xe-b60-vllm55425.txt").read_text(), 50001))
+    assert sup.life.unasked_exit(None, -signal.SIGSEGV).reason is ExitReason.DEVICE_LOST

@@ -22,12 +22,16 @@ class DeviceFaults:
     def __init__(self, model: ModelConfig, kernel_log: telemetry.KernelLog | None):
         self.model = model
         self.kernel_log = kernel_log
+        # The PCI address of the worker's card, as its device probe resolved `GPU.N` (the ready frame's
+        # device_bdf); None until a worker said it.
+        self.card: str | None = None
 
     def trouble(self) -> telemetry.GpuEvent | None:
-        """The GPU hang or reset the kernel logged lately, for a model on a GPU."""
+        """The GPU hang or reset the kernel logged lately on this model's card, for a model on a GPU: a reset
+        of another card is not this worker's. Where the card is unknown, a reset of any card."""
         if self.kernel_log is None or "GPU" not in self.model.device.upper():
             return None
-        return self.kernel_log.gpu_trouble()
+        return self.kernel_log.gpu_trouble(bdf=self.card or sole_card())
 
     def crash(self, returncode: int | None) -> Exit:
         """The exit of a worker nobody asked to go, and that no OOM killer took."""
@@ -55,6 +59,12 @@ class DeviceFaults:
         # replaces) tells the client when to try again.
         retry_after = max(1.0, self.model.restart.backoff_initial_s) if retryable else None
         return RequestFailed(status, kind, message["message"], code, hint, retry_after), end
+
+
+def sole_card() -> str | None:
+    """The PCI address of the machine's only GPU card, if it has exactly one (then every GPU.N is it)."""
+    cards = [gpu.bdf for gpu in telemetry.list_gpus() if gpu.bdf]
+    return cards[0] if len(cards) == 1 else None
 
 
 def gpu_family(event: telemetry.GpuEvent) -> str | None:

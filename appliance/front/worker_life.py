@@ -211,6 +211,7 @@ class WorkerLife:
             return False
         self.current.ready_at = time.monotonic()
         self.formats = message.get("formats") or {}
+        self.device_faults.card = message.get("device_bdf") or self.device_faults.card
         self.enter(ModelState.READY)
         return True
 

@@ -489,11 +489,13 @@ class KernelLog:
             elif (pid := oom_killed_pid(record)) is not None:
                 self._oom_killed.append(pid)
 
-    def gpu_trouble(self, within_s: float = GPU_TROUBLE_RECENT_S) -> GpuEvent | None:
-        """The latest GPU hang/reset/wedge line seen in the last `within_s` seconds, of any card."""
+    def gpu_trouble(self, within_s: float = GPU_TROUBLE_RECENT_S, bdf: str | None = None) -> GpuEvent | None:
+        """The latest GPU hang/reset/wedge line seen in the last `within_s` seconds: of the card at PCI address
+        `bdf` (or a line that names no card, which may be its), or of any card when `bdf` is None (unknown)."""
         self.update()
         since = self.clock() - within_s
-        recent = [(seen, event) for seen, event in self._gpu_trouble.values() if seen >= since]
+        recent = [(seen, event) for seen, event in self._gpu_trouble.values()
+                  if seen >= since and (bdf is None or event.bdf in (bdf, None))]
         return max(recent, key=lambda item: item[0])[1] if recent else None
 
     def oom_killed(self, pid: int) -> bool:

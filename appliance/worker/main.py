@@ -53,6 +53,7 @@ class DeviceProbe:
     def __init__(self, device: str):
         self.device = device
         self.label: str | None = None
+        self.bdf: str | None = None  # the card's PCI address, where OpenVINO tells it
         self.family: str | None = None
         self.total: int | None = None
         self._core = None
@@ -65,7 +66,7 @@ class DeviceProbe:
         self.label = self.device
         try:
             pci = self._core.get_property(self.device, "DEVICE_PCI_INFO")
-            self.label = f"{pci.domain:04x}:{pci.bus:02x}:{pci.device:02x}.{pci.function:x}"
+            self.label = self.bdf = f"{pci.domain:04x}:{pci.bus:02x}:{pci.device:02x}.{pci.function:x}"
         except Exception as exc:  # an older driver or plugin: keep the OpenVINO name as the label
             log.info("PCI address of %s unknown: %s", self.device, exc)
         try:
@@ -178,8 +179,9 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(EXIT_LOAD_FAILED)
     probe = DeviceProbe(spec["device"])
     engine.pci_family = probe.family
+    card = {"device_bdf": probe.bdf} if probe.bdf else {}
     channel.send(frame("ready", load_seconds=time.monotonic() - started, pipeline_load_seconds=pipeline_seconds,
-                       **engine.ready_info()))
+                       **engine.ready_info(), **card))
     threading.Thread(target=run_guarded, args=(channel, "engine", engine.run, engine), name="engine",
                      daemon=True).start()
     for name, target in engine.threads():

@@ -23,6 +23,10 @@ from appliance.host import telemetry
 from appliance.ipc import ProtocolError
 
 
+# States in which no worker serves: the model's KV cache is empty.
+NO_WORKER = frozenset({ModelState.RESTARTING, ModelState.FAILED, ModelState.STOPPED})
+
+
 class ModelSupervisor:
     """One model: its worker's life, and the requests routed to it."""
 
@@ -81,6 +85,8 @@ class ModelSupervisor:
     def _state_changed(self, old: ModelState, new: ModelState) -> None:
         if self.reports:
             self.metrics.set_state(self.name, new.value)
+            if new in NO_WORKER:
+                self.series.kv_cache_usage.set(0)  # its cache went with it
         self._on_change()
 
     # --- requests, as the routes see them -----------------------------------------------------------------
@@ -124,8 +130,12 @@ class ModelSupervisor:
             self.router.on_frame(req, message)
 
     def _on_telemetry(self, message: dict[str, Any]) -> None:
+        """A worker's figures become the model's gauges only while it serves the model's name: during a side-by-
+        side reload the replacement (loading) and the replaced worker (draining) do not write them."""
+        if not self.reports:
+            return
         self.series.worker_rss.set(message.get("rss_bytes", 0))
-        if "kv_cache_usage_ratio" in message:
+        if "kv_cache_usage_ratio" in message and self.state not in NO_WORKER:  # not a late figure of a gone one
             self.series.kv_cache_usage.set(message["kv_cache_usage_ratio"])
         for device, used in (message.get("device_memory_used_bytes") or {}).items():
             self.metrics.device_memory_used.labels(device=device).set(used)

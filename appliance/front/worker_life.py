@@ -289,7 +289,6 @@ class WorkerLife:
         start, or None when there is none (stopping, or the model is now failed)."""
         self.last_exit = exit
         self.metrics.worker_exits.labels(model=self.name, reason=exit.reason.value).inc()
-        self.series.kv_cache_usage.set(0)  # its cache went with it
         if exit.reason is ExitReason.STOPPED or self.stopping:
             log.info("model %s: worker ended (%s)", self.name, exit.reason.value)
             return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 import yaml
@@ -88,3 +89,38 @@ def test_new_settings_that_do_not_load_leave_the_old_worker_serving(appliance_fa
     assert "no-such-model" in app.logs()
     assert app.model_status("demo")["pid"] == old and app.model_status("demo")["state"] == "ready"
     assert app.client().chat.completions.create(model="demo", messages=CHAT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_reload_with_the_same_config_loads_a_failed_model_again(appliance_factory, demo_model, tmp_path):
+    """A model whose restart budget ran out stays failed until a reload: fix what failed it (here its files
+    appear), `systemctl reload` with the same file, and it serves; the other model's worker is left alone."""
+    import shutil
+    later = tmp_path / "later-model"
+    budget = {"backoff_initial_s": 0.05, "backoff_max_s": 0.1, "max_failures": 2, "window_s": 60}
+    config = {"models": [model_entry("keep", demo_model), model_entry("later", later, restart=budget)]}
+    app = appliance_factory(config, wait_ready=False)
+    app.wait_model("later", "failed")
+    keep = app.wait_model("keep", "ready")["pid"]
+    shutil.copytree(demo_model, later)
+    app.proc.send_signal(signal.SIGHUP)  # the same file
+    app.wait_model("later", "ready")
+    assert app.client().chat.completions.create(model="later", messages=CHAT, max_tokens=2).usage.completion_tokens == 2
+    assert app.worker_pid("keep") == keep
+
+
+def test_a_reload_queued_when_shutdown_begins_starts_nothing(appliance_factory, demo_model):
+    """SIGHUP, SIGHUP, SIGTERM: the first reload is replacing a model when the stop comes; the second, queued
+    behind it, must not start the model it adds once the server is shutting down."""
+    config = {"models": [model_entry("a", demo_model)]}
+    app = appliance_factory(config)
+    config["models"] = [model_entry("a", demo_model, max_context=1024)]
+    rewrite(app, config)  # "a" changed: its replacement loads beside it
+    wait_for(lambda: app.logs().count("model a: stopped -> loading") == 2, "the replacement loading")
+    config["models"].append(model_entry("late", demo_model))
+    rewrite(app, config)
+    time.sleep(0.3)  # the second reload waits for the first
+    app.proc.send_signal(signal.SIGTERM)
+    assert app.proc.wait(60) == 0
+    logs = app.logs()
+    after_stop = logs[logs.index("stopping: draining"):]
+    assert "model late: stopped -> loading" not in after_stop, after_stop

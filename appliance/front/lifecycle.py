@@ -24,7 +24,8 @@ class ModelState(enum.Enum):
     READY = "ready"            # the worker serves requests
     RESTARTING = "restarting"  # the last worker ended; waiting out the backoff before loading again
     DRAINING = "draining"      # a stop was asked: queued and running requests finish, nothing new is admitted
-    FAILED = "failed"          # the restart budget is used up; nothing runs until a reload or restart
+    FAILED = "failed"          # the restart budget is used up; nothing runs until a reload (SIGHUP, even with the
+                               # same config: Supervisor.apply) or a restart
 
 
 S = ModelState

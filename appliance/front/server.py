@@ -56,6 +56,7 @@ class Appliance:
         self.draining = False
         self.started = time.time()
         self.background: list[asyncio.Task] = []
+        self.reloads: set[asyncio.Task] = set()  # SIGHUP reloads in progress or queued: shutdown awaits them
         self.sites: list[web.BaseSite] = []
 
     # --- app -----------------------------------------------------------------------------------------
@@ -233,7 +234,7 @@ class Appliance:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: self.background.append(asyncio.create_task(self.reload())))
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         self.sites = await listen.start_sites(runner, host, port, also_bind)
@@ -259,11 +260,19 @@ class Appliance:
         await self.shutdown(runner)
         return status
 
+    def request_reload(self) -> None:
+        """SIGHUP: a reload, queued behind any in progress; kept until done, so shutdown can wait for it."""
+        task = asyncio.create_task(self.reload())
+        self.reloads.add(task)
+        task.add_done_callback(self.reloads.discard)
+
     async def reload(self) -> None:
-        """SIGHUP: read the config again and apply it model by model; an invalid file changes nothing."""
-        if self.reload_config is None or self.draining:
+        """Read the config again and apply it model by model; an invalid file changes nothing."""
+        if self.reload_config is None:
             return
         async with self.reloading:
+            if self.draining:  # a reload queued behind another must not start models during shutdown
+                return
             self.notifier.reloading()
             try:
                 config = await asyncio.get_running_loop().run_in_executor(None, self.reload_config)
@@ -288,6 +297,9 @@ class Appliance:
         for site in listen.activated(self.sites):
             await site.stop()
         await self.supervisor.stop(self.config.server.drain_timeout_s)
+        # A reload in progress ends once its models have stopped (a replacement stops with the rest); one queued
+        # behind it sees `draining` and does nothing.
+        await asyncio.gather(*self.reloads, return_exceptions=True)
         for task in self.background:
             task.cancel()
         await runner.cleanup()

@@ -62,11 +62,14 @@ class Supervisor:
 
     async def apply(self, config: Config) -> list[str]:
         """Bring the running models in line with a new config (SIGHUP): start added ones, replace changed ones
-        (_replace), stop removed ones after draining them, and leave every unchanged model and its worker alone."""
+        (_replace) and failed ones (a reload is how an operator retries a model whose restart budget ran out,
+        after fixing what failed it), stop removed ones after draining them, and leave every other model and its
+        worker alone."""
         wanted = {m.name: m for m in config.models}
         removed = [name for name in self.models if name not in wanted]
         changed = [name for name, sup in self.models.items() if name in wanted and
-                   (wanted[name] != sup.model or worker_spec(wanted[name], config) != sup.spec)]
+                   (wanted[name] != sup.model or worker_spec(wanted[name], config) != sup.spec
+                    or sup.state is ModelState.FAILED)]
         added = [model for name, model in wanted.items() if name not in self.models]
         self.config = config
         for model in added:

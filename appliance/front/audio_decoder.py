@@ -4,19 +4,21 @@ Uploads are untrusted media and the decoder is FFmpeg (through PyAV), a large C 
 crash it.  So it never runs in the front (which would take every model down) nor in a Whisper worker (which would
 fail the other requests it is serving and restart the model).  The front keeps one long-lived decoder process
 (`python -m appliance.front.audio_decoder`, started on first use) and talks to it over pipes: a crash costs only the
-upload being decoded (a 400) and the process is started again for the next one.
+upload being decoded (a 400) and the process is started again for the next one. A fault of ours (the decoded
+samples cannot be written, the decoder hangs) is a DecoderFault: a 503 the client may retry.
 
 Only the container formats listed in FORMATS are opened, recognised by their first bytes and named explicitly
 to FFmpeg: FFmpeg's own probing would also accept playlists (HLS, concat) that make it open other files.
 
 Protocol (appliance.front.decoder_process), one request at a time: the front writes a JSON line {"bytes": n,
 "max_seconds": s, "out": path} and n bytes of upload; the decoder writes the samples (float32, native order) to `out` and answers with a
-JSON line {"seconds": d} or {"error": "undecodable" | "too_long" | "empty", "message": ...}.
+JSON line {"seconds": d} or {"error": "undecodable" | "too_long" | "empty" | "write_failed", "message": ...}.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import sys
 import wave
@@ -24,7 +26,10 @@ from dataclasses import dataclass
 
 from appliance.front.decoder_process import DecoderFailed, DecoderProcess, serve
 
+log = logging.getLogger("openarc.audio")
+
 SAMPLE_RATE = 16000
+WRITE_FAILED = "write_failed"  # the decoder's reply when the samples could not be written
 DECODE_TIMEOUT_S = 120.0  # a decoder stuck on one file is killed: generous, decoding runs at 100x real time or more
 
 
@@ -118,6 +123,13 @@ def _handle(request: dict, data: bytes) -> dict:
         return {"seconds": pcm.size / SAMPLE_RATE}
     except AudioError as exc:
         return {"error": exc.kind, "message": str(exc)}
+    except OSError as exc:  # ENOSPC, EDQUOT, EIO writing the samples: the server's trouble, not the file's
+        return {"error": WRITE_FAILED, "message": f"cannot write the decoded audio to {request['out']}: {exc}"}
+
+
+class DecoderFault(Exception):
+    """A fault of ours, not of the upload: the decoded audio could not be written (a full disk), or the decoder
+    did not answer in time (killed and replaced). The upload may well be fine: the client is told to retry."""
 
 
 @dataclass
@@ -138,8 +150,12 @@ class AudioDecoder(DecoderProcess):
             reply = await self.ask({"max_seconds": max_seconds, "out": out_path}, data)
         except DecoderFailed as exc:
             if exc.how == "hung":
-                raise AudioError("undecodable", f"Decoding took longer than {DECODE_TIMEOUT_S:g} s.") from None
+                raise DecoderFault(f"the audio decoder did not answer within {self.timeout_s:g} s; it was killed and "
+                                   "is replaced") from None
             raise AudioError("undecodable", "The audio could not be decoded (the decoder crashed on this file).") from None
+        if reply.get("error") == WRITE_FAILED:
+            log.error("audio decoder: %s", reply["message"])
+            raise DecoderFault(reply["message"])
         if "error" in reply:
             raise AudioError(reply["error"], reply["message"])
         return DecodedAudio(out_path, reply["seconds"])

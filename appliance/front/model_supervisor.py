@@ -78,7 +78,7 @@ class ModelSupervisor:
                 "tool_parser": formats.get("tool_parser", self.model.tool_parser),
                 "reasoning_parser": formats.get("reasoning_parser", self.model.reasoning_parser),
                 "requests_running": len(self.router.running),
-                "requests_waiting": len(self.router.waiting) + self.router.awaiting_ready,
+                "requests_waiting": self.router.queued(),
                 **({"speculative": self.model.speculative, **self.series.draft.status()} if self.model.kind == "llm"
                    else {})}
 
@@ -91,12 +91,21 @@ class ModelSupervisor:
 
     # --- requests, as the routes see them -----------------------------------------------------------------
 
-    def open(self, frame: dict[str, Any], op: str = "generate") -> Request:
-        """Admit a request or refuse it at once: nothing waits on a model that cannot serve it.
-        `frame`: the fields of its ipc `op` (generate for an LLM, request for the one-answer kinds) but the id."""
+    def reserve(self) -> None:
+        """Hold a queue place for a request whose body is yet to be read, or refuse it now (503, 429)."""
         if not self.life.admits():
             raise self.life.unavailable()
-        return self.router.open(frame, op)
+        self.router.reserve()
+
+    def open(self, frame: dict[str, Any], op: str = "generate", reserved: bool = False) -> Request:
+        """Admit a request or refuse it at once: nothing waits on a model that cannot serve it.
+        `frame`: the fields of its ipc `op` (generate for an LLM, request for the one-answer kinds) but the id;
+        `reserved`: it holds a place from reserve(), which this takes whether it admits the request or not."""
+        if reserved:
+            self.router.unreserve()
+        if not self.life.admits():
+            raise self.life.unavailable()
+        return self.router.open(frame, op, reserved)
 
     def close(self, req: Request) -> None:
         self.router.close(req)

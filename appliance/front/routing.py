@@ -35,6 +35,7 @@ class RequestRouter:
         self.running: dict[int, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.awaiting_ready = 0  # requests waiting for this model to become ready (Supervisor.ready_model)
+        self.reserved = 0  # places held for requests whose body is still being read (reserve())
         self.ids = itertools.count(1)
         self.idle = asyncio.Event()
         self.idle.set()
@@ -57,17 +58,34 @@ class RequestRouter:
 
     # --- requests, as the routes use them -------------------------------------------------------------------
 
-    def open(self, frame: dict[str, Any], op: str = "generate") -> Request:
-        """Queue a request, or refuse it with 429 when the queue is full. `frame`: the fields of its ipc `op`
-        (generate for an LLM, request for the one-answer kinds) but the id."""
-        if len(self.running) >= self.model.effective_max_running and len(self.waiting) >= self.model.max_queue:
-            raise RequestFailed(429, "overloaded", f"model {self.model.name} has {len(self.waiting)} requests queued "
-                                                   f"(max_queue={self.model.max_queue}); retry later", retry_after=1)
+    def reserve(self) -> None:
+        """Hold a place for a request whose body is still to be read (an audio upload), or refuse it with 429 now,
+        before the body is read. open(reserved=True) takes the place; unreserve() gives it back."""
+        self._check_room()
+        self.reserved += 1
+        self.publish_queue()
+
+    def unreserve(self) -> None:
+        self.reserved -= 1
+        self.publish_queue()
+
+    def open(self, frame: dict[str, Any], op: str = "generate", reserved: bool = False) -> Request:
+        """Queue a request, or refuse it with 429 when the queue is full (unless its place was `reserved`).
+        `frame`: the fields of its ipc `op` (generate for an LLM, request for the one-answer kinds) but the id."""
+        if not reserved:
+            self._check_room()
         req = Request(next(self.ids), frame, op)
         req.frame["id"] = req.id
         self.waiting.append(req)
         self._dispatch()
         return req
+
+    def _check_room(self) -> None:
+        held = len(self.running) + len(self.waiting) + self.reserved
+        if held >= self.model.effective_max_running + self.model.max_queue:
+            queued = held - min(held, self.model.effective_max_running)
+            raise RequestFailed(429, "overloaded", f"model {self.model.name} has {queued} requests queued "
+                                                   f"(max_queue={self.model.max_queue}); retry later", retry_after=1)
 
     def close(self, req: Request) -> None:
         """The caller is done with a request (finished, failed or disconnected): cancel it if it is still live."""
@@ -127,7 +145,11 @@ class RequestRouter:
         if not self.reports:
             return
         self.series.requests_running.set(len(self.running))
-        self.series.requests_waiting.set(len(self.waiting) + self.awaiting_ready)
+        self.series.requests_waiting.set(self.queued())
+
+    def queued(self) -> int:
+        """Requests waiting: in the queue, for the model to be ready, or for their body to be read."""
+        return len(self.waiting) + self.awaiting_ready + self.reserved
 
     # --- the worker's frames --------------------------------------------------------------------------------
 

@@ -4,13 +4,19 @@ Fields: `file` (wav, flac, mp3, ogg, webm, mp4/m4a), `model`, `language` (ISO co
 `response_format` (json, text, srt, vtt, verbose_json), `temperature`, `timestamp_granularities[]` (segment,
 word; verbose_json only), `stream` (transcriptions, json and text: SSE transcript.text.delta / .done events).
 
-A request goes: upload read (at most the model's max_upload_bytes, else 413) -> decoded to 16 kHz mono in the
-decoder process (appliance.front.audio_decoder; at most max_audio_seconds, else 413; undecodable or empty: 400) ->
-samples handed to the model's worker in a spool file -> the worker's result shaped by appliance.front.api.transcripts.
+A request goes: the form's fields before the file read (the OpenAI SDK sends `model` first) -> the model looked
+up and a place in its queue reserved (429 at once when it is full, the file never read) -> the file read (at most
+the model's max_upload_bytes, else 413; at most MAX_UPLOADS_IN_FLIGHT files held by the front at once, the others
+wait unread) -> decoded to 16 kHz mono in the decoder process (appliance.front.audio_decoder; at most
+max_audio_seconds, else 413; undecodable or empty: 400; a fault of the decoder's own: 503) -> samples handed to the
+model's worker in a spool file -> the worker's result shaped by appliance.front.api.transcripts. A form that names
+its model after the file is read first (within the largest max_upload_bytes), then admitted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import os
 import shutil
@@ -25,10 +31,15 @@ from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import one_result
 from appliance.front.api.route import Call, ErrorShape, route
 from appliance.front.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESPONSE_FORMATS, Transcript
-from appliance.front.audio_decoder import AudioDecoder, AudioError
+from appliance.front.audio_decoder import AudioDecoder, AudioError, DecoderFault
 from appliance.front.request import Event, RequestFailed
 
+log = logging.getLogger("openarc.audio")
+
 KIND = "transcription"
+# Upload files the front holds in memory at once (read, or waiting for the one decoder process): the front's
+# memory for uploads stays under this many times max_upload_bytes however many clients upload.
+MAX_UPLOADS_IN_FLIGHT = 4
 MAX_FIELD_BYTES = 64 << 10  # any form field but the file (a prompt is 224 tokens at most for Whisper)
 MAX_FIELDS = 32
 GRANULARITIES = ("segment", "word")
@@ -49,14 +60,14 @@ def add_routes(app: web.Application, appliance) -> None:
 class Form:
     fields: dict[str, str] = field(default_factory=dict)
     granularities: list[str] = field(default_factory=list)
-    file: bytes | None = None
+    file: bytes | bytearray | None = None
 
 
 @dataclass
 class AudioRequest:
     model: str
     task: str
-    file: bytes
+    file: bytes | bytearray
     response_format: str
     language: str | None
     prompt: str | None
@@ -77,6 +88,7 @@ class AudioRoutes:
         self.decoder = AudioDecoder()
         self.spool = tempfile.mkdtemp(prefix="openarc-audio-")
         self.serial = 0
+        self.uploads = asyncio.Semaphore(MAX_UPLOADS_IN_FLIGHT)
 
     async def start(self, app: web.Application) -> None:
         """Start the decoder with the server when it serves audio, so the first upload does not wait for it."""
@@ -96,24 +108,30 @@ class AudioRoutes:
     async def _handle(self, request: web.Request, call: Call, task: str) -> web.StreamResponse:
         self.serial += 1
         audio_path = os.path.join(self.spool, f"{self.serial}.f32")
+        upload = Upload(self, call)
         try:
-            form = await read_form(request, self._upload_cap())
+            form = await read_form(request, upload.before_file)
             call.label(form.fields)
             req = parse(form, task)
-            sup = await self.appliance.model_for(req.model, call.endpoint, (KIND,))
+            sup = await upload.admit(req.model)
             check_model_limits(req, sup.model)
             try:
                 decoded = await self.decoder.decode(req.file, sup.model.max_audio_seconds, audio_path)
             except AudioError as exc:
                 status = 413 if exc.kind == "too_long" else 400
                 raise RequestFailed(status, "invalid_request", str(exc), f"audio_{exc.kind}") from None
+            except DecoderFault as exc:
+                raise decoder_failure(exc) from None
+            form.file = req.file = b""  # decoded into the spool file: the upload's memory is free for the next
+            upload.release_slot()
             frame = {"kind": KIND, "body": req.body(audio_path)}
             if req.stream:
-                return await self._stream(request, call, sup, req, frame, decoded.seconds)
-            transcript = Transcript.from_result((await one_result(sup, frame)).result, req.task, decoded.seconds,
-                                                req.temperature)
+                return await self._stream(request, call, sup, req, frame, decoded.seconds, upload.hand_over())
+            event = await one_result(sup, frame, upload.hand_over())
+            transcript = Transcript.from_result(event.result, req.task, decoded.seconds, req.temperature)
             return transcript.response(req.response_format, req.words)
         finally:
+            upload.close()
             try:
                 os.unlink(audio_path)
             except FileNotFoundError:
@@ -126,8 +144,8 @@ class AudioRoutes:
                     if sup.model.kind == KIND), default=self.appliance.config.server.max_body_bytes)
 
     async def _stream(self, request: web.Request, call: Call, sup, req: AudioRequest, frame: dict[str, Any],
-                      seconds: float) -> web.StreamResponse:
-        handle = sup.open(frame, op="request")
+                      seconds: float, reserved: bool) -> web.StreamResponse:
+        handle = sup.open(frame, op="request", reserved=reserved)
         events = sup.events(handle)
         try:
             event = await sse.next_event(events)
@@ -157,8 +175,62 @@ class TranscriptErrors(ErrorShape):
 TRANSCRIPT_ERRORS = TranscriptErrors()
 
 
-async def read_form(request: web.Request, max_file_bytes: int) -> Form:
-    """The multipart form, the file held in memory up to `max_file_bytes` (413 past it)."""
+class Upload:
+    """One upload's admission, decided before its file is read where the form names the model first: the model
+    looked up and a place in its queue reserved (so a busy model's 429 comes before the body is read), then one of
+    the front's upload slots taken for the file (released once it is decoded)."""
+
+    def __init__(self, routes: AudioRoutes, call: Call):
+        self.routes, self.call = routes, call
+        self.sup = None
+        self.reserved = False
+        self.slot = False
+
+    async def before_file(self, fields: dict[str, str]) -> int:
+        """Called when the file part begins: admit the request if the form named its model, take an upload slot
+        (waiting, unread, while MAX_UPLOADS_IN_FLIGHT files are held), and say how many bytes the file may have."""
+        if fields.get("model"):
+            self.call.label(fields)
+            await self.admit(fields["model"])
+        await self.routes.uploads.acquire()
+        self.slot = True
+        return self.sup.model.max_upload_bytes if self.sup else self.routes._upload_cap()
+
+    async def admit(self, name: str):
+        """The model's supervisor, with a place reserved in its queue (RequestFailed if there is none)."""
+        if self.sup is None:
+            sup = await self.routes.appliance.model_for(name, self.call.endpoint, (KIND,))
+            sup.reserve()
+            self.sup, self.reserved = sup, True
+        return self.sup
+
+    def hand_over(self) -> bool:
+        """The reserved place goes to the request being opened now (ModelSupervisor.open(reserved=True))."""
+        reserved, self.reserved = self.reserved, False
+        return reserved
+
+    def release_slot(self) -> None:
+        if self.slot:
+            self.slot = False
+            self.routes.uploads.release()
+
+    def close(self) -> None:
+        self.release_slot()
+        if self.reserved:  # refused or failed before it was opened
+            self.reserved = False
+            self.sup.router.unreserve()
+
+
+def decoder_failure(exc: DecoderFault) -> RequestFailed:
+    """A fault of the decoder's own as the client sees it: the server's (503), worth a retry."""
+    log.error("audio upload not decoded: %s", exc)
+    return RequestFailed(503, "audio_decoder", f"the audio could not be decoded because of a server fault: {exc}",
+                         "audio_decoder_unavailable", retry_after=1)
+
+
+async def read_form(request: web.Request, before_file) -> Form:
+    """The multipart form, the file held in memory up to the bytes `before_file(fields so far)` allows (413 past
+    it); `before_file` may refuse the request before the file is read."""
     if request.content_type != "multipart/form-data":
         raise InvalidRequest("the request must be multipart/form-data with a 'file' part (as the OpenAI SDK sends it)")
     form = Form()
@@ -170,7 +242,7 @@ async def read_form(request: web.Request, max_file_bytes: int) -> Form:
             if count > MAX_FIELDS:
                 raise InvalidRequest(f"the form has more than {MAX_FIELDS} fields")
             if part.name == "file":
-                form.file = await _read_part(part, max_file_bytes, "file")
+                form.file = await _read_part(part, await before_file(form.fields), "file")
             else:
                 value = (await _read_part(part, MAX_FIELD_BYTES, part.name or "")).decode("utf-8")
                 if part.name in ("timestamp_granularities[]", "timestamp_granularities"):
@@ -184,14 +256,14 @@ async def read_form(request: web.Request, max_file_bytes: int) -> Form:
     return form
 
 
-async def _read_part(part, limit: int, name: str) -> bytes:
-    data = bytearray()
+async def _read_part(part, limit: int, name: str) -> bytearray:
+    data = bytearray()  # kept as it is: a copy to bytes would double the upload in memory
     while chunk := await part.read_chunk(1 << 16):
         data += chunk
         if len(data) > limit:
             raise RequestFailed(413, "invalid_request", f"the '{name}' part exceeds the limit of {limit} bytes",
                                 "upload_too_large")
-    return bytes(data)
+    return data
 
 
 def parse(form: Form, task: str) -> AudioRequest:

@@ -51,9 +51,10 @@ class ResultRoute:
         return self.shape(req, await one_result(sup, {"kind": sup.model.kind, "body": req.body}))
 
 
-async def one_result(sup, frame: dict[str, Any]) -> Event:
-    """Hand one `request` frame to the model's worker and wait for its one result."""
-    handle = sup.open(frame, op="request")
+async def one_result(sup, frame: dict[str, Any], reserved: bool = False) -> Event:
+    """Hand one `request` frame to the model's worker (in its reserved place, if it has one) and wait for its one
+    result."""
+    handle = sup.open(frame, op="request", reserved=reserved)
     try:
         async for event in sup.events(handle):
             if event.op == "result":

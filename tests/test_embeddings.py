@@ -375,7 +375,7 @@ def test_demo_model_cli_builds_each_kind_for_its_genai_pipeline(tmp_path, kind):
 def test_demo_model_cli_refuses_llm_options_for_other_kinds(tmp_path):
     done = subprocess.run([sys.executable, "-m", "appliance", "demo-model", "--kind", "rerank", "--eos-after", "3",
                            str(tmp_path / "x")], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "apply to --kind llm only" in done.stderr
+    assert done.returncode == 2 and "apply to --kind llm and vlm only" in done.stderr
 
 
 def test_quick_embedding_bench_reports_every_figure(tmp_path):

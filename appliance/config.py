@@ -73,6 +73,25 @@ MAX_ASSISTANT_TOKENS = 32
 MAX_NGRAM_SIZE = 16
 DEFAULT_ASSISTANT_TOKENS = 5
 DEFAULT_NGRAM_SIZE = 3
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
+          "T": 10**12, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(text: str | int) -> int | None:
+    """"14GiB", "512 MiB", "8GB", 4096 -> bytes; None if it is not a size."""
+    if isinstance(text, bool):
+        return None
+    if isinstance(text, int):
+        return text if text >= 0 else None
+    number, unit = text.strip(), ""
+    while number and not (number[-1].isdigit() or number[-1] == "."):
+        number, unit = number[:-1], number[-1] + unit
+    try:
+        value = float(number)
+    except ValueError:
+        return None
+    factor = _UNITS.get(unit.strip().upper())
+    return int(value * factor) if factor is not None and value >= 0 else None
 
 
 class ConfigError(ValueError):
@@ -187,6 +206,13 @@ class ModelConfig:
     num_assistant_tokens: int | None = None
     assistant_confidence_threshold: float | None = None
     max_ngram_size: int | None = None
+    # Models on demand (docs/on-demand.md): at_start loads with the server and is never evicted for another model;
+    # on_demand starts unloaded and loads on its first request. idle_unload_s: a model with no request running or
+    # waiting for that long is unloaded (0: never). memory: its footprint on its device ("4.5GiB"), counted against
+    # server.memory_budget; unset, the footprint measured at its last load counts.
+    load: Literal["at_start", "on_demand"] = "at_start"
+    idle_unload_s: float = 0.0
+    memory: str | int | None = None
 
     @property
     def speculative(self) -> str | None:
@@ -206,6 +232,10 @@ class ModelConfig:
         if self.prompt_lookup:
             defaults["max_ngram_size"] = self.max_ngram_size or DEFAULT_NGRAM_SIZE
         return defaults
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return None if self.memory is None else parse_size(self.memory)
 
     @property
     def is_gpu(self) -> bool:
@@ -258,6 +288,14 @@ class ServerConfig:
     image_fetch: ImageFetch = field(default_factory=ImageFetch)
     # /v1/responses with store on: the last N responses of each model stay in memory for previous_response_id.
     stored_responses: int = 100
+    # At most this many models have a worker at once (0: no limit), and the footprints of the models loaded on a
+    # device stay within its memory_budget ({GPU.0: 14GiB, CPU: 32GiB}): a load evicts idle models first.
+    max_loaded: int = 0
+    memory_budget: dict[str, str | int] = field(default_factory=dict)
+
+    @property
+    def memory_budget_bytes(self) -> dict[str, int]:
+        return {device: parse_size(size) for device, size in self.memory_budget.items()}
 
 
 @dataclass
@@ -302,8 +340,9 @@ class Config:
 
     def only(self, name: str) -> Config:
         """The config of one instance (openarc@NAME): that model alone, on its own port if it has one."""
-        model = self.model(name)
-        server = dataclasses.replace(self.server, port=model.port or self.server.port)
+        # openarc@MODEL is one model, always loaded: residency is `openarc serve`'s business.
+        model = dataclasses.replace(self.model(name), load="at_start", idle_unload_s=0.0)
+        server = dataclasses.replace(self.server, port=model.port or self.server.port, max_loaded=0, memory_budget={})
         return Config(server=server, models=[model], source=self.source)
 
 
@@ -526,6 +565,48 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
                     "a SchedulerConfig field: " + ", ".join(SCHEDULER_FIELDS))
             if expected is not None:
                 _checked(value, expected, f"{at}.scheduler_config.{key}", problems)
+        require(m.idle_unload_s >= 0, f"{at}.idle_unload_s", "a non-negative number of seconds (0: never)")
+        require(m.memory is None or m.memory_bytes is not None, f"{at}.memory",
+                f"a size such as 4.5GiB, 800MiB or a number of bytes (got {m.memory!r})")
+    _check_residency(config, problems)
+
+
+def _check_residency(config: Config, problems: Problems) -> None:
+    """max_loaded and memory_budget must leave room for what has to load at start (else it would fail at start)."""
+    s = config.server
+    models = [(i, m) for i, m in enumerate(config.models) if m is not None]  # None: its problems are reported
+    if s.max_loaded < 0:
+        problems.append("server.max_loaded: expected a non-negative integer (0: no limit)")
+    budgets = {}
+    for device, size in s.memory_budget.items():
+        if DEVICE_PATTERN.match(device) is None or ":" in device:
+            problems.append(f"server.memory_budget.{_key_name(device)}: expected a device name such as GPU.0, GPU.1 "
+                            "or CPU (the key of one device)")
+        elif parse_size(size) is None:
+            problems.append(f"server.memory_budget.{device}: expected a size such as 14GiB or 32GB (got {size!r})")
+        else:
+            budgets[device] = parse_size(size)
+    at_start = [m.name for _, m in models if m.load == "at_start"]
+    if s.max_loaded > 0 and len(at_start) > s.max_loaded:
+        problems.append(f"server.max_loaded: {s.max_loaded} is fewer than the {len(at_start)} models with load: "
+                        f"at_start ({', '.join(at_start)}); raise it or make some of them load: on_demand")
+    for device, budget in budgets.items():
+        declared = [(i, m) for i, m in models if budget_device(m.device) == device and m.memory_bytes]
+        for i, m in declared:
+            if m.memory_bytes > budget:
+                problems.append(f"models[{i}].memory: {m.memory} exceeds server.memory_budget.{device} "
+                                f"({s.memory_budget[device]}); this model could never load")
+        pinned = sum(m.memory_bytes for _, m in declared if m.load == "at_start")
+        if pinned > budget:
+            problems.append(f"server.memory_budget.{device}: {s.memory_budget[device]} is less than the memory of "
+                            f"the load: at_start models on it ({pinned / (1 << 30):.1f} GiB)")
+
+
+def budget_device(device: str) -> str:
+    """The server.memory_budget key a model's device counts against: bare GPU is GPU.0; a composite device
+    (AUTO:GPU,CPU or HETERO:GPU.1,CPU) counts against the first device it names."""
+    first = device.split(":", 1)[-1].split(",")[0]
+    return "GPU.0" if first == "GPU" else first
 
 
 def _speculative_problems(m: ModelConfig, at: str):

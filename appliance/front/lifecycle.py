@@ -20,6 +20,8 @@ log = logging.getLogger("openarc.supervisor")
 
 class ModelState(enum.Enum):
     STOPPED = "stopped"        # no worker, none wanted (before the first start, after a stop)
+    UNLOADED = "unloaded"      # load: on_demand (or unloaded by idle_unload_s, an eviction, the API): no worker,
+                               # no memory; a request or POST /openarc/models/NAME/load starts its load
     LOADING = "loading"        # a worker is being started and loads the model
     READY = "ready"            # the worker serves requests
     RESTARTING = "restarting"  # the last worker ended; waiting out the backoff before loading again
@@ -30,7 +32,8 @@ class ModelState(enum.Enum):
 
 S = ModelState
 TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
-    S.STOPPED: frozenset({S.LOADING}),
+    S.STOPPED: frozenset({S.LOADING, S.UNLOADED}),
+    S.UNLOADED: frozenset({S.LOADING, S.DRAINING}),
     S.LOADING: frozenset({S.READY, S.RESTARTING, S.FAILED, S.DRAINING}),
     S.READY: frozenset({S.RESTARTING, S.FAILED, S.DRAINING}),
     S.RESTARTING: frozenset({S.LOADING, S.FAILED, S.DRAINING}),

@@ -1,0 +1,155 @@
+"""Which models are resident: the policy of models on demand, as one pure function.
+
+`plan()` looks at every model as the Supervisor sees it at one moment (its state, how many requests it has, when it
+was last used, its memory footprint, whether requests wait for it to load) and the server's limits (`max_loaded`,
+`memory_budget`), and says what to do now: which model to load next, which idle models to evict first to make room
+for it, which models have been idle for their `idle_unload_s`, and when to look again. It never starts, stops or
+waits for anything: the Supervisor (appliance.front.supervisor) carries the plan out, and the tests here run it
+without a process.
+
+The rules, in the order they are applied:
+- An occupied slot is a model with a worker, or about to have one: loading, ready, restarting (its worker comes
+  back after the backoff) or draining (its worker is still there until the drain ends).
+- A model idle (nothing running, queued or waiting) for its idle_unload_s is unloaded.
+- Wanted models (a request or an API call waits for their load) are taken first come, first served; the head of the
+  line is placed before any other, so a big model is not starved by small ones slipping past it.
+- The head loads at once when it fits beside every occupied slot. When it fits only once some slots are freed, the
+  least recently used ready models that are idle, not pinned (`load: at_start`) and not the head are evicted,
+  as few as needed; the load starts once their drains have ended. A model with a request running, queued or waiting
+  is never evicted: then the head waits (its requests are bounded by ready_wait_s).
+- A model whose footprint alone exceeds its device's budget can never load: its waiters are answered at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from appliance.front.lifecycle import ModelState
+
+OCCUPYING = frozenset({ModelState.LOADING, ModelState.READY, ModelState.RESTARTING, ModelState.DRAINING})
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """One model as the policy sees it."""
+
+    name: str
+    state: ModelState
+    device: str                     # the budget's key: "GPU.0" (bare GPU is GPU.0), "CPU", ...
+    footprint: int | None = None    # bytes on its device: declared (models[].memory), else measured, else unknown
+    busy: int = 0                   # requests running, queued, or waiting for this model
+    last_used: float = 0.0          # monotonic seconds: its last request ended, or was handed to it, or it loaded
+    wanted_since: float | None = None  # when the oldest request waiting for its load arrived (None: nobody waits)
+    pinned: bool = False            # load: at_start: never evicted to make room for another model
+    idle_unload_s: float = 0.0      # 0: never unloaded for idleness
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_loaded: int = 0                                     # 0: no limit
+    memory_budget: dict[str, int] = field(default_factory=dict)  # device -> bytes; devices not named: no limit
+
+
+@dataclass(frozen=True)
+class Plan:
+    load: str | None = None                  # start loading this model now
+    evict: tuple[str, ...] = ()              # drain and stop these first, to make room for `waits_for_room`
+    idle: tuple[str, ...] = ()               # drain and stop these: idle for their idle_unload_s
+    waits_for_room: str | None = None        # the head of the line, waiting for evictions or for a model to go idle
+    impossible: dict[str, str] = field(default_factory=dict)  # wanted models that can never load here: why
+    recheck_s: float | None = None           # look again after this long even if nothing changes (an idle deadline)
+
+    @property
+    def blocked(self) -> bool:
+        """The head of the line waits for a busy model to go idle: nothing but a request ending will change that."""
+        return self.waits_for_room is not None and not self.evict
+
+
+def plan(models: list[ModelView], limits: Limits, now: float) -> Plan:
+    idle, recheck = _idle_unloads(models, now)
+    impossible = {m.name: reason for m in models if m.wanted_since is not None and m.state is ModelState.UNLOADED
+                  and (reason := _never_fits(m, limits))}
+    line = sorted((m for m in models if m.wanted_since is not None and m.state is ModelState.UNLOADED
+                   and m.name not in impossible), key=lambda m: (m.wanted_since, m.name))
+    if not line:
+        return Plan(idle=idle, impossible=impossible, recheck_s=recheck)
+    head = line[0]
+    # Slots being freed (draining, or unloaded for idleness by this plan) still hold memory until their drain ends.
+    leaving = {m.name for m in models if m.state is ModelState.DRAINING} | set(idle)
+    staying = [m for m in models if m.state in OCCUPYING and m.name not in leaving]
+    if _fits(head, staying, limits):
+        everyone = [m for m in models if m.state in OCCUPYING]
+        load = head.name if _fits(head, everyone, limits) else None  # else: wait for the drains to end
+        return Plan(load=load, idle=idle, impossible=impossible, recheck_s=recheck,
+                    waits_for_room=None if load else head.name)
+    evict = _evictions(head, staying, limits)
+    return Plan(evict=evict, idle=idle, impossible=impossible, recheck_s=recheck, waits_for_room=head.name)
+
+
+def _idle_unloads(models: list[ModelView], now: float) -> tuple[tuple[str, ...], float | None]:
+    """The models idle for their idle_unload_s, and how long until the next one is due."""
+    due, recheck = [], math.inf
+    for m in models:
+        if m.state is not ModelState.READY or m.busy or m.idle_unload_s <= 0:
+            continue
+        left = m.last_used + m.idle_unload_s - now
+        if left <= 0:
+            due.append(m.name)
+        else:
+            recheck = min(recheck, left)
+    return tuple(due), None if recheck is math.inf else recheck
+
+
+def _never_fits(model: ModelView, limits: Limits) -> str | None:
+    budget = limits.memory_budget.get(model.device)
+    if budget is not None and model.footprint is not None and model.footprint > budget:
+        return (f"its footprint ({format_size(model.footprint)}) exceeds server.memory_budget "
+                f"{model.device}: {format_size(budget)}")
+    return None
+
+
+def _fits(new: ModelView, occupied: list[ModelView], limits: Limits) -> bool:
+    return not any(_short(new, occupied, limits))
+
+
+def _short(new: ModelView, occupied: list[ModelView], limits: Limits) -> tuple[bool, bool]:
+    """(short of a slot, short of memory on new's device) to load `new` beside `occupied`."""
+    slots = bool(limits.max_loaded) and len(occupied) + 1 > limits.max_loaded
+    budget = limits.memory_budget.get(new.device)
+    if budget is None:
+        return slots, False
+    used = sum(m.footprint or 0 for m in occupied if m.device == new.device)
+    return slots, used + (new.footprint or 0) > budget  # an unknown footprint counts 0: only max_loaded bounds it
+
+
+def _evictions(head: ModelView, staying: list[ModelView], limits: Limits) -> tuple[str, ...]:
+    """The fewest least recently used idle models whose leaving makes room for `head`; () when none would. A model
+    whose leaving frees nothing that is short (memory on another device while slots are plenty) is left alone."""
+    candidates = sorted((m for m in staying if m.state is ModelState.READY and not m.busy and not m.pinned
+                         and m.name != head.name), key=lambda m: (m.last_used, m.name))
+    remaining = list(staying)
+    chosen = []
+    for victim in candidates:
+        slots, memory = _short(head, remaining, limits)
+        if not (slots or memory):
+            break
+        if slots or victim.device == head.device:
+            remaining.remove(victim)
+            chosen.append(victim.name)
+    return tuple(chosen) if _fits(head, remaining, limits) else ()
+
+
+def why_waiting(head: ModelView, models: list[ModelView], limits: Limits) -> str:
+    """For the 503 of a request that waited in vain: what holds its model's load back."""
+    occupied = [m for m in models if m.state in OCCUPYING]
+    held = ", ".join(f"{m.name} ({m.state.value}{', busy' if m.busy else ''}{', pinned' if m.pinned else ''})"
+                     for m in occupied) or "none"
+    return f"no room to load model {head.name}: loaded {held}; none of them can be evicted (idle and not at_start)"
+
+
+def format_size(size: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= factor:
+            return f"{size / factor:.1f} {unit}"
+    return f"{size} B"

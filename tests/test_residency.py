@@ -1,0 +1,143 @@
+"""The residency policy (appliance.front.residency) without a process: which model loads, which is evicted, which
+unloads for idleness; and the config keys of models on demand."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.config import ConfigError, parse_config, parse_size
+from appliance.front.lifecycle import ModelState
+from appliance.front.residency import Limits, ModelView, plan
+
+GIB = 1 << 30
+S = ModelState
+
+
+def view(name, state=S.READY, **kw) -> ModelView:
+    kw.setdefault("device", "GPU.0")
+    return ModelView(name=name, state=state, **kw)
+
+
+def test_an_unloaded_model_nobody_wants_stays_unloaded():
+    assert plan([view("a", S.UNLOADED)], Limits(max_loaded=1), now=10) == plan([], Limits(), now=10)
+
+
+def test_a_wanted_model_loads_at_once_when_there_is_room():
+    p = plan([view("a"), view("b", S.UNLOADED, wanted_since=5)], Limits(max_loaded=2), now=10)
+    assert (p.load, p.evict, p.waits_for_room) == ("b", (), None)
+
+
+def test_the_least_recently_used_idle_model_is_evicted_never_a_busy_or_pinned_one():
+    models = [view("busy", last_used=1, busy=1), view("pinned", last_used=2, pinned=True),
+              view("old", last_used=3), view("recent", last_used=9), view("want", S.UNLOADED, wanted_since=9.5)]
+    p = plan(models, Limits(max_loaded=4), now=10)
+    assert (p.load, p.evict, p.waits_for_room) == (None, ("old",), "want")
+
+
+def test_the_load_waits_until_the_evicted_model_has_drained():
+    models = [view("a", last_used=9), view("old", S.DRAINING, last_used=3), view("want", S.UNLOADED, wanted_since=9)]
+    p = plan(models, Limits(max_loaded=2), now=10)
+    assert (p.load, p.evict, p.waits_for_room) == (None, (), "want")  # no second eviction for the same room
+    models[1] = view("old", S.UNLOADED, last_used=3)
+    assert plan(models, Limits(max_loaded=2), now=10).load == "want"
+
+
+def test_when_every_loaded_model_is_busy_the_wanted_one_waits():
+    models = [view("a", busy=1), view("b", S.LOADING), view("c", S.RESTARTING), view("want", S.UNLOADED, wanted_since=1)]
+    p = plan(models, Limits(max_loaded=3), now=10)
+    assert (p.load, p.evict, p.waits_for_room, p.blocked) == (None, (), "want", True)
+
+
+def test_a_model_is_never_evicted_for_itself_and_the_line_is_first_come_first_served():
+    models = [view("a", S.UNLOADED, wanted_since=2, last_used=0), view("b", S.UNLOADED, wanted_since=1),
+              view("c", last_used=5)]
+    p = plan(models, Limits(max_loaded=1), now=10)
+    assert (p.evict, p.waits_for_room) == (("c",), "b")
+
+
+def test_memory_budget_evicts_as_few_as_needed_by_footprint():
+    models = [view("small", footprint=1 * GIB, last_used=1), view("big", footprint=6 * GIB, last_used=2),
+              view("cpu", device="CPU", footprint=20 * GIB, last_used=0),
+              view("want", S.UNLOADED, footprint=5 * GIB, wanted_since=3)]
+    p = plan(models, Limits(memory_budget={"GPU.0": 10 * GIB}), now=10)
+    # small alone frees too little; small then big (LRU order) is what it takes. The CPU model counts elsewhere.
+    assert p.evict == ("small", "big")
+    assert plan(models, Limits(memory_budget={"GPU.0": 11 * GIB}), now=10).evict == ("small",)
+    assert plan(models, Limits(memory_budget={"GPU.0": 12 * GIB}), now=10).load == "want"
+
+
+def test_an_unknown_footprint_is_bounded_by_max_loaded_only():
+    models = [view("a", footprint=None), view("want", S.UNLOADED, wanted_since=1)]
+    assert plan(models, Limits(memory_budget={"GPU.0": 1}), now=10).load == "want"
+
+
+def test_a_model_larger_than_its_budget_is_impossible_and_blocks_nobody():
+    models = [view("huge", S.UNLOADED, footprint=20 * GIB, wanted_since=1), view("ok", S.UNLOADED, wanted_since=2)]
+    p = plan(models, Limits(memory_budget={"GPU.0": 14 * GIB}), now=10)
+    assert "exceeds server.memory_budget GPU.0: 14.0 GiB" in p.impossible["huge"] and p.load == "ok"
+
+
+def test_idle_unload_after_idle_unload_s_of_no_request_and_the_next_deadline():
+    models = [view("due", idle_unload_s=5, last_used=4), view("soon", idle_unload_s=5, last_used=8),
+              view("busy", idle_unload_s=5, last_used=0, busy=2), view("never", last_used=0),
+              view("loading", S.LOADING, idle_unload_s=5, last_used=0)]
+    p = plan(models, Limits(), now=10)
+    assert p.idle == ("due",) and p.recheck_s == pytest.approx(3)
+
+
+def test_an_idle_unload_makes_room_without_a_second_eviction():
+    models = [view("idle", idle_unload_s=1, last_used=0), view("other", last_used=1),
+              view("want", S.UNLOADED, wanted_since=9)]
+    p = plan(models, Limits(max_loaded=2), now=10)
+    assert (p.idle, p.evict, p.load) == (("idle",), (), None)  # the load follows once its drain ends
+
+
+# --- config ---------------------------------------------------------------------------------------------------
+
+def config(server=None, **model):
+    return parse_config({"server": server or {}, "models": [{"name": "a", "path": "/m", **model}]}, "/etc/o.yaml")
+
+
+def test_the_keys_parse_with_their_defaults():
+    c = config()
+    assert (c.models[0].load, c.models[0].idle_unload_s, c.models[0].memory_bytes) == ("at_start", 0, None)
+    assert (c.server.max_loaded, c.server.memory_budget_bytes) == (0, {})
+    c = config({"max_loaded": 1, "memory_budget": {"GPU.0": "14GiB", "CPU": "32GB"}}, load="on_demand",
+               idle_unload_s=300, memory="4.5GiB", device="GPU")
+    assert c.server.memory_budget_bytes == {"GPU.0": 14 * GIB, "CPU": 32 * 10**9}
+    assert c.models[0].memory_bytes == int(4.5 * GIB)
+    assert [parse_size(s) for s in ("800MiB", "2 GB", 1024, "1.5G", "x", "-1GiB")] == [
+        800 << 20, 2 * 10**9, 1024, 1_500_000_000, None, None]
+
+
+@pytest.mark.parametrize("server, model, message", [
+    ({}, {"load": "lazy"}, "models[0].load: expected one of 'at_start', 'on_demand'"),
+    ({}, {"idle_unload_s": -1}, "models[0].idle_unload_s: expected a non-negative number"),
+    ({}, {"memory": "lots"}, "models[0].memory: expected a size such as 4.5GiB"),
+    ({"max_loaded": -1}, {}, "server.max_loaded: expected a non-negative integer"),
+    ({"memory_budget": {"gpu0": "1GiB"}}, {}, "server.memory_budget.gpu0: expected a device name"),
+    ({"memory_budget": {"GPU.0": "much"}}, {}, "server.memory_budget.GPU.0: expected a size"),
+    ({"memory_budget": {"GPU.0": "4GiB"}}, {"memory": "5GiB", "device": "GPU"},
+     "models[0].memory: 5GiB exceeds server.memory_budget.GPU.0 (4GiB); this model could never load"),
+])
+def test_bad_values_are_named_with_file_and_key(server, model, message):
+    with pytest.raises(ConfigError) as info:
+        config(server, **model)
+    assert str(info.value).startswith("/etc/o.yaml: ") and message in str(info.value)
+
+
+def test_max_loaded_and_budget_leave_room_for_the_at_start_models():
+    models = [{"name": "a", "path": "/m"}, {"name": "b", "path": "/m"}, {"name": "c", "path": "/m", "load": "on_demand"}]
+    with pytest.raises(ConfigError, match="server.max_loaded: 1 is fewer than the 2 models with load: at_start"):
+        parse_config({"server": {"max_loaded": 1}, "models": models}, "o.yaml")
+    assert parse_config({"server": {"max_loaded": 2}, "models": models}, "o.yaml").server.max_loaded == 2
+    pinned = [{**m, "memory": "3GiB", "device": "GPU.0"} for m in models]
+    with pytest.raises(ConfigError, match="server.memory_budget.GPU.0: 5GiB is less than the memory of the load: "
+                                          "at_start models on it"):
+        parse_config({"server": {"memory_budget": {"GPU.0": "5GiB"}}, "models": pinned}, "o.yaml")
+
+
+def test_one_instance_is_one_model_always_loaded():
+    c = config({"max_loaded": 1, "memory_budget": {"CPU": "1GiB"}}, load="on_demand", idle_unload_s=5).only("a")
+    assert (c.models[0].load, c.models[0].idle_unload_s, c.server.max_loaded, c.server.memory_budget) == (
+        "at_start", 0, 0, {})

@@ -15,6 +15,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from appliance.front.lifecycle import ModelState
 
 MODEL_STATES = tuple(state.value for state in ModelState)
+LOAD_REASONS = ("start", "demand", "api", "reload")
+UNLOAD_REASONS = ("idle", "evicted", "api")
 
 
 @dataclass
@@ -122,6 +124,19 @@ class Metrics:
                                         ["model", "reason"], registry=r)
         self.draft_tokens = Counter("openarc_draft_tokens", "Tokens a draft model or prompt lookup proposed, by whether "
                                     "the main model accepted them", ["model", "outcome"], registry=r)
+        # Models on demand (appliance.front.residency): what is loaded, why loads and unloads happened, and what
+        # the requests that had to wait for a load paid.
+        self.model_loaded = Gauge("openarc_model_loaded", "1 while the model is loaded and ready (0: unloaded, "
+                                  "loading, restarting, failed)", ["model"], registry=r)
+        self.model_loads = Counter("openarc_model_loads", "Model loads, by why: start (load: at_start), demand (a "
+                                   "request for an unloaded model), api (POST /openarc/models/NAME/load), reload",
+                                   ["model", "reason"], registry=r)
+        self.model_unloads = Counter("openarc_model_unloads", "Model unloads, by why: idle (idle_unload_s), evicted "
+                                     "(to make room for another model), api (POST /openarc/models/NAME/unload)",
+                                     ["model", "reason"], registry=r)
+        self.model_load_wait = Histogram("openarc_model_load_wait_seconds", "Time requests spent waiting for their "
+                                         "model to load (on demand, at start, or after a restart)", ["model"],
+                                         buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
         self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",
                                     registry=r)
 
@@ -135,12 +150,17 @@ class Metrics:
         self.model_info.labels(model=model, kind=kind).set(1)
         series = {name: getattr(self, name).labels(model=model) for name in ModelMetrics.__annotations__ if name != "draft"}
         draft = DraftTokens(*(self.draft_tokens.labels(model=model, outcome=o) for o in ("accepted", "rejected")))
+        for reason in LOAD_REASONS:
+            self.model_loads.labels(model=model, reason=reason)
+        for reason in UNLOAD_REASONS:
+            self.model_unloads.labels(model=model, reason=reason)
         return ModelMetrics(**series, draft=draft)
 
     def set_state(self, model: str, state: str) -> None:
         for name in MODEL_STATES:
             self.model_state.labels(model=model, state=name).set(1 if name == state else 0)
         self.worker_up.labels(model=model).set(1 if state == "ready" else 0)
+        self.model_loaded.labels(model=model).set(1 if state == "ready" else 0)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -20,7 +20,7 @@ from aiohttp import web
 from appliance import __version__
 from appliance.front import listen
 from appliance.host import oom, telemetry
-from appliance.front.api import audio, dialects, embeddings, generate, messages, rerank
+from appliance.front.api import audio, dialects, embeddings, generate, messages, models, rerank
 from appliance.front.api.errors import error_response
 from appliance.config import Config, ConfigError
 from appliance.front.lifecycle import ModelState
@@ -74,6 +74,7 @@ class Appliance:
         embeddings.add_routes(app, self)
         rerank.add_routes(app, self)
         audio.add_routes(app, self)
+        models.add_routes(app, self)
         return app
 
     @web.middleware
@@ -134,9 +135,11 @@ class Appliance:
                                  status=200 if ready else 503)
 
     async def status(self, request: web.Request) -> web.Response:
+        sup = self.supervisor
         return web.json_response({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
-                                  "draining": self.draining,
-                                  "models": [m.status() for m in self.supervisor.models.values()]})
+                                  "draining": self.draining, "residency": sup.residency_summary(),
+                                  "models": [{**m.status(), **sup.residency_status(m.name)}
+                                             for m in sup.models.values()]})
 
     async def metrics_route(self, request: web.Request) -> web.Response:
         body, content_type = self.metrics.exposition()
@@ -160,7 +163,7 @@ class Appliance:
         replacement, up to the model's ready_wait_s); else the RequestFailed the client gets."""
         sup = self.supervisor.get(name)
         if sup is None:
-            raise self._not_found(name)
+            raise self.not_found(name)
         if sup.model.kind not in kinds:
             raise RequestFailed(400, "invalid_request", f"the model '{name}' is of kind {sup.model.kind}; /v1/{endpoint} "
                                                         f"needs a model of kind {' or '.join(kinds)}", "wrong_model_kind")
@@ -168,10 +171,10 @@ class Appliance:
             raise RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)
         ready = await self.supervisor.ready_model(name)
         if ready is None:  # removed by a reload while the request waited
-            raise self._not_found(name)
+            raise self.not_found(name)
         return ready
 
-    def _not_found(self, name: str) -> RequestFailed:
+    def not_found(self, name: str) -> RequestFailed:
         return RequestFailed(404, "model_not_found", f"the model '{name}' does not exist "
                                                      f"(have: {', '.join(self.supervisor.models)})")
 

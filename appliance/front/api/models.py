@@ -1,0 +1,36 @@
+"""POST /openarc/models/{name}/load and /unload: load a model now (returns when it is ready, or 503 with why), or
+drain and stop one (it stays unloaded until a request or a load). Behind the API key like every route but /health and
+/ready; 404 for a model the config does not have. What decides residency is appliance.front.residency."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from appliance.front.api.route import Call, route
+from appliance.front.request import RequestFailed
+
+
+def add_routes(app: web.Application, appliance) -> None:
+    async def load(request: web.Request, call: Call) -> web.Response:
+        name = model_named(request, call)
+        if appliance.draining:
+            raise RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)
+        sup = await appliance.supervisor.ready_model(name, reason="api")
+        if sup is None:  # removed by a reload while it waited
+            raise appliance.not_found(name)
+        return web.json_response({"model": name, "state": sup.state.value, "pid": sup.pid,
+                                  "load_seconds": sup.load_seconds})
+
+    async def unload(request: web.Request, call: Call) -> web.Response:
+        name = model_named(request, call)
+        if not await appliance.supervisor.unload(name, "api"):
+            raise appliance.not_found(name)
+        return web.json_response({"model": name, "state": appliance.supervisor.get(name).state.value})
+
+    def model_named(request: web.Request, call: Call) -> str:
+        name = request.match_info["name"]
+        call.label({"model": name})
+        return name
+
+    app.router.add_post("/openarc/models/{name}/load", route(appliance, "openarc/models/load", load))
+    app.router.add_post("/openarc/models/{name}/unload", route(appliance, "openarc/models/unload", unload))

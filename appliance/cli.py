@@ -1,14 +1,17 @@
-"""`openarc`: serve, check-config, pull, demo-model, health."""
+"""`openarc`: serve, check-config, pull, demo-model, health, and models / load / unload against a running server."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import subprocess
 import sys
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -138,6 +141,73 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key the server checks, from the same environment variable: the one its config's server.api_key_env
+    names (--config, else /etc/openarc/openarc.yaml when readable), else OPENARC_API_KEY."""
+    env = "OPENARC_API_KEY"
+    path = args.config or (DEFAULT_CONFIG_PATH if os.access(DEFAULT_CONFIG_PATH, os.R_OK) else None)
+    if path:
+        env = load_config(path).server.api_key_env or env
+    return os.environ.get(env)
+
+
+def call_server(args: argparse.Namespace, method: str, path: str) -> tuple[int, dict]:
+    """One request to a running server; (status, JSON body), or (0, {"error": {"message": why}}) if it is not there."""
+    key = api_key(args)
+    request = urllib.request.Request(args.url.rstrip("/") + path, method=method, data=b"" if method == "POST" else None,
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        text = exc.read().decode(errors="replace")
+        try:
+            return exc.code, json.loads(text)
+        except ValueError:
+            return exc.code, {"error": {"message": text[:300]}}
+    except (urllib.error.URLError, OSError) as exc:
+        return 0, {"error": {"message": f"{args.url}: {getattr(exc, 'reason', exc)}"}}
+
+
+def _error_exit(status: int, body: dict) -> int:
+    error = body.get("error") or {}
+    print(f"openarc: {f'{status}: ' if status else ''}{error.get('message', body)}"
+          + (f" (hint: {error['hint']})" if error.get("hint") else ""), file=sys.stderr)
+    return 1
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """Every configured model with its state, load policy, memory and last use."""
+    status, body = call_server(args, "GET", "/openarc/status")
+    if status != 200:
+        return _error_exit(status, body)
+    rows = [("MODEL", "KIND", "STATE", "LOAD", "IDLE_UNLOAD_S", "MEMORY", "LAST_USED", "PID")]
+    for m in body["models"]:
+        memory = m.get("memory") or {}
+        size = f"{memory['bytes'] / (1 << 30):.2f}GiB {memory['source']}" if memory.get("bytes") else "unknown"
+        last = time.strftime("%H:%M:%S", time.localtime(m["last_used"])) if m.get("last_used") else "-"
+        rows.append((m["name"], m["kind"], m["state"], m.get("load", "at_start"), f"{m.get('idle_unload_s', 0):g}",
+                     size, last, str(m["pid"] or "-")))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    residency = body.get("residency") or {}
+    if residency.get("max_loaded") or residency.get("memory_budget"):
+        budget = ", ".join(f"{d}: {s}" for d, s in residency["memory_budget"].items()) or "none"
+        print(f"\nloaded {residency['loaded']} of max_loaded {residency['max_loaded'] or 'unlimited'}; "
+              f"memory_budget: {budget}")
+    return 0
+
+
+def cmd_load_unload(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    status, body = call_server(args, "POST", f"/openarc/models/{urllib.parse.quote(args.name, safe='')}/{args.command}")
+    if status != 200:
+        return _error_exit(status, body)
+    print(f"{body['model']}: {body['state']} ({time.monotonic() - started:.1f}s)")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openarc", description="OpenAI-compatible LLM appliance for Intel GPUs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -180,6 +250,17 @@ def parser() -> argparse.ArgumentParser:
     health.add_argument("--url", default=os.environ.get("OPENARC_URL", "http://127.0.0.1:8000"))
     health.add_argument("--timeout", type=float, default=5.0)
     health.set_defaults(func=cmd_health)
+    for name, help_text in (("models", "list the configured models: state, load policy, memory, last use"),
+                            ("load", "load a model now; returns when it is ready"),
+                            ("unload", "drain a model, then stop its worker; it loads again on its next request")):
+        command = sub.add_parser(name, help=help_text)
+        if name != "models":
+            command.add_argument("name", help="the model's name")
+        command.add_argument("--url", default=os.environ.get("OPENARC_URL", "http://127.0.0.1:8000"))
+        command.add_argument("--config", help="the server's config, for server.api_key_env (default "
+                                              f"{DEFAULT_CONFIG_PATH} if readable; else OPENARC_API_KEY holds the key)")
+        command.add_argument("--timeout", type=float, default=900.0)
+        command.set_defaults(func=cmd_models if name == "models" else cmd_load_unload)
     return p
 
 

@@ -1,0 +1,263 @@
+"""Models on demand on real workers: loaded by their first request, evicted when idle to make room, unloaded after
+idle_unload_s, loaded and unloaded through the API and the CLI; never more workers than max_loaded allows."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import REPO, http, model_entry, pid_alive, wait_until
+
+HANG_BOUND_S = 60  # catches hangs only
+CHAT = [{"role": "user", "content": "Say something."}]
+KEY_ENV = "TEST_OPENARC_ON_DEMAND_KEY"
+
+
+def on_demand(name: str, path: Path, **overrides) -> dict:
+    return model_entry(name, path, load="on_demand", **overrides)
+
+
+def worker_pids(app) -> list[int]:
+    """The front's live worker processes, read from /proc (not from what the front says)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if int(fields[1]) == app.proc.pid and fields[0] != "Z" and b"appliance.worker" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def samples(app, name: str, label: str = "reason") -> dict[str, float]:
+    """{label value: count} of one counter, per model: {"a": {"demand": 2.0, ...}}."""
+    out: dict[str, dict[str, float]] = {}
+    for model, value, count in re.findall(rf'^{name}{{model="([^"]+)",{label}="([^"]+)"}} (\S+)$', app.metrics(), re.M):
+        out.setdefault(model, {})[value] = float(count)
+    return out
+
+
+def gauge(app, name: str, model: str) -> float:
+    return float(re.search(rf'^{name}{{model="{model}"}} (\S+)$', app.metrics(), re.M).group(1))
+
+
+def chat(app, model: str, stream: bool, **kwargs) -> str:
+    client = app.client(timeout=HANG_BOUND_S, **kwargs)
+    if not stream:
+        answer = client.chat.completions.create(model=model, messages=CHAT, max_tokens=4)
+        return answer.choices[0].finish_reason
+    finish = None
+    for chunk in client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, stream=True):
+        finish = chunk.choices[0].finish_reason if chunk.choices else finish
+    return finish
+
+
+def test_clients_cycling_through_three_models_never_exceed_max_loaded(appliance_factory, demo_model):
+    app = appliance_factory({"server": {"max_loaded": 2},
+                             "models": [on_demand(name, demo_model) for name in ("a", "b", "c")]})
+    assert worker_pids(app) == [] and app.model_status("a")["state"] == "unloaded"
+    stop, peak, outcomes = threading.Event(), [0], []
+
+    def sampler() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], len(worker_pids(app)))
+            time.sleep(0.01)
+
+    def client(offset: int) -> None:
+        for i in range(6):
+            model = "abc"[(offset + i) % 3]
+            try:
+                outcomes.append((model, chat(app, model, stream=(i + offset) % 2 == 0)))
+            except openai.APIError as exc:
+                outcomes.append((model, repr(exc)))
+
+    watcher = threading.Thread(target=sampler)
+    watcher.start()
+    clients = [threading.Thread(target=client, args=(offset,)) for offset in range(3)]
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join(HANG_BOUND_S * 3)
+    stop.set()
+    watcher.join()
+    assert len(outcomes) == 18 and all(finish in ("length", "stop") for _, finish in outcomes), outcomes
+    assert 1 <= peak[0] <= 2, peak
+
+    log = app.logs()
+    evictions = re.findall(r"model (\w+): unloading \(evicted to make room for another model; .*, (\d+) requests "
+                           r"to finish\)", log)
+    assert evictions and all(running == "0" for _, running in evictions), evictions  # only idle models were evicted
+    loads, unloads = samples(app, "openarc_model_loads_total"), samples(app, "openarc_model_unloads_total")
+    for model in "abc":
+        state = app.model_status(model)["state"]
+        assert loads[model]["demand"] == log.count(f"model {model}: unloaded -> loading")
+        assert unloads[model]["evicted"] == sum(1 for name, _ in evictions if name == model)
+        assert loads[model]["start"] == loads[model]["api"] == unloads[model]["idle"] == unloads[model]["api"] == 0
+        # every load is either still resident or was unloaded once
+        assert loads[model]["demand"] - unloads[model]["evicted"] == (state == "ready") == gauge(
+            app, "openarc_model_loaded", model)
+    assert sum(loads[m]["demand"] for m in "abc") >= 4  # three models through two slots: some model came back
+    # an unload is a stop, not a crash: every worker that ended was stopped
+    assert "openarc_worker_crashes_total{" not in app.metrics()
+    exits = samples(app, "openarc_worker_exits_total")
+    assert all(set(exits.get(m, {})) <= {"stopped"} for m in "abc"), exits
+    assert all(exits.get(m, {}).get("stopped", 0) == unloads[m]["evicted"] for m in "abc"), (exits, unloads)
+    waits = re.search(r'^openarc_model_load_wait_seconds_count{model="a"} (\S+)$', app.metrics(), re.M)
+    assert float(waits.group(1)) >= 1
+
+
+def test_idle_unload_s_unloads_an_idle_model_and_the_next_request_reloads_it(appliance_factory, demo_model):
+    app = appliance_factory({"models": [on_demand("idle", demo_model, idle_unload_s=1),
+                                        model_entry("pinned", demo_model)]})
+    assert chat(app, "idle", stream=False) == "length"
+    pid = app.worker_pid("idle")
+    assert app.model_status("idle")["memory"]["source"] == "measured"
+    app.wait_model("idle", "unloaded", timeout=HANG_BOUND_S)
+    wait_until(lambda: not pid_alive(pid), HANG_BOUND_S, "its worker gone")
+    assert pid not in worker_pids(app) and len(worker_pids(app)) == 1  # the at_start model stays
+    assert gauge(app, "openarc_model_loaded", "idle") == 0
+    assert chat(app, "idle", stream=True) == "length"
+    assert app.worker_pid("idle") != pid
+    loads, unloads = samples(app, "openarc_model_loads_total"), samples(app, "openarc_model_unloads_total")
+    assert (loads["idle"]["demand"], unloads["idle"]["idle"], loads["pinned"]["start"]) == (2, 1, 1)
+    status = app.model_status("idle")
+    assert (status["load"], status["idle_unload_s"]) == ("on_demand", 1) and status["last_used"] > time.time() - 60
+    assert http("GET", app.base + "/ready")[0] == 200
+
+
+def cli(app, *args: str, key: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != KEY_ENV}
+    if key:
+        env[KEY_ENV] = key
+    return subprocess.run([sys.executable, "-m", "appliance", *args, "--url", app.base, "--config", str(app.config_path)],
+                          cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=HANG_BOUND_S)
+
+
+def test_load_and_unload_through_the_api_and_the_cli_with_and_without_the_key(appliance_factory, demo_model, tmp_path):
+    app = appliance_factory({"server": {"api_key_env": KEY_ENV},
+                             "models": [on_demand("a", demo_model),
+                                        on_demand("broken", tmp_path / "no-such-model",
+                                                  restart={"backoff_initial_s": 30, "backoff_max_s": 30,
+                                                           "max_failures": 5, "window_s": 60})]},
+                            env={KEY_ENV: "s3cret"})
+    for action in ("load", "unload"):
+        status, _, body = http("POST", f"{app.base}/openarc/models/a/{action}")
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        status, _, body = http("POST", f"{app.base}/openarc/models/nope/{action}", headers=app.auth)
+        assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert app.model_status("a")["state"] == "unloaded"
+
+    status, _, body = http("POST", f"{app.base}/openarc/models/a/load", headers=app.auth, timeout=HANG_BOUND_S)
+    assert status == 200 and body["state"] == "ready" and pid_alive(body["pid"])
+    pid = body["pid"]
+    app.worker_pids.add(pid)
+    status, _, body = http("POST", f"{app.base}/openarc/models/a/unload", headers=app.auth, timeout=HANG_BOUND_S)
+    assert status == 200 and body["state"] == "unloaded"
+    wait_until(lambda: not pid_alive(pid), HANG_BOUND_S, "the unloaded worker gone")
+
+    # A broken path: 503 with the reason; tried again only after the restart policy's backoff, answered at once.
+    status, headers, body = http("POST", f"{app.base}/openarc/models/broken/load", headers=app.auth,
+                                 timeout=HANG_BOUND_S)
+    assert status == 503 and "failed to load" in body["error"]["message"], body
+    assert "no-such-model" in body["error"]["message"] and int(headers["Retry-After"]) >= 1
+    started = time.monotonic()
+    status, _, again = http("POST", f"{app.base}/v1/chat/completions", {"model": "broken", "messages": CHAT},
+                            headers=app.auth, timeout=HANG_BOUND_S)
+    assert status == 503 and again["error"]["message"] == body["error"]["message"]
+    assert time.monotonic() - started < 5  # no new load attempt inside the backoff
+    assert samples(app, "openarc_model_loads_total")["broken"]["api"] == 1
+    assert http("GET", app.base + "/ready")[0] == 200  # an on-demand model's failure is its own requests' business
+
+    # The CLI: the key from the environment variable the config names; without it, a clear refusal.
+    refused = cli(app, "models")
+    assert refused.returncode == 1 and "401" in refused.stderr and "API key" in refused.stderr
+    loaded = cli(app, "load", "a", key="s3cret")
+    assert loaded.returncode == 0 and loaded.stdout.startswith("a: ready"), loaded.stderr
+    listed = cli(app, "models", key="s3cret")
+    assert listed.returncode == 0, listed.stderr
+    rows = {line.split()[0]: line.split() for line in listed.stdout.splitlines()[1:] if line.strip()}
+    assert rows["a"][2:4] == ["ready", "on_demand"] and rows["broken"][2] == "unloaded"
+    app.remember_workers()
+    unloaded = cli(app, "unload", "a", key="s3cret")
+    assert unloaded.returncode == 0 and unloaded.stdout.startswith("a: unloaded"), unloaded.stderr
+    missing = cli(app, "load", "nope", key="s3cret")
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    unloads = samples(app, "openarc_model_unloads_total")["a"]
+    assert (samples(app, "openarc_model_loads_total")["a"]["api"], unloads["api"]) == (2, 2)
+
+
+def test_an_unload_lets_a_running_stream_finish_first(appliance_factory, demo_model):
+    app = appliance_factory({"models": [on_demand("a", demo_model)]}, env={"OPENARC_DEBUG_STEP_DELAY_S": "0.03"})
+    stream = app.client(timeout=HANG_BOUND_S).chat.completions.create(model="a", messages=CHAT, max_tokens=40,
+                                                                      stream=True)
+    chunks = iter(stream)
+    first = next(chunks)
+    assert first.choices
+    unloaded: list[tuple[int, float]] = []
+    unloader = threading.Thread(target=lambda: unloaded.append((
+        http("POST", app.base + "/openarc/models/a/unload", timeout=HANG_BOUND_S)[0], time.monotonic())))
+    unloader.start()
+    wait_until(lambda: app.model_status("a")["state"] == "unloaded", HANG_BOUND_S, "a new unloaded supervisor")
+    finish = None
+    text = ""
+    for chunk in chunks:
+        if chunk.choices:
+            finish = chunk.choices[0].finish_reason or finish
+            text += chunk.choices[0].delta.content or ""
+    stream_ended = time.monotonic()
+    unloader.join(HANG_BOUND_S)
+    assert finish == "length" and text  # the stream ran to its end, not cut by the unload
+    assert unloaded[0][0] == 200 and unloaded[0][1] >= stream_ended - 0.5  # the unload answered after the drain
+    assert worker_pids(app) == []
+
+
+def test_sigabrt_of_a_worker_while_another_model_loads_on_demand(appliance_factory, demo_model, long_demo_model):
+    app = appliance_factory({"server": {"max_loaded": 2},
+                             "models": [model_entry("resident", long_demo_model), on_demand("late", demo_model)]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.02"})
+    resident = app.worker_pid("resident")
+    stream = iter(app.client(timeout=HANG_BOUND_S).chat.completions.create(
+        model="resident", messages=CHAT, max_tokens=2000, stream=True))
+    assert next(stream).choices  # generating (for 40 s unless cut)
+    results: dict[str, object] = {}
+
+    def call(name: str, model: str) -> None:
+        try:
+            results[name] = chat(app, model, stream=False)
+        except openai.APIError as exc:
+            results[name] = exc
+
+    late = threading.Thread(target=call, args=("late", "late"))
+    late.start()
+    app.wait_model("late", "loading", timeout=HANG_BOUND_S)
+    os.kill(resident, signal.SIGABRT)
+    started = time.monotonic()
+    with pytest.raises(openai.APIError):  # the crashed worker's stream ends at once with its error
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < HANG_BOUND_S / 2
+    late.join(HANG_BOUND_S)
+    assert results["late"] == "length"  # the load it waited for went on, and served it
+    app.wait_model("resident", "ready", timeout=HANG_BOUND_S, new_pid_not=resident)
+    assert app.client(timeout=HANG_BOUND_S).completions.create(model="resident", prompt="x", max_tokens=2).usage
+    crashes = re.findall(r'^openarc_worker_crashes_total{model="resident",reason="crash",signal="SIGABRT"} (\S+)$',
+                         app.metrics(), re.M)
+    assert crashes == ["1.0"]
+    loads = samples(app, "openarc_model_loads_total")
+    assert (loads["late"]["demand"], loads["resident"]["start"]) == (1, 1)  # a restart is not a load
+    assert len(worker_pids(app)) == 2

@@ -50,8 +50,12 @@ OPENARC_METRICS = {
     "openarc_structured_requests_total": ("counter", ("model", "kind")),
     "openarc_embedding_inputs_total": ("counter", ("model",)),
     "openarc_audio_seconds_total": ("counter", ("model",)),
+    "openarc_model_loaded": ("gauge", ("model",)),
+    "openarc_model_loads_total": ("counter", ("model", "reason")),
+    "openarc_model_unloads_total": ("counter", ("model", "reason")),
+    "openarc_model_load_wait_seconds": ("histogram", ("model",)),
 }
-MODEL_STATES = ("loading", "ready", "restarting", "draining", "failed", "stopped")
+MODEL_STATES = ("loading", "ready", "restarting", "draining", "failed", "stopped", "unloaded")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import REPO, http, model_entry, pid_alive, wait_until
+from conftest import REPO, http, model_entry, pid_alive, quick_side_bench, wait_until
 
 HANG_BOUND_S = 60  # catches hangs only
 CHAT = [{"role": "user", "content": "Say something."}]
@@ -261,3 +261,11 @@ def test_sigabrt_of_a_worker_while_another_model_loads_on_demand(appliance_facto
     loads = samples(app, "openarc_model_loads_total")
     assert (loads["late"]["demand"], loads["resident"]["start"]) == (1, 1)  # a restart is not a load
     assert len(worker_pids(app)) == 2
+
+
+def test_the_bench_reports_the_time_to_first_token_of_a_load_against_a_resident_model(tmp_path):
+    figures = quick_side_bench("on_demand", tmp_path)
+    resident = figures["TTFT, model resident (median)"]
+    switching = figures["TTFT, request triggers an evict and a load from the compiled-model cache (median)"]
+    assert resident["unit"] == switching["unit"] == "ms" and resident["value"] > 0 and switching["value"] > 0
+    assert len(figures) == 5

@@ -70,6 +70,7 @@ class Supervisor:
         self.wants: dict[str, dict[object, tuple[float, str]]] = {}  # model -> its waiters' (arrival, load reason)
         self.leaving: set[ModelSupervisor] = set()  # unloaded, still draining: they hold their slot until gone
         self.placer: asyncio.Task | None = None
+        self.chores: set[asyncio.Task] = set()  # the placer's loads being watched and unloads being drained
         # Every model exists from here on, before start() and before the front listens: a request that arrives
         # first (under socket activation, one that waited in the backlog) finds it coming up and waits, not a 404.
         self.models: dict[str, ModelSupervisor] = {model.name: self._new_model(model, config) for model in config.models}
@@ -116,6 +117,8 @@ class Supervisor:
                    (wanted[name] != sup.model or worker_spec(wanted[name], config) != sup.spec
                     or sup.state is ModelState.FAILED)]
         added = [model for name, model in wanted.items() if name not in self.models]
+        for name in changed:  # new settings: a load that failed or could never fit may work now
+            self.usage[name].refusal = None
         self.config = config
         for model in added:
             self._start_model(model)
@@ -276,9 +279,18 @@ class Supervisor:
         while True:
             self.replan.clear()
             now = time.monotonic()
-            plan = residency.plan(self._views(now), self.limits(), now)
-            self._carry_out(plan)
+            try:
+                plan = residency.plan(self._views(now), self.limits(), now)
+                self._carry_out(plan)
+            except Exception:  # a bug: loud in the log, and no loads or unloads until the next change
+                log.exception("residency: planning failed")
+                plan = residency.Plan(recheck_s=1.0)
             await self._until_replan(plan)
+
+    def _chore(self, coro, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self.chores.add(task)
+        task.add_done_callback(self.chores.discard)
 
     def _carry_out(self, plan: residency.Plan) -> None:
         for name, reason in plan.impossible.items():
@@ -288,7 +300,7 @@ class Supervisor:
             for name in names:
                 old = self._begin_unload(name, reason)  # at once: the next plan sees it leaving
                 if old is not None:
-                    asyncio.create_task(self._drain_out(old), name=f"unload:{name}")
+                    self._chore(self._drain_out(old), f"unload:{name}")
         if plan.load:
             wants = self.wants.get(plan.load) or {None: (0.0, "demand")}
             self._begin_load(self.models[plan.load], min(wants.values())[1])
@@ -315,7 +327,7 @@ class Supervisor:
             waiting = len(self.wants.get(sup.name, ()))
             log.info("model %s: loading (%s%s)", sup.name, reason, f", {waiting} requests waiting" if waiting else "")
         sup.start()
-        asyncio.create_task(self._loaded(sup), name=f"load:{sup.name}")
+        self._chore(self._loaded(sup), f"load:{sup.name}")
 
     async def _loaded(self, sup: ModelSupervisor) -> None:
         """After a load: measure its footprint; an on-demand load that failed answers its waiters at once and
@@ -431,6 +443,8 @@ class Supervisor:
         await asyncio.gather(*(self._stop_model(name, drain_timeout_s) for name in list(self.models)),
                              *(sup.stop(0) for sup in list(self.replacements)),
                              *(sup.stop(drain_timeout_s) for sup in list(self.leaving)))
+        for task in list(self.chores):
+            task.cancel()
 
 
 def measure_footprint(sup: ModelSupervisor) -> int | None:

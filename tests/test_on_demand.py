@@ -70,6 +70,7 @@ def test_clients_cycling_through_three_models_never_exceed_max_loaded(appliance_
     app = appliance_factory({"server": {"max_loaded": 2},
                              "models": [on_demand(name, demo_model) for name in ("a", "b", "c")]})
     assert worker_pids(app) == [] and app.model_status("a")["state"] == "unloaded"
+    assert [m.id for m in app.client().models.list()] == ["a", "b", "c"]  # every configured model, loaded or not
     stop, peak, outcomes = threading.Event(), [0], []
 
     def sampler() -> None:
@@ -130,6 +131,8 @@ def test_idle_unload_s_unloads_an_idle_model_and_the_next_request_reloads_it(app
     wait_until(lambda: not pid_alive(pid), HANG_BOUND_S, "its worker gone")
     assert pid not in worker_pids(app) and len(worker_pids(app)) == 1  # the at_start model stays
     assert gauge(app, "openarc_model_loaded", "idle") == 0
+    assert gauge(app, "openarc_worker_resident_memory_bytes", "idle") == 0
+    assert http("GET", app.base + "/health")[0] == 200  # an unloaded model is healthy
     assert chat(app, "idle", stream=True) == "length"
     assert app.worker_pid("idle") != pid
     loads, unloads = samples(app, "openarc_model_loads_total"), samples(app, "openarc_model_unloads_total")

@@ -398,6 +398,9 @@ class Supervisor:
         finally:
             self.leaving.discard(old)
             self._changed()
+        current = self.models.get(old.name)
+        if current is not None and current.state is ModelState.UNLOADED:
+            self.metrics.worker_rss.labels(model=old.name).set(0)  # its memory went with its worker
         log.info("model %s: unloaded", old.name)
 
     def residency_status(self, name: str) -> dict:

@@ -272,3 +272,21 @@ def test_the_bench_reports_the_time_to_first_token_of_a_load_against_a_resident_
     switching = figures["TTFT, request triggers an evict and a load from the compiled-model cache (median)"]
     assert resident["unit"] == switching["unit"] == "ms" and resident["value"] > 0 and switching["value"] > 0
     assert len(figures) == 5
+
+
+def test_memory_budget_evicts_by_declared_footprint_and_reports_measured_ones(appliance_factory, demo_model):
+    app = appliance_factory({"server": {"memory_budget": {"CPU": "2GiB"}},
+                             "models": [on_demand("a", demo_model, memory="1GiB"),
+                                        on_demand("b", demo_model, memory="1GiB"),
+                                        on_demand("free", demo_model, device="AUTO:CPU")]})
+    assert app.model_status("a")["memory"] == {"bytes": 1 << 30, "source": "declared"}
+    assert app.model_status("free")["memory"] == {"bytes": None, "source": "unknown"}
+    for model in ("a", "free", "b"):
+        assert chat(app, model, stream=False) == "length"
+    # b (1 GiB) did not fit beside a (1 GiB) and free's measured footprint within CPU's 2 GiB: a, the least recently
+    # used, was evicted (free's RSS, some hundred MiB, fits beside b)
+    assert [app.model_status(m)["state"] for m in ("a", "b", "free")] == ["unloaded", "ready", "ready"]
+    assert samples(app, "openarc_model_unloads_total")["a"]["evicted"] == 1
+    measured = app.model_status("free")["memory"]
+    assert measured["source"] == "measured" and measured["bytes"] > 10 << 20  # the worker's RSS at its load
+    assert app.status()["residency"] == {"max_loaded": 0, "memory_budget": {"CPU": "2GiB"}, "loaded": 2}

@@ -2,7 +2,8 @@
 config model by model (a changed model is replaced side by side or restarted), waiting for a model that is
 coming up, and carrying out the residency plan (appliance.front.residency): loading models on demand, evicting idle
 ones to make room, unloading those idle for their idle_unload_s. Each model's own life is its ModelSupervisor's
-(appliance.front.model_supervisor).
+(appliance.front.model_supervisor): its worker's life (appliance.front.worker_life) and its requests
+(appliance.front.routing).
 
 Residency, mechanically: an unloaded model is a ModelSupervisor in state `unloaded` that was never started; loading it
 is starting it. Unloading swaps a fresh unloaded supervisor in under the model's name (so new requests wait for the
@@ -36,8 +37,8 @@ def _count_waiter(counted: ModelSupervisor | None, current: ModelSupervisor | No
     if counted is not current:
         for sup, step in ((counted, -1), (current, 1)):
             if sup is not None:
-                sup.awaiting_ready += step
-                sup.publish_queue()
+                sup.router.awaiting_ready += step
+                sup.router.publish_queue()
     return current
 
 
@@ -76,7 +77,7 @@ class Supervisor:
         self.models: dict[str, ModelSupervisor] = {model.name: self._new_model(model, config) for model in config.models}
         for sup in self.models.values():
             if sup.model.load == "on_demand":
-                sup.lifecycle.enter(ModelState.UNLOADED)
+                sup.life.lifecycle.enter(ModelState.UNLOADED)
         self.replacements: set[ModelSupervisor] = set()  # loading beside the model they will replace
 
     def start(self) -> None:
@@ -97,7 +98,7 @@ class Supervisor:
         sup = self._new_model(model, self.config)
         self.models[model.name] = sup
         if model.load == "on_demand":
-            sup.lifecycle.enter(ModelState.UNLOADED)
+            sup.life.lifecycle.enter(ModelState.UNLOADED)
         else:
             self._begin_load(sup, "reload")
 
@@ -138,7 +139,7 @@ class Supervisor:
         new.reports = False
         self.metrics.set_state(model.name, old.state.value)  # creating the new one's series reset it
         if old.state is ModelState.UNLOADED:  # nothing loaded to replace: the new settings apply at its next load
-            new.lifecycle.enter(ModelState.UNLOADED)
+            new.life.lifecycle.enter(ModelState.UNLOADED)
             self._switch(old, new)
             await old.stop(0)
             return
@@ -154,14 +155,14 @@ class Supervisor:
         self.replacements.add(new)
         new.start()
         try:
-            await new.lifecycle.wait_for({ModelState.READY, ModelState.FAILED, ModelState.DRAINING}, None)
+            await new.life.lifecycle.wait_for({ModelState.READY, ModelState.FAILED, ModelState.DRAINING}, None)
         finally:
             self.replacements.discard(new)
-        if new.stopping:  # the server is shutting down
+        if new.life.stopping:  # the server is shutting down
             return
         if new.state is not ModelState.READY:
             log.error("model %s: its new settings do not load (%s); still serving the previous ones",
-                      model.name, new.last_error)
+                      model.name, new.life.last_error)
             await new.stop(0)
             return
         self._switch(old, new)
@@ -172,8 +173,8 @@ class Supervisor:
         old.reports, new.reports = False, True
         self.models[new.name] = new
         self.metrics.set_state(new.name, new.state.value)
-        new.publish_queue()
-        log.info("model %s: switched to its new worker%s", new.name, f" {new.pid}" if new.pid else "")
+        new.router.publish_queue()
+        log.info("model %s: switched to its new worker%s", new.name, f" {new.life.pid}" if new.life.pid else "")
         self.changes.notify()
 
     def get(self, name: str) -> ModelSupervisor | None:
@@ -193,7 +194,7 @@ class Supervisor:
         waiter = object()
         try:
             while (sup := self.models.get(name)) is not None:
-                if sup.admits():
+                if sup.life.admits():
                     self.usage[name].last_used = time.monotonic()
                     return sup
                 if deadline is None:
@@ -203,8 +204,8 @@ class Supervisor:
                     self._want(name, waiter, reason)
                     if remaining <= 0:
                         raise self._unloaded_refusal(name, sup)
-                elif remaining <= 0 or not sup.coming_up():
-                    raise sup.unavailable()
+                elif remaining <= 0 or not sup.life.coming_up():
+                    raise sup.life.unavailable()
                 counted = _count_waiter(counted, sup)  # the model's current supervisor, across a replacement
                 await self.changes.wait(remaining)
             return None
@@ -250,13 +251,13 @@ class Supervisor:
         views = []
         for name, sup in self.models.items():
             usage = self.usage[name]
-            busy = len(sup.running) + len(sup.waiting) + sup.awaiting_ready
+            busy = len(sup.router.running) + len(sup.router.waiting) + sup.router.awaiting_ready
             if busy:
                 usage.last_used = now  # in use now; once idle, the time its last request ended
             elif sup.state is ModelState.READY:
-                usage.last_used = max(usage.last_used, min(sup.last_progress, now))
+                usage.last_used = max(usage.last_used, min(sup.router.last_progress, now))
             # start() was called and its task has not run yet: it is loading, not wanted again
-            state = ModelState.LOADING if sup.state is ModelState.UNLOADED and sup.task else sup.state
+            state = ModelState.LOADING if sup.state is ModelState.UNLOADED and sup.life.task else sup.state
             wants = self.wants.get(name)
             views.append(residency.ModelView(
                 name, state, budget_device(sup.model.device), self.footprint(name)[0], busy, usage.last_used,
@@ -310,8 +311,8 @@ class Supervisor:
         busy model going idle when that is what the plan waits for (a load that needs room, an idle timer)."""
         watch = [self.replan.wait()]
         if plan.waits_for_room or any(sup.model.idle_unload_s for sup in self.models.values()):
-            watch += [sup.idle.wait() for sup in self.models.values()
-                      if sup.state is ModelState.READY and not sup.idle.is_set()]
+            watch += [sup.router.idle.wait() for sup in self.models.values()
+                      if sup.state is ModelState.READY and not sup.router.idle.is_set()]
         tasks = [asyncio.ensure_future(w) for w in watch]
         try:
             await asyncio.wait(tasks, timeout=plan.recheck_s, return_when=asyncio.FIRST_COMPLETED)
@@ -333,19 +334,19 @@ class Supervisor:
         """After a load: measure its footprint; an on-demand load that failed answers its waiters at once and
         leaves the model unloaded until the restart policy's backoff has passed (no loop of retries nobody asked
         for); a failed start keeps today's behaviour (restarts, then failed)."""
-        await sup.lifecycle.wait_for({ModelState.READY, ModelState.RESTARTING, ModelState.FAILED,
+        await sup.life.lifecycle.wait_for({ModelState.READY, ModelState.RESTARTING, ModelState.FAILED,
                                       ModelState.DRAINING, ModelState.STOPPED}, None)
         usage = self.usage[sup.name]
         if sup.state is ModelState.READY:
             usage.last_used = time.monotonic()
             usage.measured = measure_footprint(sup) or usage.measured
             return
-        if sup.state is not ModelState.RESTARTING or usage.load_reason not in ON_DEMAND_REASONS or sup.stopping:
+        if sup.state is not ModelState.RESTARTING or usage.load_reason not in ON_DEMAND_REASONS or sup.life.stopping:
             return
-        backoff = sup.budget.backoff
+        backoff = sup.life.budget.backoff
         self._refuse(sup.name, RequestFailed(
-            503, "model_unavailable", f"model {sup.name} failed to load: {sup.last_error}; the next load is tried "
-            f"after {backoff:g}s", hint=sup.last_hint, retry_after=max(1.0, backoff)), retry_s=backoff)
+            503, "model_unavailable", f"model {sup.name} failed to load: {sup.life.last_error}; the next load is tried "
+            f"after {backoff:g}s", hint=sup.life.last_hint, retry_after=max(1.0, backoff)), retry_s=backoff)
         self._swap_out(sup)
         await sup.stop(0)
 
@@ -359,11 +360,13 @@ class Supervisor:
         and counts, its last error): requests from now on wait for the next load, not for old."""
         new = self._new_model(old.model, self.config)
         if old.state is not ModelState.FAILED:  # unloading a failed model is a manual reset
-            new.budget = old.budget
-            new.last_error, new.last_hint, new.last_exit = old.last_error, old.last_hint, old.last_exit
-        new.restarts, new.crashes, new.load_seconds = old.restarts, old.crashes, old.load_seconds
+            new.life.budget = old.life.budget
+            new.life.last_error, new.life.last_hint = old.life.last_error, old.life.last_hint
+            new.life.last_exit = old.life.last_exit
+        new.life.restarts, new.life.crashes = old.life.restarts, old.life.crashes
+        new.life.load_seconds = old.life.load_seconds
         old.reports = False
-        new.lifecycle.enter(ModelState.UNLOADED)
+        new.life.lifecycle.enter(ModelState.UNLOADED)
         self.models[old.name] = new
         return new
 
@@ -379,14 +382,14 @@ class Supervisor:
     def _begin_unload(self, name: str, reason: str) -> ModelSupervisor | None:
         """Put the model's next (unloaded) supervisor in place and return the one to drain; None: nothing loaded."""
         old = self.models[name]
-        if old.state is ModelState.UNLOADED or old.stopping:
+        if old.state is ModelState.UNLOADED or old.life.stopping:
             return None
         self.metrics.model_unloads.labels(model=name, reason=reason).inc()
         idle_s = time.monotonic() - self.usage[name].last_used
         why = {"idle": f"idle for idle_unload_s={old.model.idle_unload_s:g}s", "evicted": "evicted to make room for "
                "another model", "api": "asked through the API"}[reason]
         log.info("model %s: unloading (%s; last used %.1fs ago, %d requests to finish)", name, why, idle_s,
-                 len(old.running) + len(old.waiting))
+                 len(old.router.running) + len(old.router.waiting))
         self._swap_out(old)
         self.leaving.add(old)
         self._changed()
@@ -435,7 +438,7 @@ class Supervisor:
 
     def healthy(self) -> bool:
         """No model's supervising task has died of a bug (a failed model is a state, not a dead task)."""
-        tasks = [m.task for m in (*self.models.values(), *self.leaving) if m.task] + [t for t in [self.placer] if t]
+        tasks = [m.life.task for m in (*self.models.values(), *self.leaving) if m.life.task] + [t for t in [self.placer] if t]
         return all(not t.done() or t.cancelled() or t.exception() is None for t in tasks)
 
     async def stop(self, drain_timeout_s: float) -> None:
@@ -453,8 +456,8 @@ class Supervisor:
 def measure_footprint(sup: ModelSupervisor) -> int | None:
     """A loaded model's footprint on its device: the VRAM its worker holds on a GPU (DRM fdinfo), its RSS on the
     CPU; None when it cannot be read (a GPU without fdinfo memory keys)."""
-    if sup.pid is None:
+    if sup.life.pid is None:
         return None
     if budget_device(sup.model.device).startswith("GPU"):
-        return sum(telemetry.device_memory_used([sup.pid]).values()) or None
-    return telemetry.process_rss_bytes(sup.pid) or None
+        return sum(telemetry.device_memory_used([sup.life.pid]).values()) or None
+    return telemetry.process_rss_bytes(sup.life.pid) or None

@@ -18,8 +18,8 @@ def add_routes(app: web.Application, appliance) -> None:
         sup = await appliance.supervisor.ready_model(name, reason="api")
         if sup is None:  # removed by a reload while it waited
             raise appliance.not_found(name)
-        return web.json_response({"model": name, "state": sup.state.value, "pid": sup.pid,
-                                  "load_seconds": sup.load_seconds})
+        return web.json_response({"model": name, "state": sup.state.value, "pid": sup.life.pid,
+                                  "load_seconds": sup.life.load_seconds})
 
     async def unload(request: web.Request, call: Call) -> web.Response:
         name = model_named(request, call)

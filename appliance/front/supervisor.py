@@ -219,7 +219,7 @@ class Supervisor:
         """A request waits for this unloaded model: answered at once if its last load failed lately or it can never
         fit (RequestFailed), else counted for the residency plan."""
         usage = self.usage[name]
-        if usage.refusal is not None and time.monotonic() < usage.retry_at:
+        if self._refused(name):
             retry = usage.refusal.retry_after and max(1.0, usage.retry_at - time.monotonic())
             raise RequestFailed(usage.refusal.status, usage.refusal.kind, usage.refusal.message, usage.refusal.code,
                                 usage.refusal.hint, retry)
@@ -227,6 +227,11 @@ class Supervisor:
         if waiter not in wants:
             wants[waiter] = (time.monotonic(), reason)
             self.replan.set()
+
+    def _refused(self, name: str) -> bool:
+        """Its last load on demand failed within the backoff, or it can never fit: no load now, whoever waits."""
+        usage = self.usage[name]
+        return usage.refusal is not None and time.monotonic() < usage.retry_at
 
     def _unwant(self, name: str, waiter: object) -> None:
         wants = self.wants.get(name, {})
@@ -258,7 +263,8 @@ class Supervisor:
                 usage.last_used = max(usage.last_used, min(sup.router.last_progress, now))
             # start() was called and its task has not run yet: it is loading, not wanted again
             state = ModelState.LOADING if sup.state is ModelState.UNLOADED and sup.life.task else sup.state
-            wants = self.wants.get(name)
+            # Waiters still in line for a model just refused are about to be answered: they do not want a load.
+            wants = None if self._refused(name) else self.wants.get(name)
             views.append(residency.ModelView(
                 name, state, budget_device(sup.model.device), self.footprint(name)[0], busy, usage.last_used,
                 min(since for since, _ in wants.values()) if wants else None, sup.model.load == "at_start",

@@ -7,7 +7,7 @@ import pytest
 
 from appliance.config import ConfigError, parse_config, parse_size
 from appliance.front.lifecycle import ModelState
-from appliance.front.residency import Limits, ModelView, plan
+from appliance.front.residency import Limits, ModelView, plan, why_waiting
 
 GIB = 1 << 30
 S = ModelState
@@ -46,6 +46,13 @@ def test_when_every_loaded_model_is_busy_the_wanted_one_waits():
     models = [view("a", busy=1), view("b", S.LOADING), view("c", S.RESTARTING), view("want", S.UNLOADED, wanted_since=1)]
     p = plan(models, Limits(max_loaded=3), now=10)
     assert (p.load, p.evict, p.waits_for_room, p.blocked) == (None, (), "want", True)
+
+
+def test_why_a_load_waits_names_the_bounds_and_what_holds_them():
+    models = [view("a", busy=1), view("b", pinned=True), view("want", S.UNLOADED, wanted_since=1)]
+    text = why_waiting(models[2], models, Limits(max_loaded=2, memory_budget={"GPU.0": 14 * GIB}))
+    assert text == ("no room to load model want (max_loaded 2, memory_budget GPU.0: 14.0 GiB): loaded a (ready, busy), "
+                    "b (ready, pinned); none of them can be evicted (only an idle model that is not load: at_start can)")
 
 
 def test_a_model_is_never_evicted_for_itself_and_the_line_is_first_come_first_served():

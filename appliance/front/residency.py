@@ -145,7 +145,11 @@ def why_waiting(head: ModelView, models: list[ModelView], limits: Limits) -> str
     occupied = [m for m in models if m.state in OCCUPYING]
     held = ", ".join(f"{m.name} ({m.state.value}{', busy' if m.busy else ''}{', pinned' if m.pinned else ''})"
                      for m in occupied) or "none"
-    return f"no room to load model {head.name}: loaded {held}; none of them can be evicted (idle and not at_start)"
+    bounds = [f"max_loaded {limits.max_loaded}"] if limits.max_loaded else []
+    if head.device in limits.memory_budget:
+        bounds.append(f"memory_budget {head.device}: {format_size(limits.memory_budget[head.device])}")
+    return (f"no room to load model {head.name} ({', '.join(bounds) or 'no limit'}): loaded {held}; none of them "
+            "can be evicted (only an idle model that is not load: at_start can)")
 
 
 def format_size(size: int) -> str:

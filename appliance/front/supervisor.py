@@ -244,7 +244,7 @@ class Supervisor:
         views = self._views(time.monotonic())
         head = next(v for v in views if v.name == name)
         return RequestFailed(503, "model_unavailable", f"model {name} is unloaded and waited "
-                             f"{sup.model.ready_wait_s:g}s for room to load: " + residency.why_waiting(head, views),
+                             f"{sup.model.ready_wait_s:g}s for room to load: " + residency.why_waiting(head, views, self.limits()),
                              retry_after=max(1.0, sup.model.restart.backoff_initial_s))
 
     # --- residency: the plan (appliance.front.residency) carried out ------------------------------------------

@@ -42,6 +42,10 @@ def _count_waiter(counted: ModelSupervisor | None, current: ModelSupervisor | No
     return current
 
 
+# A request handed its model may still be reading its upload, decoding its audio or fetching its images before it
+# opens its request on the model: for this long after a hand-out the model counts as busy, so it is not evicted under
+# that request (its open() would find it draining).
+HANDOFF_GRACE_S = 5.0
 # Models that a request, an API call or a reload loaded (the others loaded with the server): they do not hold /ready.
 ON_DEMAND_REASONS = ("demand", "api")
 
@@ -51,6 +55,7 @@ class Usage:
     """What the residency plan knows of a model across its loads (a ModelSupervisor lives for one load)."""
 
     last_used: float = 0.0               # monotonic: the model last had a request, or finished loading
+    handed_at: float = -HANDOFF_GRACE_S  # monotonic: a request was last handed this model (ready_model)
     measured: int | None = None          # its footprint measured at its last load (worker RSS, or VRAM on a GPU)
     load_reason: str = "start"           # why its current load happened (openarc_model_loads_total's reason)
     refusal: RequestFailed | None = None  # a failed on-demand load, or a model too large to load: answered at once
@@ -195,7 +200,7 @@ class Supervisor:
         try:
             while (sup := self.models.get(name)) is not None:
                 if sup.life.admits():
-                    self.usage[name].last_used = time.monotonic()
+                    self.usage[name].last_used = self.usage[name].handed_at = time.monotonic()
                     return sup
                 if deadline is None:
                     deadline = loop.time() + sup.model.ready_wait_s
@@ -257,6 +262,7 @@ class Supervisor:
         for name, sup in self.models.items():
             usage = self.usage[name]
             busy = len(sup.router.running) + len(sup.router.waiting) + sup.router.awaiting_ready
+            busy += now - usage.handed_at < HANDOFF_GRACE_S  # a request about to open on it
             if busy:
                 usage.last_used = now  # in use now; once idle, the time its last request ended
             elif sup.state is ModelState.READY:
@@ -319,9 +325,13 @@ class Supervisor:
         if plan.waits_for_room or any(sup.model.idle_unload_s for sup in self.models.values()):
             watch += [sup.router.idle.wait() for sup in self.models.values()
                       if sup.state is ModelState.READY and not sup.router.idle.is_set()]
+        # A model whose hand-out grace ends may become evictable or start its idle countdown then.
+        now = time.monotonic()
+        graces = [u.handed_at + HANDOFF_GRACE_S - now for u in self.usage.values() if u.handed_at + HANDOFF_GRACE_S > now]
+        timeout = min([t for t in (plan.recheck_s, *graces) if t is not None], default=None)
         tasks = [asyncio.ensure_future(w) for w in watch]
         try:
-            await asyncio.wait(tasks, timeout=plan.recheck_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in tasks:
                 task.cancel()

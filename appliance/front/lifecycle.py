@@ -135,7 +135,6 @@ class RestartBudget:
         self.policy = policy
         self.failures: collections.deque[float] = collections.deque()
         self.consecutive = 0
-        self.backoff = 0.0  # the last backoff given: no on-demand load retries sooner after a failed one
 
     def record_failure(self, now: float, served_s: float) -> float | None:
         """Returns the backoff before the next start, or None when the budget is used up."""
@@ -147,8 +146,7 @@ class RestartBudget:
             self.failures.popleft()
         if len(self.failures) >= self.policy.max_failures:
             return None
-        self.backoff = min(self.policy.backoff_initial_s * 2 ** (self.consecutive - 1), self.policy.backoff_max_s)
-        return self.backoff
+        return min(self.policy.backoff_initial_s * 2 ** (self.consecutive - 1), self.policy.backoff_max_s)
 
 
 def describe(exc: BaseException) -> str:

@@ -359,7 +359,7 @@ class Supervisor:
             return
         if sup.state is not ModelState.RESTARTING or usage.load_reason not in ON_DEMAND_REASONS or sup.life.stopping:
             return
-        backoff = sup.life.budget.backoff
+        backoff = sup.life.last_backoff_s or sup.model.restart.backoff_initial_s
         self._refuse(sup.name, RequestFailed(
             503, "model_unavailable", f"model {sup.name} failed to load: {sup.life.last_error}; the next load is tried "
             f"after {backoff:g}s", hint=sup.life.last_hint, retry_after=max(1.0, backoff)), retry_s=backoff)
@@ -380,6 +380,8 @@ class Supervisor:
             new.life.last_error, new.life.last_hint = old.life.last_error, old.life.last_hint
             new.life.last_exit = old.life.last_exit
         new.life.restarts, new.life.crashes = old.life.restarts, old.life.crashes
+        new.life.last_backoff_s = old.life.last_backoff_s
+        new.series.draft = old.series.draft  # /openarc/status's draft totals count since the model was configured
         new.life.load_seconds = old.life.load_seconds
         old.reports = False
         new.life.lifecycle.enter(ModelState.UNLOADED)

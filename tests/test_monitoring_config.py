@@ -54,6 +54,9 @@ OPENARC_METRICS = {
     "openarc_model_loads_total": ("counter", ("model", "reason")),
     "openarc_model_unloads_total": ("counter", ("model", "reason")),
     "openarc_model_load_wait_seconds": ("histogram", ("model",)),
+    "openarc_images_total": ("counter", ("model",)),
+    "openarc_image_rejections_total": ("counter", ("model", "reason")),
+    "openarc_draft_tokens_total": ("counter", ("model", "outcome")),
 }
 MODEL_STATES = ("loading", "ready", "restarting", "draining", "failed", "stopped", "unloaded")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -350,7 +353,7 @@ def test_dashboard_queries_pass_promtool_as_recording_rules(promtool, dashboard,
 
 # A healthy, busy server: every metric exported once, one model ready, no 5xx.
 SAMPLE_LABELS = {"model": "demo", "endpoint": "/v1/chat/completions", "status": "200", "kind": "device_oom",
-                 "signal": "SIGSEGV", "reason": "crash", "device": "GPU.0"}
+                 "signal": "SIGSEGV", "reason": "crash", "device": "GPU.0", "outcome": "accepted"}
 SCRAPE_LABELS = {"job": "openarc", "instance": "127.0.0.1:8000"}
 SAMPLE_MINUTES = 90
 HISTOGRAM_BUCKETS = ("0.1", "1", "+Inf")

@@ -253,3 +253,17 @@ def test_dialect_deviations_are_what_a_client_would_trip_on():
         "finish_reason 'stop' on a reply cut by max_tokens"]
     assert dialect_deviations(Reply(200, 5, reasoning=True), 5, 32) == [
         "no finish_reason", "text in reasoning_content for a plain model"]
+
+
+def test_a_figure_of_medians_is_judged_against_how_far_a_median_moves():
+    """The per-token cost is a difference of medians over hundreds of repeats: the band it is judged against is
+    the repeats' spread over sqrt(n), not the spread of single repeats (which once called 110 us a token, against
+    a 20 us target, "within noise" on a 16-core host)."""
+    from bench.figures import median_noise, spread_width
+    repeats = [0.019 + 0.004 * (i % 10) / 9 for i in range(300)]  # 32-token latencies, 19 .. 23 ms
+    assert abs(median_noise(repeats) - spread_width(repeats) / 300 ** 0.5) < 1e-12
+    from bench.report import judged
+    per_token_noise_us = median_noise(repeats) / 31 * 1e6
+    assert judged("per token", 110.0, "us", "", at_most=20, noise=per_token_noise_us).verdict == "MISS"
+    assert judged("per token", 110.0, "us", "", at_most=20, noise=spread_width(repeats) / 31 * 1e6).verdict == \
+        "within noise"  # what the old band said

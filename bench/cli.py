@@ -16,7 +16,6 @@ from bench import client, figures, phases, report, sidebyside, speculative, work
 from bench.launcher import FAULT_MODEL, PERF_MODEL, RESTART, STALL_TIMEOUT_S, OwnAppliance
 from bench.phases import CpuWatch, Server, process_tree
 
-RESULTS = Path(__file__).resolve().parent / "results"
 OWN_NAME = "openarc"
 DEMO_MODEL = ("the demo model, built with `openarc demo-model --eos-after 0` (never stops before max_tokens, "
               "so every reply has the length asked for)")
@@ -76,7 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default: OpenVINO's, every core)")
     p.add_argument("--demo-cache", type=Path, metavar="DIR",
                    help="where the speculative rows' demo pair is built or found (default: a temporary directory)")
-    p.add_argument("--out", default=str(RESULTS), help="where results.json, results.md and the appliance's log go "
+    p.add_argument("--out", default=str(report.RESULTS), help="where results.json, results.md and the appliance's log go "
                                                        "(default: bench/results)")
     args = p.parse_args(argv)
     if args.engine_threads is not None and args.engine_threads < 1:

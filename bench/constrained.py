@@ -12,8 +12,6 @@ schema again.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import statistics
 import tempfile
 import time
@@ -24,7 +22,6 @@ import aiohttp
 from bench import client, report, workload
 from bench.launcher import PERF_MODEL, OwnAppliance
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TOKENS = 256
 SCHEMA = {"type": "array", "minItems": 10000, "items": {"type": "string", "maxLength": 12}}
 
@@ -105,12 +102,7 @@ async def measure(quick: bool) -> tuple[dict, list[report.Figure]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.constrained", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two rounds: checks the bench, measures nothing")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where constrained.{json,md} go")
-    args = parser.parse_args(argv)
-    meta, figures = asyncio.run(measure(args.quick))
-    print(report.write_side_bench(args.out, "constrained", meta, figures, ("name", "measured")), end="", flush=True)
+    report.side_bench_main(argv, "constrained", __doc__, measure, "two rounds: checks the bench, measures nothing")
 
 
 if __name__ == "__main__":

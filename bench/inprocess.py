@@ -25,7 +25,6 @@ import aiohttp
 from bench import report
 from bench.launcher import OwnAppliance, child_env
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def serve(run_phase: Callable[[str, int], float]) -> None:
@@ -105,7 +104,7 @@ class SideBench:
     def main(self, argv: list[str] | None, doc: str, baseline: Callable[[str], None]) -> None:
         parser = argparse.ArgumentParser(prog=f"python -m bench.{self.stem}", description=doc.splitlines()[0])
         parser.add_argument("--quick", action="store_true", help="a few rounds: checks the bench, measures nothing")
-        parser.add_argument("--out", type=Path, default=RESULTS, help=f"where {self.stem}.{{json,md}} go")
+        parser.add_argument("--out", type=Path, default=report.RESULTS, help=f"where {self.stem}.{{json,md}} go")
         parser.add_argument("--baseline", metavar="DIR", help=argparse.SUPPRESS)  # the in-process side's own process
         args = parser.parse_args(argv)
         if args.baseline:

@@ -10,8 +10,6 @@ bench/results/on_demand.{md,json}.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import statistics
 import tempfile
@@ -24,7 +22,6 @@ import yaml
 from bench import report
 from bench.launcher import OwnAppliance
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ("chat", "coder")
 ROUNDS = {True: 3, False: 20}  # --quick: a few rounds, checks the bench, measures nothing
 
@@ -86,12 +83,7 @@ def figures(switching: list[float], resident: list[float]) -> list[report.Figure
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.on_demand", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few rounds: checks the bench, measures nothing")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where on_demand.{json,md} go")
-    args = parser.parse_args(argv)
-    meta, results = asyncio.run(measure(args.quick))
-    print(report.write_side_bench(args.out, "on_demand", meta, results, ("name", "measured")), end="", flush=True)
+    report.side_bench_main(argv, "on_demand", __doc__, measure, "a few rounds: checks the bench, measures nothing")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import datetime
 import importlib.metadata
 import json
@@ -9,6 +11,8 @@ import os
 import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"  # where a side bench writes by default
 
 MB = 1 << 20
 NOT_COMPARABLE = "not comparable"  # the server did other work than its baseline (stopped early, failed, uncounted)
@@ -120,3 +124,15 @@ def now() -> str:
 
 def _spaced(unit: str) -> str:
     return unit if unit == "x" else f" {unit}"
+
+
+def side_bench_main(argv: list[str] | None, stem: str, doc: str, measure, quick_help: str) -> None:
+    """The command line of a side bench that takes only --quick and --out (`python -m bench.<stem>`): run
+    `measure(quick)` (a coroutine returning meta and figures) and print and write its table."""
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{stem}", description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"where {stem}.{{json,md}} go")
+    args = parser.parse_args(argv)
+    meta, figures = asyncio.run(measure(args.quick))
+    print(write_side_bench(args.out, stem, meta, figures, ("name", "measured")), end="", flush=True)
+

@@ -26,7 +26,6 @@ from bench import report
 from bench.launcher import OwnAppliance
 from bench.report import Figure, judged
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ROLES = {  # served model name -> (what it is, its config beyond the main model)
     "plain": ("no draft", {}),
     "draft": ("draft model predicting the main model exactly", {"draft_model": "draft"}),
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few requests: checks the bench, measures nothing")
     parser.add_argument("--engine-threads", type=int, metavar="N", help="INFERENCE_NUM_THREADS of every model")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where speculative.{json,md} go")
+    parser.add_argument("--out", type=Path, default=report.RESULTS, help="where speculative.{json,md} go")
     parser.add_argument("--demo-cache", type=Path, help="where the demo pair is built or found (default: a temporary "
                                                         "directory; a host without transformers needs one built)")
     args = parser.parse_args(argv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -439,7 +440,8 @@ class BatchingEngine(LLMEngine):
         # genai compiles a constraint again (its own cache) in the first step of the request that brings it
         fresh, self.fresh_constraint = self.fresh_constraint, False
         try:
-            with self.compiling(fresh):
+            # a heartbeat only when a constraint may compile: every other step pays nothing for it
+            with self.compiling() if fresh else contextlib.nullcontext():
                 self.pipe.step()
         except Exception as exc:  # the whole batch failed inside the plugin
             fault = self.fail_all([req for req, _ in self.active.values()], exc)
@@ -617,7 +619,8 @@ class SequentialEngine(LLMEngine):
                 # genai would print and swallow an exception raised here while generation went on: keep it, stop
                 # generating, and raise it once generate() has returned.
                 try:
-                    compiling.stop()  # the constraint compiled: tokens flow
+                    if not compiling.done.is_set():
+                        compiling.stop()  # the constraint compiled: tokens flow
                     engine.emit_tokens([(req, token if isinstance(token, list) else [token])])
                     engine.flush()
                     engine.drain_inbox(block=False)

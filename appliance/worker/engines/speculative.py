@@ -18,8 +18,6 @@ from appliance.config import tokenizer_mismatch
 
 log = logging.getLogger("openarc.worker")
 
-KNOBS = ("num_assistant_tokens", "assistant_confidence_threshold", "max_ngram_size")
-
 
 def pipeline_properties(spec: dict[str, Any]) -> dict[str, Any]:
     """The main model's properties plus the draft or prompt lookup; a draft that cannot serve this model (missing,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from appliance.host import faults
-from appliance.worker.engines.llm import BatchingEngine, Refused, Request, SequentialEngine
+from appliance.worker.engines.llm import INVALID_REQUEST, BatchingEngine, Refused, Request, SequentialEngine
 
 INVALID_IMAGE = faults.Fault("invalid_request", "invalid_image", None, False)
 # genai's refusals of a prompt's image tags (a native tag such as "<image>" typed beside the images, a tag with no
@@ -61,7 +61,7 @@ class VisionRequests:
     def refused_tags(exc: Exception) -> Refused | None:
         message = str(exc)
         if any(marker in message for marker in TAG_ERRORS):
-            return Refused(faults.Fault("invalid_request", "invalid_request", None, False),
+            return Refused(INVALID_REQUEST,
                            "the prompt's image tags do not match its images: " + message.strip().splitlines()[-1])
         return None
 

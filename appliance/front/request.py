@@ -46,3 +46,8 @@ class Request:
     first_token: float | None = None
     last_token: float | None = None
     ended: bool = False
+
+
+def shutting_down() -> RequestFailed:
+    """The 503 of a request the server will not take because it is stopping (or this model's worker is)."""
+    return RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)

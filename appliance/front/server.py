@@ -26,7 +26,7 @@ from appliance.config import Config, ConfigError
 from appliance.front.lifecycle import ModelState
 from appliance.front.metrics import Metrics
 from appliance.host.notify import LoopHealth, Notifier, watchdog_loop
-from appliance.front.request import RequestFailed
+from appliance.front.request import RequestFailed, shutting_down
 from appliance.front.supervisor import Supervisor
 
 log = logging.getLogger("openarc.server")
@@ -168,7 +168,7 @@ class Appliance:
             raise RequestFailed(400, "invalid_request", f"the model '{name}' is of kind {sup.model.kind}; /v1/{endpoint} "
                                                         f"needs a model of kind {' or '.join(kinds)}", "wrong_model_kind")
         if self.draining:
-            raise RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)
+            raise shutting_down()
         ready = await self.supervisor.ready_model(name)
         if ready is None:  # removed by a reload while the request waited
             raise self.not_found(name)

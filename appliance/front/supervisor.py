@@ -21,12 +21,11 @@ import time
 from dataclasses import dataclass
 
 from appliance.host import telemetry
-from appliance.config import Config, ModelConfig, budget_device
+from appliance.config import Config, ModelConfig, budget_device, worker_spec
 from appliance.front import residency
 from appliance.front.lifecycle import Changes, ModelState
 from appliance.front.request import RequestFailed
 from appliance.front.metrics import Metrics
-from appliance.config import worker_spec
 from appliance.front.model_supervisor import ModelSupervisor
 
 log = logging.getLogger("openarc.supervisor")

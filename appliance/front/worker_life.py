@@ -24,7 +24,7 @@ from appliance.front.device_faults import DeviceFaults
 from appliance.front.lifecycle import (CRASH_REASONS, Exit, ExitReason, Lifecycle, ModelState, RestartBudget, describe,
                                        describe_exit)
 from appliance.front.metrics import Metrics, ModelMetrics
-from appliance.front.request import RequestFailed
+from appliance.front.request import RequestFailed, shutting_down
 from appliance.front.routing import RequestRouter
 from appliance.front.worker_process import WorkerProcess
 from appliance.host import faults, telemetry
@@ -311,7 +311,3 @@ class WorkerLife:
         self.enter(ModelState.RESTARTING)
         self.last_backoff_s = backoff
         return backoff
-
-
-def shutting_down() -> RequestFailed:
-    return RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)

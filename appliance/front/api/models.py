@@ -7,14 +7,14 @@ from __future__ import annotations
 from aiohttp import web
 
 from appliance.front.api.route import Call, route
-from appliance.front.request import RequestFailed
+from appliance.front.request import shutting_down
 
 
 def add_routes(app: web.Application, appliance) -> None:
     async def load(request: web.Request, call: Call) -> web.Response:
         name = model_named(request, call)
         if appliance.draining:
-            raise RequestFailed(503, "shutting_down", "the server is shutting down", retry_after=1)
+            raise shutting_down()
         sup = await appliance.supervisor.ready_model(name, reason="api")
         if sup is None:  # removed by a reload while it waited
             raise appliance.not_found(name)

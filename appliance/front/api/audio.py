@@ -16,6 +16,7 @@ its model after the file is read first (within the largest max_upload_bytes), th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -132,10 +133,8 @@ class AudioRoutes:
             return transcript.response(req.response_format, req.words)
         finally:
             upload.close()
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(audio_path)
-            except FileNotFoundError:
-                pass
 
     def _upload_cap(self) -> int:
         """The largest upload any transcription model takes (without one, the server's max_body_bytes, so a request

@@ -19,7 +19,7 @@ from appliance.config import GENERATIVE_KINDS
 from appliance.front.api import messages, responses, sse
 from appliance.front.api.answer_items import Events
 from appliance.front.api.fields import json_body
-from appliance.front.api.generate import GenerationRoutes
+from appliance.front.api.generate import answer_parser, finish_reason, note_constraint
 from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.results import ResultRequest, ResultRoute
 from appliance.front.api.route import OPENAI, Call, route
@@ -68,7 +68,6 @@ class DialectRoute:
     def __init__(self, appliance, dialect: Dialect):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
         self.dialect = dialect
-        self.chat = GenerationRoutes(appliance)  # the chat path's answer parser and finish reason
 
     async def handler(self, request: web.Request, call: Call) -> web.StreamResponse:
         body = await json_body(request)
@@ -76,10 +75,8 @@ class DialectRoute:
         req = self.dialect.parse(body)
         gen = req.gen
         sup = await self.appliance.model_for(gen.model, call.endpoint, GENERATIVE_KINDS)
-        answer = self.chat._answer_parser(sup, gen)
-        if gen.constraint:
-            call.params["invalid_grammar"] = gen.constraint["param"]
-            self.appliance.metrics.structured_requests.labels(model=gen.model, kind=gen.constraint["kind"]).inc()
+        answer = answer_parser(sup, gen)
+        note_constraint(call, self.appliance.metrics, gen)
         handle = sup.open(gen.frame())
         try:
             return await self._answer(request, call, sup.events(handle), req, answer)
@@ -112,7 +109,7 @@ class DialectRoute:
         if event.op == "tokens":
             return [e for delta in answer.feed(event.text) for e in items.feed(delta)]
         out = [e for delta in answer.finish() for e in items.feed(delta)]
-        out += items.finish(event, self.chat._finish_reason(req.gen, answer, event))
+        out += items.finish(event, finish_reason(self.appliance.metrics, req.gen, answer, event))
         self.dialect.finished(req, items)
         return out
 

@@ -59,40 +59,12 @@ class GenerationRoutes:
         sup = await self.appliance.model_for(req.model, call.endpoint, GENERATIVE_KINDS)
         req.images = await self.images.resolve(req.content, sup.model)
         try:
-            answers = [self._answer_parser(sup, req) for _ in range(req.n)]
-            if req.constraint:
-                # a constraint genai cannot compile names the request field it came from
-                call.params["invalid_grammar"] = req.constraint["param"]
-                self.appliance.metrics.structured_requests.labels(model=req.model, kind=req.constraint["kind"]).inc()
+            answers = [answer_parser(sup, req) for _ in range(req.n)]
+            note_constraint(call, self.appliance.metrics, req)
             return await (self._stream(request, call, sup, req, answers) if req.stream
                           else self._whole(sup, req, answers))
         finally:  # the worker has read the image files by the time the request is over
             self.images.release(req.images)
-
-    @staticmethod
-    def _answer_parser(sup, req: GenerationRequest) -> AnswerParser | None:
-        """How this model's answers are split (reasoning, tool calls); None for text completions."""
-        if req.kind != "chat":
-            return None
-        formats = sup.life.formats or {}
-        tool_parser = formats.get("tool_parser")
-        if req.tools.active and sup.life.formats is not None and not tool_parser:
-            raise InvalidRequest(f"model '{req.model}' has no known tool-call format: set 'tool_parser' for it in "
-                                 f"the config (models[].tool_parser: hermes, qwen3_coder, llama3_json or mistral)",
-                                 "tools")
-        parser = parser_for(tool_parser, req.tools.schemas()) if req.tools.active else None
-        # A call the grammar shapes cannot turn out malformed: streamed, its arguments go out as they are written.
-        stream_arguments = req.stream and parser is not None and (req.constraint or {}).get("type") == "tool_calls"
-        return AnswerParser(bool(formats.get("reasoning_parser")), parser, stream_arguments,
-                            single_call=not req.tools.parallel)
-
-    def _finish_reason(self, req: GenerationRequest, answer: AnswerParser | None, event: Event) -> str:
-        if not (answer and answer.calls):
-            return event.finish_reason
-        whole = len(answer.calls) - 1 if answer.cut_short else len(answer.calls)  # a call cut off is none to run
-        if whole:
-            self.appliance.metrics.tool_calls.labels(model=req.model).inc(whole)
-        return event.finish_reason if answer.cut_short else "tool_calls"
 
     @staticmethod
     def _usage(shaper: ResponseShaper, done: list[Event]) -> dict[str, Any]:
@@ -128,7 +100,7 @@ class GenerationRoutes:
         choices = []
         for index, ((text, logprobs, done), answer) in enumerate(zip(results, answers)):
             reply = answer.message(text) if answer else text
-            choices.append(shaper.choice(index, reply, self._finish_reason(req, answer, done), logprobs))
+            choices.append(shaper.choice(index, reply, finish_reason(self.appliance.metrics, req, answer, done), logprobs))
         return web.json_response(shaper.whole(choices, self._usage(shaper, [done for _, _, done in results])))
 
     @staticmethod
@@ -168,7 +140,7 @@ class GenerationRoutes:
                 else:
                     for delta in answer.finish() if answer else ():
                         await stream.send(shaper.chunk(delta, index=index))
-                    await stream.send(shaper.chunk(finish_reason=self._finish_reason(req, answer, event), index=index))
+                    await stream.send(shaper.chunk(finish_reason=finish_reason(self.appliance.metrics, req, answer, event), index=index))
                     done.append(event)
                     if len(done) == req.n:
                         if req.include_usage:
@@ -205,3 +177,39 @@ class GenerationRoutes:
             deltas = [{}]
         for i, delta in enumerate(deltas):
             await stream.send(shaper.chunk(delta, logprobs=logprobs if i == 0 else None, index=index))
+
+
+# --- shared with the other dialects' routes (appliance.front.api.dialects) --------------------------------------
+
+def answer_parser(sup, req: GenerationRequest) -> AnswerParser | None:
+    """How this model's answers are split (reasoning, tool calls); None for text completions."""
+    if req.kind != "chat":
+        return None
+    formats = sup.life.formats or {}
+    tool_parser = formats.get("tool_parser")
+    if req.tools.active and sup.life.formats is not None and not tool_parser:
+        raise InvalidRequest(f"model '{req.model}' has no known tool-call format: set 'tool_parser' for it in "
+                             f"the config (models[].tool_parser: hermes, qwen3_coder, llama3_json or mistral)",
+                             "tools")
+    parser = parser_for(tool_parser, req.tools.schemas()) if req.tools.active else None
+    # A call the grammar shapes cannot turn out malformed: streamed, its arguments go out as they are written.
+    stream_arguments = req.stream and parser is not None and (req.constraint or {}).get("type") == "tool_calls"
+    return AnswerParser(bool(formats.get("reasoning_parser")), parser, stream_arguments,
+                        single_call=not req.tools.parallel)
+
+
+def note_constraint(call: Call, metrics, req: GenerationRequest) -> None:
+    """A constrained request is counted, and a constraint genai cannot compile names the field it came from."""
+    if req.constraint:
+        call.params["invalid_grammar"] = req.constraint["param"]
+        metrics.structured_requests.labels(model=req.model, kind=req.constraint["kind"]).inc()
+
+
+def finish_reason(metrics, req: GenerationRequest, answer: AnswerParser | None, event: Event) -> str:
+    """The finish reason of one answer; its whole tool calls are counted."""
+    if not (answer and answer.calls):
+        return event.finish_reason
+    whole = len(answer.calls) - 1 if answer.cut_short else len(answer.calls)  # a call cut off is none to run
+    if whole:
+        metrics.tool_calls.labels(model=req.model).inc(whole)
+    return event.finish_reason if answer.cut_short else "tool_calls"

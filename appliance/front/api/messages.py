@@ -29,7 +29,6 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_t
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
-BLOCK_TYPES = {REASONING_ITEM: "thinking", TEXT_ITEM: "text", CALL_ITEM: "tool_use"}
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""What the one-answer routes share (embeddings, rerank, audio): read the body, find a model of the right kind,
-refuse too many inputs, hand one frame to its worker, wait for its one `result`, count it, shape it.
+"""What the one-answer routes share (embeddings, rerank, count_tokens; audio, whose body is a form, uses one_result
+alone): read the JSON body, find a model of the right kind, refuse too many inputs, hand one frame to its worker,
+wait for its one `result`, count it, shape it.
 
 A route module supplies a parse function (body -> a ResultRequest) and a shape function (request, the result
 Event: its `result` dict and `prompt_tokens` -> web.Response); the route wrapper (appliance.front.api.route) counts
@@ -9,7 +10,7 @@ it and shapes its failures exactly as on the generation routes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -34,14 +35,13 @@ class ResultRoute:
 
     def __init__(self, appliance, kinds: tuple[str, ...],
                  parse: Callable[[Any], ResultRequest],
-                 shape: Callable[[ResultRequest, Event], web.Response],
-                 read: Callable[[web.Request], Awaitable[Any]] = json_body):
+                 shape: Callable[[ResultRequest, Event], web.Response]):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
         self.kinds = kinds
-        self.parse, self.shape, self.read = parse, shape, read
+        self.parse, self.shape = parse, shape
 
     async def handler(self, request: web.Request, call: Call) -> web.Response:
-        body = await self.read(request)
+        body = await json_body(request)
         call.label(body)
         req = self.parse(body)
         sup = await self.appliance.model_for(req.model, call.endpoint, self.kinds)

@@ -37,6 +37,8 @@ GPU_IN_DEVICE = re.compile(r"\bGPU(?:\.(\d+))?\b")
 
 # What a model's worker runs: a chat/completion LLM, or one of the request-in, result-out kinds.
 MODEL_KINDS = ("llm", "vlm", "embedding", "rerank", "transcription")
+# A model's name: the `model` of API requests, a systemd instance name, a metrics label, a directory name.
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # The kinds that generate text (chat and text completions); vlm also takes images in chat.
 GENERATIVE_KINDS = ("llm", "vlm")
 # Keys that mean something for some kinds only (a kind, or a tuple of kinds): set for another kind they are a
@@ -528,7 +530,7 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
         if m is None:  # its problems are reported already
             continue
         at = f"models[{i}]"
-        require(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", m.name) is not None, f"{at}.name",
+        require(MODEL_NAME.fullmatch(m.name) is not None, f"{at}.name",
                 "letters, digits, '.', '_' or '-' (it names a systemd instance and a metric label)")
         require(m.name not in seen, f"{at}.name", f"a unique model name ({m.name!r} appears twice)")
         seen.add(m.name)
@@ -582,10 +584,10 @@ def _check_residency(config: Config, problems: Problems) -> None:
         if DEVICE_PATTERN.match(device) is None or ":" in device:
             problems.append(f"server.memory_budget.{_key_name(device)}: expected a device name such as GPU.0, GPU.1 "
                             "or CPU (the key of one device)")
-        elif parse_size(size) is None:
+        elif (budget := parse_size(size)) is None:
             problems.append(f"server.memory_budget.{device}: expected a size such as 14GiB or 32GB (got {size!r})")
         else:
-            budgets[device] = parse_size(size)
+            budgets[device] = budget
     at_start = [m.name for _, m in models if m.load == "at_start"]
     if s.max_loaded > 0 and len(at_start) > s.max_loaded:
         problems.append(f"server.max_loaded: {s.max_loaded} is fewer than the {len(at_start)} models with load: "
@@ -648,7 +650,6 @@ TOKENIZER_FILES = ("openvino_tokenizer.bin", "openvino_detokenizer.bin")
 
 def tokenizer_identity(model_dir: str) -> Any:
     """A comparable account of a model directory's tokenizer, or None if there is none to read (yet)."""
-    import json
     hf = Path(model_dir) / "tokenizer.json"
     try:
         spec = json.loads(hf.read_text())
@@ -685,18 +686,15 @@ ModelCheck = Callable[[ModelConfig], "tuple[str, str] | None"]
 def path_check(model: ModelConfig) -> tuple[str, str] | None:
     """check-config's: the model's directory exists, holds the IR files of its kind, and is readable by this user
     and, run as root, by the service user."""
-    problem = model_files.path_problem(model.path, model.kind)
+    return served_path_check(model, model_files.SERVICE_USER)
+
+
+def served_path_check(model: ModelConfig, user_name: str | None = None) -> tuple[str, str] | None:
+    """The serving process's: the same, for the user it runs as (its workers read the files as that user), unless
+    `user_name` names another to check for too."""
+    problem = model_files.path_problem(model.path, model.kind, user_name=user_name)
     if problem is None and model.draft_model:  # the draft loads in the same worker: its files count too
-        problem = model_files.path_problem(model.draft_model.path, "llm")
-        return ("draft_model.path", problem) if problem else None
-    return ("path", problem) if problem else None
-
-
-def served_path_check(model: ModelConfig) -> tuple[str, str] | None:
-    """The serving process's: the same, for the user it runs as (its workers read the files as that user)."""
-    problem = model_files.path_problem(model.path, model.kind, user_name=None)
-    if problem is None and model.draft_model:
-        problem = model_files.path_problem(model.draft_model.path, "llm", user_name=None)
+        problem = model_files.path_problem(model.draft_model.path, "llm", user_name=user_name)
         return ("draft_model.path", problem) if problem else None
     return ("path", problem) if problem else None
 

@@ -22,10 +22,9 @@ from typing import Any
 import yaml
 
 from appliance import model_files
-from appliance.config import ConfigError, available_devices, parse_config
+from appliance.config import MODEL_NAME, ConfigError, available_devices, parse_config
 
 MODELS_DIR = Path("/var/lib/openarc/models")
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class PullError(Exception):
@@ -140,7 +139,7 @@ def size_text(size: float) -> str:
         if size < 1000 or unit == "GB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1000
-    return ""
+    raise AssertionError("unreachable: the GB pass returns")
 
 
 def refusal(repo_id: str, found: model_files.Detected, dest: Path) -> PullError:
@@ -213,6 +212,25 @@ def write_atomically(path: Path, text: str) -> None:
 
 def add_to_config(path: Path, entry: dict[str, Any]) -> str:
     """Add the entry to the config at `path` (created if missing), validated first; returns what was done."""
+    text, data, new_data = planned_config(path, entry)
+    new_text = appended_text(text, data, entry)
+    how = "appended; its comments are kept"
+    if new_text is None:
+        # pyyaml keeps no comments: write the whole file anew, and keep the old one beside it.
+        new_text = yaml.safe_dump(new_data, sort_keys=False, default_flow_style=False, allow_unicode=True)
+        write_atomically(path.with_name(path.name + ".bak"), text)
+        how = (f"rewritten, since its models list is not the file's last block in block style; pyyaml keeps no "
+               f"comments, so the previous file is {path}.bak")
+    try:
+        write_atomically(path, new_text)
+    except OSError as exc:
+        raise PullError(f"cannot write {path}: {exc.strerror or exc}") from None
+    return how
+
+
+def planned_config(path: Path, entry: dict[str, Any]) -> tuple[str, Any, dict[str, Any]]:
+    """The config at `path` as text and data, and its data with the entry added, validated: a PullError says why
+    the entry cannot be added (checked before a download too, so a refusal costs no gigabytes)."""
     try:
         text = path.read_text() if path.exists() else ""
         data = yaml.safe_load(text) if text else None
@@ -230,32 +248,23 @@ def add_to_config(path: Path, entry: dict[str, Any]) -> str:
     except ConfigError as exc:
         raise PullError(f"{path} would not be valid with the new model, so it is not changed: "
                         + "; ".join(line.split(": ", 1)[-1] for line in exc.lines)) from None
-    new_text = appended_text(text, data, entry)
-    how = "appended; its comments are kept"
-    if new_text is None:
-        # pyyaml keeps no comments: write the whole file anew, and keep the old one beside it.
-        new_text = yaml.safe_dump(new_data, sort_keys=False, default_flow_style=False, allow_unicode=True)
-        write_atomically(path.with_name(path.name + ".bak"), text)
-        how = (f"rewritten, since its models list is not the file's last block in block style; pyyaml keeps no "
-               f"comments, so the previous file is {path}.bak")
-    try:
-        write_atomically(path, new_text)
-    except OSError as exc:
-        raise PullError(f"cannot write {path}: {exc.strerror or exc}") from None
-    return how
+    return text, data, new_data
 
 
 # --- the command -----------------------------------------------------------------------------------------
 
 def pull(repo_id: str, revision: str, dest: Path | None, name: str | None, add: Path | None) -> int:
     name = name or default_name(repo_id)
-    if not NAME_PATTERN.fullmatch(name):
+    if not MODEL_NAME.fullmatch(name):
         raise PullError(f"{name!r} cannot name a model (letters, digits, '.', '_' or '-', at most 64): pass --name")
     dest = (dest or MODELS_DIR / name).absolute()
     commit, files, config = repo_listing(repo_id, revision)
     found = model_files.detect(files, config)
     if not found.is_openvino or found.kind is None:
         raise refusal(repo_id, found, dest)
+    pulled = Pulled(name, dest, found.kind, choose_device())
+    if add is not None:
+        planned_config(add, pulled.entry())  # a name the config has, or a config it would break: before the download
     total = sum(size or 0 for size in files.values())
     say(f"{repo_id}@{commit[:12]}: an OpenVINO {found.kind} model, {len(files)} files, {size_text(total)}, into {dest}")
     download(repo_id, commit, dest)
@@ -263,7 +272,6 @@ def pull(repo_id: str, revision: str, dest: Path | None, name: str | None, add: 
     if arrived.kind != found.kind:
         raise PullError(f"{dest} is not a complete {found.kind} model after the download ({arrived.reason}); "
                         "run the same pull again to resume")
-    pulled = Pulled(name, dest, arrived.kind, choose_device())
     if add is None:
         print(f"# the model's entry under `models:` in your config (or run again with --add CONFIG):\n"
               f"{entry_text(pulled.entry(), '  ')}", end="")

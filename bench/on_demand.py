@@ -10,16 +10,14 @@ bench/results/on_demand.{md,json}.
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import aiohttp
 import yaml
 
-from bench import report
+from bench import client, report
 from bench.launcher import OwnAppliance
 
 MODELS = ("chat", "coder")
@@ -29,17 +27,10 @@ ROUNDS = {True: 3, False: 20}  # --quick: a few rounds, checks the bench, measur
 async def first_token_s(session: aiohttp.ClientSession, base: str, model: str) -> float:
     """Seconds from sending a streamed chat request to its first content chunk."""
     body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": True}
-    started = time.perf_counter()
-    first = None
-    async with session.post(base + "/v1/chat/completions", json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"{model}: {response.status}: {(await response.text())[:300]}")
-        async for line in response.content:
-            if first is None and line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-                first = time.perf_counter() - started
-    if first is None:
-        raise RuntimeError(f"{model}: the stream had no content")
-    return first
+    got = await client.stream(session, base, body)
+    if got.status != 200 or got.error or not got.token_times:
+        raise RuntimeError(f"{model}: {got.status}: {got.error or got.broken or 'the stream had no content'}")
+    return got.token_times[0] - got.started
 
 
 async def measure(quick: bool) -> tuple[dict, list[report.Figure]]:
@@ -49,9 +40,9 @@ async def measure(quick: bool) -> tuple[dict, list[report.Figure]]:
         model = build_demo_model(Path(tmp) / "llm", "llm")
         app = OwnAppliance(model, Path(tmp), models=[{"name": name, "path": str(model), "load": "on_demand"}
                                                      for name in MODELS])
-        config = yaml.safe_load(app.config_path.read_text())  # OwnAppliance's, plus the residency settings
-        config["server"].update(max_loaded=1, cache_dir=str(Path(tmp) / "ov-cache"))
-        app.config_path.write_text(yaml.safe_dump(config))
+        # OwnAppliance's config, plus the residency settings
+        app.config["server"].update(max_loaded=1, cache_dir=str(Path(tmp) / "ov-cache"))
+        app.config_path.write_text(yaml.safe_dump(app.config))
         switching, resident = [], []
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
             await app.start(session)

@@ -187,6 +187,7 @@ def test_add_refuses_a_name_the_config_has_and_changes_nothing(hub, demo_dirs, t
     assert done.stderr.strip().splitlines()[-1] == (f"openarc pull: {config} already has a model named 'embed'; "
                                                     "choose another with --name")
     assert config.read_text() == before
+    assert not (tmp_path / "e").exists()  # refused before the download, not after it
 
 
 def test_add_to_a_flow_style_list_rewrites_the_file_and_keeps_the_old_one(hub, demo_dirs, tmp_path):

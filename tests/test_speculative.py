@@ -167,7 +167,7 @@ def test_check_config_refuses_a_draft_with_another_tokenizer(pair, demo_model, t
     # The plain demo model encodes phrase text by BPE; the pair's models hold the phrases as added tokens.
     result = check_config(tmp_path, {"name": "m", "path": str(pair["main"]), "draft_model": {"path": str(demo_model)}})
     assert result.returncode == 2, result
-    assert "models[0].draft_model.path" in result.stderr
+    assert "models[0].draft_model.path" in result.stderr and "a draft must share" in result.stderr
     assert str(pair["main"]) in result.stderr and str(demo_model) in result.stderr
     good = check_config(tmp_path, {"name": "m", "path": str(pair["main"]), "draft_model": {"path": str(pair["draft"])}})
     assert good.returncode == 0, good.stderr

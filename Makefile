@@ -11,6 +11,9 @@ PYTHON := $(VENV)/bin/python
 SYSTEM_PYTHON ?= /usr/bin/python3
 APT_PACKAGES := prometheus debootstrap gdb
 PYTEST_ARGS ?=
+# Tests mostly wait on processes and sockets: three xdist workers on a 2-core machine (tests/conftest.py keeps the
+# ones that take the whole machine in one group). PYTEST_PARALLEL= runs them one by one.
+PYTEST_PARALLEL ?= -n 3 --dist loadgroup
 
 .PHONY: install install-test apt-test-deps serve test install-units
 
@@ -41,4 +44,4 @@ serve: install
 
 test: install-test apt-test-deps
 	bash containers/fetch-quadlet.sh $(PREFIX)/quadlet
-	$(PYTHON) -m pytest $(PYTEST_ARGS)
+	$(PYTHON) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)

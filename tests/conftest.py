@@ -278,3 +278,18 @@ def quick_side_bench(stem: str, tmp_path: Path) -> dict[str, dict]:
     leftovers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert not leftovers, f"processes left behind: {leftovers}"
     return {f["name"]: f for f in json.loads((tmp_path / f"{stem}.json").read_text())["figures"]}
+
+
+# `make test` runs the suite on several pytest-xdist workers (`--dist loadgroup`): most tests wait on worker
+# processes, sockets and systemd, not on the CPU. The files of one group share something of the machine's own and
+# so run one after another on one xdist worker: the systemd boots (units and paths of PID 1 namespaces), podman's
+# storage and the roots and image cached under /var/tmp (the quadlet and end-to-end tests build and use them).
+XDIST_GROUPS = {"test_systemd.py": "systemd", "test_zero_downtime.py": "systemd",
+                "test_podman_e2e.py": "podman", "test_quadlet.py": "podman"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = XDIST_GROUPS.get(item.path.name)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))

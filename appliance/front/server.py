@@ -137,8 +137,8 @@ class Appliance:
     async def status(self, request: web.Request) -> web.Response:
         sup = self.supervisor
         return web.json_response({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
-                                  "draining": self.draining, "residency": sup.residency_summary(),
-                                  "models": [{**m.status(), **sup.residency_status(m.name)}
+                                  "draining": self.draining, "residency": sup.placement.summary(),
+                                  "models": [{**m.status(), **sup.placement.status(m.name)}
                                              for m in sup.models.values()]})
 
     async def metrics_route(self, request: web.Request) -> web.Response:

@@ -192,6 +192,7 @@ class WorkerLife:
                     self.current.process = await WorkerProcess.spawn(self.spec)
                 except Exception as exc:  # EMFILE, ENOMEM, EACCES, a missing interpreter: nothing to reap
                     return Exit(ExitReason.SPAWN_ERROR, detail=f"cannot start the worker: {describe(exc)}")
+                log.info("model %s: worker %d started", self.name, self.pid)
                 ready = await self._await_ready(spawned)
             if ready:
                 await self._serve()
@@ -290,6 +291,8 @@ class WorkerLife:
         """Wait for the worker process, and describe how its life ended."""
         current = self.current
         returncode = await current.process.reap() if current.process else None
+        if current.process:
+            log.info("model %s: worker %d reaped (exit status %s)", self.name, current.process.pid, returncode)
         self.current = CurrentWorker()
         served = time.monotonic() - current.ready_at if current.ready_at is not None else 0.0
         ending = current.ending or self.unasked_exit(current.process, returncode)

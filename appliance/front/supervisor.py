@@ -154,8 +154,8 @@ class Supervisor:
 
         A model that is loading, restarting or being replaced is waited for up to its ready_wait_s (counted in
         openarc_requests_waiting), then its 503 is raised; a failed or draining one raises at once. An unloaded one
-        is wanted (the residency plan loads it, `reason` says why) and waited for the same way; when the wait runs
-        out (or ready_wait_s is 0) its load goes on without the request. A client that hangs up cancels the wait
+        is wanted (the residency plan loads it, `reason` says why) and waited for the same way (ready_wait_s 0: the
+        request is answered 503 at once and the load begins without it). A client that hangs up cancels the wait
         (the front runs with aiohttp's handler cancellation)."""
         loop = asyncio.get_running_loop()
         deadline: float | None = None
@@ -173,8 +173,8 @@ class Supervisor:
                 if sup.state is ModelState.UNLOADED:
                     self.placement.want(name, waiter, reason)
                     if remaining <= 0:
-                        if sup.life.task is None:  # its load has not begun: it stands without this request
-                            self.placement.want(name, STANDING, reason)
+                        if not sup.model.ready_wait_s and sup.life.task is None:  # no request waits for its load:
+                            self.placement.want(name, STANDING, reason)  # it begins without one
                         raise self._unloaded_refusal(name, sup)
                 elif remaining <= 0 or not sup.life.coming_up():
                     raise sup.life.unavailable()

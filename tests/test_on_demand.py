@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import yaml
 
 from conftest import REPO, http, model_entry, pid_alive, quick_side_bench, wait_until
 
@@ -41,6 +43,42 @@ def worker_pids(app) -> list[int]:
         if int(fields[1]) == app.proc.pid and fields[0] != "Z" and b"appliance.worker" in cmdline:
             pids.append(int(entry.name))
     return pids
+
+
+class Sampler:
+    """The front's live worker processes, sampled from /proc every 10 ms while the block runs: `peak`."""
+
+    def __init__(self, app):
+        self.app, self.peak, self.stop = app, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, len(worker_pids(self.app)))
+            time.sleep(0.01)
+
+    def __enter__(self) -> Sampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def peak_from_log(app) -> int:
+    """The most worker processes the front had at once, counted after the fact from its log: each worker from its
+    spawn to its reaping (which covers the process's whole life), so an excursion too short for a sampler counts."""
+    live = peak = 0
+    for event in re.findall(r"^.*model \S+: worker \d+ (started|reaped)", app.logs(), re.M):
+        live += 1 if event == "started" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def assert_never_more_than(app, sampler: Sampler, bound: int) -> None:
+    assert sampler.peak <= bound, f"sampled {sampler.peak} live workers"
+    assert peak_from_log(app) <= bound, f"{peak_from_log(app)} workers at once by the log"
 
 
 def samples(app, name: str, label: str = "reason") -> dict[str, float]:
@@ -71,12 +109,7 @@ def test_clients_cycling_through_three_models_never_exceed_max_loaded(appliance_
                              "models": [on_demand(name, demo_model) for name in ("a", "b", "c")]})
     assert worker_pids(app) == [] and app.model_status("a")["state"] == "unloaded"
     assert [m.id for m in app.client().models.list()] == ["a", "b", "c"]  # every configured model, loaded or not
-    stop, peak, outcomes = threading.Event(), [0], []
-
-    def sampler() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], len(worker_pids(app)))
-            time.sleep(0.01)
+    outcomes = []
 
     def client(offset: int) -> None:
         for i in range(6):
@@ -86,17 +119,16 @@ def test_clients_cycling_through_three_models_never_exceed_max_loaded(appliance_
             except openai.APIError as exc:
                 outcomes.append((model, repr(exc)))
 
-    watcher = threading.Thread(target=sampler)
-    watcher.start()
-    clients = [threading.Thread(target=client, args=(offset,)) for offset in range(3)]
-    for thread in clients:
-        thread.start()
-    for thread in clients:
-        thread.join(HANG_BOUND_S * 3)
-    stop.set()
-    watcher.join()
+    with Sampler(app) as sampler:
+        clients = [threading.Thread(target=client, args=(offset,)) for offset in range(3)]
+        for thread in clients:
+            thread.start()
+        for thread in clients:
+            thread.join(HANG_BOUND_S * 3)
     assert len(outcomes) == 18 and all(finish in ("length", "stop") for _, finish in outcomes), outcomes
-    assert 1 <= peak[0] <= 2, peak
+    assert sampler.peak >= 1
+    assert_never_more_than(app, sampler, 2)
+    assert len(worker_pids(app)) == app.status()["residency"]["loaded"] <= 2  # and none left over
 
     log = app.logs()
     evictions = re.findall(r"model (\w+): unloading \(evicted to make room for another model; .*, (\d+) requests "
@@ -317,3 +349,174 @@ def test_no_idle_model_to_evict_means_a_bounded_wait_then_503_with_retry_after(a
                             timeout=HANG_BOUND_S)[0] == 200, HANG_BOUND_S, "other served", interval=0.5)
     assert app.model_status("busy")["state"] == "unloaded"
     assert samples(app, "openarc_model_unloads_total")["busy"]["evicted"] == 1
+
+
+def hang_up_on(app, path: str, after_s: float) -> None:
+    """POST `path` and hang up after `after_s` without reading an answer (an operator's Ctrl-C, a proxy timeout)."""
+    with socket.create_connection(("127.0.0.1", app.port)) as conn:
+        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode())
+        time.sleep(after_s)
+
+
+def test_a_client_that_hangs_up_on_an_unload_leaks_no_worker_and_max_loaded_holds(appliance_factory, demo_model):
+    app = appliance_factory({"server": {"max_loaded": 1}, "models": [on_demand("a", demo_model), on_demand("b", demo_model)]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.08"})
+    with Sampler(app) as sampler:
+        stream = iter(app.client(timeout=HANG_BOUND_S).chat.completions.create(model="a", messages=CHAT,
+                                                                              max_tokens=40, stream=True))
+        assert next(stream).choices  # a generates for about 3 s: its drain waits for it
+        a = app.worker_pid("a")
+        hang_up_on(app, "/openarc/models/a/unload", after_s=0.3)  # gone mid-drain
+        answered: list = []
+        other = threading.Thread(target=lambda: answered.append(chat(app, "b", stream=False)))
+        other.start()  # b wants the slot a holds until its worker is gone
+        finish = None
+        for chunk in stream:
+            finish = chunk.choices[0].finish_reason if chunk.choices else finish
+        other.join(HANG_BOUND_S)
+    assert finish in ("length", "stop") and answered == ["length"]  # the stream ran to its end, then b was served
+    wait_until(lambda: not pid_alive(a), HANG_BOUND_S, "the unloaded worker gone")
+    assert_never_more_than(app, sampler, 1)
+    assert worker_pids(app) == [app.worker_pid("b")] and app.status()["residency"]["loaded"] == 1
+
+
+def test_a_stopped_idle_worker_is_killed_to_make_room_within_a_bound(appliance_factory, demo_model):
+    app = appliance_factory({"server": {"max_loaded": 1},
+                             "models": [on_demand("a", demo_model), on_demand("b", demo_model, ready_wait_s=20)]})
+    assert chat(app, "a", stream=False) == "length"
+    a = app.worker_pid("a")
+    os.kill(a, signal.SIGSTOP)  # wedged: it will never read "shutdown"
+    started = time.monotonic()
+    assert chat(app, "b", stream=False) == "length"  # a was asked to leave, then killed after the grace
+    waited = time.monotonic() - started
+    assert not pid_alive(a) and waited < 15, waited  # the grace (3 s) and a load, not ready_wait_s
+    assert f"worker {a} did not leave within" in app.logs()
+    assert worker_pids(app) == [app.worker_pid("b")]
+
+
+def test_unloading_a_model_still_loading_kills_its_worker_at_once(appliance_factory, demo_model):
+    app = appliance_factory({"models": [on_demand("a", demo_model, load_timeout_s=120)]})
+    with socket.create_connection(("127.0.0.1", app.port)) as loader:  # a load, whose caller then gives up
+        loader.sendall(b"POST /openarc/models/a/load HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        status = wait_until(lambda: (m := app.model_status("a"))["state"] == "loading" and m["pid"] and m,
+                            HANG_BOUND_S, "a worker loading", interval=0.005)
+        pid = status["pid"]
+        app.worker_pids.add(pid)
+        os.kill(pid, signal.SIGSTOP)  # a load that takes forever (a driver stuck compiling)
+    wait_until(lambda: app.model_status("a")["requests_waiting"] == 0, HANG_BOUND_S, "the load's caller gone")
+    started = time.monotonic()
+    code, _, body = http("POST", app.base + "/openarc/models/a/unload", timeout=HANG_BOUND_S)
+    assert code == 200 and body["state"] == "unloaded", body
+    assert time.monotonic() - started < 10 and not pid_alive(pid)  # not load_timeout_s
+    assert "model a: loading -> draining" in app.logs()
+    assert f"worker {pid} did not leave within" not in app.logs()  # no grace: it had no request to lose
+
+
+def test_ready_wait_s_0_starts_the_load_and_says_so(appliance_factory, demo_model):
+    app = appliance_factory({"models": [on_demand("a", demo_model, ready_wait_s=0)]})
+    code, headers, body = http("POST", app.base + "/v1/chat/completions", {"model": "a", "messages": CHAT})
+    assert code == 503 and int(headers["Retry-After"]) >= 1, body
+    assert "is being loaded now" in body["error"]["message"] and "no room" not in body["error"]["message"]
+    app.wait_model("a", "ready", timeout=HANG_BOUND_S)  # loaded though no request waited for it
+    assert chat(app, "a", stream=False) == "length"
+    assert samples(app, "openarc_model_loads_total")["a"]["demand"] == 1
+
+
+def test_a_measured_footprint_over_budget_is_refused_until_a_reload_raises_the_budget(appliance_factory, demo_model):
+    config = {"server": {"memory_budget": {"CPU": "20MiB"}}, "models": [on_demand("a", demo_model)]}
+    app = appliance_factory(config)
+    assert chat(app, "a", stream=False) == "length"  # unknown footprint: only max_loaded bounds its first load
+    assert app.model_status("a")["memory"]["source"] == "measured"  # some hundred MiB of RSS
+    assert http("POST", app.base + "/openarc/models/a/unload", timeout=HANG_BOUND_S)[0] == 200
+    code, _, body = http("POST", app.base + "/v1/chat/completions", {"model": "a", "messages": CHAT},
+                         timeout=HANG_BOUND_S)
+    assert code == 503 and "exceeds server.memory_budget CPU: 20.0 MiB" in body["error"]["message"], body
+    config["server"]["memory_budget"] = {"CPU": "8GiB"}
+    app.config_path.write_text(yaml.safe_dump(config))
+    app.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "reloaded" in app.logs(), HANG_BOUND_S, "the reload")
+    assert chat(app, "a", stream=False) == "length"  # the refusal was not kept
+    assert "measured footprint" in body["error"]["message"]  # the 503 said where the figure came from
+
+
+def test_reload_restart_of_a_loaded_on_demand_model_keeps_max_loaded_and_ready(appliance_factory, demo_model):
+    config = {"server": {"max_loaded": 1},
+              "models": [on_demand("a", demo_model, reload="restart", max_context=1024), on_demand("b", demo_model)]}
+    app = appliance_factory(config, env={"OPENARC_DEBUG_STEP_DELAY_S": "0.08"})
+    not_ready: list[int] = []
+    stop = threading.Event()
+
+    def readiness() -> None:
+        while not stop.is_set():
+            code = http("GET", app.base + "/ready", timeout=5)[0]
+            if code != 200:
+                not_ready.append(code)
+            time.sleep(0.02)
+
+    with Sampler(app) as sampler:
+        watcher = threading.Thread(target=readiness)
+        watcher.start()
+        stream = iter(app.client(timeout=HANG_BOUND_S).chat.completions.create(model="a", messages=CHAT,
+                                                                              max_tokens=40, stream=True))
+        assert next(stream).choices  # the old worker drains for about 3 s
+        old = app.worker_pid("a")
+        config["models"][0]["max_context"] = 512
+        app.config_path.write_text(yaml.safe_dump(config))
+        app.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "model a: switched" in app.logs(), HANG_BOUND_S, "the restart begun")
+        answered: list = []
+        other = threading.Thread(target=lambda: answered.append(chat(app, "b", stream=False)))
+        other.start()
+        finish = None
+        for chunk in stream:
+            finish = chunk.choices[0].finish_reason if chunk.choices else finish
+        other.join(HANG_BOUND_S)
+        assert finish in ("length", "stop") and answered == ["length"]
+        code, _, body = http("POST", app.base + "/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 600},
+                             timeout=HANG_BOUND_S)
+        stop.set()
+        watcher.join()
+    assert code == 400 and "512" in body["error"]["message"], body  # the new settings serve
+    assert not pid_alive(old)
+    assert_never_more_than(app, sampler, 1)
+    assert len(worker_pids(app)) == 1
+    assert not_ready == []  # an on-demand model's reload is not the whole server's readiness
+
+
+def test_an_upload_holding_its_reserved_place_is_busy_past_the_grace_for_eviction_and_drain(appliance_factory, demo_model,
+                                                                                           demo_whisper):
+    """An audio upload still being read holds a reserved place in its model's queue: the model is busy for as long
+    (not just HANDOFF_GRACE_S), so it is not evicted for another model, and an unload's drain waits for it."""
+    from audio_samples import multipart, tone, wav_bytes
+
+    app = appliance_factory({"server": {"max_loaded": 1},
+                             "models": [on_demand("w", demo_whisper, kind="transcription"),
+                                        on_demand("b", demo_model, ready_wait_s=1)]})
+    content_type, body = multipart({"model": "w", "file": wav_bytes(tone(1.0))})
+    split = body.index(b"RIFF") + 1000  # the model field and the first kilobyte of the file
+    with socket.create_connection(("127.0.0.1", app.port), timeout=HANG_BOUND_S) as upload:
+        upload.sendall(f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                       f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body[:split])
+        time.sleep(0.3)
+        upload.sendall(body[split:split + 1000])  # aiohttp reads a chunk ahead before it ends a part
+        wait_until(lambda: (m := app.model_status("w"))["state"] == "ready" and m["requests_waiting"] == 1,
+                   HANG_BOUND_S, "w loaded, the upload's place reserved")
+        time.sleep(6)  # past the 5 s hand-out grace (appliance.front.placement.HANDOFF_GRACE_S)
+        code, _, refused = http("POST", app.base + "/v1/chat/completions", {"model": "b", "messages": CHAT},
+                                timeout=HANG_BOUND_S)
+        assert code == 503 and "w (ready, busy)" in refused["error"]["message"], refused  # w was not evicted
+        unloaded: list = []
+        unloader = threading.Thread(target=lambda: unloaded.append(
+            http("POST", app.base + "/openarc/models/w/unload", timeout=HANG_BOUND_S)[0]))
+        unloader.start()
+        wait_until(lambda: app.model_status("w")["state"] == "unloaded", HANG_BOUND_S, "the unload under way")
+        upload.sendall(body[split + 1000:])  # the rest of the file: opened on the draining model, which waited for it
+        answer = b""
+        while chunk := upload.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    assert b"hello world" in answer
+    unloader.join(HANG_BOUND_S)
+    assert unloaded == [200] and worker_pids(app) == []
+    assert "w" not in samples(app, "openarc_model_unloads_total") or \
+        samples(app, "openarc_model_unloads_total")["w"]["evicted"] == 0

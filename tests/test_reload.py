@@ -124,3 +124,31 @@ def test_a_reload_queued_when_shutdown_begins_starts_nothing(appliance_factory, 
     logs = app.logs()
     after_stop = logs[logs.index("stopping: draining"):]
     assert "model late: stopped -> loading" not in after_stop, after_stop
+
+
+def test_a_reload_that_fails_of_anything_but_a_config_error_still_tells_systemd_ready(tmp_path, monkeypatch):
+    """systemd leaves "reloading" only on READY=1: a reload that raises (here the config reader itself) must send
+    it too, or `systemctl reload` hangs and the unit shows reloading for good. A real notify socket listens."""
+    import asyncio
+    import socket
+
+    from appliance.config import parse_config
+    from appliance.front.server import Appliance
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify"))
+    listener.settimeout(5)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+
+    def unreadable():
+        raise RuntimeError("the reader broke")
+
+    async def reload() -> None:
+        await Appliance(parse_config({"models": []}, "o.yaml"), reload_config=unreadable).reload()
+
+    asyncio.run(reload())
+    try:
+        messages = [listener.recv(4096).decode() for _ in range(2)]
+    finally:
+        listener.close()
+    assert messages[0].startswith("RELOADING=1") and messages[1].startswith("READY=1"), messages

@@ -148,3 +148,28 @@ def test_one_instance_is_one_model_always_loaded():
     c = config({"max_loaded": 1, "memory_budget": {"CPU": "1GiB"}}, load="on_demand", idle_unload_s=5).only("a")
     assert (c.models[0].load, c.models[0].idle_unload_s, c.server.max_loaded, c.server.memory_budget) == (
         "at_start", 0, 0, {})
+
+
+# --- the Supervisor's view of its models (appliance.front.placement), without a process -------------------------
+
+def test_the_views_the_plan_and_status_read_change_nothing():
+    """A busy model reads as used now; reading it (for a plan, a status, a 503's text) must not write anything."""
+    import asyncio
+    import copy
+
+    from appliance.front.metrics import Metrics
+    from appliance.front.supervisor import Supervisor
+
+    async def main() -> None:
+        supervisor = Supervisor(parse_config({"server": {"max_loaded": 1}, "models": [
+            {"name": "a", "path": "/m", "load": "on_demand"}, {"name": "b", "path": "/m", "load": "on_demand"}]},
+            "o.yaml"), Metrics())
+        placement = supervisor.placement
+        supervisor.models["a"].router.reserved = 1  # an upload holds a place: busy
+        before = copy.deepcopy(placement.usage)
+        views = placement.views(now=100.0)
+        assert [(v.name, v.busy, v.last_used) for v in views] == [("a", 1, 100.0), ("b", 0, 0.0)]
+        placement.status("a"), placement.summary(), supervisor._unloaded_refusal("b", supervisor.models["b"])
+        assert placement.usage == before and placement.views(now=100.0) == views
+
+    asyncio.run(main())

@@ -12,7 +12,7 @@ import asyncio
 import collections
 import itertools
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from appliance import ipc
 from appliance.config import ModelConfig
@@ -37,8 +37,9 @@ class RequestRouter:
         self.awaiting_ready = 0  # requests waiting for this model to become ready (Supervisor.ready_model)
         self.reserved = 0  # places held for requests whose body is still being read (reserve())
         self.ids = itertools.count(1)
-        self.idle = asyncio.Event()
+        self.idle = asyncio.Event()  # nothing running, queued or reserved: what a drain waits for
         self.idle.set()
+        self.on_idle: Callable[[], None] = lambda: None  # the Supervisor's residency bookkeeping: replan, last used
         self.last_progress = time.monotonic()  # the stall timer's reference (WorkerLife._monitor)
         self.channel: AsyncChannel | None = None  # the ready worker's, while it serves
         # False while the model's supervisor does not serve its name (a replacement not switched to yet, or one
@@ -64,10 +65,12 @@ class RequestRouter:
         self._check_room()
         self.reserved += 1
         self.publish_queue()
+        self._note_idle()
 
     def unreserve(self) -> None:
         self.reserved -= 1
         self.publish_queue()
+        self._note_idle()
 
     def open(self, frame: dict[str, Any], op: str = "generate", reserved: bool = False) -> Request:
         """Queue a request, or refuse it with 429 when the queue is full (unless its place was `reserved`).
@@ -136,10 +139,15 @@ class RequestRouter:
             except (ValueError, ProtocolError) as exc:  # a frame that cannot be sent must not hold a slot forever
                 self.finish(req, RequestFailed(500, "internal", f"cannot pass the request to its worker: {exc}"))
         self.publish_queue()
-        if self.running or self.waiting:
+        self._note_idle()
+
+    def _note_idle(self) -> None:
+        """A reserved place is work as a queued request is: the model is idle only when it has none of them."""
+        if self.running or self.waiting or self.reserved:
             self.idle.clear()
-        else:
+        elif not self.idle.is_set():
             self.idle.set()
+            self.on_idle()
 
     def publish_queue(self) -> None:
         if not self.reports:

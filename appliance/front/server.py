@@ -137,8 +137,8 @@ class Appliance:
     async def status(self, request: web.Request) -> web.Response:
         sup = self.supervisor
         return web.json_response({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
-                                  "draining": self.draining, "residency": sup.residency_summary(),
-                                  "models": [{**m.status(), **sup.residency_status(m.name)}
+                                  "draining": self.draining, "residency": sup.placement.summary(),
+                                  "models": [{**m.status(), **sup.placement.status(m.name)}
                                              for m in sup.models.values()]})
 
     async def metrics_route(self, request: web.Request) -> web.Response:
@@ -278,19 +278,23 @@ class Appliance:
                 return
             self.notifier.reloading()
             try:
-                config = await asyncio.get_running_loop().run_in_executor(None, self.reload_config)
+                await self._apply(await asyncio.get_running_loop().run_in_executor(None, self.reload_config))
             except ConfigError as exc:
                 log.error("reload refused, still serving the previous config: %s", exc)
-            else:
-                if (config.server.host, config.server.port) != (self.config.server.host, self.config.server.port):
-                    log.warning("reload: a new listen address takes a restart; keeping %s:%d",
-                                self.config.server.host, self.config.server.port)
-                self.api_key = config.api_key()
-                changed = await self.supervisor.apply(config)
-                self.config = dataclasses.replace(config, server=dataclasses.replace(
-                    config.server, host=self.config.server.host, port=self.config.server.port))
-                log.info("reloaded %s: %s", config.source, ", ".join(changed) + " (re)started" if changed else "no model changed")
-            self.notifier.ready(self.status_line())
+            except Exception:  # a bug: loud in the log, and the server goes on with what it has
+                log.exception("reload failed")
+            finally:  # systemd leaves "reloading" only on READY=1, whatever happened
+                self.notifier.ready(self.status_line())
+
+    async def _apply(self, config: Config) -> None:
+        if (config.server.host, config.server.port) != (self.config.server.host, self.config.server.port):
+            log.warning("reload: a new listen address takes a restart; keeping %s:%d",
+                        self.config.server.host, self.config.server.port)
+        self.api_key = config.api_key()
+        changed = await self.supervisor.apply(config)
+        self.config = dataclasses.replace(config, server=dataclasses.replace(
+            config.server, host=self.config.server.host, port=self.config.server.port))
+        log.info("reloaded %s: %s", config.source, ", ".join(changed) + " (re)started" if changed else "no model changed")
 
     async def shutdown(self, runner: web.AppRunner) -> None:
         log.info("stopping: draining requests for up to %gs", self.config.server.drain_timeout_s)

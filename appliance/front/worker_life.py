@@ -26,11 +26,14 @@ from appliance.front.lifecycle import (CRASH_REASONS, Exit, ExitReason, Lifecycl
 from appliance.front.metrics import Metrics, ModelMetrics
 from appliance.front.request import RequestFailed, shutting_down
 from appliance.front.routing import RequestRouter
-from appliance.front.worker_process import WorkerProcess
+from appliance.front.worker_process import SHUTDOWN_GRACE_S, WorkerProcess
 from appliance.host import faults, telemetry
 from appliance.ipc import ProtocolError
 
 log = logging.getLogger("openarc.supervisor")  # the same name as appliance.front.supervisor: one source in the log
+
+# How long a worker asked to leave (stop()) has before it is SIGKILLed, counted from the ask.
+LEAVE_GRACE_S = SHUTDOWN_GRACE_S
 
 
 @dataclass
@@ -60,6 +63,7 @@ class WorkerLife:
         self.lifecycle = Lifecycle(self.name, self._state_changed)
         self.current = CurrentWorker()
         self.stop_requested = asyncio.Event()
+        self.drained = False  # stop() has waited out its drain: nothing more is admitted, reserved or not
         self.task: asyncio.Task | None = None
         self.budget = RestartBudget(model.restart)
         self.restarts = 0
@@ -97,7 +101,10 @@ class WorkerLife:
         log.info("model %s: %s -> %s%s", self.name, old.value, new.value, reason)
         self._on_state(old, new)
 
-    def admits(self) -> bool:
+    def admits(self, reserved: bool = False) -> bool:
+        """Whether a request is taken now; one that holds a reserved place also while the drain waits for it."""
+        if reserved and self.state is ModelState.DRAINING and not self.drained:
+            return True
         return self.state is ModelState.READY and not self.stopping
 
     def coming_up(self) -> bool:
@@ -128,18 +135,29 @@ class WorkerLife:
             log.error("model %s: its supervisor task died", self.name, exc_info=task.exception())
 
     async def stop(self, drain_timeout_s: float) -> None:
-        """Drain: let running and queued requests finish up to the timeout, then end the worker."""
+        """Drain: let running, queued and reserved requests finish up to the timeout, then end the worker: asked to
+        leave, SIGKILLed after LEAVE_GRACE_S if it does not (a worker wedged in the driver, or stopped, must not
+        hold its memory forever); a worker still loading has no request to lose and is killed at once."""
         self.stop_requested.set()
         if self.state is not ModelState.STOPPED:
             self.enter(ModelState.DRAINING)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.router.idle.wait(), drain_timeout_s)
+        self.drained = True
         self.router.fail_all(shutting_down())
         if self.current.process:
-            self.current.ending = self.current.ending or Exit(ExitReason.STOPPED)
-            self.current.process.ask_to_leave()
+            if self.current.ready_at is None:
+                self.end_worker(Exit(ExitReason.STOPPED))
+            else:
+                self.current.ending = self.current.ending or Exit(ExitReason.STOPPED)
+                self.current.process.ask_to_leave()
         if self.task:
-            await asyncio.gather(self.task, return_exceptions=True)
+            done, _ = await asyncio.wait([self.task], timeout=LEAVE_GRACE_S)
+            if not done:
+                log.warning("model %s: worker %s did not leave within %gs of being asked; killing it", self.name,
+                            self.pid, LEAVE_GRACE_S)
+                self.end_worker(Exit(ExitReason.STOPPED))
+                await asyncio.gather(self.task, return_exceptions=True)
         if self.state is ModelState.DRAINING:
             self.enter(ModelState.STOPPED)
 
@@ -174,6 +192,7 @@ class WorkerLife:
                     self.current.process = await WorkerProcess.spawn(self.spec)
                 except Exception as exc:  # EMFILE, ENOMEM, EACCES, a missing interpreter: nothing to reap
                     return Exit(ExitReason.SPAWN_ERROR, detail=f"cannot start the worker: {describe(exc)}")
+                log.info("model %s: worker %d started", self.name, self.pid)
                 ready = await self._await_ready(spawned)
             if ready:
                 await self._serve()
@@ -185,6 +204,9 @@ class WorkerLife:
             return await self._reap()
 
     async def _await_ready(self, spawned: float) -> bool:
+        if self.stopping:  # stopped while it spawned: a loading worker has no request to lose
+            self.end_worker(Exit(ExitReason.STOPPED))
+            return False
         try:
             message = await asyncio.wait_for(self.current.process.channel.recv(), self.model.load_timeout_s)
         except asyncio.TimeoutError:
@@ -269,6 +291,8 @@ class WorkerLife:
         """Wait for the worker process, and describe how its life ended."""
         current = self.current
         returncode = await current.process.reap() if current.process else None
+        if current.process:
+            log.info("model %s: worker %d reaped (exit status %s)", self.name, current.process.pid, returncode)
         self.current = CurrentWorker()
         served = time.monotonic() - current.ready_at if current.ready_at is not None else 0.0
         ending = current.ending or self.unasked_exit(current.process, returncode)

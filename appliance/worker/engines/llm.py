@@ -28,6 +28,9 @@ log = logging.getLogger("openarc.worker")
 # Test knob, never set in production: the probe thread raises after compiling a constraint whose JSON holds this
 # text, to prove that an exception there fails loudly instead of ending the thread in silence.
 PROBE_FAULT_ENV = "OPENARC_DEBUG_PROBE_FAULT"
+# Test knob, never set in production: each compile on the probe thread lasts at least this many seconds (the thread
+# is held inside the compile's heartbeat), so a test's slow compile is slow by construction on any machine.
+PROBE_HOLD_ENV = "OPENARC_DEBUG_PROBE_HOLD_S"
 
 INVALID_GRAMMAR = faults.Fault("invalid_grammar", "invalid_grammar", None, False)
 INVALID_REQUEST = faults.Fault("invalid_request", "invalid_request", None, False)
@@ -145,6 +148,7 @@ class LLMEngine(Engine):
         self.probing: set[int] = set()  # request ids on the probe thread
         self.cancelled_while_probing: set[int] = set()
         self.probe_fault = os.environ.get(PROBE_FAULT_ENV) or None
+        self.probe_hold_s = float(os.environ.get(PROBE_HOLD_ENV) or 0)
 
     def threads(self) -> list[tuple[str, Any]]:
         return [("grammar-probe", self._probe_loop)]
@@ -192,12 +196,14 @@ class LLMEngine(Engine):
         while True:
             message = self.probe_jobs.get()
             with self.compiling():
+                held_until = time.monotonic() + self.probe_hold_s
                 try:
                     self.probe.check(message["constraint"], self.formats["tool_parser"])
                 except InvalidGrammar as exc:
                     message["probe_error"] = str(exc)
                 except Exception as exc:  # never lose a request: the engine thread reports whatever this was
                     message["probe_error"] = f"the grammar probe failed: {exc}"
+                time.sleep(max(0.0, held_until - time.monotonic()))
             if self.probe_fault and self.probe_fault in json.dumps(message["constraint"]):
                 raise InjectedFault(f"{PROBE_FAULT_ENV}={self.probe_fault} matched")
             self._admit(message)

@@ -154,11 +154,10 @@ class AudioRoutes:
                 await stream.send({"type": "transcript.text.delta", "delta": event.text, "logprobs": None})
                 event = await sse.next_event(events)
             if isinstance(event, RequestFailed):
-                await stream.send(call.stream_failed(event))
-            else:
-                transcript = Transcript.from_result(event.result, req.task, seconds, req.temperature)
-                await stream.send({"type": "transcript.text.done", "text": transcript.text.strip(),
-                                   "logprobs": None, "usage": transcript.usage()})
+                return await call.end_stream(stream, event)
+            transcript = Transcript.from_result(event.result, req.task, seconds, req.temperature)
+            await stream.send({"type": "transcript.text.done", "text": transcript.text.strip(),
+                               "logprobs": None, "usage": transcript.usage()})
         finally:
             sup.close(handle)
         return await stream.close()

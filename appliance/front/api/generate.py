@@ -125,15 +125,14 @@ class GenerationRoutes:
         try:
             index, event = await merged.get()
             sse.refused_before_start(event)
-            stream = await sse.EventStream(request).open()
+            stream = await sse.EventStream(request, done_marker=True).open()
             if req.kind == "chat":
                 for choice in range(req.n):
                     await stream.send(shaper.chunk(first=True, index=choice))
             done: list[Event] = []
             while True:
                 if isinstance(event, RequestFailed):
-                    await stream.send(call.stream_failed(event))
-                    break
+                    return await call.end_stream(stream, event)
                 answer = answers[index]
                 if event.op == "tokens":
                     await self._send_text(stream, shaper, answer, event.text, event.logprobs, index)
@@ -152,7 +151,7 @@ class GenerationRoutes:
                 pump.cancel()
             for handle in handles:
                 sup.close(handle)
-        return await stream.close(done_marker=True)
+        return await stream.close()
 
     async def _pump(self, sup, handle, index: int, merged: asyncio.Queue) -> None:
         """Move one choice's events into the merged queue until it is done or failed."""

@@ -7,6 +7,7 @@ allowed hosts only; a worker SIGABRTed mid-generation; metrics; check-config's k
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -333,19 +334,23 @@ class ImageServer:
 def test_remote_urls_from_allowed_hosts_only(appliance_factory, demo_vlm):
     images = ImageServer()
     try:
-        app = appliance_factory({"server": {"image_fetch": {"enabled": True, "allow_hosts": ["127.0.0.1"]}},
+        # host names compare without case, as DNS does: an operator's LocalHost:PORT allows localhost on that port
+        app = appliance_factory({"server": {"image_fetch": {"enabled": True,
+                                                            "allow_hosts": ["127.0.0.1", f"LocalHost:{images.port}"]}},
                                  "models": [model_entry("vlm", demo_vlm, kind="vlm")]})
         assert answer(app, f"http://127.0.0.1:{images.port}/red.png").startswith("Red ")
         assert images.big_bytes > 1 << 20
         assert answer(app, f"http://127.0.0.1:{images.port}/big.png").startswith("Blue ")  # read whole
-        assert images.hits == ["/red.png", "/big.png"]
-        for url, says in ((f"http://localhost:{images.port}/red.png", "not in server.image_fetch.allow_hosts"),
+        assert answer(app, f"http://localhost:{images.port}/red.png").startswith("Red ")
+        assert images.hits == ["/red.png", "/big.png", "/red.png"]
+        for url, says in ((f"http://localhost:{images.port + 1}/red.png", "not in server.image_fetch.allow_hosts"),
                           (f"http://127.0.0.1:{images.port}/missing.png", "HTTP 404"),
                           (f"http://127.0.0.1:{images.port}/moved", "HTTP 302")):
             with pytest.raises(openai.BadRequestError) as caught:
                 answer(app, url)
             assert says in caught.value.body["message"] and caught.value.body["param"] == "messages[0].content[1]"
-        assert images.hits == ["/red.png", "/big.png", "/missing.png", "/moved"]  # not localhost, not the redirect
+        # not localhost on another port, not the redirect
+        assert images.hits == ["/red.png", "/big.png", "/red.png", "/missing.png", "/moved"]
     finally:
         images.close()
 
@@ -371,6 +376,65 @@ def test_worker_abort_mid_generation_is_fast_then_restarts(appliance_factory, tm
     new = app.wait_model("vlm", "ready", new_pid_not=pid)
     assert new["crashes"] == 1 and "SIGABRT" in new["last_error"] and not pid_alive(pid)
     assert answer(app, data_url(encoded(BLUE)), max_tokens=4).startswith("Blue ")
+
+
+# --- the image decoder's own faults, through the resolver and the real decoder process -------------------------------
+
+def resolve_with_spool_file(make_file, timeout_s: float = 30.0, cancel_after_s: float | None = None):
+    """Resolve one red PNG through a real ImageResolver (its decoder process included) after `make_file(path)` made
+    the spool file the decoder will write; returns (what resolve raised or returned, the files left in the spool,
+    the metrics' exposition)."""
+    import asyncio
+
+    from appliance.config import ImageFetch, ModelConfig
+    from appliance.front.api.images import Content, ImagePart, ImageResolver
+    from appliance.front.metrics import Metrics
+
+    async def run():
+        metrics = Metrics()
+        resolver = ImageResolver(ImageFetch(), metrics)
+        resolver.decoder.timeout_s = timeout_s
+        spool = resolver._spool()
+        make_file(os.path.join(spool, "0.rgb"))  # the first image's spool file
+        found = Content([ImagePart("messages[0].content[1]", data_url(encoded(RED)))])
+        task = asyncio.create_task(resolver.resolve(found, ModelConfig(name="vlm", path="/m", kind="vlm")))
+        try:
+            if cancel_after_s is not None:  # the client hangs up mid-decode
+                await asyncio.sleep(cancel_after_s)
+                task.cancel()
+            try:
+                outcome = await task
+            except BaseException as exc:  # noqa: BLE001 - the outcome under test
+                outcome = exc
+            return outcome, os.listdir(spool), metrics.exposition()[0].decode()
+        finally:
+            await resolver.close()
+    return asyncio.run(run())
+
+
+def test_a_full_spool_disk_is_a_503_not_the_clients_bad_image():
+    """The spool file is /dev/full: every write fails with ENOSPC, as on a full disk (it was a 400 invalid_image,
+    counted as the client's bad image)."""
+    from appliance.front.request import RequestFailed
+    failure, left, metrics = resolve_with_spool_file(lambda path: os.symlink("/dev/full", path))
+    assert isinstance(failure, RequestFailed), failure
+    assert (failure.status, failure.code) == (503, "image_decoder_unavailable") and failure.retry_after
+    assert "server fault" in failure.message and "No space left" in failure.message
+    assert left == [] and 'openarc_image_rejections_total{model="vlm"' not in metrics
+
+
+def test_a_decoder_slower_than_its_timeout_is_a_503_and_a_hang_up_mid_decode_leaves_no_file():
+    """The spool file is a FIFO no one reads: the decoder blocks writing the pixels as one stuck in a C library
+    does. Past its timeout it is killed and the client gets a 503 (it was a 400); a client that hangs up while it
+    is stuck leaves no spool file behind (it leaked)."""
+    from appliance.front.request import RequestFailed
+    failure, left, metrics = resolve_with_spool_file(os.mkfifo, timeout_s=2.0)
+    assert isinstance(failure, RequestFailed), failure
+    assert (failure.status, failure.code) == (503, "image_decoder_unavailable") and failure.retry_after
+    assert "did not answer within 2 s" in failure.message
+    assert left == [] and 'openarc_image_rejections_total{model="vlm"' not in metrics
+    cancelled, left, _ = resolve_with_spool_file(os.mkfifo, cancel_after_s=1.0)
+    assert isinstance(cancelled, asyncio.CancelledError) and left == [], (cancelled, left)
 
 
 # --- parsing, without a server ---------------------------------------------------------------------------------------

@@ -10,10 +10,11 @@ What is checked, in this order: the format, from the file's first bytes (not the
 model's allow-list; the pixel count from the header, before anything is decoded (a decompression bomb is a small
 file that declares a huge image); then the whole image is decoded (a truncated or corrupt file fails here), the
 first frame of an animation taken, and composited onto white if it has transparency.  The pixels go to the `out`
-file as height x width x 3 bytes, which the worker reads without parsing anything.
+file as height x width x 3 bytes, which the worker reads without parsing anything. A fault of ours (the pixels
+cannot be written, the decoder hangs past DECODE_TIMEOUT_S) is a DecoderFault: a 503 the client may retry.
 
 Protocol: request {"max_pixels": n, "formats": [...], "out": path} and the file's bytes; reply {"width", "height",
-"format"} or {"error": reason, "message": ...}, reason being one of REASONS.
+"format"} or {"error": reason, "message": ...}, reason being one of REASONS or "write_failed".
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import sys
 import warnings
 
-from appliance.front.decoder_process import DecoderFailed, DecoderProcess, serve
+from appliance.front.decoder_process import DecoderFailed, DecoderProcess, serve, write_failed
 
 DECODE_TIMEOUT_S = 30.0
 # (magic bytes at offset, offset, format as config and Pillow name it)
@@ -104,6 +105,8 @@ def _handle(request: dict, data: bytes) -> dict:
         return {"width": image.width, "height": image.height, "format": sniff_format(data)[0]}
     except ImageError as exc:
         return {"error": exc.reason, "message": str(exc)}
+    except OSError as exc:  # ENOSPC, EDQUOT, EIO writing the pixels: the server's trouble, not the image's
+        return write_failed(request["out"], "image", exc)
 
 
 class ImageDecoder(DecoderProcess):
@@ -113,9 +116,11 @@ class ImageDecoder(DecoderProcess):
         super().__init__("appliance.front.image_decoder", DECODE_TIMEOUT_S, "image decoder")
 
     async def decode(self, data: bytes, max_pixels: int, formats: list[str], out_path: str) -> dict:
-        """Decode `data` into `out_path`: {"width", "height", "format"}; ImageError for anything else."""
+        """Decode `data` into `out_path`: {"width", "height", "format"}; ImageError for an image that cannot be
+        used (one that crashed a fresh decoder included), DecoderFault for a fault of ours (a hung decoder, a full
+        spool disk)."""
         try:
-            reply = await self.ask({"max_pixels": max_pixels, "formats": formats, "out": out_path}, data)
+            reply = await self.answer({"max_pixels": max_pixels, "formats": formats, "out": out_path}, data)
         except DecoderFailed as exc:
             raise ImageError("undecodable", f"the image could not be decoded (the decoder {exc.how} on it)") from None
         if "error" in reply:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import math
 import os
 import shutil
@@ -34,8 +33,6 @@ from appliance.front.api.route import Call, ErrorShape, route
 from appliance.front.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESPONSE_FORMATS, Transcript
 from appliance.front.audio_decoder import AudioDecoder, AudioError, DecoderFault
 from appliance.front.request import Event, RequestFailed
-
-log = logging.getLogger("openarc.audio")
 
 KIND = "transcription"
 # Upload files the front holds in memory at once (read, or waiting for the one decoder process): the front's
@@ -122,7 +119,7 @@ class AudioRoutes:
                 status = 413 if exc.kind == "too_long" else 400
                 raise RequestFailed(status, "invalid_request", str(exc), f"audio_{exc.kind}") from None
             except DecoderFault as exc:
-                raise decoder_failure(exc) from None
+                raise exc.failure() from None
             form.file = req.file = b""  # decoded into the spool file: the upload's memory is free for the next
             upload.release_slot()
             frame = {"kind": KIND, "body": req.body(audio_path)}
@@ -217,13 +214,6 @@ class Upload:
         if self.reserved:  # refused or failed before it was opened
             self.reserved = False
             self.sup.router.unreserve()
-
-
-def decoder_failure(exc: DecoderFault) -> RequestFailed:
-    """A fault of the decoder's own as the client sees it: the server's (503), worth a retry."""
-    log.error("audio upload not decoded: %s", exc)
-    return RequestFailed(503, "audio_decoder", f"the audio could not be decoded because of a server fault: {exc}",
-                         "audio_decoder_unavailable", retry_after=1)
 
 
 async def read_form(request: web.Request, before_file) -> Form:

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import utf8
+from appliance.front.decoder_process import DecoderFault
 from appliance.front.image_decoder import ImageDecoder, ImageError
 
 IMAGE_TAG = "<ov_genai_image_{}>"
@@ -141,11 +142,16 @@ class ImageResolver:
         try:
             data = await self._bytes(part, model)
             path = os.path.join(self._spool(), f"{next(self.serial)}.rgb")
+            info = None
             try:
                 info = await self.decoder.decode(data, model.max_image_pixels, model.image_formats, path)
             except ImageError as exc:
-                _unlink(path)
                 raise ImageRejected(str(exc), part.where, exc.reason) from None
+            except DecoderFault as exc:  # the server's fault, not the image's: a 503, not counted as a rejection
+                raise exc.failure() from None
+            finally:
+                if info is None:  # refused, failed, or its client hung up mid-decode: no file stays behind
+                    _unlink(path)
         except ImageRejected as exc:
             self.metrics.image_rejections.labels(model=model.name, reason=exc.reason).inc()
             raise
@@ -169,8 +175,8 @@ class ImageResolver:
             port = host.port
         except ValueError:
             raise ImageRejected("the image URL is malformed", part.where, "bad_url") from None
-        allowed = host.hostname and (host.hostname in self.fetch.allow_hosts
-                                     or f"{host.hostname}:{port}" in self.fetch.allow_hosts)
+        allow_hosts = {name.lower() for name in self.fetch.allow_hosts}  # host names have no case (urlsplit lowers)
+        allowed = host.hostname and (host.hostname in allow_hosts or f"{host.hostname}:{port}" in allow_hosts)
         if not allowed:
             raise ImageRejected(f"the host {host.hostname!r} is not in server.image_fetch.allow_hosts", part.where,
                                 "host_not_allowed")

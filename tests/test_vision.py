@@ -437,6 +437,113 @@ def test_a_decoder_slower_than_its_timeout_is_a_503_and_a_hang_up_mid_decode_lea
     assert isinstance(cancelled, asyncio.CancelledError) and left == [], (cancelled, left)
 
 
+# --- bounds before the queue: admitted before fetch and decode, spool bytes, body size -------------------------------
+
+def resolver_run(scenario, spool_base=None):
+    """Run `scenario(resolver, model)` (async) against a real ImageResolver and its decoder process."""
+    from appliance.config import ImageFetch, ModelConfig
+    from appliance.front.api.images import ImageResolver
+    from appliance.front.metrics import Metrics
+
+    async def run():
+        resolver = ImageResolver(ImageFetch(), Metrics(), spool_base)
+        try:
+            return await scenario(resolver, ModelConfig(name="vlm", path="/m", kind="vlm"))
+        finally:
+            await resolver.close()
+    return asyncio.run(run())
+
+
+def content_of(*images: bytes):
+    from appliance.front.api.images import Content, ImagePart
+    return Content([ImagePart(f"messages[0].content[{i}]", data_url(data)) for i, data in enumerate(images)])
+
+
+def test_spool_bytes_are_bounded_per_request_and_per_server():
+    """A request whose images' pixels pass its bound is a 400 naming the image that passed it, checked from the
+    header before decoding (8 small single-colour PNGs were 600 MB of spool); a server whose spool is held by
+    requests in flight answers 503 with Retry-After until they end."""
+    from appliance.front.api.images import ImageRejected
+    from appliance.front.request import RequestFailed
+    one = 40 * 30 * 3  # the spool bytes of one encoded() image
+
+    async def scenario(resolver, model):
+        resolver.max_request_bytes, resolver.max_spool_bytes = 2 * one, 3 * one
+        with pytest.raises(ImageRejected) as too_many:
+            await resolver.resolve(content_of(encoded(RED), encoded(GREEN), encoded(BLUE)), model)
+        assert (resolver.spool_bytes, os.listdir(resolver.spool)) == (0, [])  # the first two went with it
+        held = await resolver.resolve(content_of(encoded(RED), encoded(GREEN)), model)
+        with pytest.raises(RequestFailed) as full:
+            await resolver.resolve(content_of(encoded(RED), encoded(BLUE)), model)  # one more fits, two do not
+        assert resolver.spool_bytes == 2 * one and len(os.listdir(resolver.spool)) == 2
+        resolver.release(held)  # the request in flight ended
+        again = await resolver.resolve(content_of(encoded(RED), encoded(BLUE)), model)
+        resolver.release(again)
+        return too_many.value, full.value, resolver.spool_bytes
+
+    too_many, full, left = resolver_run(scenario)
+    assert too_many.param == "messages[0].content[2]" and too_many.reason == "too_large"
+    assert "3600 bytes of pixels" in str(too_many) and f"may take {2 * one} bytes" in str(too_many)
+    assert (full.status, full.code, full.retry_after) == (503, "image_spool_full", 1)
+    assert left == 0
+
+
+def test_the_spool_is_in_the_units_cache_directory(tmp_path, monkeypatch):
+    """On disk under systemd's CacheDirectory=, not in the private /tmp (often RAM)."""
+    from appliance.front.api.images import spool_base
+    monkeypatch.setenv("CACHE_DIRECTORY", f"{tmp_path}:/elsewhere")
+
+    async def scenario(resolver, model):
+        files = await resolver.resolve(content_of(encoded(RED)), model)
+        resolver.release(files)
+        return files[0]["path"]
+    assert os.path.dirname(os.path.dirname(resolver_run(scenario, spool_base()))) == str(tmp_path)
+
+
+def test_a_body_past_max_body_bytes_is_read_only_for_a_vision_model(app):
+    """The larger chat body a vision model needs is not every model's: the same 2 MB body to the text model is a
+    413 (it was read, parsed and answered with a 400 about images)."""
+    noise = Image.frombytes("RGB", (1200, 900), os.urandom(1200 * 900 * 3))
+    out = io.BytesIO()
+    noise.save(out, "PNG")
+    body = {"model": "chat", "messages": [{"role": "user", "content": [image_part(data_url(out.getvalue()))]}]}
+    status, reply = post_chat(app, body)
+    assert status == 413 and reply["error"]["code"] == "request_entity_too_large", reply
+    assert "only a request to a vision model" in reply["error"]["message"]
+    status, reply = post_chat(app, {**body, "model": "vlm", "max_tokens": 2})
+    assert status == 200, reply
+
+
+def test_a_request_with_images_to_a_busy_model_is_refused_before_they_are_fetched(appliance_factory,
+                                                                                 tmp_path_factory):
+    """The queue place is reserved before the images are fetched and decoded, as audio uploads are admitted
+    before they are read: with the model's one place taken, a request naming a remote image gets its 429 at once
+    and the image is never fetched (it was fetched and decoded first)."""
+    from appliance.demo.catalog import build_demo_model
+    long_vlm = build_demo_model(tmp_path_factory.mktemp("models") / "vlm-busy", "vlm", eos_after=0,
+                                max_new_tokens=4096)
+    images = ImageServer()
+    try:
+        app = appliance_factory({"server": {"image_fetch": {"enabled": True, "allow_hosts": ["127.0.0.1"]}},
+                                 "models": [model_entry("vlm", long_vlm, kind="vlm", max_running=1, max_queue=0)]},
+                                env={"OPENARC_DEBUG_STEP_DELAY_S": "0.05"})
+        busy = threading.Thread(target=lambda: post_chat(app, {
+            "model": "vlm", "max_tokens": 200, "messages": [{"role": "user", "content": "Go on."}]}))
+        busy.start()
+        deadline = time.monotonic() + 60
+        while app.model_status("vlm")["requests_running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        started = time.monotonic()
+        status, reply = post_chat(app, {"model": "vlm", "messages": [{"role": "user", "content": [
+            image_part(f"http://127.0.0.1:{images.port}/big.png")]}]})
+        assert status == 429 and time.monotonic() - started < HANG_BOUND_S, reply
+        assert images.hits == []
+        busy.join(60)
+    finally:
+        images.close()
+
+
 # --- parsing, without a server ---------------------------------------------------------------------------------------
 
 def test_image_parts_become_tags_in_order_across_messages():

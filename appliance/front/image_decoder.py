@@ -13,8 +13,9 @@ first frame of an animation taken, and composited onto white if it has transpare
 file as height x width x 3 bytes, which the worker reads without parsing anything. A fault of ours (the pixels
 cannot be written, the decoder hangs past DECODE_TIMEOUT_S) is a DecoderFault: a 503 the client may retry.
 
-Protocol: request {"max_pixels": n, "formats": [...], "out": path} and the file's bytes; reply {"width", "height",
-"format"} or {"error": reason, "message": ...}, reason being one of REASONS or "write_failed".
+Protocol: request {"max_pixels": n, "formats": [...], "out": path, "max_bytes": b or null} and the file's bytes;
+reply {"width", "height", "format"} or {"error": reason, "message": ...}, reason being one of REASONS, OVER_BUDGET
+or "write_failed".
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ FORMATS = (
     (b"WEBP", 8, "webp", "WEBP"),
 )
 REASONS = ("unsupported_format", "too_many_pixels", "undecodable")
+OVER_BUDGET = "over_budget"  # the pixels would exceed the spool bytes the front allowed (its reply, not a REASON)
 
 
 class ImageError(Exception):
@@ -54,8 +56,9 @@ def sniff_format(data: bytes) -> tuple[str, str] | None:
     return None
 
 
-def decode(data: bytes, max_pixels: int, formats: list[str]):
-    """The image as an RGB PIL image, checked as the module doc says; ImageError otherwise."""
+def decode(data: bytes, max_pixels: int, formats: list[str], max_bytes: int | None = None):
+    """The image as an RGB PIL image, checked as the module doc says; ImageError otherwise (OVER_BUDGET when its
+    pixels would take more than `max_bytes` of spool, read from the header as the pixel count is)."""
     from PIL import Image
 
     sniffed = sniff_format(data)
@@ -73,6 +76,8 @@ def decode(data: bytes, max_pixels: int, formats: list[str]):
             if width * height > max_pixels:
                 raise ImageError("too_many_pixels", f"the image is {width}x{height} = {width * height} pixels; this "
                                                     f"model takes at most max_image_pixels={max_pixels}")
+            if max_bytes is not None and width * height * 3 > max_bytes:
+                raise ImageError(OVER_BUDGET, f"the image is {width}x{height}: {width * height * 3} bytes of pixels")
             # Pillow's own guard from here on (an error, not a warning, past the limit): a later frame's size
             Image.MAX_IMAGE_PIXELS = max_pixels
             image.seek(0)  # an animation's first frame
@@ -99,7 +104,7 @@ def _rgb(image):
 
 def _handle(request: dict, data: bytes) -> dict:
     try:
-        image = decode(data, request["max_pixels"], request["formats"])
+        image = decode(data, request["max_pixels"], request["formats"], request.get("max_bytes"))
         with open(request["out"], "wb") as out:
             out.write(image.tobytes())
         return {"width": image.width, "height": image.height, "format": sniff_format(data)[0]}
@@ -115,12 +120,14 @@ class ImageDecoder(DecoderProcess):
     def __init__(self):
         super().__init__("appliance.front.image_decoder", DECODE_TIMEOUT_S, "image decoder")
 
-    async def decode(self, data: bytes, max_pixels: int, formats: list[str], out_path: str) -> dict:
+    async def decode(self, data: bytes, max_pixels: int, formats: list[str], out_path: str,
+                     max_bytes: int | None = None) -> dict:
         """Decode `data` into `out_path`: {"width", "height", "format"}; ImageError for an image that cannot be
         used (one that crashed a fresh decoder included), DecoderFault for a fault of ours (a hung decoder, a full
         spool disk)."""
         try:
-            reply = await self.answer({"max_pixels": max_pixels, "formats": formats, "out": out_path}, data)
+            reply = await self.answer({"max_pixels": max_pixels, "formats": formats, "out": out_path,
+                                       "max_bytes": max_bytes}, data)
         except DecoderFailed as exc:
             raise ImageError("undecodable", f"the image could not be decoded (the decoder {exc.how} on it)") from None
         if "error" in reply:

@@ -28,7 +28,7 @@ from aiohttp import http_exceptions, web
 
 from appliance.front.api import sse
 from appliance.front.api.errors import InvalidRequest
-from appliance.front.api.results import one_result
+from appliance.front.api.results import QueuePlace, one_result
 from appliance.front.api.route import Call, ErrorShape, route
 from appliance.front.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESPONSE_FORMATS, Transcript
 from appliance.front.audio_decoder import AudioDecoder, AudioError, DecoderFault
@@ -178,7 +178,7 @@ class Upload:
     def __init__(self, routes: AudioRoutes, call: Call):
         self.routes, self.call = routes, call
         self.sup = None
-        self.reserved = False
+        self.place: QueuePlace | None = None
         self.slot = False
 
     async def before_file(self, fields: dict[str, str]) -> int:
@@ -195,14 +195,13 @@ class Upload:
         """The model's supervisor, with a place reserved in its queue (RequestFailed if there is none)."""
         if self.sup is None:
             sup = await self.routes.appliance.model_for(name, self.call.endpoint, (KIND,))
-            sup.reserve()
-            self.sup, self.reserved = sup, True
+            self.place = QueuePlace(sup)
+            self.sup = sup
         return self.sup
 
     def hand_over(self) -> bool:
         """The reserved place goes to the request being opened now (ModelSupervisor.open(reserved=True))."""
-        reserved, self.reserved = self.reserved, False
-        return reserved
+        return self.place is not None and self.place.hand_over()
 
     def release_slot(self) -> None:
         if self.slot:
@@ -211,9 +210,8 @@ class Upload:
 
     def close(self) -> None:
         self.release_slot()
-        if self.reserved:  # refused or failed before it was opened
-            self.reserved = False
-            self.sup.router.unreserve()
+        if self.place is not None:
+            self.place.release()
 
 
 async def read_form(request: web.Request, before_file) -> Form:

@@ -489,7 +489,8 @@ def test_spool_bytes_are_bounded_per_request_and_per_server():
 
 
 def test_the_spool_is_in_the_units_cache_directory(tmp_path, monkeypatch):
-    """On disk under systemd's CacheDirectory=, not in the private /tmp (often RAM)."""
+    """On disk under systemd's CacheDirectory=, not in the private /tmp (often RAM); the spool a killed front left
+    there is removed by the next one."""
     from appliance.front.api.images import spool_base
     monkeypatch.setenv("CACHE_DIRECTORY", f"{tmp_path}:/elsewhere")
 
@@ -497,7 +498,13 @@ def test_the_spool_is_in_the_units_cache_directory(tmp_path, monkeypatch):
         files = await resolver.resolve(content_of(encoded(RED)), model)
         resolver.release(files)
         return files[0]["path"]
+    stale = tmp_path / f"openarc-images-{2 ** 22 + 1}-x"  # a pid above pid_max: a front that is gone
+    (stale / "0.rgb").parent.mkdir()
+    (stale / "0.rgb").write_bytes(b"pixels")
+    live = tmp_path / f"openarc-images-{os.getppid()}-y"  # a live front's (another instance sharing the directory)
+    live.mkdir()
     assert os.path.dirname(os.path.dirname(resolver_run(scenario, spool_base()))) == str(tmp_path)
+    assert not stale.exists() and live.exists()  # a killed front's spool does not outlive it on disk
 
 
 def test_a_body_past_max_body_bytes_is_read_only_for_a_vision_model(app):

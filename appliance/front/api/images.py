@@ -42,6 +42,7 @@ MAX_IMAGE_REQUESTS_IN_FLIGHT = 4  # requests fetching and decoding images at onc
 # request over its bound is a 400 naming the image, one the server has no room for now a 503 with Retry-After.
 MAX_REQUEST_SPOOL_BYTES = 256 << 20
 MAX_SPOOL_BYTES = 1 << 30
+SPOOL_PREFIX = "openarc-images-"  # + the front's pid: its spool directory
 DATA_URL = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*)", re.DOTALL)
 MIME_FORMATS = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp",
                 "image/gif": "gif"}
@@ -238,7 +239,8 @@ class ImageResolver:
 
     def _spool(self) -> str:
         if self.spool is None:
-            self.spool = tempfile.mkdtemp(prefix="openarc-images-", dir=self.spool_base)
+            sweep_stale_spools(self.spool_base or tempfile.gettempdir())
+            self.spool = tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=self.spool_base)
         return self.spool
 
     def release(self, files: list[dict[str, Any]]) -> None:
@@ -290,6 +292,16 @@ def spool_full(what: str, capacity: int) -> RequestFailed:
     return RequestFailed(503, "overloaded", f"{what}: more than the image spool has free now ({capacity} bytes in "
                          "all, held by the images of requests in flight); retry later", "image_spool_full",
                          retry_after=1)
+
+
+def sweep_stale_spools(base: str) -> None:
+    """Remove the spool directories of fronts that are gone (killed before their cleanup): unlike the private /tmp,
+    the cache directory outlives a process. Another instance's (openarc@NAME shares the directory) is left alone
+    while its front lives."""
+    for name in os.listdir(base):
+        pid = name[len(SPOOL_PREFIX):].split("-", 1)[0]
+        if name.startswith(SPOOL_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 
 def spool_base() -> str | None:

@@ -9,7 +9,11 @@ Resolving (once the model is known, ImageResolver): a text model refuses images;
 (off by default: a server that fetches any URL for anyone is an SSRF hole); each image is held to the model's
 max_image_bytes, then decoded and checked in the image decoder process (appliance.front.image_decoder:
 format allow-list, max_image_pixels, a complete file), which writes its RGB pixels to a spool file for the worker.
-Every failure is a 400 naming the part, counted in openarc_image_rejections_total by reason.
+Every failure of the image is a 400 naming the part, counted in openarc_image_rejections_total by reason; a fault
+of the server's (its decoder hung or cannot write, its spool full) is a 503 with Retry-After. The route reserves the
+request's queue place before resolving (appliance.front.api.results.QueuePlace), and at most
+MAX_IMAGE_REQUESTS_IN_FLIGHT requests resolve at once; their pixels are bounded per request and per server
+(MAX_REQUEST_SPOOL_BYTES, MAX_SPOOL_BYTES) from each image's header, before it is decoded.
 """
 
 from __future__ import annotations
@@ -154,9 +158,9 @@ class ImageResolver:
 
     async def _resolve_one(self, part: ImagePart, model, held: int) -> dict[str, Any]:
         """One image into a spool file; `held`: the spool bytes of the request's images before it."""
-        request_left, server_left = self.max_request_bytes - held, self.max_spool_bytes - self.spool_bytes
         try:
             data = await self._bytes(part, model)
+            request_left, server_left = self.max_request_bytes - held, self.max_spool_bytes - self.spool_bytes
             path = os.path.join(self._spool(), f"{next(self.serial)}.rgb")
             kept = False
             try:

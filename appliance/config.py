@@ -297,6 +297,7 @@ class ServerConfig:
 
     @property
     def memory_budget_bytes(self) -> dict[str, int]:
+        """Bytes per device (keys as _check_residency normalised them: GPU.0 for bare GPU)."""
         return {device: parse_size(size) for device, size in self.memory_budget.items()}
 
 
@@ -579,29 +580,44 @@ def _check_residency(config: Config, problems: Problems) -> None:
     models = [(i, m) for i, m in enumerate(config.models) if m is not None]  # None: its problems are reported
     if s.max_loaded < 0:
         problems.append("server.max_loaded: expected a non-negative integer (0: no limit)")
-    budgets = {}
-    for device, size in s.memory_budget.items():
-        if DEVICE_PATTERN.match(device) is None or ":" in device:
-            problems.append(f"server.memory_budget.{_key_name(device)}: expected a device name such as GPU.0, GPU.1 "
-                            "or CPU (the key of one device)")
-        elif (budget := parse_size(size)) is None:
-            problems.append(f"server.memory_budget.{device}: expected a size such as 14GiB or 32GB (got {size!r})")
-        else:
-            budgets[device] = budget
+    budgets = _memory_budgets(s.memory_budget, problems)
+    s.memory_budget = {device: size for device, (_, size, _) in budgets.items()}  # keys as models' devices count
     at_start = [m.name for _, m in models if m.load == "at_start"]
     if s.max_loaded > 0 and len(at_start) > s.max_loaded:
         problems.append(f"server.max_loaded: {s.max_loaded} is fewer than the {len(at_start)} models with load: "
                         f"at_start ({', '.join(at_start)}); raise it or make some of them load: on_demand")
-    for device, budget in budgets.items():
+    for device, (key, size, budget) in budgets.items():
         declared = [(i, m) for i, m in models if budget_device(m.device) == device and m.memory_bytes]
         for i, m in declared:
             if m.memory_bytes > budget:
-                problems.append(f"models[{i}].memory: {m.memory} exceeds server.memory_budget.{device} "
-                                f"({s.memory_budget[device]}); this model could never load")
+                problems.append(f"models[{i}].memory: {m.memory} exceeds server.memory_budget.{key} "
+                                f"({size}); this model could never load")
         pinned = sum(m.memory_bytes for _, m in declared if m.load == "at_start")
         if pinned > budget:
-            problems.append(f"server.memory_budget.{device}: {s.memory_budget[device]} is less than the memory of "
+            problems.append(f"server.memory_budget.{key}: {size} is less than the memory of "
                             f"the load: at_start models on it ({pinned / (1 << 30):.1f} GiB)")
+
+
+def _memory_budgets(raw: dict[str, Any], problems: Problems) -> dict[str, tuple[str, str | int, int]]:
+    """server.memory_budget's valid entries, keyed as models' devices count against them (budget_device: bare GPU
+    is GPU.0), each (the key as written, the size as written, bytes); one problem per bad key or value."""
+    budgets: dict[str, tuple[str, str | int, int]] = {}
+    for key, size in raw.items():
+        at = f"server.memory_budget.{_key_name(key)}"
+        if DEVICE_PATTERN.match(key) is None or ":" in key:
+            problems.append(f"{at}: expected a device name such as GPU, GPU.0, GPU.1 or CPU (the key of one device)")
+            continue
+        budget = parse_size(size) if isinstance(size, (str, int)) else None
+        if not budget:  # None, a float, a list, zero: nothing a budget can be
+            problems.append(f"{at}: expected a size with its unit such as 14GiB or 32GB, got {size!r}")
+            continue
+        device = budget_device(key)
+        if device in budgets:
+            problems.append(f"{at}: names the same device as server.memory_budget.{budgets[device][0]} "
+                            f"({device}; bare GPU is GPU.0)")
+            continue
+        budgets[device] = (key, size, budget)
+    return budgets
 
 
 def budget_device(device: str) -> str:

@@ -253,7 +253,19 @@ def planned_config(path: Path, entry: dict[str, Any]) -> tuple[str, Any, dict[st
 
 # --- the command -----------------------------------------------------------------------------------------
 
+def check_repo_id(repo_id: str) -> None:
+    """A repository id the hub could name (namespace/name), checked before any request: a malformed one is the
+    user's typo, not a network that is down."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise PullError(f"{repo_id!r} is not a repository id such as OpenVINO/Qwen2.5-7B-Instruct-int4-ov: "
+                        f"{str(exc).split(': ')[0]}") from None
+
+
 def pull(repo_id: str, revision: str, dest: Path | None, name: str | None, add: Path | None) -> int:
+    check_repo_id(repo_id)
     name = name or default_name(repo_id)
     if not MODEL_NAME.fullmatch(name):
         raise PullError(f"{name!r} cannot name a model (letters, digits, '.', '_' or '-', at most 64): pass --name")

@@ -214,3 +214,57 @@ def test_api_key_guards_everything_but_health_and_ready(appliance_factory, demo_
     reply = app.client(api_key="s3cret-key").chat.completions.create(model="demo", messages=CHAT, max_tokens=2)
     assert reply.choices[0].finish_reason == "length"
     assert "s3cret-key" not in app.logs() and "wrong" not in app.logs()
+
+
+# --- a handler that raises after its stream opened ----------------------------------------------------------
+
+def test_an_exception_after_a_stream_opened_ends_it_and_never_answers_twice():
+    """The front's real middlewares and route wrapper on a real socket, with handlers that raise once their event
+    stream is open (headers sent): an OpenAI route's stream ends with its error event, an Anthropic one's with its
+    `error` event, a handler outside the wrapper has its stream ended by the errors middleware; no second HTTP
+    response is ever written into a stream, and every connection ends."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from appliance.config import demo_config
+    from appliance.front.api import messages, sse
+    from appliance.front.api.route import route
+    from appliance.front.server import Appliance
+    from conftest import free_port
+
+    def raising(done_marker: bool):
+        async def handler(request, call=None):
+            stream = await sse.EventStream(request.clone(client_max_size=1 << 20), done_marker).open()
+            await stream.send({"type": "first"})
+            raise KeyError("a bug after the headers")
+        return handler
+
+    async def scenario() -> dict[str, tuple[int, str]]:
+        appliance = Appliance(demo_config())
+        app = appliance.make_app()
+        app.router.add_post("/test/openai", route(appliance, "test", raising(True)))
+        app.router.add_post("/test/anthropic", route(appliance, "test", raising(False), messages.ANTHROPIC))
+        app.router.add_post("/test/bare", raising(False))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        seen = {}
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+                for path in ("/test/openai", "/test/anthropic", "/test/bare"):
+                    async with session.post(f"http://127.0.0.1:{port}{path}", json={}) as response:
+                        seen[path] = response.status, await response.text()
+        finally:
+            await runner.cleanup()
+        return seen
+
+    seen = asyncio.run(scenario())
+    for path, (status, text) in seen.items():
+        assert status == 200 and "HTTP/1.1" not in text and text.startswith('data: {"type": "first"}'), (path, text)
+    assert seen["/test/openai"][1].endswith('"param": null, "code": "internal_error"}}\n\ndata: [DONE]\n\n')
+    assert seen["/test/anthropic"][1].endswith('event: error\ndata: {"type": "error", "error": {"type": "api_error", '
+                                               '"message": "internal server error"}}\n\n')
+    assert seen["/test/bare"][1] == 'data: {"type": "first"}\n\n'

@@ -73,18 +73,16 @@ def decode(data: bytes, out_path: str):
 
 def test_a_full_disk_under_the_decoded_audio_is_a_503_not_the_clients_fault():
     """/dev/full: every write fails with ENOSPC, as on a full spool file system."""
-    from appliance.front.api.audio import decoder_failure
     from appliance.front.audio_decoder import DecoderFault
     with pytest.raises(DecoderFault) as info:
         decode(wav_bytes(tone(1.0)), "/dev/full")
     assert "cannot write the decoded audio to /dev/full" in str(info.value)
-    failure = decoder_failure(info.value)
+    failure = info.value.failure()
     assert (failure.status, failure.code) == (503, "audio_decoder_unavailable") and failure.retry_after
 
 
 def test_a_hung_decoder_is_a_503_and_is_replaced(monkeypatch, tmp_path):
     from appliance.front import audio_decoder
-    from appliance.front.api.audio import decoder_failure
     monkeypatch.setattr(audio_decoder, "DECODE_TIMEOUT_S", 2.0)
 
     async def run():
@@ -100,5 +98,5 @@ def test_a_hung_decoder_is_a_503_and_is_replaced(monkeypatch, tmp_path):
         finally:
             await decoder.close()
     fault, again = asyncio.run(run())
-    assert "did not answer" in str(fault) and decoder_failure(fault).status == 503
+    assert "did not answer" in str(fault) and fault.failure().status == 503
     assert again.seconds == 1.0

@@ -204,6 +204,35 @@ def test_serve_refuses_an_invalid_config_without_starting(tmp_path):
     assert "server.port: expected a port number" in done.stderr
 
 
+def test_memory_budget_keys_and_values_it_cannot_use_are_one_line_each(tmp_path, demo_model):
+    """A float and a null are no sizes (they crashed check-config and serve with a traceback); bare GPU is GPU.0,
+    as in models' devices, so a model over it is refused as one that could never load (it limited nothing)."""
+    data = {"server": {"memory_budget": {"GPU": "4GiB", "CPU": 14.5, "GPU.1": None, "NPU": "0GiB"}},
+            "models": [{"name": "big", "path": str(demo_model), "device": "GPU", "memory": "5GiB",
+                        "load": "on_demand"}]}
+    path = write(tmp_path, data)
+    expected = [f"openarc: config error: {path}: {line}" for line in (
+        "server.memory_budget.CPU: expected a size with its unit such as 14GiB or 32GB, got 14.5",
+        "server.memory_budget.GPU.1: expected a size with its unit such as 14GiB or 32GB, got None",
+        "server.memory_budget.NPU: expected a size with its unit such as 14GiB or 32GB, got '0GiB'",
+        "models[0].memory: 5GiB exceeds server.memory_budget.GPU (4GiB); this model could never load")]
+    for command in (["check-config", path], ["serve", "--config", path]):
+        done = run_cli(*command)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.splitlines() == expected, command
+    data["server"]["memory_budget"], data["models"][0]["memory"] = {"GPU": "4GiB", "GPU.0": "6GiB"}, "3GiB"
+    done = run_cli("check-config", write(tmp_path, data))
+    assert done.stderr.splitlines() == [f"openarc: config error: {path}: server.memory_budget.GPU.0: names the same "
+                                        "device as server.memory_budget.GPU (GPU.0; bare GPU is GPU.0)"]
+
+
+def test_a_bare_gpu_budget_counts_against_gpu_0():
+    from appliance.config import parse_config
+    config = parse_config({"server": {"memory_budget": {"GPU": "14GiB"}},
+                           "models": [{"name": "a", "path": "/m", "device": "GPU", "load": "on_demand"}]}, "o.yaml")
+    assert config.server.memory_budget_bytes == {"GPU.0": 14 << 30}
+
+
 def test_serve_on_a_taken_port_is_one_line_and_starts_no_worker(tmp_path, demo_model):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -270,3 +270,16 @@ def test_cli_builds_a_model_that_never_stops_into_the_cache(tmp_path):
     assert json.loads((path / MARKER_FILE).read_text())["params"] == {"eos_after": 0, "max_new_tokens": 80, "seed": 0}
     result = genai.LLMPipeline(str(path), "CPU").generate(chat("Hi"), max_new_tokens=70)
     assert len(phrase_words(result.texts[0])) == 2 * 70  # two words a token, and no EOS: it ran to max_new_tokens
+
+
+@pytest.mark.parametrize("kind", ["llm", "embedding"])
+def test_building_a_demo_model_prints_only_what_openarc_says(tmp_path, kind):
+    """What `make serve` runs first: transformers' "PyTorch was not found" advisory (it imports without torch) was
+    the first line a new user saw; the build now says only the model's path."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"},
+           "OPENARC_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "appliance", "demo-model", "--kind", kind], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout
+    assert "PyTorch" not in done.stdout and "transformers" not in done.stdout, done.stdout
+    assert done.stdout.strip() == str(tmp_path / "models" / pathlib.Path(done.stdout.strip()).name)

@@ -10,7 +10,7 @@ import pytest
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.messages import MessageStream, count_frame, parse_messages
 from appliance.front.api.response_store import ResponseStore
-from appliance.front.api.responses import ResponseStream, parse_responses
+from appliance.front.api.responses import RESPONSES, ResponseStream, parse_responses
 from appliance.front.request import Event, RequestFailed
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -80,7 +80,8 @@ def test_a_cut_answer_is_incomplete_and_its_last_item_too():
 def test_a_failure_is_an_error_event_then_response_failed():
     stream = ResponseStream(responses_request())
     events = stream.start(FIRST) + stream.feed({"content": "Hi"})
-    events += stream.fail(RequestFailed(503, "worker_crash", "the worker died"), {})
+    failure = RequestFailed(503, "worker_crash", "the worker died")
+    events += stream.fail(failure, RESPONSES.stream_event(failure))
     (error_name, error), (failed_name, failed) = events[-2:]
     assert (error_name, error["code"], error["message"]) == ("error", "worker_crash", "the worker died")
     assert failed_name == "response.failed" and failed["response"]["status"] == "failed"

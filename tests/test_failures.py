@@ -6,10 +6,12 @@ an unloadable model. Wall times bound only hangs (the fault-to-error figures liv
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+from http.client import HTTPConnection
 
 import anthropic
 import openai
@@ -184,6 +186,84 @@ def test_worker_abort_mid_stream_ends_each_dialects_stream_with_its_error_event(
         assert not any(getattr(e, "type", None) == "message_stop" for e in events[:-1])
     bystander_serves(app)
     app.wait_model("victim", "ready", new_pid_not=pid)
+
+
+# Each dialect's stream request, and how its stream must end when the worker fails before the first token.
+FIRST_TOKEN_STREAMS = {
+    "/v1/chat/completions": {"messages": CHAT, "max_tokens": 3000, "stream": True},
+    "/v1/responses": {"input": "Say something long.", "max_output_tokens": 3000, "stream": True},
+    "/v1/messages": {"messages": CHAT, "max_tokens": 3000, "stream": True},
+}
+
+
+def raw_stream(app, path: str, body: dict, timeout: float = 30) -> tuple[int, str, float]:
+    """POST a stream request and read its whole body on a raw connection (a socket timeout, not a hang, if the
+    server never ends it); status, body text, seconds until the end."""
+    conn = HTTPConnection("127.0.0.1", app.port, timeout=timeout)
+    started = time.monotonic()
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        text = response.read().decode()
+        return response.status, text, time.monotonic() - started
+    except TimeoutError:
+        pytest.fail(f"{path}: the stream was left open {timeout}s after the fault")
+    finally:
+        conn.close()
+
+
+def sse_events(text: str) -> list[tuple[str | None, str]]:
+    """(event name or None, data) of each event of an SSE body."""
+    events = []
+    for block in filter(None, text.split("\n\n")):
+        fields = dict(line.split(": ", 1) for line in block.split("\n"))
+        events.append((fields.get("event"), fields["data"]))
+    return events
+
+
+def assert_ends_with_the_error_event(path: str, status: int, text: str, code: str) -> None:
+    """The dialect's error event last (chat's then `[DONE]`), or a JSON 5xx before any byte of the stream; never a
+    second HTTP response written into the stream."""
+    assert "HTTP/1.1" not in text, text
+    if status != 200:
+        assert status >= 500 and json.loads(text), (status, text)
+        return
+    events = sse_events(text)
+    if path == "/v1/chat/completions":
+        assert events[-1] == (None, "[DONE]"), events
+        assert json.loads(events[-2][1])["error"]["code"] == code, events
+    elif path == "/v1/responses":
+        (error, data), (failed, _) = events[-2:]
+        assert error == "error" and json.loads(data)["code"] == code and failed == "response.failed", events
+    else:
+        name, data = events[-1]
+        assert name == "error" and json.loads(data)["type"] == "error", events
+        assert not any(name == "message_stop" for name, _ in events), events
+
+
+@pytest.mark.parametrize("fault", ["stall", "crash"])
+def test_a_worker_failing_before_the_first_token_ends_each_dialects_stream(two_models, fault):
+    """A worker stopped before the request reaches it (a stall in prefill), then killed by the stall timer or
+    crashed: no token ever comes. Each dialect's stream ends with its error event and closes (a /v1/messages
+    stream raised in its start and got a second HTTP response written into it, left open)."""
+    app = two_models
+    for path, body in FIRST_TOKEN_STREAMS.items():
+        pid = app.worker_pid("victim")
+        os.kill(pid, signal.SIGSTOP)
+
+        def crash_once_running():
+            wait_until(lambda: app.model_status("victim")["requests_running"], 30, "the request running")
+            os.kill(pid, signal.SIGKILL)
+        killer = threading.Thread(target=crash_once_running) if fault == "crash" else None
+        if killer:
+            killer.start()
+        status, text, waited = raw_stream(app, path, {"model": "victim", **body})
+        if killer:
+            killer.join()
+        assert waited < 1.0 + HANG_BOUND_S, (path, waited)  # stall_timeout_s is 1
+        assert_ends_with_the_error_event(path, status, text, "stall" if fault == "stall" else "worker_crash")
+        app.wait_model("victim", "ready", new_pid_not=pid)
+    bystander_serves(app)
 
 
 def test_worker_abort_mid_request_is_503_with_retry_after(two_models):

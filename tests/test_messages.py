@@ -241,6 +241,8 @@ def test_bearer_auth_works_too_and_a_wrong_key_is_anthropics_401(app):
      "tool_choice"),
     ({"max_tokens": 5, "messages": QUESTION, "thinking": {"type": "enabled"}}, "budget_tokens"),
     ({"max_tokens": 5, "messages": QUESTION, "thinking": {"type": "enabled", "budget_tokens": 5}}, "budget_tokens"),
+    ({"max_tokens": 5, "messages": QUESTION, "thinking": {"type": "enabled", "budget_tokens": "x"}},
+     "budget_tokens"),
     ({"max_tokens": 5, "messages": QUESTION, "temperature": 1.5}, "temperature"),
     ({"max_tokens": 5, "messages": QUESTION, "stop_sequences": "x"}, "stop_sequences"),
 ])
@@ -249,6 +251,15 @@ def test_malformed_requests_are_anthropic_400s(app, body, words):
     assert status == 400, reply
     assert reply["type"] == "error" and reply["error"]["type"] == "invalid_request_error", reply
     assert words in reply["error"]["message"], reply
+
+
+def test_adaptive_thinking_ignores_its_budget(app):
+    """Only an enabled block's budget is compared with max_tokens: adaptive's, whatever it holds, is not read (it
+    was a 500 comparing "x" with an integer)."""
+    body = {"model": "demo", "max_tokens": 3, "messages": QUESTION,
+            "thinking": {"type": "adaptive", "budget_tokens": "x"}}
+    status, _, reply = http("POST", app.base + "/v1/messages", body, headers={"x-api-key": KEY})
+    assert status == 200 and reply["type"] == "message", reply
 
 
 def test_an_unknown_model_and_route_are_anthropic_404s(app):

@@ -241,6 +241,19 @@ def test_an_unknown_repository_or_revision_is_one_line(hub, tmp_path):
     assert (done.returncode, done.stderr.strip()) == (1, f"openarc pull: {DEMO_REPOS['llm']} has no revision 'v9'")
 
 
+def test_a_malformed_repository_id_is_named_as_such(tmp_path):
+    """Said before any request (it was "cannot reach the hub ... check the network"), with the hub's own rule."""
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there: the id must be judged without it
+    for repo_id, rule in (("OpenVINO/Qwen 7B", "Repo id must use alphanumeric chars, '-', '_' or '.'"),
+                          ("a/b/c", "Repo id must be in the form 'repo_name' or 'namespace/repo_name'")):
+        done = pull(tmp_path, endpoint, repo_id, "--dir", str(tmp_path / "x"))
+        line = done.stderr.strip()
+        assert done.returncode == 1 and "\n" not in line, line
+        assert line.startswith(f"openarc pull: {repo_id!r} is not a repository id such as "
+                               f"OpenVINO/Qwen2.5-7B-Instruct-int4-ov: {rule}"), line
+    assert not (tmp_path / "x").exists()
+
+
 def test_an_unreachable_hub_is_one_clear_line(tmp_path):
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()

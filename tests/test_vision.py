@@ -7,6 +7,7 @@ allowed hosts only; a worker SIGABRTed mid-generation; metrics; check-config's k
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -333,19 +334,23 @@ class ImageServer:
 def test_remote_urls_from_allowed_hosts_only(appliance_factory, demo_vlm):
     images = ImageServer()
     try:
-        app = appliance_factory({"server": {"image_fetch": {"enabled": True, "allow_hosts": ["127.0.0.1"]}},
+        # host names compare without case, as DNS does: an operator's LocalHost:PORT allows localhost on that port
+        app = appliance_factory({"server": {"image_fetch": {"enabled": True,
+                                                            "allow_hosts": ["127.0.0.1", f"LocalHost:{images.port}"]}},
                                  "models": [model_entry("vlm", demo_vlm, kind="vlm")]})
         assert answer(app, f"http://127.0.0.1:{images.port}/red.png").startswith("Red ")
         assert images.big_bytes > 1 << 20
         assert answer(app, f"http://127.0.0.1:{images.port}/big.png").startswith("Blue ")  # read whole
-        assert images.hits == ["/red.png", "/big.png"]
-        for url, says in ((f"http://localhost:{images.port}/red.png", "not in server.image_fetch.allow_hosts"),
+        assert answer(app, f"http://localhost:{images.port}/red.png").startswith("Red ")
+        assert images.hits == ["/red.png", "/big.png", "/red.png"]
+        for url, says in ((f"http://localhost:{images.port + 1}/red.png", "not in server.image_fetch.allow_hosts"),
                           (f"http://127.0.0.1:{images.port}/missing.png", "HTTP 404"),
                           (f"http://127.0.0.1:{images.port}/moved", "HTTP 302")):
             with pytest.raises(openai.BadRequestError) as caught:
                 answer(app, url)
             assert says in caught.value.body["message"] and caught.value.body["param"] == "messages[0].content[1]"
-        assert images.hits == ["/red.png", "/big.png", "/missing.png", "/moved"]  # not localhost, not the redirect
+        # not localhost on another port, not the redirect
+        assert images.hits == ["/red.png", "/big.png", "/red.png", "/missing.png", "/moved"]
     finally:
         images.close()
 
@@ -371,6 +376,179 @@ def test_worker_abort_mid_generation_is_fast_then_restarts(appliance_factory, tm
     new = app.wait_model("vlm", "ready", new_pid_not=pid)
     assert new["crashes"] == 1 and "SIGABRT" in new["last_error"] and not pid_alive(pid)
     assert answer(app, data_url(encoded(BLUE)), max_tokens=4).startswith("Blue ")
+
+
+# --- the image decoder's own faults, through the resolver and the real decoder process -------------------------------
+
+def resolve_with_spool_file(make_file, timeout_s: float = 30.0, cancel_after_s: float | None = None):
+    """Resolve one red PNG through a real ImageResolver (its decoder process included) after `make_file(path)` made
+    the spool file the decoder will write; returns (what resolve raised or returned, the files left in the spool,
+    the metrics' exposition)."""
+    import asyncio
+
+    from appliance.config import ImageFetch, ModelConfig
+    from appliance.front.api.images import Content, ImagePart, ImageResolver
+    from appliance.front.metrics import Metrics
+
+    async def run():
+        metrics = Metrics()
+        resolver = ImageResolver(ImageFetch(), metrics)
+        resolver.decoder.timeout_s = timeout_s
+        spool = resolver._spool()
+        make_file(os.path.join(spool, "0.rgb"))  # the first image's spool file
+        found = Content([ImagePart("messages[0].content[1]", data_url(encoded(RED)))])
+        task = asyncio.create_task(resolver.resolve(found, ModelConfig(name="vlm", path="/m", kind="vlm")))
+        try:
+            if cancel_after_s is not None:  # the client hangs up mid-decode
+                await asyncio.sleep(cancel_after_s)
+                task.cancel()
+            try:
+                outcome = await task
+            except BaseException as exc:  # noqa: BLE001 - the outcome under test
+                outcome = exc
+            return outcome, os.listdir(spool), metrics.exposition()[0].decode()
+        finally:
+            await resolver.close()
+    return asyncio.run(run())
+
+
+def test_a_full_spool_disk_is_a_503_not_the_clients_bad_image():
+    """The spool file is /dev/full: every write fails with ENOSPC, as on a full disk (it was a 400 invalid_image,
+    counted as the client's bad image)."""
+    from appliance.front.request import RequestFailed
+    failure, left, metrics = resolve_with_spool_file(lambda path: os.symlink("/dev/full", path))
+    assert isinstance(failure, RequestFailed), failure
+    assert (failure.status, failure.code) == (503, "image_decoder_unavailable") and failure.retry_after
+    assert "server fault" in failure.message and "No space left" in failure.message
+    assert left == [] and 'openarc_image_rejections_total{model="vlm"' not in metrics
+
+
+def test_a_decoder_slower_than_its_timeout_is_a_503_and_a_hang_up_mid_decode_leaves_no_file():
+    """The spool file is a FIFO no one reads: the decoder blocks writing the pixels as one stuck in a C library
+    does. Past its timeout it is killed and the client gets a 503 (it was a 400); a client that hangs up while it
+    is stuck leaves no spool file behind (it leaked)."""
+    from appliance.front.request import RequestFailed
+    failure, left, metrics = resolve_with_spool_file(os.mkfifo, timeout_s=2.0)
+    assert isinstance(failure, RequestFailed), failure
+    assert (failure.status, failure.code) == (503, "image_decoder_unavailable") and failure.retry_after
+    assert "did not answer within 2 s" in failure.message
+    assert left == [] and 'openarc_image_rejections_total{model="vlm"' not in metrics
+    cancelled, left, _ = resolve_with_spool_file(os.mkfifo, cancel_after_s=1.0)
+    assert isinstance(cancelled, asyncio.CancelledError) and left == [], (cancelled, left)
+
+
+# --- bounds before the queue: admitted before fetch and decode, spool bytes, body size -------------------------------
+
+def resolver_run(scenario, spool_base=None):
+    """Run `scenario(resolver, model)` (async) against a real ImageResolver and its decoder process."""
+    from appliance.config import ImageFetch, ModelConfig
+    from appliance.front.api.images import ImageResolver
+    from appliance.front.metrics import Metrics
+
+    async def run():
+        resolver = ImageResolver(ImageFetch(), Metrics(), spool_base)
+        try:
+            return await scenario(resolver, ModelConfig(name="vlm", path="/m", kind="vlm"))
+        finally:
+            await resolver.close()
+    return asyncio.run(run())
+
+
+def content_of(*images: bytes):
+    from appliance.front.api.images import Content, ImagePart
+    return Content([ImagePart(f"messages[0].content[{i}]", data_url(data)) for i, data in enumerate(images)])
+
+
+def test_spool_bytes_are_bounded_per_request_and_per_server():
+    """A request whose images' pixels pass its bound is a 400 naming the image that passed it, checked from the
+    header before decoding (8 small single-colour PNGs were 600 MB of spool); a server whose spool is held by
+    requests in flight answers 503 with Retry-After until they end."""
+    from appliance.front.api.images import ImageRejected
+    from appliance.front.request import RequestFailed
+    one = 40 * 30 * 3  # the spool bytes of one encoded() image
+
+    async def scenario(resolver, model):
+        resolver.max_request_bytes, resolver.max_spool_bytes = 2 * one, 3 * one
+        with pytest.raises(ImageRejected) as too_many:
+            await resolver.resolve(content_of(encoded(RED), encoded(GREEN), encoded(BLUE)), model)
+        assert (resolver.spool_bytes, os.listdir(resolver.spool)) == (0, [])  # the first two went with it
+        held = await resolver.resolve(content_of(encoded(RED), encoded(GREEN)), model)
+        with pytest.raises(RequestFailed) as full:
+            await resolver.resolve(content_of(encoded(RED), encoded(BLUE)), model)  # one more fits, two do not
+        assert resolver.spool_bytes == 2 * one and len(os.listdir(resolver.spool)) == 2
+        resolver.release(held)  # the request in flight ended
+        again = await resolver.resolve(content_of(encoded(RED), encoded(BLUE)), model)
+        resolver.release(again)
+        return too_many.value, full.value, resolver.spool_bytes
+
+    too_many, full, left = resolver_run(scenario)
+    assert too_many.param == "messages[0].content[2]" and too_many.reason == "too_large"
+    assert "3600 bytes of pixels" in str(too_many) and f"may take {2 * one} bytes" in str(too_many)
+    assert (full.status, full.code, full.retry_after) == (503, "image_spool_full", 1)
+    assert left == 0
+
+
+def test_the_spool_is_in_the_units_cache_directory(tmp_path, monkeypatch):
+    """On disk under systemd's CacheDirectory=, not in the private /tmp (often RAM); the spool a killed front left
+    there is removed by the next one."""
+    from appliance.front.api.images import spool_base
+    monkeypatch.setenv("CACHE_DIRECTORY", f"{tmp_path}:/elsewhere")
+
+    async def scenario(resolver, model):
+        files = await resolver.resolve(content_of(encoded(RED)), model)
+        resolver.release(files)
+        return files[0]["path"]
+    stale = tmp_path / f"openarc-images-{2 ** 22 + 1}-x"  # a pid above pid_max: a front that is gone
+    (stale / "0.rgb").parent.mkdir()
+    (stale / "0.rgb").write_bytes(b"pixels")
+    live = tmp_path / f"openarc-images-{os.getppid()}-y"  # a live front's (another instance sharing the directory)
+    live.mkdir()
+    assert os.path.dirname(os.path.dirname(resolver_run(scenario, spool_base()))) == str(tmp_path)
+    assert not stale.exists() and live.exists()  # a killed front's spool does not outlive it on disk
+
+
+def test_a_body_past_max_body_bytes_is_read_only_for_a_vision_model(app):
+    """The larger chat body a vision model needs is not every model's: the same 2 MB body to the text model is a
+    413 (it was read, parsed and answered with a 400 about images)."""
+    noise = Image.frombytes("RGB", (1200, 900), os.urandom(1200 * 900 * 3))
+    out = io.BytesIO()
+    noise.save(out, "PNG")
+    body = {"model": "chat", "messages": [{"role": "user", "content": [image_part(data_url(out.getvalue()))]}]}
+    status, reply = post_chat(app, body)
+    assert status == 413 and reply["error"]["code"] == "request_entity_too_large", reply
+    assert "only a request to a vision model" in reply["error"]["message"]
+    status, reply = post_chat(app, {**body, "model": "vlm", "max_tokens": 2})
+    assert status == 200, reply
+
+
+def test_a_request_with_images_to_a_busy_model_is_refused_before_they_are_fetched(appliance_factory,
+                                                                                 tmp_path_factory):
+    """The queue place is reserved before the images are fetched and decoded, as audio uploads are admitted
+    before they are read: with the model's one place taken, a request naming a remote image gets its 429 at once
+    and the image is never fetched (it was fetched and decoded first)."""
+    from appliance.demo.catalog import build_demo_model
+    long_vlm = build_demo_model(tmp_path_factory.mktemp("models") / "vlm-busy", "vlm", eos_after=0,
+                                max_new_tokens=4096)
+    images = ImageServer()
+    try:
+        app = appliance_factory({"server": {"image_fetch": {"enabled": True, "allow_hosts": ["127.0.0.1"]}},
+                                 "models": [model_entry("vlm", long_vlm, kind="vlm", max_running=1, max_queue=0)]},
+                                env={"OPENARC_DEBUG_STEP_DELAY_S": "0.05"})
+        busy = threading.Thread(target=lambda: post_chat(app, {
+            "model": "vlm", "max_tokens": 200, "messages": [{"role": "user", "content": "Go on."}]}))
+        busy.start()
+        deadline = time.monotonic() + 60
+        while app.model_status("vlm")["requests_running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        started = time.monotonic()
+        status, reply = post_chat(app, {"model": "vlm", "messages": [{"role": "user", "content": [
+            image_part(f"http://127.0.0.1:{images.port}/big.png")]}]})
+        assert status == 429 and time.monotonic() - started < HANG_BOUND_S, reply
+        assert images.hits == []
+        busy.join(60)
+    finally:
+        images.close()
 
 
 # --- parsing, without a server ---------------------------------------------------------------------------------------

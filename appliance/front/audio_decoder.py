@@ -18,18 +18,14 @@ JSON line {"seconds": d} or {"error": "undecodable" | "too_long" | "empty" | "wr
 from __future__ import annotations
 
 import io
-import logging
 import os
 import sys
 import wave
 from dataclasses import dataclass
 
-from appliance.front.decoder_process import DecoderFailed, DecoderProcess, serve
-
-log = logging.getLogger("openarc.audio")
+from appliance.front.decoder_process import DecoderFailed, DecoderFault, DecoderProcess, serve, write_failed
 
 SAMPLE_RATE = 16000
-WRITE_FAILED = "write_failed"  # the decoder's reply when the samples could not be written
 DECODE_TIMEOUT_S = 120.0  # a decoder stuck on one file is killed: generous, decoding runs at 100x real time or more
 
 
@@ -124,12 +120,7 @@ def _handle(request: dict, data: bytes) -> dict:
     except AudioError as exc:
         return {"error": exc.kind, "message": str(exc)}
     except OSError as exc:  # ENOSPC, EDQUOT, EIO writing the samples: the server's trouble, not the file's
-        return {"error": WRITE_FAILED, "message": f"cannot write the decoded audio to {request['out']}: {exc}"}
-
-
-class DecoderFault(Exception):
-    """A fault of ours, not of the upload: the decoded audio could not be written (a full disk), or the decoder
-    did not answer in time (killed and replaced). The upload may well be fine: the client is told to retry."""
+        return write_failed(request["out"], "audio", exc)
 
 
 @dataclass
@@ -145,17 +136,12 @@ class AudioDecoder(DecoderProcess):
         super().__init__("appliance.front.audio_decoder", DECODE_TIMEOUT_S, "audio decoder")
 
     async def decode(self, data: bytes, max_seconds: float, out_path: str) -> DecodedAudio:
-        """Decode `data` into `out_path`; AudioError for anything that is not usable audio."""
+        """Decode `data` into `out_path`; AudioError for anything that is not usable audio, DecoderFault for a fault
+        of ours."""
         try:
-            reply = await self.ask({"max_seconds": max_seconds, "out": out_path}, data)
-        except DecoderFailed as exc:
-            if exc.how == "hung":
-                raise DecoderFault(f"the audio decoder did not answer within {self.timeout_s:g} s; it was killed and "
-                                   "is replaced") from None
+            reply = await self.answer({"max_seconds": max_seconds, "out": out_path}, data)
+        except DecoderFailed:
             raise AudioError("undecodable", "The audio could not be decoded (the decoder crashed on this file).") from None
-        if reply.get("error") == WRITE_FAILED:
-            log.error("audio decoder: %s", reply["message"])
-            raise DecoderFault(reply["message"])
         if "error" in reply:
             raise AudioError(reply["error"], reply["message"])
         return DecodedAudio(out_path, reply["seconds"])

@@ -4,6 +4,11 @@ library that crashes on a malformed file takes down only that process, never the
 Protocol, one request at a time: the front writes a JSON line (the request) and its n bytes of data; the process
 answers with one JSON line.  A process that dies on a request gets one more try in a fresh process (it may have
 died of an earlier file); one that hangs past the timeout is killed.
+
+Whose fault a failure is decides what the client is told: an input that crashes a fresh decoder is the client's
+(a 400 its route words); a decoder that hangs past its timeout, or output that cannot be written (a full spool
+disk: the decoder answers WRITE_FAILED), is the server's, a DecoderFault: a 503 with Retry-After, never counted
+as a bad input.
 """
 
 from __future__ import annotations
@@ -14,7 +19,11 @@ import logging
 import sys
 from typing import Any, Callable
 
+from appliance.front.request import RequestFailed
+
 log = logging.getLogger("openarc")
+
+WRITE_FAILED = "write_failed"  # a decoder's reply when its output could not be written
 
 
 class DecoderFailed(Exception):
@@ -23,6 +32,27 @@ class DecoderFailed(Exception):
     def __init__(self, how: str):
         super().__init__(how)
         self.how = how
+
+
+class DecoderFault(Exception):
+    """A fault of ours, not of the input: the decoder hung (killed and replaced) or could not write its output.
+    The input may well be fine: the client is told to retry."""
+
+    def __init__(self, what: str, message: str):
+        super().__init__(message)
+        self.what = what  # "audio decoder", "image decoder"
+
+    def failure(self) -> RequestFailed:
+        """The fault as the client sees it: the server's (503), worth a retry."""
+        log.error("%s: %s", self.what, self)
+        code = self.what.replace(" ", "_")
+        return RequestFailed(503, code, f"the {self.what.split()[0]} could not be decoded because of a server "
+                             f"fault: {self}", f"{code}_unavailable", retry_after=1)
+
+
+def write_failed(out: str, what: str, exc: OSError) -> dict[str, Any]:
+    """A decoder's reply when it cannot write its output (ENOSPC, EDQUOT, EIO): the server's trouble."""
+    return {"error": WRITE_FAILED, "message": f"cannot write the decoded {what} to {out}: {exc}"}
 
 
 class DecoderProcess:
@@ -51,6 +81,20 @@ class DecoderProcess:
                     return json.loads(line)
                 await self._discard(proc, "died")
         raise DecoderFailed("crashed")
+
+    async def answer(self, request: dict[str, Any], data: bytes) -> dict[str, Any]:
+        """ask(), with the server's own faults raised as DecoderFault; DecoderFailed("crashed") is left to the
+        caller (the input crashed a fresh decoder: the client's)."""
+        try:
+            reply = await self.ask(request, data)
+        except DecoderFailed as exc:
+            if exc.how == "hung":
+                raise DecoderFault(self.what, f"the {self.what} did not answer within {self.timeout_s:g} s; it was "
+                                              "killed and is replaced") from None
+            raise
+        if reply.get("error") == WRITE_FAILED:
+            raise DecoderFault(self.what, reply["message"])
+        return reply
 
     async def start(self) -> asyncio.subprocess.Process:
         """The process, started if there is none (the front starts it early when a model needs it)."""

@@ -10,10 +10,12 @@ What is checked, in this order: the format, from the file's first bytes (not the
 model's allow-list; the pixel count from the header, before anything is decoded (a decompression bomb is a small
 file that declares a huge image); then the whole image is decoded (a truncated or corrupt file fails here), the
 first frame of an animation taken, and composited onto white if it has transparency.  The pixels go to the `out`
-file as height x width x 3 bytes, which the worker reads without parsing anything.
+file as height x width x 3 bytes, which the worker reads without parsing anything. A fault of ours (the pixels
+cannot be written, the decoder hangs past DECODE_TIMEOUT_S) is a DecoderFault: a 503 the client may retry.
 
-Protocol: request {"max_pixels": n, "formats": [...], "out": path} and the file's bytes; reply {"width", "height",
-"format"} or {"error": reason, "message": ...}, reason being one of REASONS.
+Protocol: request {"max_pixels": n, "formats": [...], "out": path, "max_bytes": b or null} and the file's bytes;
+reply {"width", "height", "format"} or {"error": reason, "message": ...}, reason being one of REASONS, OVER_BUDGET
+or "write_failed".
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 import sys
 import warnings
 
-from appliance.front.decoder_process import DecoderFailed, DecoderProcess, serve
+from appliance.front.decoder_process import DecoderFailed, DecoderProcess, serve, write_failed
 
 DECODE_TIMEOUT_S = 30.0
 # (magic bytes at offset, offset, format as config and Pillow name it)
@@ -35,6 +37,7 @@ FORMATS = (
     (b"WEBP", 8, "webp", "WEBP"),
 )
 REASONS = ("unsupported_format", "too_many_pixels", "undecodable")
+OVER_BUDGET = "over_budget"  # the pixels would exceed the spool bytes the front allowed (its reply, not a REASON)
 
 
 class ImageError(Exception):
@@ -53,8 +56,9 @@ def sniff_format(data: bytes) -> tuple[str, str] | None:
     return None
 
 
-def decode(data: bytes, max_pixels: int, formats: list[str]):
-    """The image as an RGB PIL image, checked as the module doc says; ImageError otherwise."""
+def decode(data: bytes, max_pixels: int, formats: list[str], max_bytes: int | None = None):
+    """The image as an RGB PIL image, checked as the module doc says; ImageError otherwise (OVER_BUDGET when its
+    pixels would take more than `max_bytes` of spool, read from the header as the pixel count is)."""
     from PIL import Image
 
     sniffed = sniff_format(data)
@@ -72,6 +76,8 @@ def decode(data: bytes, max_pixels: int, formats: list[str]):
             if width * height > max_pixels:
                 raise ImageError("too_many_pixels", f"the image is {width}x{height} = {width * height} pixels; this "
                                                     f"model takes at most max_image_pixels={max_pixels}")
+            if max_bytes is not None and width * height * 3 > max_bytes:
+                raise ImageError(OVER_BUDGET, f"the image is {width}x{height}: {width * height * 3} bytes of pixels")
             # Pillow's own guard from here on (an error, not a warning, past the limit): a later frame's size
             Image.MAX_IMAGE_PIXELS = max_pixels
             image.seek(0)  # an animation's first frame
@@ -98,12 +104,14 @@ def _rgb(image):
 
 def _handle(request: dict, data: bytes) -> dict:
     try:
-        image = decode(data, request["max_pixels"], request["formats"])
+        image = decode(data, request["max_pixels"], request["formats"], request.get("max_bytes"))
         with open(request["out"], "wb") as out:
             out.write(image.tobytes())
         return {"width": image.width, "height": image.height, "format": sniff_format(data)[0]}
     except ImageError as exc:
         return {"error": exc.reason, "message": str(exc)}
+    except OSError as exc:  # ENOSPC, EDQUOT, EIO writing the pixels: the server's trouble, not the image's
+        return write_failed(request["out"], "image", exc)
 
 
 class ImageDecoder(DecoderProcess):
@@ -112,10 +120,14 @@ class ImageDecoder(DecoderProcess):
     def __init__(self):
         super().__init__("appliance.front.image_decoder", DECODE_TIMEOUT_S, "image decoder")
 
-    async def decode(self, data: bytes, max_pixels: int, formats: list[str], out_path: str) -> dict:
-        """Decode `data` into `out_path`: {"width", "height", "format"}; ImageError for anything else."""
+    async def decode(self, data: bytes, max_pixels: int, formats: list[str], out_path: str,
+                     max_bytes: int | None = None) -> dict:
+        """Decode `data` into `out_path`: {"width", "height", "format"}; ImageError for an image that cannot be
+        used (one that crashed a fresh decoder included), DecoderFault for a fault of ours (a hung decoder, a full
+        spool disk)."""
         try:
-            reply = await self.ask({"max_pixels": max_pixels, "formats": formats, "out": out_path}, data)
+            reply = await self.answer({"max_pixels": max_pixels, "formats": formats, "out": out_path,
+                                       "max_bytes": max_bytes}, data)
         except DecoderFailed as exc:
             raise ImageError("undecodable", f"the image could not be decoded (the decoder {exc.how} on it)") from None
         if "error" in reply:

@@ -20,7 +20,7 @@ from aiohttp import web
 from appliance import __version__
 from appliance.front import listen
 from appliance.host import oom, telemetry
-from appliance.front.api import audio, dialects, embeddings, generate, messages, models, rerank
+from appliance.front.api import audio, dialects, embeddings, generate, messages, models, rerank, sse
 from appliance.front.api.errors import error_response
 from appliance.config import Config, ConfigError
 from appliance.front.lifecycle import ModelState
@@ -79,22 +79,39 @@ class Appliance:
 
     @web.middleware
     async def errors_middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        """Every error leaves as an error body in the route's dialect; no traceback ever reaches a client."""
+        """Every error leaves as an error body in the route's dialect; no traceback ever reaches a client. A request
+        whose event stream is open already had its answer begin: it is never answered again (the route wrapper sent
+        the error event; here the stream is only ended)."""
+        sse.watch(request)
         try:
             return await handler(request)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            message = {404: f"no route {request.method} {request.path}",
-                       405: f"method {request.method} is not allowed on {request.path}",
-                       413: f"request body exceeds the limit of {self.config.server.max_body_bytes} bytes"}
-            return self.error_shape(request)(exc.status, message.get(exc.status, exc.reason),
-                                             code=exc.reason.lower().replace(" ", "_"))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
-        except Exception:
-            log.exception("unhandled error in %s %s", request.method, request.path)
+        except Exception as exc:
+            stream = sse.opened(request)
+            if stream is None:
+                return self.error_answer(request, exc)
+            log.error("%s in the open stream of %s %s", type(exc).__name__, request.method, request.path,
+                      exc_info=exc)
+            try:
+                return await stream.close()
+            except Exception:  # noqa: BLE001 - the stream cannot even end: the connection does
+                if request.transport is not None:
+                    request.transport.close()
+                return stream.response
+
+    def error_answer(self, request: web.Request, exc: Exception) -> web.StreamResponse:
+        """The error body of a request that raised before its answer began."""
+        if not isinstance(exc, web.HTTPException):
+            log.error("unhandled error in %s %s", request.method, request.path, exc_info=exc)
             return self.error_shape(request)(500, "internal server error", code="internal_error")
+        if exc.status < 400:
+            raise exc
+        message = {404: f"no route {request.method} {request.path}",
+                   405: f"method {request.method} is not allowed on {request.path}",
+                   413: f"request body exceeds the limit of {self.config.server.max_body_bytes} bytes"}
+        return self.error_shape(request)(exc.status, message.get(exc.status, exc.reason),
+                                         code=exc.reason.lower().replace(" ", "_"))
 
     @staticmethod
     def error_shape(request: web.Request) -> Callable[..., web.Response]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import math
 import os
 import shutil
@@ -29,13 +28,11 @@ from aiohttp import http_exceptions, web
 
 from appliance.front.api import sse
 from appliance.front.api.errors import InvalidRequest
-from appliance.front.api.results import one_result
+from appliance.front.api.results import QueuePlace, one_result
 from appliance.front.api.route import Call, ErrorShape, route
 from appliance.front.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESPONSE_FORMATS, Transcript
 from appliance.front.audio_decoder import AudioDecoder, AudioError, DecoderFault
 from appliance.front.request import Event, RequestFailed
-
-log = logging.getLogger("openarc.audio")
 
 KIND = "transcription"
 # Upload files the front holds in memory at once (read, or waiting for the one decoder process): the front's
@@ -122,7 +119,7 @@ class AudioRoutes:
                 status = 413 if exc.kind == "too_long" else 400
                 raise RequestFailed(status, "invalid_request", str(exc), f"audio_{exc.kind}") from None
             except DecoderFault as exc:
-                raise decoder_failure(exc) from None
+                raise exc.failure() from None
             form.file = req.file = b""  # decoded into the spool file: the upload's memory is free for the next
             upload.release_slot()
             frame = {"kind": KIND, "body": req.body(audio_path)}
@@ -154,11 +151,10 @@ class AudioRoutes:
                 await stream.send({"type": "transcript.text.delta", "delta": event.text, "logprobs": None})
                 event = await sse.next_event(events)
             if isinstance(event, RequestFailed):
-                await stream.send(call.stream_failed(event))
-            else:
-                transcript = Transcript.from_result(event.result, req.task, seconds, req.temperature)
-                await stream.send({"type": "transcript.text.done", "text": transcript.text.strip(),
-                                   "logprobs": None, "usage": transcript.usage()})
+                return await call.end_stream(stream, event)
+            transcript = Transcript.from_result(event.result, req.task, seconds, req.temperature)
+            await stream.send({"type": "transcript.text.done", "text": transcript.text.strip(),
+                               "logprobs": None, "usage": transcript.usage()})
         finally:
             sup.close(handle)
         return await stream.close()
@@ -182,7 +178,7 @@ class Upload:
     def __init__(self, routes: AudioRoutes, call: Call):
         self.routes, self.call = routes, call
         self.sup = None
-        self.reserved = False
+        self.place: QueuePlace | None = None
         self.slot = False
 
     async def before_file(self, fields: dict[str, str]) -> int:
@@ -199,14 +195,13 @@ class Upload:
         """The model's supervisor, with a place reserved in its queue (RequestFailed if there is none)."""
         if self.sup is None:
             sup = await self.routes.appliance.model_for(name, self.call.endpoint, (KIND,))
-            sup.reserve()
-            self.sup, self.reserved = sup, True
+            self.place = QueuePlace(sup)
+            self.sup = sup
         return self.sup
 
     def hand_over(self) -> bool:
         """The reserved place goes to the request being opened now (ModelSupervisor.open(reserved=True))."""
-        reserved, self.reserved = self.reserved, False
-        return reserved
+        return self.place is not None and self.place.hand_over()
 
     def release_slot(self) -> None:
         if self.slot:
@@ -215,16 +210,8 @@ class Upload:
 
     def close(self) -> None:
         self.release_slot()
-        if self.reserved:  # refused or failed before it was opened
-            self.reserved = False
-            self.sup.router.unreserve()
-
-
-def decoder_failure(exc: DecoderFault) -> RequestFailed:
-    """A fault of the decoder's own as the client sees it: the server's (503), worth a retry."""
-    log.error("audio upload not decoded: %s", exc)
-    return RequestFailed(503, "audio_decoder", f"the audio could not be decoded because of a server fault: {exc}",
-                         "audio_decoder_unavailable", retry_after=1)
+        if self.place is not None:
+            self.place.release()
 
 
 async def read_form(request: web.Request, before_file) -> Form:

@@ -22,7 +22,7 @@ from appliance.front.api.fields import json_body
 from appliance.front.api.generate import answer_parser, finish_reason, note_constraint
 from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.results import ResultRequest, ResultRoute
-from appliance.front.api.route import OPENAI, Call, route
+from appliance.front.api.route import Call, route
 from appliance.front.request import Event, RequestFailed
 
 
@@ -44,7 +44,7 @@ def add_routes(app: web.Application, appliance) -> None:
     routes = {
         "responses": (DialectRoute(appliance, Dialect(lambda body: responses.parse_responses(body, store),
                                                       responses.ResponseStream, lambda s: s.response, keep)).handler,
-                      OPENAI),
+                      responses.RESPONSES),
         "messages": (DialectRoute(appliance, Dialect(messages.parse_messages, messages.MessageStream,
                                                      lambda s: s.message)).handler, messages.ANTHROPIC),
         "messages/count_tokens": (ResultRoute(appliance, GENERATIVE_KINDS, count_tokens_request,

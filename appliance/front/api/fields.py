@@ -13,8 +13,17 @@ from appliance.front.api.errors import InvalidRequest
 
 async def json_body(request: web.Request) -> Any:
     try:
-        return await request.json(loads=json.loads)
-    except (ValueError, RecursionError, LookupError):  # bad JSON, too deep, too long a number, bad charset
+        text = await request.text()
+    except (ValueError, LookupError):  # not in its charset, or an unknown charset
+        raise InvalidRequest("the request body is not valid JSON") from None
+    return parse_json(text)
+
+
+def parse_json(text: str | bytes) -> Any:
+    """A request body's JSON (bytes: UTF-8, -16 or -32, as JSON allows)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # bad JSON, too deep, too long a number
         raise InvalidRequest("the request body is not valid JSON") from None
 
 

@@ -7,6 +7,7 @@ A request is validated (appliance.front.api.completions), handed to its model's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from aiohttp import web
@@ -15,8 +16,9 @@ from appliance.front.api.answer import AnswerParser
 from appliance.front.api.completions import GenerationRequest, ResponseShaper, parse_chat, parse_completion
 from appliance.front.api import sse
 from appliance.front.api.errors import InvalidRequest
-from appliance.front.api.fields import json_body
-from appliance.front.api.images import ImageResolver, body_limit
+from appliance.front.api.fields import json_body, parse_json
+from appliance.front.api.images import MAX_IMAGE_REQUESTS_IN_FLIGHT, MAX_IMAGES, ImageResolver, body_limit, spool_base
+from appliance.front.api.results import QueuePlace
 from appliance.front.api.route import Call, route
 from appliance.front.api.tool_parsers import parser_for
 from appliance.front.request import Event, RequestFailed
@@ -34,7 +36,8 @@ def add_routes(app: web.Application, appliance) -> None:
 class GenerationRoutes:
     def __init__(self, appliance):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
-        self.images = ImageResolver(appliance.config.server.image_fetch, appliance.metrics)
+        self.images = ImageResolver(appliance.config.server.image_fetch, appliance.metrics, spool_base())
+        self.large_bodies = asyncio.Semaphore(MAX_IMAGE_REQUESTS_IN_FLIGHT)  # chat bodies past max_body_bytes
 
     async def start(self, app: web.Application) -> None:
         """Start the image decoder with the server when it serves a vision model, so the first image does not wait."""
@@ -45,25 +48,56 @@ class GenerationRoutes:
         await self.images.close()
 
     async def chat_completions(self, request: web.Request, call: Call) -> web.StreamResponse:
-        # images come base64 in the body: a server with a vision model reads larger chat bodies
-        request = request.clone(client_max_size=body_limit(self.appliance.config))
-        return await self._generate(request, call, parse_chat)
+        return await self._generate(request, call, parse_chat, await self._chat_body(request))
 
     async def completions(self, request: web.Request, call: Call) -> web.StreamResponse:
-        return await self._generate(request, call, parse_completion)
+        return await self._generate(request, call, parse_completion, await json_body(request))
 
-    async def _generate(self, request: web.Request, call: Call, parse) -> web.StreamResponse:
-        body = await json_body(request)
+    async def _chat_body(self, request: web.Request) -> Any:
+        """A chat body. Images come base64 in it, so on a server with a vision model a body may pass
+        max_body_bytes (up to body_limit()) if it names a vision model: a larger one is read holding one of
+        MAX_IMAGE_REQUESTS_IN_FLIGHT large-body slots (the others wait, unread), parsed off the event loop, and
+        refused with 413 if its model is not a VLM."""
+        config = self.appliance.config
+        normal, large = config.server.max_body_bytes, body_limit(config)
+        if large == normal:
+            return await json_body(request)
+        data = bytearray()
+        async with contextlib.AsyncExitStack() as held:
+            while chunk := await request.content.readany():
+                if len(data) <= normal < len(data) + len(chunk):
+                    await held.enter_async_context(self.large_bodies)
+                data += chunk
+                if len(data) > large:
+                    raise RequestFailed(413, "invalid_request", f"the request body exceeds the limit of {large} bytes "
+                                        f"(server.max_body_bytes and room for {MAX_IMAGES} images of the largest "
+                                        "max_image_bytes)", "request_entity_too_large")
+            if len(data) <= normal:
+                return parse_json(bytes(data))
+            body = await asyncio.to_thread(parse_json, bytes(data))
+        model = body.get("model") if isinstance(body, dict) else None
+        if not any(m.name == model and m.kind == "vlm" for m in config.models):
+            raise RequestFailed(413, "invalid_request", f"the request body exceeds the limit of {normal} bytes "
+                                "(server.max_body_bytes); only a request to a vision model (kind vlm) may be larger",
+                                "request_entity_too_large")
+        return body
+
+    async def _generate(self, request: web.Request, call: Call, parse, body: Any) -> web.StreamResponse:
         call.label(body)
         req = parse(body)
         sup = await self.appliance.model_for(req.model, call.endpoint, GENERATIVE_KINDS)
-        req.images = await self.images.resolve(req.content, sup.model)
+        # A request with images holds its place in the queue before they are fetched and decoded: a busy model
+        # refuses it now (429), not after megabytes of pixels were spooled for it.
+        place = QueuePlace(sup) if req.content.images and sup.model.kind == "vlm" else None
         try:
+            req.images = await self.images.resolve(req.content, sup.model)
             answers = [answer_parser(sup, req) for _ in range(req.n)]
             note_constraint(call, self.appliance.metrics, req)
-            return await (self._stream(request, call, sup, req, answers) if req.stream
-                          else self._whole(sup, req, answers))
+            return await (self._stream(request, call, sup, req, answers, place) if req.stream
+                          else self._whole(sup, req, answers, place))
         finally:  # the worker has read the image files by the time the request is over
+            if place is not None:
+                place.release()
             self.images.release(req.images)
 
     @staticmethod
@@ -74,20 +108,22 @@ class GenerationRoutes:
                             sum(reasoning) if reasoning else None)
 
     @staticmethod
-    def _open(sup, req: GenerationRequest) -> list:
-        """One handle per choice; if one cannot be admitted (queue full), none is."""
+    def _open(sup, req: GenerationRequest, place: QueuePlace | None) -> list:
+        """One handle per choice (the first in the request's reserved `place`, if it has one); if one cannot be
+        admitted (queue full), none is."""
         handles = []
         try:
             for frame in req.frames():
-                handles.append(sup.open(frame))
+                handles.append(sup.open(frame, reserved=place is not None and place.hand_over()))
         except RequestFailed:
             for handle in handles:
                 sup.close(handle)
             raise
         return handles
 
-    async def _whole(self, sup, req: GenerationRequest, answers: list[AnswerParser | None]) -> web.Response:
-        handles = self._open(sup, req)
+    async def _whole(self, sup, req: GenerationRequest, answers: list[AnswerParser | None],
+                     place: QueuePlace | None) -> web.Response:
+        handles = self._open(sup, req, place)
         collecting = [asyncio.create_task(self._collect(sup, handle, req)) for handle in handles]
         try:
             results = await asyncio.gather(*collecting)
@@ -117,23 +153,22 @@ class GenerationRoutes:
         raise AssertionError("event stream ended without done")
 
     async def _stream(self, request: web.Request, call: Call, sup, req: GenerationRequest,
-                      answers: list[AnswerParser | None]) -> web.StreamResponse:
-        handles = self._open(sup, req)
+                      answers: list[AnswerParser | None], place: QueuePlace | None) -> web.StreamResponse:
+        handles = self._open(sup, req, place)
         shaper = ResponseShaper(req)
         merged: asyncio.Queue = asyncio.Queue()  # (choice index, Event or RequestFailed) of every choice
         pumps = [asyncio.create_task(self._pump(sup, handle, index, merged)) for index, handle in enumerate(handles)]
         try:
             index, event = await merged.get()
             sse.refused_before_start(event)
-            stream = await sse.EventStream(request).open()
+            stream = await sse.EventStream(request, done_marker=True).open()
             if req.kind == "chat":
                 for choice in range(req.n):
                     await stream.send(shaper.chunk(first=True, index=choice))
             done: list[Event] = []
             while True:
                 if isinstance(event, RequestFailed):
-                    await stream.send(call.stream_failed(event))
-                    break
+                    return await call.end_stream(stream, event)
                 answer = answers[index]
                 if event.op == "tokens":
                     await self._send_text(stream, shaper, answer, event.text, event.logprobs, index)
@@ -152,7 +187,7 @@ class GenerationRoutes:
                 pump.cancel()
             for handle in handles:
                 sup.close(handle)
-        return await stream.close(done_marker=True)
+        return await stream.close()
 
     async def _pump(self, sup, handle, index: int, merged: asyncio.Queue) -> None:
         """Move one choice's events into the merged queue until it is done or failed."""

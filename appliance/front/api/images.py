@@ -9,7 +9,11 @@ Resolving (once the model is known, ImageResolver): a text model refuses images;
 (off by default: a server that fetches any URL for anyone is an SSRF hole); each image is held to the model's
 max_image_bytes, then decoded and checked in the image decoder process (appliance.front.image_decoder:
 format allow-list, max_image_pixels, a complete file), which writes its RGB pixels to a spool file for the worker.
-Every failure is a 400 naming the part, counted in openarc_image_rejections_total by reason.
+Every failure of the image is a 400 naming the part, counted in openarc_image_rejections_total by reason; a fault
+of the server's (its decoder hung or cannot write, its spool full) is a 503 with Retry-After. The route reserves the
+request's queue place before resolving (appliance.front.api.results.QueuePlace), and at most
+MAX_IMAGE_REQUESTS_IN_FLIGHT requests resolve at once; their pixels are bounded per request and per server
+(MAX_REQUEST_SPOOL_BYTES, MAX_SPOOL_BYTES) from each image's header, before it is decoded.
 """
 
 from __future__ import annotations
@@ -29,12 +33,20 @@ from urllib.parse import urlsplit
 
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import utf8
-from appliance.front.image_decoder import ImageDecoder, ImageError
+from appliance.front.decoder_process import DecoderFault
+from appliance.front.image_decoder import OVER_BUDGET, ImageDecoder, ImageError
+from appliance.front.request import RequestFailed
 
 IMAGE_TAG = "<ov_genai_image_{}>"
 # Tags genai reads in a prompt: text that holds one would make genai place (or miss) images the caller did not send.
 RESERVED_TAGS = ("<ov_genai_image_", "<ov_genai_video_")
 MAX_IMAGES = 8  # per request: each is decoded, encoded by the vision model and held as pixels until it ends
+MAX_IMAGE_REQUESTS_IN_FLIGHT = 4  # requests fetching and decoding images at once; the others wait, holding a place
+# Spool bytes (RGB pixels, 3 bytes a pixel) the images of one request, and of all requests in flight, may hold: a
+# request over its bound is a 400 naming the image, one the server has no room for now a 503 with Retry-After.
+MAX_REQUEST_SPOOL_BYTES = 256 << 20
+MAX_SPOOL_BYTES = 1 << 30
+SPOOL_PREFIX = "openarc-images-"  # + the front's pid: its spool directory
 DATA_URL = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*)", re.DOTALL)
 MIME_FORMATS = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp",
                 "image/gif": "gif"}
@@ -106,18 +118,24 @@ def _image_url(part: dict, where: str) -> str:
 class ImageResolver:
     """Turns a request's ImageParts into pixel files for its model's worker (see the module doc)."""
 
-    def __init__(self, fetch, metrics):
+    def __init__(self, fetch, metrics, spool_base: str | None = None):
         self.fetch = fetch  # config.ImageFetch
         self.metrics = metrics
         self.decoder = ImageDecoder()
+        self.spool_base = spool_base  # the directory the spool directory is made in (None: the system's tmp)
         self.spool: str | None = None
         self.serial = itertools.count()
         self.session = None  # aiohttp.ClientSession, made on the first fetch
+        self.in_flight = asyncio.Semaphore(MAX_IMAGE_REQUESTS_IN_FLIGHT)
+        self.max_request_bytes = MAX_REQUEST_SPOOL_BYTES
+        self.max_spool_bytes = MAX_SPOOL_BYTES
+        self.spool_bytes = 0  # the pixels of every request in flight, in spool files
 
     async def resolve(self, found: Content, model) -> list[dict[str, Any]]:
         """The images of a request to `model` (a config.ModelConfig) as {"path", "width", "height"}, in order;
-        ImageRejected (or InvalidRequest) for the first that cannot be used. The caller removes the files
-        (release()) when the request is over."""
+        ImageRejected (or InvalidRequest) for the first that cannot be used, RequestFailed 503 for a fault of the
+        server's (its decoder, its full spool). At most MAX_IMAGE_REQUESTS_IN_FLIGHT requests fetch and decode at
+        once; the others wait. The caller removes the files (release()) when the request is over."""
         if not found.images:
             return []
         if model.kind != "vlm":
@@ -129,27 +147,53 @@ class ImageResolver:
                                  f"{' or '.join(RESERVED_TAGS)}", found.tag_in_text)
         files: list[dict[str, Any]] = []
         try:
-            for part in found.images:
-                files.append(await self._resolve_one(part, model))
+            async with self.in_flight:
+                for part in found.images:
+                    files.append(await self._resolve_one(part, model, sum(map(spool_size, files))))
         except BaseException:
             self.release(files)
             raise
         self.metrics.images.labels(model=model.name).inc(len(files))
         return files
 
-    async def _resolve_one(self, part: ImagePart, model) -> dict[str, Any]:
+    async def _resolve_one(self, part: ImagePart, model, held: int) -> dict[str, Any]:
+        """One image into a spool file; `held`: the spool bytes of the request's images before it."""
         try:
             data = await self._bytes(part, model)
+            request_left, server_left = self.max_request_bytes - held, self.max_spool_bytes - self.spool_bytes
             path = os.path.join(self._spool(), f"{next(self.serial)}.rgb")
+            kept = False
             try:
-                info = await self.decoder.decode(data, model.max_image_pixels, model.image_formats, path)
+                info = await self.decoder.decode(data, model.max_image_pixels, model.image_formats, path,
+                                                 max(0, min(request_left, server_left)))
+                file = {"path": path, "width": info["width"], "height": info["height"]}
+                self._claim(file)
+                kept = True
             except ImageError as exc:
-                _unlink(path)
+                if exc.reason == OVER_BUDGET and request_left > server_left:
+                    raise spool_full(str(exc), self.max_spool_bytes) from None
+                if exc.reason == OVER_BUDGET:
+                    raise ImageRejected(f"{exc}; the images of one request may take {self.max_request_bytes} bytes "
+                                        "of pixels together", part.where, "too_large") from None
                 raise ImageRejected(str(exc), part.where, exc.reason) from None
+            except DecoderFault as exc:  # the server's fault, not the image's: a 503, not counted as a rejection
+                raise exc.failure() from None
+            finally:
+                if not kept:  # refused, failed, or its client hung up mid-decode: no file stays behind
+                    _unlink(path)
         except ImageRejected as exc:
             self.metrics.image_rejections.labels(model=model.name, reason=exc.reason).inc()
             raise
-        return {"path": path, "width": info["width"], "height": info["height"]}
+        return file
+
+    def _claim(self, file: dict[str, Any]) -> None:
+        """Count a decoded image's spool file against the server's bound (another request's image may have been
+        decoded since this one's budget was taken)."""
+        size = spool_size(file)
+        if self.spool_bytes + size > self.max_spool_bytes:
+            raise spool_full(f"the image is {file['width']}x{file['height']}: {size} bytes of pixels",
+                             self.max_spool_bytes)
+        self.spool_bytes += size
 
     async def _bytes(self, part: ImagePart, model) -> bytes:
         scheme = part.url.split(":", 1)[0].lower()
@@ -169,8 +213,8 @@ class ImageResolver:
             port = host.port
         except ValueError:
             raise ImageRejected("the image URL is malformed", part.where, "bad_url") from None
-        allowed = host.hostname and (host.hostname in self.fetch.allow_hosts
-                                     or f"{host.hostname}:{port}" in self.fetch.allow_hosts)
+        allow_hosts = {name.lower() for name in self.fetch.allow_hosts}  # host names have no case (urlsplit lowers)
+        allowed = host.hostname and (host.hostname in allow_hosts or f"{host.hostname}:{port}" in allow_hosts)
         if not allowed:
             raise ImageRejected(f"the host {host.hostname!r} is not in server.image_fetch.allow_hosts", part.where,
                                 "host_not_allowed")
@@ -199,13 +243,15 @@ class ImageResolver:
 
     def _spool(self) -> str:
         if self.spool is None:
-            self.spool = tempfile.mkdtemp(prefix="openarc-images-")
+            sweep_stale_spools(self.spool_base or tempfile.gettempdir())
+            self.spool = tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=self.spool_base)
         return self.spool
 
-    @staticmethod
-    def release(files: list[dict[str, Any]]) -> None:
+    def release(self, files: list[dict[str, Any]]) -> None:
+        """Remove a request's spool files (its worker has read them) and give their bytes back."""
         for file in files:
             _unlink(file["path"])
+            self.spool_bytes -= spool_size(file)
 
     async def close(self) -> None:
         await self.decoder.close()
@@ -238,6 +284,38 @@ def _data_url(part: ImagePart, model) -> bytes:
     if not data:
         raise ImageRejected("the image is empty", part.where, "undecodable")
     return data
+
+
+def spool_size(file: dict[str, Any]) -> int:
+    """The bytes of a decoded image's spool file: its RGB pixels."""
+    return file["width"] * file["height"] * 3
+
+
+def spool_full(what: str, capacity: int) -> RequestFailed:
+    """The server's image spool has no room for an image now: a 503 worth a retry once requests in flight end."""
+    return RequestFailed(503, "overloaded", f"{what}: more than the image spool has free now ({capacity} bytes in "
+                         "all, held by the images of requests in flight); retry later", "image_spool_full",
+                         retry_after=1)
+
+
+def sweep_stale_spools(base: str) -> None:
+    """Remove the spool directories of fronts that are gone (killed before their cleanup): unlike the private /tmp,
+    the cache directory outlives a process. Another instance's (openarc@NAME shares the directory) is left alone
+    while its front lives."""
+    for name in os.listdir(base):
+        pid = name[len(SPOOL_PREFIX):].split("-", 1)[0]
+        if name.startswith(SPOOL_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+
+def spool_base() -> str | None:
+    """Where the image spool directory goes: the unit's cache directory (systemd's CacheDirectory=, on disk; the
+    private /tmp is often RAM), else its state directory, else None (the system's temporary directory)."""
+    for name in ("CACHE_DIRECTORY", "STATE_DIRECTORY"):
+        first = os.environ.get(name, "").split(":")[0]
+        if first:
+            return first
+    return None
 
 
 def _unlink(path: str) -> None:

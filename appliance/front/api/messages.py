@@ -39,6 +39,8 @@ class AnthropicErrors(ErrorShape):
     """Anthropic's error body, the same before a stream (with the status) and as its `error` event; it has no code
     or param, so the message names the field."""
 
+    event_name = "error"
+
     def body(self, failure: RequestFailed, param: str | None) -> dict[str, Any]:
         return error_body(failure.status, f"{failure.message} ({failure.hint})" if failure.hint else failure.message)
 
@@ -76,7 +78,9 @@ def parse_messages(body: Any) -> MessagesRequest:
               "temperature": number(body, "temperature", 0, 1), "top_p": number(body, "top_p", 0, 1),
               "top_k": number(body, "top_k", 1, 1 << 31, integer=True), "stop": _stop_sequences(body),
               "logprobs": False, "fit_context": True}  # the worker fits max_tokens into the context
-    if kwargs["enable_thinking"] and (body["thinking"].get("budget_tokens") or 0) >= params["max_tokens"]:
+    # only an enabled block has a budget (_thinking checked it is an integer); adaptive's is not read
+    if kwargs["enable_thinking"] and body["thinking"]["type"] == "enabled" \
+            and body["thinking"]["budget_tokens"] >= params["max_tokens"]:
         raise InvalidRequest("'thinking.budget_tokens' must be less than 'max_tokens'", "thinking.budget_tokens")
     if body.get("metadata") is not None:
         json_object(body["metadata"], "metadata")
@@ -242,10 +246,11 @@ class MessageStream(ItemStream):
                 "content": [self.block(i) for i in self.items], "stop_reason": stop_reason,
                 "stop_sequence": stop_sequence, "usage": usage(done)}
 
-    def start(self, first: Event) -> Events:
-        """`first`: the request's first event, which carries the prompt's tokens."""
+    def start(self, first: Event | RequestFailed) -> Events:
+        """`first`: the request's first event, which carries the prompt's tokens, or its failure before any (a
+        worker that crashed or stalled in prefill: the `error` event follows)."""
         message = self.envelope(None)
-        message["usage"]["input_tokens"] = first.prompt_tokens
+        message["usage"]["input_tokens"] = first.prompt_tokens if isinstance(first, Event) else 0
         return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
 
     def finish(self, done: Event, finish_reason: str) -> Events:

@@ -19,6 +19,7 @@ from appliance.front.api.completions import GenerationRequest
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import flag, json_object, model_name, number, text, text_parts
 from appliance.front.api.response_store import ResponseStore
+from appliance.front.api.route import ErrorShape
 from appliance.front.api.structured import constraint
 from appliance.front.api.tools import assistant_tool_calls, name_tool_results, parse_tools
 from appliance.front.request import Event, RequestFailed
@@ -32,6 +33,18 @@ RENAMES = (("response_format.json_schema.schema", "text.format.schema"),
            ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
            (".function.", "."), ("{\"type\": \"function\", \"function\": {\"name\": ...}}",
                                  "{\"type\": \"function\", \"name\": ...}"))
+
+
+class ResponsesErrors(ErrorShape):
+    """OpenAI's error bodies before a stream; in a Responses stream, its typed `error` event."""
+
+    event_name = "error"
+
+    def stream_event(self, failure: RequestFailed) -> dict[str, Any]:
+        return {"type": "error", "code": failure.code, "message": failure.message, "param": None}
+
+
+RESPONSES = ResponsesErrors()
 
 
 @dataclass
@@ -252,10 +265,9 @@ class ResponseStream(ItemStream):
         return events + [self.event(f"response.{status}", response=self.response)]
 
     def fail(self, exc: RequestFailed, payload: dict[str, Any]) -> Events:
-        """An `error` event (the route's OpenAI error `payload` is chat's shape, not this one), then
-        response.failed."""
+        """The route's `error` event (`payload`: ResponsesErrors.stream_event), then response.failed."""
         self.response = self.envelope("failed", error={"code": "server_error", "message": exc.message})
-        return [self.event("error", code=exc.code, message=exc.message, param=None),
+        return [self.event("error", **{key: value for key, value in payload.items() if key != "type"}),
                 self.event("response.failed", response=self.response)]
 
     # --- items ---------------------------------------------------------------------------------------------

@@ -51,6 +51,27 @@ class ResultRoute:
         return self.shape(req, await one_result(sup, {"kind": sup.model.kind, "body": req.body}))
 
 
+class QueuePlace:
+    """A place held in a model's queue (ModelSupervisor.reserve) for a request whose costly input is still to be
+    read or decoded (an audio upload, a chat request's images): a busy model refuses it (429) before that cost is
+    paid, and the model counts it as work meanwhile. hand_over() gives the place to the request being opened
+    (open(reserved=...)); release() gives it back if it never was."""
+
+    def __init__(self, sup):
+        sup.reserve()  # RequestFailed (429, 503) if there is no room
+        self.sup = sup
+        self.held = True
+
+    def hand_over(self) -> bool:
+        held, self.held = self.held, False
+        return held
+
+    def release(self) -> None:
+        if self.held:  # refused or failed before it was opened
+            self.held = False
+            self.sup.router.unreserve()
+
+
 async def one_result(sup, frame: dict[str, Any], reserved: bool = False) -> Event:
     """Hand one `request` frame to the model's worker (in its reserved place, if it has one) and wait for its one
     result."""

@@ -5,19 +5,25 @@ A route is `async def handler(request, call) -> web.StreamResponse`; it raises I
 anything that is not its answer, and tells `call` which configured model the request named (`call.label(body)`).
 The wrapper turns those exceptions into the route's error body (`ErrorShape`: OpenAI's unless the route brings its
 own, as an Anthropic-style route would) and counts in a `finally`, so a handler cancelled by a client that hung up
-is counted too, with status CLIENT_CLOSED.
+is counted too, with status CLIENT_CLOSED. Once a handler's event stream is open (its 200 and headers sent), any
+exception it raises, expected or not, ends that stream with the dialect's error event instead: a second response
+written into an open stream would leave the client reading garbage on a connection that never ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from appliance.front.api import sse
 from appliance.front.api.errors import ERROR_TYPES, InvalidRequest, error_body, json_error
 from appliance.front.request import RequestFailed
+
+log = logging.getLogger("openarc.server")
 
 # The status label of a request whose client went away before its answer was complete (nginx's convention):
 # numeric, so a dashboard's `status=~"4.."` or `"5.."` still sorts it, and it is neither a 2xx nor a 5xx.
@@ -32,6 +38,8 @@ ERROR_KIND_GROUPS = {"model_not_found": "invalid_request", "context_length_excee
 class ErrorShape:
     """How a route's errors look to its clients; OpenAI's bodies by default. A route of another dialect
     (Anthropic's Messages, say) passes its own subclass to `route()`."""
+
+    event_name: str | None = None  # the SSE event name of stream_event's payload (chat's events have none)
 
     def body(self, failure: RequestFailed, param: str | None) -> dict[str, Any]:
         """The JSON body of an error answered with failure.status."""
@@ -86,6 +94,29 @@ class Call:
         self.count_error(failure.kind)
         return self.errors.stream_event(failure)
 
+    async def end_stream(self, stream: sse.EventStream, failure: RequestFailed) -> web.StreamResponse:
+        """An open stream's last event: the failure, in the dialect's error event; then its end."""
+        await stream.send(self.stream_failed(failure), self.errors.event_name)
+        return await stream.close()
+
+    async def answer_failure(self, request: web.Request, exc: Exception) -> web.StreamResponse:
+        """What a request whose handler raised gets: its error response before the stream opened, the error event
+        in the stream after (a fault of ours, unless the handler raised a request's failure)."""
+        stream = sse.opened(request)
+        if stream is None:
+            if isinstance(exc, (InvalidRequest, RequestFailed)):
+                return self.failed(exc)
+            raise exc  # the errors middleware answers 500 and logs it
+        if stream.closed:
+            log.error("%s after the end of a stream of %s", type(exc).__name__, request.path, exc_info=exc)
+            return stream.response
+        if isinstance(exc, (InvalidRequest, RequestFailed)):
+            failure = as_failure(exc)[0]
+        else:
+            log.error("unhandled error in a stream of %s", request.path, exc_info=exc)
+            failure = RequestFailed(500, "internal_error", "internal server error", "internal_error")
+        return await self.end_stream(stream, failure)
+
 
 Handler = Callable[[web.Request, Call], Awaitable[web.StreamResponse]]
 
@@ -97,11 +128,14 @@ def route(appliance, endpoint: str, handler: Handler, errors: ErrorShape = OPENA
         started = time.monotonic()
         call = Call(appliance, endpoint, errors)
         status = UNHANDLED
+        sse.watch(request)
         try:
             try:
                 response = await handler(request, call)
-            except (InvalidRequest, RequestFailed) as exc:
-                response = call.failed(exc)
+            except ConnectionResetError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an open stream must end with an event, whatever was raised
+                response = await call.answer_failure(request, exc)
             status = str(response.status)
             return response
         except (asyncio.CancelledError, ConnectionResetError):

@@ -3,7 +3,9 @@ routes of other dialects): one stream per response, one JSON payload per event, 
 
 Headers wait for the request's first event (`refused_before_start`), so a request its worker refuses (a context too
 long, a schema that does not compile) still gets a plain 4xx in the route's error shape; once the stream began, a
-failure can only be an event in it.
+failure can only be an event in it. An open stream is recorded on its request (`opened`): whatever raises after the
+headers went out, the route wrapper ends the stream with the dialect's error event and the errors middleware never
+writes a second response into it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from appliance.front.request import Event, RequestFailed
+
+OPEN_STREAM = "openarc.event_stream"  # the request's key of its StreamSlot
 
 HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
            "X-Accel-Buffering": "no"}  # nginx: pass each event on as it comes, not in buffered blocks
@@ -34,14 +38,37 @@ async def next_event(events: AsyncIterator[Event]) -> Event | RequestFailed:
         return exc
 
 
-class EventStream:
-    """One SSE response: open() sends the headers, send() one event, close() ends it."""
+class StreamSlot:
+    """Where a request's event stream is recorded when it opens: one object, shared with the request's clones (a
+    handler that raises its body limit answers on a clone; aiohttp copies the request's dict to it)."""
 
-    def __init__(self, request: web.Request):
+    stream: EventStream | None = None
+
+
+def watch(request: web.Request) -> None:
+    """Give the request a slot for its event stream (before its handler runs, so its clones share it)."""
+    request.setdefault(OPEN_STREAM, StreamSlot())
+
+
+def opened(request: web.Request) -> EventStream | None:
+    """The request's event stream if its headers went out (its status is then 200, whatever happens next)."""
+    slot = request.get(OPEN_STREAM)
+    return slot.stream if slot is not None else None
+
+
+class EventStream:
+    """One SSE response: open() sends the headers, send() one event, close() ends it. `done_marker`: OpenAI
+    completions' final `data: [DONE]`, sent by close()."""
+
+    def __init__(self, request: web.Request, done_marker: bool = False):
         self.request = request
         self.response = web.StreamResponse(headers=HEADERS)
+        self.done_marker = done_marker
+        self.closed = False
 
     async def open(self) -> EventStream:
+        watch(self.request)
+        self.request[OPEN_STREAM].stream = self
         await self.response.prepare(self.request)
         return self
 
@@ -49,9 +76,11 @@ class EventStream:
         head = f"event: {event}\n".encode() if event else b""
         await self.response.write(head + b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
 
-    async def close(self, done_marker: bool = False) -> web.StreamResponse:
-        """End the stream; `done_marker`: OpenAI completions' final `data: [DONE]`."""
-        if done_marker:
-            await self.response.write(b"data: [DONE]\n\n")
-        await self.response.write_eof()
+    async def close(self) -> web.StreamResponse:
+        """End the stream (once: a second close is a no-op)."""
+        if not self.closed:
+            self.closed = True
+            if self.done_marker:
+                await self.response.write(b"data: [DONE]\n\n")
+            await self.response.write_eof()
         return self.response

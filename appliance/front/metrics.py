@@ -48,7 +48,8 @@ class ModelMetrics:
     worker_rss: Any
     requests_running: Any
     requests_waiting: Any
-    prompt_tokens: Any
+    prompt_tokens: Any  # source="computed"
+    cached_prompt_tokens: Any  # source="cache"
     generation_tokens: Any
     ttft: Any
     itl: Any
@@ -96,7 +97,8 @@ class Metrics:
                                 ["model"], registry=r)
         self.requests_running = Gauge("openarc_requests_running", "Requests generating in the worker", ["model"], registry=r)
         self.requests_waiting = Gauge("openarc_requests_waiting", "Requests queued in the front, or waiting for the model to be ready", ["model"], registry=r)
-        self.prompt_tokens = Counter("openarc_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.prompt_tokens = Counter("openarc_prompt_tokens", "Prompt tokens, by source: computed, or served by the "
+                                     "prefix cache (cache)", ["model", "source"], registry=r)
         self.generation_tokens = Counter("openarc_generation_tokens", "Tokens generated", ["model"], registry=r)
         self.ttft = Histogram("openarc_time_to_first_token_seconds", "Time from request to its first token", ["model"],
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
@@ -148,7 +150,11 @@ class Metrics:
             self.model_info.remove(model, previous)
         self.model_kinds[model] = kind
         self.model_info.labels(model=model, kind=kind).set(1)
-        series = {name: getattr(self, name).labels(model=model) for name in ModelMetrics.__annotations__ if name != "draft"}
+        split = ("draft", "prompt_tokens", "cached_prompt_tokens")  # labelled by more than the model: below
+        series = {name: getattr(self, name).labels(model=model) for name in ModelMetrics.__annotations__
+                  if name not in split}
+        series["prompt_tokens"] = self.prompt_tokens.labels(model=model, source="computed")
+        series["cached_prompt_tokens"] = self.prompt_tokens.labels(model=model, source="cache")
         draft = DraftTokens(*(self.draft_tokens.labels(model=model, outcome=o) for o in ("accepted", "rejected")))
         for reason in LOAD_REASONS:
             self.model_loads.labels(model=model, reason=reason)

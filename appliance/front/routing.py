@@ -186,7 +186,8 @@ class RequestRouter:
         now = time.monotonic()
         if req.first_token is None:
             req.first_token = now
-            self.series.ttft.observe(now - req.submitted)
+            mostly_cached = 2 * message.get("cached_tokens", 0) >= message.get("prompt_tokens", 0) > 0
+            (self.series.ttft_cached if mostly_cached else self.series.ttft).observe(now - req.submitted)
         elif message["n"]:
             self.series.itl.observe((now - req.last_token) / message["n"])
         req.last_token = now

@@ -181,3 +181,15 @@ def test_the_reported_cached_tokens_match_the_latency_they_imply(heavy_app):
         computed.append(fresh)
         served.append(again)
     assert statistics.median(served) < statistics.median(computed) / 2, (served, computed)
+
+
+def test_the_sessions_bench_runs_quick(tmp_path):
+    """`python -m bench.sessions --quick` (shapes only, never a timing): every side's turn 1 and later turns, the
+    speed-up and the warm model's hit ratio, which a replay of growing conversations must show above zero."""
+    from conftest import quick_side_bench
+    figures = quick_side_bench("sessions", tmp_path)
+    for side in ("warm", "cold", "in-process genai"):
+        for what in ("turn 1", "later turns"):
+            assert figures[f"TTFT {what}, {side} (median; lowest-highest)"]["value"] > 0
+    assert figures["Later turns, cold / warm (times faster with the cache)"]["value"] > 0
+    assert 0 < figures["Prompt tokens the warm model's cache served (all turns)"]["value"] < 100

@@ -193,3 +193,41 @@ def test_the_sessions_bench_runs_quick(tmp_path):
             assert figures[f"TTFT {what}, {side} (median; lowest-highest)"]["value"] > 0
     assert figures["Later turns, cold / warm (times faster with the cache)"]["value"] > 0
     assert 0 < figures["Prompt tokens the warm model's cache served (all turns)"]["value"] < 100
+
+
+# Turn N+1's prompt begins with turn N's prompt and answer for these templates (template, whether the model thinks,
+# whether it is byte-stable). A reasoning model's answer starts with a think block that the templates drop from
+# history (the client sends back the answer without it), and Qwen3 with enable_thinking: false opens an empty
+# block that history does not repeat: there the prefix ends where the previous answer began, and everything
+# before it (system prompt, tools, earlier turns) stays cached.
+TEMPLATE_CASES = [("meta-llama-Llama-3.3-70B-Instruct.jinja", None, True),
+                  ("mistralai-Mistral-Small-3.1-24B-Instruct-2503.jinja", None, True),
+                  ("tool_chat_template_qwen3coder.jinja", None, True),
+                  ("Qwen-Qwen3-0.6B.jinja", None, True),  # thinking on, an answer without a think block
+                  ("Qwen-Qwen3-0.6B.jinja", True, False),
+                  ("Qwen-Qwen3-0.6B.jinja", False, False),
+                  ("deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", True, False),
+                  ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", True, False)]
+
+
+@pytest.mark.parametrize("template, thinking, stable", TEMPLATE_CASES)
+def test_the_next_turns_prompt_begins_with_this_turns_prompt_and_answer(demo_model, template, thinking, stable):
+    import openvino_genai
+    from conftest import FIXTURES
+    tokenizer = openvino_genai.Tokenizer(str(demo_model))
+    tokenizer.set_chat_template((FIXTURES / "chat-templates" / template).read_text())
+    kwargs = {"enable_thinking": thinking} if thinking is not None else None
+
+    def render(messages, generation_prompt=True):
+        return tokenizer.apply_chat_template(openvino_genai.ChatHistory(messages),
+                                             add_generation_prompt=generation_prompt, extra_context=kwargs)
+
+    history = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi there"}]
+    prompt, answer = render(history), "Hello! How can I help?"
+    generated = "<think>\nLet me see.\n</think>\n\n" + answer if thinking else answer
+    if prompt.endswith("<think>\n"):  # the template opened the block: the model writes the rest
+        generated = generated.removeprefix("<think>\n")
+    following = render(history + [{"role": "assistant", "content": answer}, {"role": "user", "content": "More"}])
+    assert following.startswith(prompt + generated) == stable
+    # wherever it breaks, it breaks at the previous answer: the history before it is served from the cache
+    assert following.startswith(render(history, generation_prompt=False))

@@ -187,7 +187,7 @@ class ModelConfig:
     image_formats: list[Literal["png", "jpeg", "webp", "gif"]] = field(
         default_factory=lambda: ["png", "jpeg", "webp", "gif"])
     # llm, vlm: drop known per-request agent noise (Claude Code's billing header line) before templating, so a
-    # conversation's prompt stays the same from turn to turn and the prefix cache serves it (appliance.agent_noise).
+    # conversation's prompt stays the same from turn to turn and the prefix cache serves it (appliance.worker.agent_noise).
     canonicalize_agent_noise: bool = True
     max_running: int = 8
     max_queue: int = 32

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from appliance import agent_noise
+from appliance.worker import agent_noise
 from appliance.config import DEFAULT_BATCHED_TOKENS, DEFAULT_CACHE_SIZE_GB, ModelConfig
 from appliance.worker import prefix_cache
 from appliance.worker.prefix_cache import BlockCacheModel

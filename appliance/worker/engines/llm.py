@@ -15,13 +15,13 @@ from typing import Any
 
 from pathlib import Path
 
-from appliance import agent_noise, chat_formats
+from appliance import chat_formats
 from appliance.host import faults
 from appliance.worker.detokenize import make_detokenizer
 from appliance.worker.engines import speculative
 from appliance.worker.engines.base import PROGRESS_INTERVAL_S, Engine, InjectedFault
 from appliance.worker.engines.constraints import GrammarProbe, InvalidGrammar, after_reasoning, genai_message
-from appliance.worker import prefix_cache
+from appliance.worker import agent_noise, prefix_cache
 from appliance.ipc import frame
 
 log = logging.getLogger("openarc.worker")

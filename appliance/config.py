@@ -46,7 +46,7 @@ GENERATIVE_KINDS = ("llm", "vlm")
 KIND_ONLY_KEYS: dict[str, str | tuple[str, ...]] = {
     "pipeline": GENERATIVE_KINDS, "scheduler_config": GENERATIVE_KINDS, "default_max_tokens": GENERATIVE_KINDS,
     "tool_parser": GENERATIVE_KINDS, "reasoning_parser": GENERATIVE_KINDS, "chat_template": GENERATIVE_KINDS,
-    "grammar_compile_timeout_s": GENERATIVE_KINDS,
+    "grammar_compile_timeout_s": GENERATIVE_KINDS, "canonicalize_agent_noise": GENERATIVE_KINDS,
     "max_image_bytes": "vlm", "max_image_pixels": "vlm", "image_formats": "vlm",
     "draft_model": "llm", "prompt_lookup": "llm", "num_assistant_tokens": "llm",
     "assistant_confidence_threshold": "llm", "max_ngram_size": "llm",
@@ -65,6 +65,16 @@ SCHEDULER_FIELDS = {
     "use_cache_eviction": bool,
     "use_sparse_attention": bool,
 }
+
+# What openarc sets in a continuous-batching model's SchedulerConfig where its scheduler_config does not (genai's own
+# defaults keep nothing between requests and prefill a prompt 256 tokens a step; docs/warm-sessions.md):
+# - enable_prefix_caching: every conversation's KV blocks stay for its next turn, least recently used evicted.
+# - cache_size (GB, unless num_kv_blocks is set): a fixed cache, so finished conversations stay warm (genai's
+#   dynamic cache grows only as far as the running requests need, and reuses the rest at once).
+# - max_num_batched_tokens: prompt tokens per scheduler step, per device family: larger prefills a long prompt in
+#   fewer steps (a faster first token), smaller lets running streams step between its chunks (docs/performance.md).
+DEFAULT_CACHE_SIZE_GB = 2
+DEFAULT_BATCHED_TOKENS = {"CPU": 2048, "GPU": 1024}
 
 
 MAX_READY_WAIT_S = 3600.0
@@ -176,6 +186,9 @@ class ModelConfig:
     max_image_pixels: int = 25_000_000
     image_formats: list[Literal["png", "jpeg", "webp", "gif"]] = field(
         default_factory=lambda: ["png", "jpeg", "webp", "gif"])
+    # llm, vlm: drop known per-request agent noise (Claude Code's billing header line) before templating, so a
+    # conversation's prompt stays the same from turn to turn and the prefix cache serves it (appliance.worker.agent_noise).
+    canonicalize_agent_noise: bool = True
     max_running: int = 8
     max_queue: int = 32
     stall_timeout_s: float = 60.0
@@ -258,6 +271,16 @@ class ModelConfig:
             props["ATTENTION_BACKEND"] = "SDPA"
         props.update(self.runtime_config)
         return props
+
+    def scheduler_settings(self) -> dict[str, Any]:
+        """The SchedulerConfig fields its worker sets: openarc's defaults (prefix caching on, a fixed cache, a
+        per-device prefill chunk), then the model's scheduler_config wins."""
+        settings: dict[str, Any] = {"enable_prefix_caching": True}
+        if not {"cache_size", "num_kv_blocks"} & self.scheduler_config.keys():
+            settings["cache_size"] = DEFAULT_CACHE_SIZE_GB
+        family = "GPU" if self.is_gpu else "CPU"
+        settings["max_num_batched_tokens"] = DEFAULT_BATCHED_TOKENS[family]
+        return {**settings, **self.scheduler_config}
 
     @property
     def effective_max_running(self) -> int:
@@ -791,4 +814,6 @@ def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
                                "properties": as_model.ov_properties(config.ov_cache_dir())}
     if model.kind == "llm":
         spec["speculative"] = model.speculative_defaults()
+    if "scheduler_config" in spec:
+        spec["scheduler_config"] = model.scheduler_settings()
     return spec

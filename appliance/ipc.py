@@ -52,12 +52,13 @@ OPS: dict[str, Op] = {
                  "the card)"),
     "fatal": _op("worker", "kind message", "hint",
                  "the worker cannot go on (a load error, or an internal error after loading) and exits"),
-    "tokens": _op("worker", "id text n", "logprobs prompt_tokens",
+    "tokens": _op("worker", "id text n", "logprobs prompt_tokens cached_tokens",
                   "new text of a request, how many tokens it took, and their [text, logprob] if asked for; the "
-                  "first also the prompt's tokens"),
+                  "first also the prompt's tokens and how many of them the prefix cache served"),
     "done": _op("worker", "id finish_reason prompt_tokens completion_tokens",
-                "reasoning_tokens draft_accepted draft_rejected stop_sequence",
-                "a request finished (reasoning_tokens on a model with a reasoning format; draft_* on a model with a "
+                "cached_tokens reasoning_tokens draft_accepted draft_rejected stop_sequence",
+                "a request finished (cached_tokens: prompt tokens the prefix cache served; reasoning_tokens on a "
+                "model with a reasoning format; draft_* on a model with a "
                 "draft or prompt lookup: proposed tokens the main model accepted and rejected; stop_sequence: the one "
                 "of the request's stop sequences that ended it)"),
     "result": _op("worker", "id result", "counts",

@@ -183,14 +183,14 @@ def test_a_message_streams_content_blocks_and_the_whole_message_matches():
     deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
     assert [d["type"] for d in deltas] == ["thinking_delta"] * 2 + ["text_delta"] * 2 + ["input_json_delta"] * 2
     assert "".join(d.get("partial_json", "") for d in deltas) == '{"city": "Paris"}'
-    assert events[0][1]["message"]["usage"] == {"input_tokens": 20, "output_tokens": 0}
-    assert events[0][1]["message"]["usage"] == {"input_tokens": 20, "output_tokens": 0}
+    no_cache = {"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    assert events[0][1]["message"]["usage"] == {"input_tokens": 20, "output_tokens": 0, **no_cache}
     assert stream.message["content"] == [{"type": "thinking", "thinking": "Let me think.", "signature": ""},
                                          {"type": "text", "text": "Sure."},
                                          {"type": "tool_use", "id": "call_1", "name": "get_weather",
                                           "input": {"city": "Paris"}}]
     assert stream.message["stop_reason"] == "tool_use" and stream.message["usage"] == {"input_tokens": 20,
-                                                                                       "output_tokens": 9}
+                                                                                       "output_tokens": 9, **no_cache}
     assert events[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
 
 

@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from appliance.config import parse_config  # noqa: E402
 from appliance.front.metrics import Metrics  # noqa: E402
+from appliance.worker import prefix_cache  # noqa: E402
 from test_monitoring_config import promtool, run_promtool  # noqa: E402,F401 (a fixture and its runner)
 
 KUBE_DIR = REPO / "containers" / "kubernetes"
@@ -319,7 +320,25 @@ def test_endpoint_picker_reads_metrics_openarc_exports():
     missing = set(specs.values()) - exported_metrics()
     assert not missing, f"the endpoint picker would read metrics openarc does not export: {missing}"
     scorers = {p["pluginRef"] for profile in config["schedulingProfiles"] for p in profile["plugins"]}
-    assert {"queue-scorer", "kv-cache-utilization-scorer"} <= scorers <= {p["type"] for p in config["plugins"]}
+    assert {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"} <= scorers <= \
+        {p["type"] for p in config["plugins"]}
+
+
+def test_endpoint_picker_sends_a_conversation_back_to_the_pod_that_holds_its_prefix():
+    """The Gateway API Inference Extension's prefix-cache-aware scorer, with the parameters its config struct
+    reads (autoTune, blockSizeTokens, maxPrefixBlocksToMatch, lruCapacityPerServer), hashing in the GPU worker's
+    own KV block size, and weighted above the load scorers."""
+    (config,) = documents(GATEWAY_DIR / "epp-config.yaml")
+    (prefix,) = [p for p in config["plugins"] if p["type"] == "prefix-cache-scorer"]
+    params = prefix["parameters"]
+    assert set(params) == {"autoTune", "blockSizeTokens", "maxPrefixBlocksToMatch", "lruCapacityPerServer"}
+    assert params["autoTune"] is False  # it would read vLLM's cache-config metrics, which openarc does not export
+    assert params["blockSizeTokens"] == prefix_cache.BLOCK_SIZES["GPU"]
+    assert all(isinstance(params[k], int) and params[k] > 0
+               for k in ("blockSizeTokens", "maxPrefixBlocksToMatch", "lruCapacityPerServer"))
+    (profile,) = config["schedulingProfiles"]
+    weights = {p["pluginRef"]: p.get("weight", 1) for p in profile["plugins"]}
+    assert weights["prefix-cache-scorer"] > max(weights["queue-scorer"], weights["kv-cache-utilization-scorer"])
 
 
 # --- the PrometheusRule is the alerts file ----------------------------------------------------------------

@@ -58,6 +58,11 @@ def assert_valid_tool_use(blocks, names=SCHEMAS) -> None:
         SCHEMAS[use.name].model_validate(use.input)
 
 
+def prompt_of(usage) -> int:
+    """The whole prompt of an Anthropic usage: computed, written to and read from the cache."""
+    return usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens
+
+
 def test_create_returns_a_message_with_usage(app):
     message = client(app).messages.create(model="demo", max_tokens=5, messages=QUESTION, system="Be brief.")
     assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
@@ -75,7 +80,7 @@ def test_stream_assembles_text(app):
     assert text and final.content[0].text == text
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 8 and final.usage.input_tokens > 0
     whole = client(app).messages.create(model="demo", max_tokens=8, messages=QUESTION)
-    assert whole.content[0].text == text and whole.usage.input_tokens == final.usage.input_tokens
+    assert whole.content[0].text == text and prompt_of(whole.usage) == prompt_of(final.usage)
 
 
 def test_the_raw_stream_has_anthropics_event_order(app):
@@ -84,7 +89,7 @@ def test_the_raw_stream_has_anthropics_event_order(app):
     types = [event.type for event in events]
     assert types[:2] == ["message_start", "content_block_start"]
     counted = client(app).messages.count_tokens(model="demo", messages=QUESTION).input_tokens
-    assert events[0].message.usage.input_tokens == counted == events[-2].usage.input_tokens
+    assert prompt_of(events[0].message.usage) == counted == prompt_of(events[-2].usage)
     assert types[-4:] == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]
 
 
@@ -124,16 +129,16 @@ def test_a_tool_result_turn_reaches_the_template(app):
             {"role": "tool", "tool_call_id": use.id, "content": "sunny, 21 C"}],
         tools=[{"type": "function", "function": {"name": t["name"], "description": t["description"],
                                                  "parameters": t["input_schema"]}} for t in TOOLS])
-    assert chat.usage.prompt_tokens == second.usage.input_tokens
+    assert chat.usage.prompt_tokens == prompt_of(second.usage)
     counted = anthropic_client.messages.count_tokens(model="demo", messages=turns, tools=TOOLS)
-    assert counted.input_tokens == second.usage.input_tokens
+    assert counted.input_tokens == prompt_of(second.usage)
 
 
 def test_count_tokens_counts_with_the_models_template(app):
     anthropic_client = client(app)
     counted = anthropic_client.messages.count_tokens(model="demo", messages=QUESTION, system="Be brief.")
     message = anthropic_client.messages.create(model="demo", max_tokens=1, messages=QUESTION, system="Be brief.")
-    assert counted.input_tokens == message.usage.input_tokens > 0
+    assert counted.input_tokens == prompt_of(message.usage) > 0
     with_tools = anthropic_client.messages.count_tokens(model="demo", messages=QUESTION, tools=TOOLS)
     assert with_tools.input_tokens > counted.input_tokens
     metrics = samples(app.metrics())
@@ -190,7 +195,7 @@ def test_max_tokens_is_a_cap_the_context_bounds(app):
     anthropic_client = client(app)
     message = anthropic_client.messages.create(model="small", max_tokens=32000, messages=QUESTION)
     assert message.stop_reason == "model_context_window_exceeded"
-    assert message.usage.input_tokens + message.usage.output_tokens == 40
+    assert prompt_of(message.usage) + message.usage.output_tokens == 40
     with anthropic_client.messages.stream(model="small", max_tokens=32000, messages=QUESTION) as stream:
         assert stream.get_final_message().stop_reason == "model_context_window_exceeded"
     # a prompt that does not fit at all is still refused
@@ -212,7 +217,7 @@ def test_a_vision_model_serves_text_messages_and_counts(appliance_factory, demo_
     message = anthropic_client.messages.create(model="vlm", max_tokens=5, messages=QUESTION)
     assert message.content[0].text and message.usage.output_tokens <= 5
     assert anthropic_client.messages.count_tokens(model="vlm", messages=QUESTION).input_tokens == \
-        message.usage.input_tokens
+        prompt_of(message.usage)
     response = app.client().responses.create(model="vlm", input="Hi", max_output_tokens=3)
     assert response.output_text
 

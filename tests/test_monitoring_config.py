@@ -37,9 +37,9 @@ OPENARC_METRICS = {
     "openarc_requests_running": ("gauge", ("model",)),
     "openarc_requests_waiting": ("gauge", ("model",)),
     "openarc_kv_cache_usage_ratio": ("gauge", ("model",)),
-    "openarc_prompt_tokens_total": ("counter", ("model",)),
+    "openarc_prompt_tokens_total": ("counter", ("model", "source")),
     "openarc_generation_tokens_total": ("counter", ("model",)),
-    "openarc_time_to_first_token_seconds": ("histogram", ("model",)),
+    "openarc_time_to_first_token_seconds": ("histogram", ("model", "source")),
     "openarc_inter_token_latency_seconds": ("histogram", ("model",)),
     "openarc_request_duration_seconds": ("histogram", ("model", "endpoint")),
     "openarc_queue_time_seconds": ("histogram", ("model",)),
@@ -353,7 +353,8 @@ def test_dashboard_queries_pass_promtool_as_recording_rules(promtool, dashboard,
 
 # A healthy, busy server: every metric exported once, one model ready, no 5xx.
 SAMPLE_LABELS = {"model": "demo", "endpoint": "/v1/chat/completions", "status": "200", "kind": "device_oom",
-                 "signal": "SIGSEGV", "reason": "crash", "device": "GPU.0", "outcome": "accepted"}
+                 "signal": "SIGSEGV", "reason": "crash", "device": "GPU.0", "outcome": "accepted",
+                 "source": "cache"}
 SCRAPE_LABELS = {"job": "openarc", "instance": "127.0.0.1:8000"}
 SAMPLE_MINUTES = 90
 HISTOGRAM_BUCKETS = ("0.1", "1", "+Inf")

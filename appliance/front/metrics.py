@@ -48,9 +48,11 @@ class ModelMetrics:
     worker_rss: Any
     requests_running: Any
     requests_waiting: Any
-    prompt_tokens: Any
+    prompt_tokens: Any  # source="computed"
+    cached_prompt_tokens: Any  # source="cache"
     generation_tokens: Any
-    ttft: Any
+    ttft: Any  # source="computed": most of the prompt computed
+    ttft_cached: Any  # source="cache": at least half of the prompt served by the prefix cache
     itl: Any
     queue_time: Any
     model_load: Any
@@ -96,9 +98,12 @@ class Metrics:
                                 ["model"], registry=r)
         self.requests_running = Gauge("openarc_requests_running", "Requests generating in the worker", ["model"], registry=r)
         self.requests_waiting = Gauge("openarc_requests_waiting", "Requests queued in the front, or waiting for the model to be ready", ["model"], registry=r)
-        self.prompt_tokens = Counter("openarc_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.prompt_tokens = Counter("openarc_prompt_tokens", "Prompt tokens, by source: computed, or served by the "
+                                     "prefix cache (cache)", ["model", "source"], registry=r)
         self.generation_tokens = Counter("openarc_generation_tokens", "Tokens generated", ["model"], registry=r)
-        self.ttft = Histogram("openarc_time_to_first_token_seconds", "Time from request to its first token", ["model"],
+        self.ttft = Histogram("openarc_time_to_first_token_seconds", "Time from request to its first token, by "
+                              "where most of its prompt came from (cache: the prefix cache served at least half)",
+                              ["model", "source"],
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.itl = Histogram("openarc_inter_token_latency_seconds", "Time between tokens of one request", ["model"],
                              buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5), registry=r)
@@ -148,7 +153,13 @@ class Metrics:
             self.model_info.remove(model, previous)
         self.model_kinds[model] = kind
         self.model_info.labels(model=model, kind=kind).set(1)
-        series = {name: getattr(self, name).labels(model=model) for name in ModelMetrics.__annotations__ if name != "draft"}
+        split = ("draft", "prompt_tokens", "cached_prompt_tokens", "ttft", "ttft_cached")  # more labels: below
+        series = {name: getattr(self, name).labels(model=model) for name in ModelMetrics.__annotations__
+                  if name not in split}
+        series["prompt_tokens"] = self.prompt_tokens.labels(model=model, source="computed")
+        series["cached_prompt_tokens"] = self.prompt_tokens.labels(model=model, source="cache")
+        series["ttft"] = self.ttft.labels(model=model, source="computed")
+        series["ttft_cached"] = self.ttft.labels(model=model, source="cache")
         draft = DraftTokens(*(self.draft_tokens.labels(model=model, outcome=o) for o in ("accepted", "rejected")))
         for reason in LOAD_REASONS:
             self.model_loads.labels(model=model, reason=reason)

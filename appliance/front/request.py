@@ -26,6 +26,7 @@ class Event:
     n: int = 0
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those the worker's prefix cache served (first tokens, done)
     completion_tokens: int = 0
     logprobs: list | None = None  # [[token text, logprob], ...] when the request asked for them
     reasoning_tokens: int | None = None  # done, on a model with a reasoning format

@@ -116,7 +116,8 @@ class RequestRouter:
                 if isinstance(following, Event) and following.op == "tokens":
                     logprobs = (item.logprobs or []) + (following.logprobs or []) if item.logprobs is not None else None
                     item = Event("tokens", text=item.text + following.text, n=item.n + following.n, logprobs=logprobs,
-                                 prompt_tokens=item.prompt_tokens or following.prompt_tokens)
+                                 prompt_tokens=item.prompt_tokens or following.prompt_tokens,
+                                 cached_tokens=item.cached_tokens or following.cached_tokens)
                 else:
                     pending = following
                     break
@@ -173,11 +174,14 @@ class RequestRouter:
         if op == "tokens":
             self._on_tokens(req, message)
         elif op == "done":
-            self.series.prompt_tokens.inc(message["prompt_tokens"])
+            cached = min(message.get("cached_tokens", 0), message["prompt_tokens"])
+            self.series.prompt_tokens.inc(message["prompt_tokens"] - cached)
+            self.series.cached_prompt_tokens.inc(cached)
             if "draft_accepted" in message:
                 self.series.draft.add(message["draft_accepted"], message["draft_rejected"])
             self.finish(req, Event("done", finish_reason=message["finish_reason"],
-                                   prompt_tokens=message["prompt_tokens"], completion_tokens=message["completion_tokens"],
+                                   prompt_tokens=message["prompt_tokens"], cached_tokens=cached,
+                                   completion_tokens=message["completion_tokens"],
                                    reasoning_tokens=message.get("reasoning_tokens"),
                                    stop_sequence=message.get("stop_sequence")))
         elif op == "result":
@@ -190,13 +194,15 @@ class RequestRouter:
         now = time.monotonic()
         if req.first_token is None:
             req.first_token = now
-            self.series.ttft.observe(now - req.submitted)
+            mostly_cached = 2 * message.get("cached_tokens", 0) >= message.get("prompt_tokens", 0) > 0
+            (self.series.ttft_cached if mostly_cached else self.series.ttft).observe(now - req.submitted)
         elif message["n"]:
             self.series.itl.observe((now - req.last_token) / message["n"])
         req.last_token = now
         self.series.generation_tokens.inc(message["n"])
         req.events.put_nowait(Event("tokens", text=message["text"], n=message["n"], logprobs=message.get("logprobs"),
-                                    prompt_tokens=message.get("prompt_tokens", 0)))
+                                    prompt_tokens=message.get("prompt_tokens", 0),
+                                    cached_tokens=message.get("cached_tokens", 0)))
 
     def finish(self, req: Request, outcome: Event | RequestFailed) -> None:
         self.running.pop(req.id, None)

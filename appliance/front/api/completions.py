@@ -173,9 +173,11 @@ class ResponseShaper:
         return out
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None,
+              cached_tokens: int = 0) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                 "total_tokens": prompt_tokens + completion_tokens}
+                                 "total_tokens": prompt_tokens + completion_tokens,
+                                 "prompt_tokens_details": {"cached_tokens": cached_tokens}}
         if reasoning_tokens is not None:
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return usage

@@ -102,10 +102,11 @@ class GenerationRoutes:
 
     @staticmethod
     def _usage(shaper: ResponseShaper, done: list[Event]) -> dict[str, Any]:
-        """One usage for all choices: the prompt once (as OpenAI counts it), the completions summed."""
+        """One usage for all choices: the prompt once (as OpenAI counts it, cached as the choice that found the
+        least in the cache: the others of n found the first's), the completions summed."""
         reasoning = [e.reasoning_tokens for e in done if e.reasoning_tokens is not None]
         return shaper.usage(done[0].prompt_tokens, sum(e.completion_tokens for e in done),
-                            sum(reasoning) if reasoning else None)
+                            sum(reasoning) if reasoning else None, min(e.cached_tokens for e in done))
 
     @staticmethod
     def _open(sup, req: GenerationRequest, place: QueuePlace | None) -> list:

@@ -224,8 +224,13 @@ def _stop_sequences(body: dict) -> list[str]:
     return [text(s, "stop_sequences") for s in stops]
 
 
-def usage(done: Event | None) -> dict[str, int]:
-    return {"input_tokens": done.prompt_tokens if done else 0, "output_tokens": done.completion_tokens if done else 0}
+def usage(event: Event | None, output: bool = True) -> dict[str, int]:
+    """Anthropic's usage: input_tokens is the part of the prompt computed, cache_read_input_tokens the part the
+    prefix cache served (their sum the whole prompt, as Claude Code adds them up); nothing is written to a cache
+    on request, so cache_creation_input_tokens is 0."""
+    prompt, cached = (event.prompt_tokens, event.cached_tokens) if event else (0, 0)
+    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
+            "output_tokens": event.completion_tokens if event and output else 0}
 
 
 @dataclass
@@ -250,7 +255,7 @@ class MessageStream(ItemStream):
         """`first`: the request's first event, which carries the prompt's tokens, or its failure before any (a
         worker that crashed or stalled in prefill: the `error` event follows)."""
         message = self.envelope(None)
-        message["usage"]["input_tokens"] = first.prompt_tokens if isinstance(first, Event) else 0
+        message["usage"] = usage(first if isinstance(first, Event) else None, output=False)
         return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
 
     def finish(self, done: Event, finish_reason: str) -> Events:

@@ -218,7 +218,7 @@ def _reasoning_text(item: dict, where: str) -> str:
 
 
 def usage(done: Event) -> dict[str, Any]:
-    return {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": done.cached_tokens},
             "output_tokens": done.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": done.reasoning_tokens or 0},
             "total_tokens": done.prompt_tokens + done.completion_tokens}

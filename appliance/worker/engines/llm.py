@@ -21,6 +21,7 @@ from appliance.worker.detokenize import make_detokenizer
 from appliance.worker.engines import speculative
 from appliance.worker.engines.base import PROGRESS_INTERVAL_S, Engine, InjectedFault
 from appliance.worker.engines.constraints import GrammarProbe, InvalidGrammar, after_reasoning, genai_message
+from appliance.worker import agent_noise, prefix_cache
 from appliance.ipc import frame
 
 log = logging.getLogger("openarc.worker")
@@ -74,6 +75,7 @@ class Request:
     handle: Any = None     # its GenerationHandle, where the engine reads it after the request has left the batch
     proposal: int = 0      # speculative decoding: tokens proposed a step (speculative.apply)
     tally: Any = None      # speculative.DraftTally of a request on a speculative pipeline
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (appliance.worker.prefix_cache)
 
 
 def cut_at_stop(req: Request, text: str) -> str:
@@ -149,6 +151,7 @@ class LLMEngine(Engine):
         self.cancelled_while_probing: set[int] = set()
         self.probe_fault = os.environ.get(PROBE_FAULT_ENV) or None
         self.probe_hold_s = float(os.environ.get(PROBE_HOLD_ENV) or 0)
+        self.noise_logged = False  # the first agent-noise drop is logged, the rest are not
 
     def threads(self) -> list[tuple[str, Any]]:
         return [("grammar-probe", self._probe_loop)]
@@ -319,10 +322,21 @@ class LLMEngine(Engine):
     def _render(self, message: dict[str, Any]) -> str:
         """The chat prompt: messages (tool calls and results included), the tools, chat_template_kwargs."""
         import openvino_genai
-        history = openvino_genai.ChatHistory(message["messages"])
+        history = openvino_genai.ChatHistory(self._canonical(message["messages"]))
         return self.tokenizer.apply_chat_template(history, add_generation_prompt=True,
                                                   tools=message.get("tools") or None,
                                                   extra_context=message.get("template_kwargs") or None)
+
+    def _canonical(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages without known agent noise (models[].canonicalize_agent_noise), so prefixes stay stable."""
+        if not self.spec.get("canonicalize_agent_noise", True):
+            return messages
+        messages, dropped = agent_noise.canonical_messages(messages)
+        if dropped and not self.noise_logged:
+            self.noise_logged = True
+            log.info("model %s: dropped %s before templating (it changes every request and would defeat the prefix "
+                     "cache; logged once; canonicalize_agent_noise: false keeps it)", self.spec["name"], dropped[0])
+        return messages
 
     def generation_config(self, req: Request):
         import openvino_genai
@@ -355,6 +369,7 @@ class LLMEngine(Engine):
         tokens = frame("tokens", id=req.id, text=req.prefix + text, n=len(req.generated) - req.reported)
         if not req.reported:  # the first: the prompt's size is known from here on (Anthropic's message_start has it)
             tokens["prompt_tokens"] = req.prompt_tokens
+            tokens["cached_tokens"] = req.cached_tokens
         if req.logprobs is not None:
             new = range(req.reported, min(len(req.generated), len(req.logprobs)))
             tokens["logprobs"] = [[self.tokenizer.decode([req.generated[i]]), req.logprobs[i]] for i in new]
@@ -397,7 +412,7 @@ class LLMEngine(Engine):
         if req.stop_sequence is not None:
             extra["stop_sequence"] = req.stop_sequence
         self.post(frame("done", id=req.id, finish_reason=finish_reason, prompt_tokens=req.prompt_tokens,
-                        completion_tokens=len(req.generated), **extra))
+                        cached_tokens=req.cached_tokens, completion_tokens=len(req.generated), **extra))
 
     def reasoning_tokens(self, req: Request) -> int:
         """Generated tokens up to the one that closes the think block (all of them if it never closes; none if
@@ -426,6 +441,7 @@ class BatchingEngine(LLMEngine):
         for key, value in spec["scheduler_config"].items():
             setattr(scheduler, key, value)
         self.pipe = speculative.load_pipeline(spec, scheduler)
+        self.cache_model = prefix_cache.for_spec(spec)  # None with prefix caching off
         self.speculative = bool(spec.get("speculative"))
         super().__init__(spec, channel, self.pipe.get_tokenizer())
         self.active: dict[int, tuple[Request, Any]] = {}
@@ -475,6 +491,10 @@ class BatchingEngine(LLMEngine):
             self.on_generate_prepared(req)
 
     def on_generate_prepared(self, req: Request) -> None:
+        if self.cache_model is not None and self.models_prefix(req):
+            prompt = req.input_ids.data[0].tolist()
+            req.cached_tokens = self.cache_model.lookup(prompt)
+            self.cache_model.store(prompt)  # a running request's blocks are shared with the requests that follow
         if self.speculative:
             req.tally = speculative.DraftTally(req.proposal, req.max_tokens)
         try:
@@ -490,6 +510,17 @@ class BatchingEngine(LLMEngine):
 
     def add_request(self, req: Request):
         return self.pipe.add_request(req.id, req.input_ids, req.config)
+
+    @staticmethod
+    def models_prefix(req: Request) -> bool:
+        """Whether the cache model can follow this request's prompt (its token ids are what genai hashes)."""
+        return True
+
+    def finish(self, req: Request, finish_reason: str) -> None:
+        if self.cache_model is not None and self.models_prefix(req) and req.generated:
+            # the prompt and the answer, but the last token, whose KV was never computed, stay for the next turn
+            self.cache_model.store(req.input_ids.data[0].tolist() + req.generated[:-1])
+        super().finish(req, finish_reason)
 
     def _collect(self) -> None:
         # Statuses as plain ints: a pybind enum comparison costs a microsecond or two, and this loop made several per

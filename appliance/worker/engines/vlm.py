@@ -78,6 +78,11 @@ class BatchingVLMEngine(VisionRequests, BatchingEngine):
         req.handle = handle
         return handle
 
+    @staticmethod
+    def models_prefix(req: Request) -> bool:
+        # genai counts a request's image tokens apart from its text's ids: the cache model follows text-only prompts
+        return not req.images
+
     def finish(self, req: Request, finish_reason: str) -> None:
         try:  # available once genai has finished the request (not for one cut here by a stop sequence)
             req.prompt_tokens = req.handle.get_vlm_perf_metrics().get_num_input_tokens()

@@ -43,6 +43,8 @@ def lark_to_ebnf(definition: str) -> str:
         raise GrammarNotConvertible(f"the Lark grammar does not load: {_first_line(exc)}") from None
     except RecursionError:
         raise GrammarNotConvertible("the Lark grammar nests too deeply") from None
+    if not any(rule.origin.name == START for rule in rules):
+        raise GrammarNotConvertible(f"the Lark grammar has no '{START}' rule (where a tool's input begins)")
     if ignore:
         raise GrammarNotConvertible(f"%ignore ({', '.join(ignore)}) has no EBNF form: the grammar must spell out "
                                     "where whitespace goes")

@@ -72,7 +72,7 @@ def parse_responses(body: Any, store: ResponseStore) -> ResponsesRequest:
     history = history + _input(body.get("input"))
     instructions = body.get("instructions")
     system = [{"role": "system", "content": text(instructions, "instructions", empty=True)}] if instructions else []
-    messages = system + history
+    messages = _one_system_turn(system + history)
     name_tool_results(messages)
     chat = _chat_shaped(body)
     tools = _renamed(parse_tools, chat)
@@ -107,6 +107,18 @@ def _include(include: Any) -> list[str]:
     if not isinstance(include, list) or any(value not in INCLUDABLE for value in include):
         raise InvalidRequest(f"'include' must be a list of: {', '.join(INCLUDABLE)}", "include")
     return include
+
+
+def _one_system_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The instructions and the system/developer items that open the input as one system turn: Codex sends its
+    instructions and then a developer message, and many templates take one system turn, at the start only."""
+    leading = 0
+    while leading < len(messages) and messages[leading]["role"] == "system":
+        leading += 1
+    if leading < 2:
+        return messages
+    joined = "\n\n".join(m["content"] for m in messages[:leading] if m["content"])
+    return [{"role": "system", "content": joined}] + messages[leading:]
 
 
 def _renamed(check, chat: dict):

@@ -47,6 +47,8 @@ def test_codex_apply_patch_converts_rule_by_rule():
     ('"\\\\', '("\\"" "\\\\")'),
     ("x{3}", '("x" "x" "x")'),
     ("x{2,}", '("x" "x" "x"*)'),
+    ("(?:[0-9]+)?", "([0-9]+)?"),
+    ("a.*?b", '("a" [^\\n]* "b")'),  # lazy or greedy: the same language
 ])
 def test_regex_terminals_become_ebnf(regex, ebnf):
     assert regex_ebnf(regex) == ebnf

@@ -124,6 +124,8 @@ def _item(op, arg, dotall: bool, where: str) -> str:
 
 
 def _repeat(body: str, low: int, high: int, where: str) -> str:
+    if body.endswith(("*", "+", "?")):  # (x+)? stays grouped: EBNF operators do not stack
+        body = f"({body})"
     if high is sre.MAXREPEAT or high == sre.MAXREPEAT:
         if low == 0:
             return body + "*"

@@ -11,6 +11,7 @@ never a silently unconstrained call.
 
 from __future__ import annotations
 
+import functools
 import re
 import re._constants as sre  # the parsed-regex opcodes
 import re._parser as sre_parse
@@ -31,8 +32,10 @@ class GrammarNotConvertible(ValueError):
     """A grammar with a construct genai's EBNF cannot express; the message names it."""
 
 
+@functools.lru_cache(maxsize=64)
 def lark_to_ebnf(definition: str) -> str:
-    """The EBNF of a Lark grammar whose start rule is `start`."""
+    """The EBNF of a Lark grammar whose start rule is `start`. Remembered: Codex sends the same grammar every turn,
+    and lark takes about 70 ms to read it (on the front's event loop)."""
     from lark.exceptions import LarkError
     from lark.load_grammar import load_grammar
 

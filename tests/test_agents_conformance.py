@@ -76,6 +76,15 @@ def test_the_grammar_fixture_is_codex_s_and_lark_reads_it():
 
 # --- Codex CLI: /v1/responses ------------------------------------------------------------------------------------
 
+def test_codex_request_as_recorded_is_answered_streamed(app):
+    body = codex_request()
+    body["max_output_tokens"] = 16
+    events = list(app.client().responses.create(**body))  # tool_choice auto: the demo model writes prose
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.model == "gpt-5-codex" and events[-1].response.store is False
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
 def test_codex_request_naming_apply_patch_gets_a_custom_tool_call_in_its_grammar(app):
     body = codex_request()
     body.update(stream=False, tool_choice={"type": "custom", "name": "apply_patch"}, max_output_tokens=120)

@@ -132,6 +132,14 @@ def test_a_function_call_cut_by_max_tokens_is_a_call_with_its_arguments_so_far(s
     assert "".join(d["content"] for d in deltas) == text and not answer.calls
 
 
+def test_a_qwen3_coder_call_cut_short_keeps_the_parameters_that_ended():
+    parser = Qwen3CoderParser({"get_weather": {"properties": {"city": {"type": "string"}, "days": {}}}})
+    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3"
+    answer, deltas = split(parser, [text], cut=True, custom=())
+    assert not any("content" in d for d in deltas) and answer.cut_short
+    assert answer.calls[0].name == "get_weather" and answer.calls[0].arguments == '{"city": "Paris"}'
+
+
 def test_a_cut_call_whose_name_never_came_leaks_no_markup():
     for parser, text in ((HermesParser(), '<tool_call>\n{"na'), (Qwen3CoderParser(), "<tool_call>\n<function=ge")):
         answer, deltas = split(parser, [text], cut=True, custom=())

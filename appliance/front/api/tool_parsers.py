@@ -121,6 +121,14 @@ class ToolCallParser:
         """The calls of a section that starts at a marker, and the content written after them."""
         raise NotImplementedError
 
+    def cut_call(self, section: str) -> ToolCall | None:
+        """The call a section cut short by max_tokens begins: its name, and its arguments as far as they were
+        written; None if its name never came."""
+        head = self.call_head.match(section) if self.call_head else None
+        if head is None:
+            return None
+        return ToolCall(_call_id(self.family), json.loads(f'"{head[1]}"'), section[head.end():])
+
 
 class HermesParser(ToolCallParser):
     family = "hermes"
@@ -166,6 +174,19 @@ class Qwen3CoderParser(ToolCallParser):
             raise MalformedCall("no <function=...> block")
         rest.append(section[at:])
         return calls, "".join(rest).strip()
+
+    CUT_HEAD = re.compile(r"\s*<tool_call>\s*<function=([^>\n]+)>")
+
+    def cut_call(self, section):
+        """Its arguments are XML, not JSON: the parameters whose end tag came, as a JSON object."""
+        head = self.CUT_HEAD.match(section)
+        if head is None:
+            return None
+        name = head.group(1).strip()
+        properties = (self.schemas.get(name) or {}).get("properties") or {}
+        arguments = {p.strip(): self._value(v.strip(), properties.get(p.strip()))
+                     for p, v in self.PARAMETER.findall(section[head.end():])}
+        return ToolCall(_call_id(self.family), name, json.dumps(arguments, ensure_ascii=False))
 
     @staticmethod
     def _value(text: str, schema: Any) -> Any:
@@ -279,7 +300,7 @@ class ToolCallSplitter:
         self.writing: tuple[ToolCall, JsonObjectEnd] | None = None  # the streamed call whose arguments go on
         self.closing: ToolCall | None = None  # a streamed call whose arguments ended, waiting for its tail
         self.custom: ToolCall | None = None   # the custom call whose input goes on
-        self.cut_call = False  # finish(cut=True) found a call cut short
+        self.ended_in_call = False  # finish(cut=True) found a call cut short
 
     def _section_start(self) -> int:
         at_start_done = self.parser.at_start and self.seen.strip()
@@ -392,7 +413,7 @@ class ToolCallSplitter:
     @property
     def cut_short(self) -> bool:
         """After finish(): the answer ended inside a call (max_tokens), so that call is not whole."""
-        return self.writing is not None or self.custom is not None or self.cut_call
+        return self.writing is not None or self.custom is not None or self.ended_in_call
 
     def _add(self, calls: list[ToolCall]) -> list[tuple[str, Any]]:
         if self.single:
@@ -425,10 +446,9 @@ class ToolCallSplitter:
     def _cut_call(self, held: str) -> list[tuple[str, Any]]:
         """A section cut short by max_tokens: its call with the arguments written so far where its name is in,
         else nothing (the family's markup is never content)."""
-        head = self.parser.call_head.match(held) if self.parser.call_head else None
-        if head is None:
+        call = self.parser.cut_call(held)
+        if call is None:
             return []
-        self.cut_call = True
-        call = ToolCall(_call_id(self.parser.family), json.loads(f'"{head[1]}"'), held[head.end():])
+        self.ended_in_call = True
         self.calls.append(call)
         return [("call_start", call), ("arguments", (call, call.arguments))]

@@ -1,6 +1,7 @@
 """Coding agents unmodified: the request shapes Codex CLI and Claude Code send (tests/fixtures/agents/, each with its
 source), replayed through the official openai and anthropic SDKs against the demo model, whole and streamed, with a
-tool round trip each (a call, its output, the next turn).
+tool round trip each (a call, its output, the next turn); and LiteLLM, the gateway users put in front, on its
+openai/, anthropic/ and Responses paths.
 
 The demo model's weights are random: where it could only write a shape under constraint (a custom tool's grammar,
 a named tool), the request names the tool, and the test checks the wire format the client parses: the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 
 import anthropic
@@ -58,8 +60,9 @@ def valid_prefix(grammar: str, text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def app(demo_model, tmp_path_factory):
-    appliance = Appliance({"server": {"model_aliases": ALIASES}, "models": [model_entry("demo", demo_model)]},
+def app(demo_model, embedding_model, tmp_path_factory):
+    models = [model_entry("demo", demo_model), model_entry("demo-embedding", embedding_model, kind="embedding")]
+    appliance = Appliance({"server": {"model_aliases": ALIASES}, "models": models},
                           tmp_path_factory.mktemp("agents")).start()
     yield appliance
     appliance.stop()
@@ -308,8 +311,47 @@ def test_an_unmatched_model_name_is_a_404_and_the_models_list_shows_configured_m
         claude(app).messages.create(model="llama-unknown", max_tokens=4, messages=[{"role": "user", "content": "x"}])
     status, _, reply = http("POST", app.base + "/v1/responses", {"model": "o3-mini", "input": "Hi"})
     assert status == 404 and reply["error"]["code"] == "model_not_found"
-    assert [m.id for m in app.client().models.list()] == ["demo"]
+    assert [m.id for m in app.client().models.list()] == ["demo", "demo-embedding"]
     # metrics never carry a client's name: the aliased request counts under the model it reached
     claude(app).messages.create(model="claude-opus-4-1", max_tokens=2, messages=[{"role": "user", "content": "x"}])
     assert "claude-opus" not in app.metrics()
     assert re.search(r'openarc_requests_total\{endpoint="messages",model="demo",status="200"\}', app.metrics())
+
+
+# --- through a gateway: LiteLLM's openai/, anthropic/ and Responses paths -----------------------------------------
+
+@pytest.fixture(scope="module")
+def litellm():
+    """LiteLLM, imported here (it takes seconds), with its model price map read from the package, not the network."""
+    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    import litellm as module
+    return module
+
+
+def test_litellm_openai_path_chat_streaming_tools_and_embeddings(app, litellm):
+    base = dict(model="openai/demo", api_base=app.base + "/v1", api_key="unused")
+    reply = litellm.completion(messages=[{"role": "user", "content": "Hi"}], max_tokens=8, **base)
+    assert reply.choices[0].message.content and reply.choices[0].finish_reason == "length"
+    chunks = list(litellm.completion(messages=[{"role": "user", "content": "Hi"}], max_tokens=8, stream=True,
+                                     **base))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+    # the case the issue found through LiteLLM: a required call cut by max_tokens came back as markup in content
+    cut = litellm.completion(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=WEATHER,
+                             tool_choice="required", max_tokens=60, **base).choices[0]
+    assert cut.finish_reason == "length" and "<tool_call>" not in (cut.message.content or "")
+    assert cut.message.tool_calls[0].function.name == "get_weather"
+    vectors = litellm.embedding(model="openai/demo-embedding", api_base=app.base + "/v1", api_key="unused",
+                                input=["the cat sat", "a cat"])
+    assert len(vectors.data) == 2 and len(vectors.data[0]["embedding"]) == 128
+
+
+def test_litellm_anthropic_path_reaches_an_aliased_model(app, litellm):
+    reply = litellm.completion(model="anthropic/claude-sonnet-4-5", api_base=app.base, api_key="unused",
+                               messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    assert reply.choices[0].message.content and reply.choices[0].finish_reason == "length"
+
+
+def test_litellm_responses_path(app, litellm):
+    response = litellm.responses(model="openai/demo", api_base=app.base + "/v1", api_key="unused", input="Hi",
+                                 max_output_tokens=8)
+    assert response.output[0].content[0].text and response.status == "incomplete"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import json
 import os
 import re
@@ -317,6 +318,14 @@ class ServerConfig:
     # device stay within its memory_budget ({GPU.0: 14GiB, CPU: 32GiB}): a load evicts idle models first.
     max_loaded: int = 0
     memory_budget: dict[str, str | int] = field(default_factory=dict)
+    # Other names clients may ask for: glob pattern -> a configured model ({"claude-*": coder}), tried in order
+    # after the exact names (Claude Code asks for claude-* models whatever the server holds).
+    model_aliases: dict[str, str] = field(default_factory=dict)
+
+    def alias_target(self, name: str) -> str | None:
+        """The configured model a name that is no model's own reaches through model_aliases, or None."""
+        return next((target for pattern, target in self.model_aliases.items() if fnmatch.fnmatchcase(name, pattern)),
+                    None)
 
     @property
     def memory_budget_bytes(self) -> dict[str, int]:
@@ -595,6 +604,16 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
         require(m.memory is None or m.memory_bytes is not None, f"{at}.memory",
                 f"a size such as 4.5GiB, 800MiB or a number of bytes (got {m.memory!r})")
     _check_residency(config, problems)
+    _check_aliases(config, problems)
+
+
+def _check_aliases(config: Config, problems: Problems) -> None:
+    """Each alias reaches a configured model (a typo would otherwise be a 404 found by a client)."""
+    names = [m.name for m in config.models if m is not None]
+    for pattern, target in config.server.model_aliases.items():
+        if target not in names:
+            problems.append(f"server.model_aliases.{_key_name(pattern)}: {target!r} is not a configured model "
+                            f"(have: {', '.join(names)})")
 
 
 def _check_residency(config: Config, problems: Problems) -> None:

@@ -109,6 +109,10 @@ def test_runtime_config_overrides_first_class_options(tmp_path):
      "models[0].max_audio_seconds: expected a positive number of seconds"),
     ({"models": [{"name": "a", "path": "/a", "kind": "transcription", "max_upload_bytes": 100}]},
      "models[0].max_upload_bytes: expected at least 1024"),
+    ({"server": {"model_aliases": {"claude-*": "coder"}}, "models": [{"name": "a", "path": "/a"}]},
+     "server.model_aliases.claude-*: 'coder' is not a configured model (have: a)"),
+    ({"server": {"model_aliases": {"gpt-5*": 5}}, "models": [{"name": "a", "path": "/a"}]},
+     "server.model_aliases.gpt-5*"),
     ("- just\n- a list\n", "top level: expected a mapping"),
     ("server: {port: 80\n", "not valid YAML (line 2, column 1)"),
 ])
@@ -315,3 +319,13 @@ def test_serve_names_every_bad_model_at_start_and_serves_the_good_ones(appliance
     reply = app.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
                                                   max_tokens=3)
     assert reply.usage.completion_tokens == 3
+
+
+def test_model_aliases_are_globs_tried_in_order_after_exact_names(tmp_path):
+    path = tmp_path / "openarc.yaml"
+    path.write_text(yaml.safe_dump({"server": {"model_aliases": {"claude-haiku-*": "small", "claude-*": "big"}},
+                                    "models": [{"name": "big", "path": "/a"}, {"name": "small", "path": "/b"}]},
+                                   sort_keys=False))  # the order as written is the order tried
+    server = load_config(path).server
+    assert server.alias_target("claude-haiku-4-5") == "small" and server.alias_target("claude-opus-4-1") == "big"
+    assert server.alias_target("gpt-5") is None and server.alias_target("Claude-x") is None  # case counts

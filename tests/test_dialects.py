@@ -105,6 +105,60 @@ def test_input_items_become_the_chat_turns_a_template_renders():
     assert req.history == req.gen.messages[1:]  # instructions are not carried to a chained response
 
 
+def test_codex_items_custom_calls_reasoning_and_hosted_tools_become_chat_turns():
+    from appliance.front.api.responses import encrypted_reasoning
+    req = responses_request(instructions="You are Codex.", include=["reasoning.encrypted_content"], store=False,
+                            reasoning={"effort": "medium", "summary": "auto"}, input=[
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: on."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Add a README."}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": encrypted_reasoning("Plan.")},
+        {"type": "custom_tool_call", "id": "ctc_1", "call_id": "c1", "name": "apply_patch",
+         "input": "*** Begin Patch\n*** End Patch\n", "status": "completed"},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done!"},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed"},
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Then."}],
+         "encrypted_content": "gAAAA-not-ours"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Added."}]}],
+        tools=[{"type": "custom", "name": "apply_patch", "format": {"type": "grammar", "syntax": "lark",
+                                                                    "definition": 'start: "x"'}},
+               {"type": "web_search"}, {"type": "local_shell"}])
+    assert req.gen.messages == [
+        {"role": "system", "content": "You are Codex.\n\nSandbox: on."},  # one system turn, as templates take
+        {"role": "user", "content": "Add a README."},
+        {"role": "assistant", "content": "", "reasoning_content": "Plan.", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "apply_patch", "arguments": {"input": "*** Begin Patch\n*** End Patch\n"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Done!", "name": "apply_patch"},
+        {"role": "assistant", "content": "Added.", "reasoning_content": "Then."}]
+    assert req.gen.tools.ignored == ["web_search", "local_shell"]
+    assert req.gen.tools.tools[0]["function"]["parameters"]["required"] == ["input"]
+    assert req.gen.constraint["tools"] == [{"name": "apply_patch", "custom": {
+        "type": "grammar", "grammar": 'root ::= r_start\nr_start ::= t_X\nt_X ::= "x"\n'}}]  # enforced under auto
+    assert req.echo["tools"] == [{"type": "custom", "name": "apply_patch", "description": None, "format": {
+        "type": "grammar", "syntax": "lark", "definition": 'start: "x"'}}]
+    assert req.echo["reasoning"] == {"effort": "medium", "summary": "auto"} and req.encrypted_reasoning
+
+
+def test_a_custom_call_streams_as_a_custom_tool_call_item_with_encrypted_reasoning_before_it():
+    from appliance.front.api.responses import decrypted_reasoning
+    req = responses_request(include=["reasoning.encrypted_content"])
+    stream = ResponseStream(req)
+    head = {"tool_calls": [{"index": 0, "id": "call_1", "type": "custom", "custom": {"name": "apply_patch",
+                                                                                      "input": ""}}]}
+    events = run(stream, [{"reasoning_content": "Edit it."}, head,
+                          {"tool_calls": [{"index": 0, "custom": {"input": "*** Begin"}}]},
+                          {"tool_calls": [{"index": 0, "custom": {"input": " Patch\n"}}]}])
+    names = [name for name, _ in events]
+    assert names.count("response.custom_tool_call_input.delta") == 2
+    done = next(data for name, data in events if name == "response.custom_tool_call_input.done")
+    reasoning, call = stream.response["output"]
+    assert call == {"id": call["id"], "type": "custom_tool_call", "call_id": "call_1", "name": "apply_patch",
+                    "input": "*** Begin Patch\n", "status": "completed"} and done["input"] == call["input"]
+    assert call["id"].startswith("ctc_") and decrypted_reasoning(reasoning["encrypted_content"]) == "Edit it."
+    assert stream.turn()["tool_calls"][0]["function"] == {"name": "apply_patch",
+                                                          "arguments": {"input": "*** Begin Patch\n"}}
+
+
 def test_tools_are_strict_by_default_and_tool_choice_and_text_format_translate():
     tool = {"type": "function", "name": "get_weather", "parameters": SCHEMA}
     req = responses_request(tools=[tool], tool_choice={"type": "function", "name": "get_weather"},
@@ -159,6 +213,13 @@ def test_the_answer_as_a_turn_for_the_store():
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
       "text": {"format": {"type": "json_object"}}}, "text.format"),
     ({"reasoning": "high"}, "reasoning"), ({"instructions": 5}, "instructions"),
+    ({"tools": [{"type": "custom", "name": "e", "format": {"type": "grammar", "syntax": "lark", "definition": ""}}]},
+     "tools[0].format.definition"),
+    ({"tools": [{"type": "custom", "name": "bad name"}]}, "tools[0].name"),
+    ({"tools": [{"type": "custom", "name": "e"}], "tool_choice": {"type": "function", "name": "e"}}, "tool_choice"),
+    ({"tools": [{"type": "mcp"}], "tool_choice": {"type": "custom", "name": "e"}}, "tool_choice"),
+    ({"include": ["everything"]}, "include"),
+    ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "e", "input": 5}]}, "input[0].input"),
 ])
 def test_refusals_name_the_responses_field(body, param):
     with pytest.raises(InvalidRequest) as info:

@@ -48,6 +48,7 @@ OPENARC_METRICS = {
     "openarc_model_info": ("gauge", ("model", "kind")),
     "openarc_tool_calls_total": ("counter", ("model",)),
     "openarc_structured_requests_total": ("counter", ("model", "kind")),
+    "openarc_ignored_tools_total": ("counter", ("type",)),
     "openarc_embedding_inputs_total": ("counter", ("model",)),
     "openarc_audio_seconds_total": ("counter", ("model",)),
     "openarc_model_loaded": ("gauge", ("model",)),
@@ -354,7 +355,7 @@ def test_dashboard_queries_pass_promtool_as_recording_rules(promtool, dashboard,
 # A healthy, busy server: every metric exported once, one model ready, no 5xx.
 SAMPLE_LABELS = {"model": "demo", "endpoint": "/v1/chat/completions", "status": "200", "kind": "device_oom",
                  "signal": "SIGSEGV", "reason": "crash", "device": "GPU.0", "outcome": "accepted",
-                 "source": "cache"}
+                 "source": "cache", "type": "web_search"}
 SCRAPE_LABELS = {"job": "openarc", "instance": "127.0.0.1:8000"}
 SAMPLE_MINUTES = 90
 HISTOGRAM_BUCKETS = ("0.1", "1", "+Inf")

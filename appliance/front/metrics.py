@@ -72,6 +72,8 @@ class Metrics:
         self.request_errors = Counter("openarc_request_errors", "Requests that ended in an error, by kind",
                                       ["model", "kind", "endpoint"], registry=r)
         self.tool_calls = Counter("openarc_tool_calls", "Tool calls returned to clients", ["model"], registry=r)
+        self.ignored_tools = Counter("openarc_ignored_tools", "Hosted tools (web_search, file_search, ...) a request "
+                                     "listed and the server left out, by tool type", ["type"], registry=r)
         self.structured_requests = Counter("openarc_structured_requests",
                                            "Requests whose output was constrained, by constraint kind",
                                            ["model", "kind"], registry=r)

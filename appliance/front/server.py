@@ -172,12 +172,18 @@ class Appliance:
     def model_label(self, body: Any) -> str:
         """The metrics label of a request: a configured model's name, else "" (client input never mints labels)."""
         model = body.get("model") if isinstance(body, dict) else None
-        return model if isinstance(model, str) and model in self.supervisor.models else ""
+        return self.model_named(model) or "" if isinstance(model, str) else ""
+
+    def model_named(self, name: str) -> str | None:
+        """The configured model a request's name reaches: its own, else through server.model_aliases."""
+        return name if name in self.supervisor.models else self.config.server.alias_target(name)
 
     async def model_for(self, name: str, endpoint: str, kinds: tuple[str, ...]):
-        """The supervisor of the model a request names, if it exists, is of a kind the route serves, and the
-        server is not draining, once the model is ready (Supervisor.ready_model waits out a load, a restart or a
-        replacement, up to the model's ready_wait_s); else the RequestFailed the client gets."""
+        """The supervisor of the model a request names (or reaches through an alias), if it exists, is of a kind
+        the route serves, and the server is not draining, once the model is ready (Supervisor.ready_model waits
+        out a load, a restart or a replacement, up to the model's ready_wait_s); else the RequestFailed the client
+        gets. The answer keeps the name the client asked for."""
+        name = self.model_named(name) or name
         sup = self.supervisor.get(name)
         if sup is None:
             raise self.not_found(name)

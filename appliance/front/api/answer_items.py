@@ -14,15 +14,15 @@ from typing import Any
 
 from appliance.front.api.reasoning import CONTENT, REASONING
 
-REASONING_ITEM, TEXT_ITEM, CALL_ITEM = "reasoning", "text", "call"
+REASONING_ITEM, TEXT_ITEM, CALL_ITEM, CUSTOM_CALL_ITEM = "reasoning", "text", "call", "custom_call"
 Events = list[tuple[str, dict[str, Any]]]  # (SSE event name, its data)
 
 
 @dataclass
 class Item:
-    kind: str                 # reasoning | text | call
+    kind: str                 # reasoning | text | call | custom_call
     index: int                # its place among the answer's items
-    text: str = ""            # reasoning or text; a call's arguments (JSON text) as written so far
+    text: str = ""            # reasoning or text; a call's arguments (JSON text) or custom input as written so far
     call_id: str = ""
     name: str = ""
     done: bool = False
@@ -56,16 +56,19 @@ class ItemStream:
             return self._text(TEXT_ITEM, delta[CONTENT])
         events: Events = []
         for call in delta.get("tool_calls", ()):
-            function = call.get("function", {})
+            custom = "custom" in call
+            function = call["custom"] if custom else call.get("function", {})
             if "id" in call:  # a call's head: a new item
                 events += self._close()
-                item = self._open(CALL_ITEM, call_id=call["id"], name=function.get("name", ""))
+                item = self._open(CUSTOM_CALL_ITEM if custom else CALL_ITEM, call_id=call["id"],
+                                  name=function.get("name", ""))
                 self.calls[call["index"]] = item
                 events += self.opened(item)
-            if function.get("arguments"):
+            written = function.get("input" if custom else "arguments")
+            if written:
                 item = self.calls[call["index"]]
-                item.text += function["arguments"]
-                events += self.extended(item, function["arguments"])
+                item.text += written
+                events += self.extended(item, written)
         return events
 
     def _text(self, kind: str, text: str) -> Events:

@@ -97,19 +97,19 @@ class DialectRoute:
                     raise event
                 await send(stream, items.fail(event, call.stream_failed(event)))
                 return await stream.close()
-            out = self._translate(req, answer, items, event)
+            out = self._translate(req, answer, items, event, call.model)
             if stream is not None:
                 await send(stream, out)
             if event.op == "done":
                 return await stream.close() if stream is not None else web.json_response(self.dialect.whole(items))
             event = await sse.next_event(events)
 
-    def _translate(self, req, answer, items, event: Event) -> Events:
+    def _translate(self, req, answer, items, event: Event, model: str) -> Events:
         """One event of the chat path (new text, or the end) as the dialect's events."""
         if event.op == "tokens":
             return [e for delta in answer.feed(event.text) for e in items.feed(delta)]
-        out = [e for delta in answer.finish() for e in items.feed(delta)]
-        out += items.finish(event, finish_reason(self.appliance.metrics, req.gen, answer, event))
+        out = [e for delta in answer.finish(cut=event.finish_reason == "length") for e in items.feed(delta)]
+        out += items.finish(event, finish_reason(self.appliance.metrics, model, answer, event))
         self.dialect.finished(req, items)
         return out
 

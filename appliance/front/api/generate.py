@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 from aiohttp import web
@@ -23,6 +24,9 @@ from appliance.front.api.route import Call, route
 from appliance.front.api.tool_parsers import parser_for
 from appliance.front.request import Event, RequestFailed
 from appliance.config import GENERATIVE_KINDS
+
+log = logging.getLogger("openarc.front")
+IGNORED_LOGGED: set[str] = set()  # hosted tool types already logged by this process
 
 
 def add_routes(app: web.Application, appliance) -> None:
@@ -136,8 +140,8 @@ class GenerationRoutes:
         shaper = ResponseShaper(req)
         choices = []
         for index, ((text, logprobs, done), answer) in enumerate(zip(results, answers)):
-            reply = answer.message(text) if answer else text
-            choices.append(shaper.choice(index, reply, finish_reason(self.appliance.metrics, req, answer, done), logprobs))
+            reply = answer.message(text, cut=done.finish_reason == "length") if answer else text
+            choices.append(shaper.choice(index, reply, finish_reason(self.appliance.metrics, sup.name, answer, done), logprobs))
         return web.json_response(shaper.whole(choices, self._usage(shaper, [done for _, _, done in results])))
 
     @staticmethod
@@ -174,9 +178,9 @@ class GenerationRoutes:
                 if event.op == "tokens":
                     await self._send_text(stream, shaper, answer, event.text, event.logprobs, index)
                 else:
-                    for delta in answer.finish() if answer else ():
+                    for delta in answer.finish(cut=event.finish_reason == "length") if answer else ():
                         await stream.send(shaper.chunk(delta, index=index))
-                    await stream.send(shaper.chunk(finish_reason=finish_reason(self.appliance.metrics, req, answer, event), index=index))
+                    await stream.send(shaper.chunk(finish_reason=finish_reason(self.appliance.metrics, sup.name, answer, event), index=index))
                     done.append(event)
                     if len(done) == req.n:
                         if req.include_usage:
@@ -231,21 +235,28 @@ def answer_parser(sup, req: GenerationRequest) -> AnswerParser | None:
     # A call the grammar shapes cannot turn out malformed: streamed, its arguments go out as they are written.
     stream_arguments = req.stream and parser is not None and (req.constraint or {}).get("type") == "tool_calls"
     return AnswerParser(bool(formats.get("reasoning_parser")), parser, stream_arguments,
-                        single_call=not req.tools.parallel)
+                        single_call=not req.tools.parallel, custom_tools=frozenset(req.tools.custom))
 
 
 def note_constraint(call: Call, metrics, req: GenerationRequest) -> None:
-    """A constrained request is counted, and a constraint genai cannot compile names the field it came from."""
+    """A constrained request is counted, and a constraint genai cannot compile names the field it came from.
+    Hosted tools left out are counted, and logged once per type."""
+    for kind in req.tools.ignored:
+        metrics.ignored_tools.labels(type=kind).inc()
+        if kind not in IGNORED_LOGGED:
+            IGNORED_LOGGED.add(kind)
+            log.info("left out tools of type %s: the server cannot run hosted tools (counted in "
+                     "openarc_ignored_tools_total, logged once per type)", kind)
     if req.constraint:
         call.params["invalid_grammar"] = req.constraint["param"]
-        metrics.structured_requests.labels(model=req.model, kind=req.constraint["kind"]).inc()
+        metrics.structured_requests.labels(model=call.model, kind=req.constraint["kind"]).inc()
 
 
-def finish_reason(metrics, req: GenerationRequest, answer: AnswerParser | None, event: Event) -> str:
-    """The finish reason of one answer; its whole tool calls are counted."""
+def finish_reason(metrics, model: str, answer: AnswerParser | None, event: Event) -> str:
+    """The finish reason of one answer; its whole tool calls are counted under the configured `model`."""
     if not (answer and answer.calls):
         return event.finish_reason
     whole = len(answer.calls) - 1 if answer.cut_short else len(answer.calls)  # a call cut off is none to run
     if whole:
-        metrics.tool_calls.labels(model=req.model).inc(whole)
+        metrics.tool_calls.labels(model=model).inc(whole)
     return event.finish_reason if answer.cut_short else "tool_calls"

@@ -2,8 +2,13 @@
 that carry tool calls (assistant `tool_calls`, `tool` messages) in the shape Hugging Face chat templates expect.
 
 Which calls are enforced by constrained decoding (the worker builds genai structural tags in the model's tool-call
-format): `tool_choice: required`, a named function, and `auto` when any tool has `strict: true`. Plain `auto` lets
-the model choose; what it writes is parsed afterwards (appliance.front.api.tool_parsers).
+format): `tool_choice: required`, a named tool, and `auto` when any tool has `strict: true` or a grammar. Plain
+`auto` lets the model choose; what it writes is parsed afterwards (appliance.front.api.tool_parsers).
+
+Custom tools (`{"type": "custom", "custom": {"name", "description", "format"}}`) take one text input, free or in a
+Lark grammar or regex; the template sees each as a function with one string parameter `input`, and the grammar
+constrains the input itself (written raw between custom-call tags, appliance.worker.engines.constraints). Hosted
+tool types the server cannot run (web_search, file_search, ...) are left out and reported in `ignored`.
 """
 
 from __future__ import annotations
@@ -15,9 +20,16 @@ from typing import Any
 
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import flag, json_object, text
+from appliance.front.api.lark_grammar import GrammarNotConvertible, lark_to_ebnf
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 TOOL_CHOICES = ("none", "auto", "required")
+# OpenAI's hosted tools: the platform runs them, this server cannot; they are left out of the prompt, never refused.
+HOSTED_TOOL_TYPES = ("web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
+                     "code_interpreter", "image_generation", "computer_use_preview", "computer_use", "local_shell",
+                     "mcp")
+GRAMMAR_SYNTAXES = ("lark", "regex")
+CUSTOM_INPUT = "input"  # the one parameter a custom tool has in the template's eyes
 
 
 @dataclass
@@ -28,6 +40,10 @@ class ToolRequest:
     choice: str = "auto"            # none | auto | required | named
     named: str | None = None        # the function of a named tool_choice
     parallel: bool = True
+    # custom tools by name: what their input may be, as the worker's constraint takes it ({"type": "text"},
+    # {"type": "grammar", "grammar": EBNF}, {"type": "regex", "regex": ...}); they are in `tools` too
+    custom: dict[str, dict[str, str]] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)  # the hosted tool types left out
 
     @property
     def active(self) -> bool:
@@ -40,12 +56,15 @@ class ToolRequest:
     def constraint(self) -> dict[str, Any] | None:
         """The structural-tags constraint for the worker, or None where the model chooses freely."""
         strict = any(t["function"].get("strict") for t in self.tools)
-        if not self.active or (self.choice == "auto" and not strict):
+        shaped = any(spec["type"] != "text" for spec in self.custom.values())  # a grammar binds even under auto
+        if not self.active or (self.choice == "auto" and not strict and not shaped):
             return None
         names = [self.named] if self.named else list(self.schemas())
+        tools = [{"name": n, "custom": self.custom[n]} if n in self.custom
+                 else {"name": n, "parameters": json.dumps(self.schemas()[n])} for n in names]
         return {"type": "tool_calls", "kind": "tool_calls", "param": "tools", "after_reasoning": True,
-                "tools": [{"name": n, "parameters": json.dumps(self.schemas()[n])} for n in names],
-                "required": self.choice != "auto", "single": not self.parallel or self.named is not None}
+                "tools": tools, "required": self.choice != "auto",
+                "single": not self.parallel or self.named is not None}
 
 
 def parse_tools(body: dict) -> ToolRequest:
@@ -55,37 +74,93 @@ def parse_tools(body: dict) -> ToolRequest:
     if not isinstance(tools, list):
         raise InvalidRequest("'tools' must be a list", "tools")
     parallel = True if body.get("parallel_tool_calls") is None else flag(body, "parallel_tool_calls")
-    req = ToolRequest(tools=[_tool(t, f"tools[{i}]") for i, t in enumerate(tools)], parallel=parallel)
+    req = ToolRequest(parallel=parallel)
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in HOSTED_TOOL_TYPES:
+            req.ignored.append(kind)
+        elif kind == "custom":
+            function, spec = _custom_tool(tool, f"tools[{i}]")
+            req.custom[function["function"]["name"]] = spec
+            req.tools.append(function)
+        else:
+            req.tools.append(_tool(tool, f"tools[{i}]"))
     names = [t["function"]["name"] for t in req.tools]
     if len(set(names)) != len(names):
         raise InvalidRequest("'tools' names each function once", "tools")
     choice = body.get("tool_choice")
     if choice is None:
         return req
-    if not req.tools:
+    if not req.tools and not req.ignored:
         raise InvalidRequest("'tool_choice' needs 'tools'", "tool_choice")
     if isinstance(choice, str) and choice in TOOL_CHOICES:
         req.choice = choice
-    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        if name not in names:
-            raise InvalidRequest(f"'tool_choice' names a function that is not in 'tools': {name!r}", "tool_choice")
+    elif isinstance(choice, dict) and choice.get("type") in ("function", "custom") \
+            and isinstance(choice.get(choice["type"]), dict):
+        name = choice[choice["type"]].get("name")
+        if name not in names or (name in req.custom) != (choice["type"] == "custom"):
+            raise InvalidRequest(f"'tool_choice' names a {choice['type']} tool that is not in 'tools': {name!r}",
+                                 "tool_choice")
         req.choice, req.named = "required", name
     else:
         raise InvalidRequest("'tool_choice' must be none, auto, required or "
                              "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if req.choice == "required" and not req.tools:
+        raise InvalidRequest(f"'tool_choice' requires a tool call, but the only tools are hosted tools this server "
+                             f"cannot run ({', '.join(req.ignored)}): add a function or custom tool, or use auto",
+                             "tool_choice")
     return req
+
+
+def _custom_tool(tool: dict, where: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """A custom tool as the template sees it (a function of one string, `input`), and what its input may be."""
+    custom = tool.get("custom")
+    if not isinstance(custom, dict):
+        raise InvalidRequest(f"'{where}' must be {{\"type\": \"custom\", \"custom\": {{\"name\", ...}}}}", where)
+    name = _name(custom.get("name"), f"{where}.custom.name")
+    description = text(custom.get("description") or "", f"{where}.custom.description", empty=True)
+    spec, note = _custom_format(custom.get("format"), f"{where}.custom.format")
+    function = {"name": name, "parameters": {"type": "object", "required": [CUSTOM_INPUT], "properties": {
+        CUSTOM_INPUT: {"type": "string", "description": f"the tool's whole input as raw text{note}"}}}}
+    if description:
+        function["description"] = description
+    return {"type": "function", "function": function}, spec
+
+
+def _custom_format(fmt: Any, where: str) -> tuple[dict[str, str], str]:
+    """The worker's spec of a custom tool's `format`, and what the template's parameter says about it."""
+    if fmt is None or fmt == {"type": "text"}:
+        return {"type": "text"}, ""
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar"):
+        raise InvalidRequest(f"'{where}.type' must be text or grammar, got "
+                             f"{fmt.get('type') if isinstance(fmt, dict) else fmt!r}", f"{where}.type")
+    grammar = fmt.get("grammar")
+    if not isinstance(grammar, dict):
+        raise InvalidRequest(f"'{where}.grammar' must be an object with 'syntax' and 'definition'", f"{where}.grammar")
+    syntax, definition = grammar.get("syntax"), text(grammar.get("definition"), f"{where}.grammar.definition")
+    if syntax not in GRAMMAR_SYNTAXES:
+        raise InvalidRequest(f"'{where}.grammar.syntax' must be lark or regex, got {syntax!r}",
+                             f"{where}.grammar.syntax")
+    if syntax == "regex":
+        return {"type": "regex", "regex": definition}, f" matching the regular expression /{definition}/"
+    try:
+        ebnf = lark_to_ebnf(definition)
+    except GrammarNotConvertible as exc:
+        raise InvalidRequest(f"'{where}.grammar.definition': {exc}", f"{where}.grammar.definition") from None
+    return {"type": "grammar", "grammar": ebnf}, f" in this Lark grammar:\n{definition}"
+
+
+def _name(name: Any, where: str) -> str:
+    if not isinstance(name, str) or not FUNCTION_NAME.match(name):
+        raise InvalidRequest(f"'{where}' must be 1-64 letters, digits, '_', '.' or '-'", where)
+    return name
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
         raise InvalidRequest(f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
     function = tool["function"]
-    name = function.get("name")
-    if not isinstance(name, str) or not FUNCTION_NAME.match(name):
-        raise InvalidRequest(f"'{where}.function.name' must be 1-64 letters, digits, '_', '.' or '-'",
-                             f"{where}.function.name")
-    out: dict[str, Any] = {"name": name}
+    out: dict[str, Any] = {"name": _name(function.get("name"), f"{where}.function.name")}
     if function.get("description") is not None:
         out["description"] = text(function["description"], f"{where}.function.description", empty=True)
     if function.get("parameters") is not None:
@@ -97,12 +172,17 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
 
 def assistant_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's tool_calls with arguments as objects, which is what templates render (Llama's
-    `arguments | tojson` would print a JSON string as a quoted string)."""
+    `arguments | tojson` would print a JSON string as a quoted string). A custom tool's call is rendered as a
+    function call whose one argument is its input."""
     if not isinstance(calls, list):
         raise InvalidRequest(f"'{where}' must be a list", where)
     out = []
     for i, call in enumerate(calls):
         at = f"{where}[{i}]"
+        if isinstance(call, dict) and call.get("type") == "custom" and isinstance(call.get("custom"), dict):
+            custom = call["custom"]
+            call = {**call, "function": {"name": custom.get("name"), "arguments": {
+                CUSTOM_INPUT: text(custom.get("input"), f"{at}.custom.input", empty=True)}}}
         if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
             raise InvalidRequest(f"'{at}' must be {{\"id\", \"type\": \"function\", \"function\": {{...}}}}", at)
         function = call["function"]

@@ -39,6 +39,10 @@ TOOL_CALL_TAGS = {
     "llama3_json": ('{{"name": "{name}", "parameters": ', "}", '{"name": ', "; ", "json"),
     "mistral": ('[TOOL_CALLS][{{"name": "{name}", "arguments": ', "}]", "[TOOL_CALLS]", "", "json"),
 }
+# A custom tool's call (free text, or text in the tool's grammar) in every family: its input raw between the tags,
+# as no family's JSON could carry a grammar's text unescaped (appliance.front.api.tool_parsers reads it back).
+CUSTOM_CALL_BEGIN, CUSTOM_CALL_END, CUSTOM_CALL_TRIGGER = '<custom_tool_call name="{name}">', "</custom_tool_call>", \
+    "<custom_tool_call"
 
 
 def structured_output_config(constraint: dict[str, Any], tool_parser: str | None):
@@ -81,12 +85,31 @@ def _tool_call_tags(constraint: dict[str, Any], tool_parser: str | None):
         raise InvalidGrammar(f"no tool-call format to constrain (tool_parser: {tool_parser})")
     begin, end, trigger, separator, arguments = TOOL_CALL_TAGS[tool_parser]
     content = config.QwenXMLParametersFormat if arguments == "xml" else config.JSONSchema
-    tags = [config.Tag(begin.format(name=tool["name"]), content(tool["parameters"]), end)
-            for tool in constraint["tools"]]
+    tags, triggers = [], {}  # each trigger must begin some tag (genai refuses one that begins none)
+    for tool in constraint["tools"]:
+        if "custom" in tool:
+            tags.append(config.Tag(CUSTOM_CALL_BEGIN.format(name=tool["name"]), _custom_input(tool["custom"]),
+                                   CUSTOM_CALL_END))
+            triggers[CUSTOM_CALL_TRIGGER] = None
+        else:
+            tags.append(config.Tag(begin.format(name=tool["name"]), content(tool["parameters"]), end))
+            triggers[trigger] = None
     single = constraint["single"] or tool_parser == "llama3_json"  # Llama 3 templates refuse a second call
     if constraint["required"]:
         return config.TagsWithSeparator(tags, separator or "\n", at_least_one=True, stop_after_first=single)
-    return config.TriggeredTags([trigger], tags, at_least_one=False, stop_after_first=single)
+    return config.TriggeredTags(list(triggers), tags, at_least_one=False, stop_after_first=single)
+
+
+def _custom_input(custom: dict[str, Any]):
+    """What a custom tool's input may be: its grammar (EBNF, converted from Lark by the front), its regex, or any
+    text."""
+    import openvino_genai
+    config = openvino_genai.StructuredOutputConfig
+    if custom["type"] == "grammar":
+        return config.EBNF(custom["grammar"])
+    if custom["type"] == "regex":
+        return config.Regex(custom["regex"])
+    return config.AnyText()
 
 
 def genai_message(exc: BaseException) -> str:

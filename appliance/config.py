@@ -36,7 +36,7 @@ DEVICE_PATTERN = re.compile(r"^(CPU|NPU|GPU(\.\d+)?|(AUTO|MULTI|HETERO|BATCH)(:[
 GPU_IN_DEVICE = re.compile(r"\bGPU(?:\.(\d+))?\b")
 
 # What a model's worker runs: a chat/completion LLM, or one of the request-in, result-out kinds.
-MODEL_KINDS = ("llm", "vlm", "embedding", "rerank", "transcription")
+MODEL_KINDS = ("llm", "vlm", "embedding", "rerank", "transcription", "tts")
 # A model's name: the `model` of API requests, a systemd instance name, a metrics label, a directory name.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # The kinds that generate text (chat and text completions); vlm also takes images in chat.
@@ -52,6 +52,7 @@ KIND_ONLY_KEYS: dict[str, str | tuple[str, ...]] = {
     "assistant_confidence_threshold": "llm", "max_ngram_size": "llm",
     "pooling": "embedding", "normalize": "embedding", "matryoshka_dimensions": "embedding",
     "max_audio_seconds": "transcription", "max_upload_bytes": "transcription", "word_timestamps": "transcription",
+    "voices": "tts", "default_voice": "tts",
 }
 
 # The fields of openvino_genai.SchedulerConfig, listed here so the front never imports OpenVINO.
@@ -139,7 +140,7 @@ class DraftModelConfig:
 class ModelConfig:
     name: str
     path: str
-    kind: Literal["llm", "vlm", "embedding", "rerank", "transcription"] = "llm"
+    kind: Literal["llm", "vlm", "embedding", "rerank", "transcription", "tts"] = "llm"
     device: str = "CPU"
     # Port of this model's own listener under `openarc serve --model NAME` (openarc@NAME.service).
     port: int | None = None
@@ -170,6 +171,11 @@ class ModelConfig:
     max_audio_seconds: float = 1800.0
     max_upload_bytes: int = 25 << 20
     word_timestamps: bool = False
+    # tts: speaker-embedding (SpeechT5) or voice (Kokoro) files by voice name, a relative path read from the model's
+    # directory (None: the files voices/NAME.bin there), and the voice of a request that names none or names one
+    # of OpenAI's voices the model lacks (None: the first voice by name, else the pipeline's own default).
+    voices: dict[str, str] | None = None
+    default_voice: str | None = None
     # vlm: the largest image a request may send (encoded bytes, after base64), the most pixels it may decode to
     # (width x height, checked from the header before decoding: decompression bombs), and the formats taken.
     max_image_bytes: int = 10 << 20

@@ -551,6 +551,8 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
                 "a list of positive integers")
         require(m.max_audio_seconds > 0, f"{at}.max_audio_seconds", "a positive number of seconds")
         require(m.max_upload_bytes >= 1024, f"{at}.max_upload_bytes", "at least 1024")
+        require(m.default_voice is None or m.voices is None or m.default_voice in m.voices, f"{at}.default_voice",
+                f"one of the model's voices ({', '.join(m.voices or ())})")
         require(m.max_image_bytes >= 1024, f"{at}.max_image_bytes", "at least 1024")
         require(m.max_image_pixels >= 1, f"{at}.max_image_pixels", "at least 1")
         require(bool(m.image_formats), f"{at}.image_formats", "at least one of png, jpeg, webp, gif")

@@ -44,6 +44,14 @@ EXPORT_TASKS = {
 WEIGHT_FORMATS = {"llm": "int4", "vlm": "int4", "embedding": "int8", "rerank": "int8", "transcription": "int8",
                   "tts": "fp16"}
 
+# A tts model's voices when its config names none: VOICES_DIR/NAME.bin in the model's directory (a speaker
+# embedding for SpeechT5, a voice file for Kokoro: raw float32, the layout genai's samples write).
+VOICES_DIR, VOICE_SUFFIX = "voices", ".bin"
+# OpenAI's voice names (https://platform.openai.com/docs/api-reference/audio/createSpeech): a request naming one the
+# model lacks gets the model's default voice, so unmodified clients work.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
+                 "shimmer", "verse")
+
 # Files that make a repository a PyTorch/safetensors or a GGUF one (what the exporter or llama.cpp reads).
 PYTORCH_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 SENTENCE_TRANSFORMERS = ("modules.json", "config_sentence_transformers.json", "1_Pooling/config.json")
@@ -137,6 +145,19 @@ def detect(files: Iterable[str], config: dict[str, Any] | None) -> Detected:
     if missing:
         return Detected("openvino", None, f"an incomplete {kind} model: missing {', '.join(missing)}")
     return Detected("openvino", kind)
+
+
+def voice_files(model_path: str, configured: dict[str, str] | None) -> dict[str, str]:
+    """A tts model's voices, name -> file: its config's `voices` (a relative file read from the model's directory),
+    else the VOICES_DIR/*.bin files there."""
+    base = Path(model_path)
+    if configured is not None:
+        return {name: str(base / path) for name, path in configured.items()}  # an absolute path stays as it is
+    try:
+        return {f.name[:-len(VOICE_SUFFIX)]: str(f) for f in sorted((base / VOICES_DIR).iterdir())
+                if f.name.endswith(VOICE_SUFFIX) and f.is_file()}
+    except OSError:
+        return {}
 
 
 def export_command(repo_id: str, kind: str | None, out_dir: str) -> str:

@@ -53,6 +53,13 @@ def rerank_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_tts(tmp_path_factory) -> Path:
+    """The tiny SpeechT5-shaped model: a chord per letter, 64 ms per character, a voice per OpenAI name."""
+    from appliance.demo.catalog import build_demo_model
+    return build_demo_model(tmp_path_factory.mktemp("models") / "tts", "tts")
+
+
+@pytest.fixture(scope="session")
 def demo_whisper(tmp_path_factory) -> Path:
     """The tiny Whisper-shaped model: any sound is " hello world from a tiny model.", silence is ""."""
     from appliance.demo.catalog import build_demo_model

@@ -36,6 +36,7 @@ import pathlib
 
 import numpy as np
 
+from appliance.model_files import OPENAI_VOICES, VOICES_DIR, VOICE_SUFFIX
 from appliance.demo.llm import (HIDDEN, _bytes_to_unicode, _kv_cache, _merge_heads, _rms_norm, _split_heads, ops,
                                   stateful_model, write_json)
 
@@ -50,9 +51,6 @@ STOP_SHARPNESS = 20.0
 NUDGE = 1e-3
 TONES_PER_CHAR, TONE_AMPLITUDE = 3, 0.12
 
-# OpenAI's voice names (https://platform.openai.com/docs/guides/text-to-speech): the demo ships one of each.
-OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse")
-VOICES_DIR = "voices"
 
 
 def write_tts_model(out: pathlib.Path, *, seed: int) -> None:
@@ -76,12 +74,7 @@ def write_tts_model(out: pathlib.Path, *, seed: int) -> None:
     voices = out / VOICES_DIR
     voices.mkdir()
     for name in OPENAI_VOICES:
-        rng.normal(0.0, 1.0, SPEAKER_DIM).astype(np.float32).tofile(voices / f"{name}.bin")
-
-
-def demo_voices(model_dir: pathlib.Path) -> dict[str, str]:
-    """The demo model's voices as a config's `voices:` mapping (name -> file)."""
-    return {name: str(model_dir / VOICES_DIR / f"{name}.bin") for name in OPENAI_VOICES}
+        rng.normal(0.0, 1.0, SPEAKER_DIM).astype(np.float32).tofile(voices / f"{name}{VOICE_SUFFIX}")
 
 
 def _hf_config(vocab_size: int) -> dict:

@@ -48,7 +48,7 @@ SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]  # SpeechT5's ids: bos 0, pad 1, eo
 EOS_ID = 2
 ALIGN_SHARPNESS = 50.0  # the alignment's softmax over text positions: next position e^-50 below
 STOP_SHARPNESS = 20.0
-NUDGE = 1e-3
+NUDGE = 1e-4  # the random parts move the spectrum by this much: a space stays below -60 dB
 TONES_PER_CHAR, TONE_AMPLITUDE = 3, 0.12
 
 

@@ -127,11 +127,13 @@ def _wav_header(rate: int, data_bytes: int | None) -> bytes:
 
 
 class _Tempo:
-    """FFmpeg's atempo filter (tempo without pitch), chained for speeds under 0.5, with its state across pieces."""
+    """FFmpeg's atempo filter (tempo without pitch), chained for speeds under 0.5, with its state across pieces.
+    atempo holds back up to a window of samples at the end of its input: the end is padded with silence and the
+    output cut to exactly the input's length over the speed."""
 
     def __init__(self, rate: int, speed: float):
         import av
-        self.rate = rate
+        self.rate, self.speed = rate, speed
         self.graph = av.filter.Graph()
         chain = [self.graph.add_abuffer(format="flt", sample_rate=rate, layout="mono")]
         while speed < 0.5:
@@ -142,19 +144,36 @@ class _Tempo:
         for a, b in zip(chain, chain[1:]):
             a.link_to(b)
         self.graph.configure()
-        self.pts = 0
+        self.consumed = self.produced = self.padded = 0
 
     def stretch(self, pcm, final: bool):
+        import numpy as np
+        self._push(pcm)
+        if final:
+            self._push(np.zeros(self.rate // 2, np.float32), padding=True)  # flushes atempo's window
+            self.graph.push(None)
+        out = self._pull()
+        if final:
+            out = out[:max(0, round(self.consumed / self.speed) - self.produced)]
+        self.produced += len(out)
+        return out
+
+    def _push(self, pcm, padding: bool = False) -> None:
         import av
         import numpy as np
         if len(pcm):
             frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm, np.float32).reshape(1, -1), format="flt",
                                                layout="mono")
-            frame.sample_rate, frame.pts = self.rate, self.pts
-            self.pts += len(pcm)
+            frame.sample_rate, frame.pts = self.rate, self.consumed + self.padded
+            if padding:
+                self.padded += len(pcm)
+            else:
+                self.consumed += len(pcm)
             self.graph.push(frame)
-        if final:
-            self.graph.push(None)
+
+    def _pull(self):
+        import av
+        import numpy as np
         out = []
         while True:
             try:

@@ -324,3 +324,12 @@ def encoder_pid(app) -> int:
     pids = [int(pid) for pid in children if "appliance.front.speech_encoder" in open(f"/proc/{pid}/cmdline").read()]
     assert len(pids) == 1, pids
     return pids[0]
+
+
+def test_quick_tts_bench_reports_every_figure(tmp_path):
+    """`python -m bench.tts --quick`: server against in-process, every figure there (never a timing)."""
+    from conftest import quick_side_bench
+    figures = quick_side_bench("tts", tmp_path)
+    assert len(figures) == 6
+    assert all(f["value"] > 0 for name, f in figures.items() if not name.endswith("added"))
+    assert all(f["verdict"] == "info" for f in figures.values())

@@ -413,8 +413,8 @@ def _convert(value: Any, tp: Any, where: str, problems: Problems | None = None) 
     be built becomes None; its config is rejected anyway)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        sections = [o for o in typing.get_args(tp) if dataclasses.is_dataclass(o)]
-        if isinstance(value, dict) and len(sections) == 1:  # a section (draft_model): its own error names the key
+        sections = [o for o in typing.get_args(tp) if dataclasses.is_dataclass(o) or typing.get_origin(o) is dict]
+        if isinstance(value, dict) and len(sections) == 1:  # a section (draft_model, voices): its errors name the key
             return _convert(value, sections[0], where, problems)
         for option in typing.get_args(tp):
             try:
@@ -435,7 +435,11 @@ def _convert(value: Any, tp: Any, where: str, problems: Problems | None = None) 
             return [None if item is INVALID else item for item in items]
     elif origin is dict:
         if isinstance(value, dict):
-            return {str(k): v for k, v in value.items()}
+            value_tp = typing.get_args(tp)[1]
+            if value_tp is Any:
+                return {str(k): v for k, v in value.items()}
+            items = {str(k): _checked(v, value_tp, _join(where, _key_name(k)), problems) for k, v in value.items()}
+            return {k: v for k, v in items.items() if v is not INVALID}
     elif dataclasses.is_dataclass(tp):
         if isinstance(value, dict):
             return _build(tp, value, where, problems)

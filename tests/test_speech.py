@@ -330,6 +330,6 @@ def test_quick_tts_bench_reports_every_figure(tmp_path):
     """`python -m bench.tts --quick`: server against in-process, every figure there (never a timing)."""
     from conftest import quick_side_bench
     figures = quick_side_bench("tts", tmp_path)
-    assert len(figures) == 6
+    assert len(figures) == 7
     assert all(f["value"] > 0 for name, f in figures.items() if not name.endswith("added"))
     assert all(f["verdict"] == "info" for f in figures.values())

@@ -214,6 +214,13 @@ class Appliance:
         except AssertionError as exc:
             raise AssertionError(f"{exc}: {self.model_status(model)}\n{self.logs()[-3000:]}") from None
 
+    def helper_pid(self, module: str) -> int:
+        """The pid of the front's one helper process running `python -m module` (a decoder or the speech encoder)."""
+        children = open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read().split()
+        pids = [int(pid) for pid in children if module in open(f"/proc/{pid}/cmdline").read()]
+        assert len(pids) == 1, pids
+        return pids[0]
+
     def metrics(self) -> str:
         status, _, body = http("GET", self.base + "/metrics", headers=self.auth)
         assert status == 200

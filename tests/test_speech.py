@@ -320,10 +320,7 @@ def sse_events(app, body: dict) -> list[dict]:
 
 def encoder_pid(app) -> int:
     speak(app, "hi", response_format="mp3")  # make sure the encoder has started
-    children = open(f"/proc/{app.proc.pid}/task/{app.proc.pid}/children").read().split()
-    pids = [int(pid) for pid in children if "appliance.front.speech_encoder" in open(f"/proc/{pid}/cmdline").read()]
-    assert len(pids) == 1, pids
-    return pids[0]
+    return app.helper_pid("appliance.front.speech_encoder")
 
 
 def test_quick_tts_bench_reports_every_figure(tmp_path):

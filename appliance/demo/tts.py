@@ -36,9 +36,9 @@ import pathlib
 
 import numpy as np
 
-from appliance.model_files import OPENAI_VOICES, VOICES_DIR, VOICE_SUFFIX
 from appliance.demo.llm import (HIDDEN, _bytes_to_unicode, _kv_cache, _merge_heads, _rms_norm, _split_heads, ops,
                                   stateful_model, write_json)
+from appliance.model_files import OPENAI_VOICES, VOICE_SUFFIX, VOICES_DIR
 
 MEL_BINS, REDUCTION, HOP, SPEAKER_DIM = 80, 2, 256, 512
 SAMPLE_RATE = 16000  # genai's SpeechT5 backend always reports 16 kHz

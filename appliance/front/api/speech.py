@@ -21,8 +21,6 @@ import base64
 import contextlib
 import itertools
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -35,6 +33,7 @@ from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import one_result
 from appliance.front.api.route import Call, route
 from appliance.front.api.sentences import split_sentences
+from appliance.front.decoder_process import HelperUser
 from appliance.front.request import RequestFailed
 from appliance.front.speech_encoder import CONTENT_TYPES, RESPONSE_FORMATS, EncoderFault, SpeechEncoder
 from appliance.model_files import OPENAI_VOICES, voice_files
@@ -50,8 +49,7 @@ def add_routes(app: web.Application, appliance) -> None:
     speech = SpeechRoutes(appliance)
     # TRANSCRIPT_ERRORS: OpenAI's bodies, and in a stream an event of type "error" like the audio events' types.
     app.router.add_post("/v1/audio/speech", route(appliance, "audio/speech", speech.handle, TRANSCRIPT_ERRORS))
-    app.on_startup.append(speech.start)
-    app.on_cleanup.append(speech.close)
+    speech.mount(app)
 
 
 @dataclass
@@ -111,21 +109,11 @@ def choose_voice(requested: str | None, voices: dict[str, str], default_voice: s
                          f"{', '.join(OPENAI_VOICES)} speak in its default voice)", "voice", "unknown_voice")
 
 
-class SpeechRoutes:
+class SpeechRoutes(HelperUser):
     def __init__(self, appliance):
-        self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, config
         self.encoder = SpeechEncoder()
-        self.spool = tempfile.mkdtemp(prefix="openarc-speech-")
+        super().__init__(appliance, KIND, self.encoder, "openarc-speech-")
         self.serial = itertools.count(1)
-
-    async def start(self, app: web.Application) -> None:
-        """Start the encoder with the server when it serves speech, so the first request does not wait for it."""
-        if any(model.kind == KIND for model in self.appliance.config.models):
-            await self.encoder.start()
-
-    async def close(self, app: web.Application) -> None:
-        await self.encoder.close()
-        shutil.rmtree(self.spool, ignore_errors=True)
 
     async def handle(self, request: web.Request, call: Call) -> web.StreamResponse:
         body = await fields.json_body(request)

@@ -22,6 +22,8 @@ from http.client import HTTPConnection
 import numpy as np
 import openai
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from conftest import http, model_entry, pid_alive, wait_until
 
@@ -208,6 +210,30 @@ def test_bad_input_is_a_400_naming_the_parameter_and_the_worker_lives_on(app):
     assert status == 400
     assert app.worker_pid("speech") == pid and app.model_status("speech")["crashes"] == 0
     assert speak(app, "x" * 4096, response_format="pcm")  # the limit itself is fine
+
+
+SPEECH_FIELDS = {
+    "model": st.sampled_from(["speech", "custom", "chat", "nope", ""]) | st.integers(),
+    "input": st.text(st.characters(), max_size=40) | st.integers() | st.none() | st.lists(st.text(max_size=3)),
+    "voice": st.sampled_from(["alloy", "deep", "cedar", "nobody", ""]) | st.none() | st.integers()
+             | st.fixed_dictionaries({"id": st.text(max_size=8)}),
+    "response_format": st.sampled_from([*("mp3", "opus", "aac", "flac", "wav", "pcm"), "ogg", ""]) | st.integers(),
+    "speed": st.floats(allow_nan=True) | st.integers(-5, 10) | st.text(max_size=3) | st.booleans(),
+    "stream_format": st.sampled_from(["audio", "sse", "chunks"]) | st.none() | st.integers(),
+    "instructions": st.text(max_size=10) | st.integers() | st.none(),
+}
+
+
+@settings(max_examples=60, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(body=st.fixed_dictionaries({}, optional=SPEECH_FIELDS))
+def test_generated_bodies_never_get_a_5xx_or_hurt_the_worker(app, body):
+    pid = app.worker_pid("speech")
+    status, headers, reply = post_speech(app, body)
+    assert status < 500, (body, reply)
+    if status >= 400:
+        assert set(reply) == {"error"} and reply["error"]["message"], reply
+    assert app.worker_pid("speech") == pid
 
 
 def test_metrics_count_audio_seconds_characters_and_first_audio(app):

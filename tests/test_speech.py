@@ -318,6 +318,27 @@ def test_worker_abort_mid_stream_ends_it_with_an_error(appliance_factory, demo_t
     assert speak(app, "again", response_format="pcm")
 
 
+def test_a_stalled_worker_mid_synthesis_is_a_504_within_the_stall_bound(appliance_factory, demo_tts):
+    stall = 1.0
+    app = appliance_factory({"models": [model_entry("speech", demo_tts, kind="tts", stall_timeout_s=stall)]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.3"})
+    pid = app.worker_pid("speech")
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(post_speech(app, {
+        "model": "speech", "input": " ".join(SENTENCES), "voice": "alloy", "response_format": "wav"})))
+    thread.start()
+    wait_until(lambda: app.model_status("speech")["requests_running"], 30, "synthesising")
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    thread.join(30)
+    assert time.monotonic() - stopped < stall + 1.0
+    status, _, body = result[0]
+    assert status == 504 and body["error"]["code"] == "stall"
+    app.wait_model("speech", "ready", new_pid_not=pid)
+    assert not pid_alive(pid)
+    assert speak(app, "again", response_format="pcm")
+
+
 def test_a_dead_encoder_is_replaced(app):
     encoder = encoder_pid(app)
     os.kill(encoder, signal.SIGKILL)

@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 import wave
-from http.client import HTTPConnection
+from http.client import HTTPConnection, IncompleteRead
 
 import numpy as np
 import openai
@@ -314,6 +314,19 @@ def test_worker_abort_mid_stream_ends_it_with_an_error(appliance_factory, demo_t
     assert time.monotonic() - aborted < 1.0
     events = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: ")]
     assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "worker_crash"
+    pid = app.wait_model("speech", "ready", new_pid_not=pid)["pid"]
+    # chunked audio: the status went out with the first piece, so the body is cut short, never complete-looking
+    connection = HTTPConnection("127.0.0.1", app.port, timeout=30)
+    connection.request("POST", "/v1/audio/speech", json.dumps(
+        {"model": "speech", "input": " ".join(SENTENCES), "voice": "alloy", "stream_format": "audio",
+         "response_format": "pcm"}), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.read1(1 << 16)  # the first piece
+    os.kill(pid, signal.SIGABRT)
+    aborted = time.monotonic()
+    with pytest.raises(IncompleteRead):
+        response.read()
+    assert time.monotonic() - aborted < 1.0
     app.wait_model("speech", "ready", new_pid_not=pid)
     assert speak(app, "again", response_format="pcm")
 

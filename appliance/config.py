@@ -37,7 +37,7 @@ DEVICE_PATTERN = re.compile(r"^(CPU|NPU|GPU(\.\d+)?|(AUTO|MULTI|HETERO|BATCH)(:[
 GPU_IN_DEVICE = re.compile(r"\bGPU(?:\.(\d+))?\b")
 
 # What a model's worker runs: a chat/completion LLM, or one of the request-in, result-out kinds.
-MODEL_KINDS = ("llm", "vlm", "embedding", "rerank", "transcription")
+MODEL_KINDS = ("llm", "vlm", "embedding", "rerank", "transcription", "tts")
 # A model's name: the `model` of API requests, a systemd instance name, a metrics label, a directory name.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # The kinds that generate text (chat and text completions); vlm also takes images in chat.
@@ -53,6 +53,7 @@ KIND_ONLY_KEYS: dict[str, str | tuple[str, ...]] = {
     "assistant_confidence_threshold": "llm", "max_ngram_size": "llm",
     "pooling": "embedding", "normalize": "embedding", "matryoshka_dimensions": "embedding",
     "max_audio_seconds": "transcription", "max_upload_bytes": "transcription", "word_timestamps": "transcription",
+    "voices": "tts", "default_voice": "tts",
 }
 
 # The fields of openvino_genai.SchedulerConfig, listed here so the front never imports OpenVINO.
@@ -150,7 +151,7 @@ class DraftModelConfig:
 class ModelConfig:
     name: str
     path: str
-    kind: Literal["llm", "vlm", "embedding", "rerank", "transcription"] = "llm"
+    kind: Literal["llm", "vlm", "embedding", "rerank", "transcription", "tts"] = "llm"
     device: str = "CPU"
     # Port of this model's own listener under `openarc serve --model NAME` (openarc@NAME.service).
     port: int | None = None
@@ -181,6 +182,11 @@ class ModelConfig:
     max_audio_seconds: float = 1800.0
     max_upload_bytes: int = 25 << 20
     word_timestamps: bool = False
+    # tts: speaker-embedding (SpeechT5) or voice (Kokoro) files by voice name, a relative path read from the model's
+    # directory (None: the files voices/NAME.bin there), and the voice of a request that names none or names one
+    # of OpenAI's voices the model lacks (None: the first voice by name, else the pipeline's own default).
+    voices: dict[str, str] | None = None
+    default_voice: str | None = None
     # vlm: the largest image a request may send (encoded bytes, after base64), the most pixels it may decode to
     # (width x height, checked from the header before decoding: decompression bombs), and the formats taken.
     max_image_bytes: int = 10 << 20
@@ -440,8 +446,8 @@ def _convert(value: Any, tp: Any, where: str, problems: Problems | None = None) 
     be built becomes None; its config is rejected anyway)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        sections = [o for o in typing.get_args(tp) if dataclasses.is_dataclass(o)]
-        if isinstance(value, dict) and len(sections) == 1:  # a section (draft_model): its own error names the key
+        sections = [o for o in typing.get_args(tp) if dataclasses.is_dataclass(o) or typing.get_origin(o) is dict]
+        if isinstance(value, dict) and len(sections) == 1:  # a section (draft_model, voices): its errors name the key
             return _convert(value, sections[0], where, problems)
         for option in typing.get_args(tp):
             try:
@@ -462,7 +468,11 @@ def _convert(value: Any, tp: Any, where: str, problems: Problems | None = None) 
             return [None if item is INVALID else item for item in items]
     elif origin is dict:
         if isinstance(value, dict):
-            return {str(k): v for k, v in value.items()}
+            value_tp = typing.get_args(tp)[1]
+            if value_tp is Any:
+                return {str(k): v for k, v in value.items()}
+            items = {str(k): _checked(v, value_tp, _join(where, _key_name(k)), problems) for k, v in value.items()}
+            return {k: v for k, v in items.items() if v is not INVALID}
     elif dataclasses.is_dataclass(tp):
         if isinstance(value, dict):
             return _build(tp, value, where, problems)
@@ -578,6 +588,8 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
                 "a list of positive integers")
         require(m.max_audio_seconds > 0, f"{at}.max_audio_seconds", "a positive number of seconds")
         require(m.max_upload_bytes >= 1024, f"{at}.max_upload_bytes", "at least 1024")
+        require(m.default_voice is None or m.voices is None or m.default_voice in m.voices, f"{at}.default_voice",
+                f"one of the model's voices ({', '.join(m.voices or ())})")
         require(m.max_image_bytes >= 1024, f"{at}.max_image_bytes", "at least 1024")
         require(m.max_image_pixels >= 1, f"{at}.max_image_pixels", "at least 1")
         require(bool(m.image_formats), f"{at}.image_formats", "at least one of png, jpeg, webp, gif")

@@ -40,7 +40,7 @@ OPS: dict[str, Op] = {
                     "a VLM's, appliance.front.api.images) or completion (prompt), with its sampling params and "
                     "output constraint"),
     "request": _op("front", "id kind body",
-                   "run one request of a one-answer kind (embedding, rerank, transcription): body holds the fields "
+                   "run one request of a one-answer kind (embedding, rerank, transcription, tts): body holds the fields "
                    "its route validated, read by appliance.worker.engines.<kind>; to an llm worker: count the "
                    "prompt tokens of body (a chat generate frame's messages, tools, template_kwargs)"),
     "cancel": _op("front", "id", doc="the caller is gone: stop generating for it"),

@@ -25,7 +25,10 @@ IR_FILES: dict[str, tuple[str, ...]] = {
     "embedding": ("openvino_model",) + TOKENIZER,
     "rerank": ("openvino_model",) + TOKENIZER,
     "transcription": ("openvino_encoder_model", "openvino_decoder_model") + TOKENIZER_PAIR,
+    # SpeechT5 (a Kokoro directory is one openvino_model, see missing_ir)
+    "tts": ("openvino_encoder_model", "openvino_decoder_model", "openvino_postnet", "openvino_vocoder") + TOKENIZER,
 }
+KOKORO_IR = ("openvino_model",)
 
 # `optimum-cli export openvino --task` for each kind, and the weight format that suits it: int4 for the
 # generative models (their weights are the memory; int4 keeps quality), int8 for the small encoders and Whisper,
@@ -36,8 +39,18 @@ EXPORT_TASKS = {
     "embedding": "feature-extraction",
     "rerank": "text-classification",
     "transcription": "automatic-speech-recognition-with-past",
+    "tts": "text-to-audio",  # SpeechT5 also needs --model-kwargs '{"vocoder": "microsoft/speecht5_hifigan"}'
 }
-WEIGHT_FORMATS = {"llm": "int4", "vlm": "int4", "embedding": "int8", "rerank": "int8", "transcription": "int8"}
+WEIGHT_FORMATS = {"llm": "int4", "vlm": "int4", "embedding": "int8", "rerank": "int8", "transcription": "int8",
+                  "tts": "fp16"}
+
+# A tts model's voices when its config names none: VOICES_DIR/NAME.bin in the model's directory (a speaker
+# embedding for SpeechT5, a voice file for Kokoro: raw float32, the layout genai's samples write).
+VOICES_DIR, VOICE_SUFFIX = "voices", ".bin"
+# OpenAI's voice names (https://platform.openai.com/docs/api-reference/audio/createSpeech): a request naming one the
+# model lacks gets the model's default voice, so unmodified clients work.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
+                 "shimmer", "verse")
 
 # Files that make a repository a PyTorch/safetensors or a GGUF one (what the exporter or llama.cpp reads).
 PYTORCH_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -65,6 +78,8 @@ def kind_from_config(files: set[str], config: dict[str, Any] | None) -> str | No
     model_type = str(config.get("model_type", ""))
     if model_type == "whisper" or any(a.startswith("Whisper") for a in architectures):
         return "transcription"
+    if is_speech_synthesis(config):
+        return "tts"
     if any(a.endswith(("ForConditionalGeneration", "ForImageTextToText")) and "Whisper" not in a
            for a in architectures) and ("vision_config" in config or "image_token_id" in config
                                         or "image_token_index" in config):
@@ -86,8 +101,19 @@ def _has_ir(files: set[str], stem: str) -> bool:
     return f"{stem}.xml" in files and f"{stem}.bin" in files
 
 
+def is_speech_synthesis(config: dict[str, Any] | None) -> bool:
+    """A text-to-speech model genai's Text2SpeechPipeline reads: SpeechT5, or Kokoro (its architecture, or the
+    phoneme `vocab` table of its config.json)."""
+    config = config or {}
+    architectures = [str(a) for a in config.get("architectures") or ()]
+    return ("SpeechT5ForTextToSpeech" in architectures or any("Kokoro" in a for a in architectures)
+            or isinstance(config.get("vocab"), dict))
+
+
 def missing_ir(files: set[str], kind: str) -> list[str]:
     """The IR files a worker of `kind` needs that `files` lacks (empty: the directory serves as that kind)."""
+    if kind == "tts" and all(_has_ir(files, stem) for stem in KOKORO_IR):
+        return []
     return [f"{stem}.xml/.bin" for stem in IR_FILES.get(kind, ()) if not _has_ir(files, stem)]
 
 
@@ -103,6 +129,8 @@ def detect(files: Iterable[str], config: dict[str, Any] | None) -> Detected:
         return Detected("unknown", kind, "no OpenVINO IR files (openvino_*.xml)")
     if _has_ir(files, "openvino_language_model") or _has_ir(files, "openvino_vision_embeddings_model"):
         kind = "vlm"
+    elif is_speech_synthesis(config):
+        kind = "tts"
     elif _has_ir(files, "openvino_encoder_model") or _has_ir(files, "openvino_decoder_model"):
         kind = "transcription" if kind_from_config(files, config) in (None, "transcription") else None
         if kind is None:
@@ -117,6 +145,19 @@ def detect(files: Iterable[str], config: dict[str, Any] | None) -> Detected:
     if missing:
         return Detected("openvino", None, f"an incomplete {kind} model: missing {', '.join(missing)}")
     return Detected("openvino", kind)
+
+
+def voice_files(model_path: str, configured: dict[str, str] | None) -> dict[str, str]:
+    """A tts model's voices, name -> file: its config's `voices` (a relative file read from the model's directory),
+    else the VOICES_DIR/*.bin files there."""
+    base = Path(model_path)
+    if configured is not None:
+        return {name: str(base / path) for name, path in configured.items()}  # an absolute path stays as it is
+    try:
+        return {f.name[:-len(VOICE_SUFFIX)]: str(f) for f in sorted((base / VOICES_DIR).iterdir())
+                if f.name.endswith(VOICE_SUFFIX) and f.is_file()}
+    except OSError:
+        return {}
 
 
 def export_command(repo_id: str, kind: str | None, out_dir: str) -> str:

@@ -53,6 +53,13 @@ def rerank_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_tts(tmp_path_factory) -> Path:
+    """The tiny SpeechT5-shaped model: a chord per letter, 64 ms per character, a voice per OpenAI name."""
+    from appliance.demo.catalog import build_demo_model
+    return build_demo_model(tmp_path_factory.mktemp("models") / "tts", "tts")
+
+
+@pytest.fixture(scope="session")
 def demo_whisper(tmp_path_factory) -> Path:
     """The tiny Whisper-shaped model: any sound is " hello world from a tiny model.", silence is ""."""
     from appliance.demo.catalog import build_demo_model
@@ -206,6 +213,13 @@ class Appliance:
             return wait_until(reached, timeout, f"{model} {state}")
         except AssertionError as exc:
             raise AssertionError(f"{exc}: {self.model_status(model)}\n{self.logs()[-3000:]}") from None
+
+    def helper_pid(self, module: str) -> int:
+        """The pid of the front's one helper process running `python -m module` (a decoder or the speech encoder)."""
+        children = open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read().split()
+        pids = [int(pid) for pid in children if module in open(f"/proc/{pid}/cmdline").read()]
+        assert len(pids) == 1, pids
+        return pids[0]
 
     def metrics(self) -> str:
         status, _, body = http("GET", self.base + "/metrics", headers=self.auth)

@@ -257,10 +257,7 @@ def post_form(app, fields: dict, path: str = "/v1/audio/transcriptions") -> tupl
 
 def decoder_pid(app) -> int:
     transcribe(app, wav_bytes(tone(0.5)))  # make sure the decoder has started
-    children = open(f"/proc/{app.proc.pid}/task/{app.proc.pid}/children").read().split()
-    pids = [int(pid) for pid in children if "appliance.front.audio_decoder" in open(f"/proc/{pid}/cmdline").read()]
-    assert len(pids) == 1, pids
-    return pids[0]
+    return app.helper_pid("appliance.front.audio_decoder")
 
 
 def test_quick_transcription_bench_reports_every_figure(tmp_path):

@@ -83,6 +83,18 @@ def test_the_export_command_has_the_task_and_weight_format_of_the_kind():
     assert "--task text-classification" in export_command("BAAI/bge-reranker-base", "rerank", "o")
     assert "--task automatic-speech-recognition-with-past" in export_command("openai/whisper-small", "transcription", "o")
     assert "--task image-text-to-text --weight-format int4" in export_command("Qwen/Qwen2-VL-2B-Instruct", "vlm", "o")
+    assert "--task text-to-audio" in export_command("microsoft/speecht5_tts", "tts", "o")
+
+
+def test_speech_synthesis_models_are_tts():
+    speecht5 = {f"{stem}.{ext}" for stem in ("openvino_encoder_model", "openvino_decoder_model", "openvino_postnet",
+                                             "openvino_vocoder", "openvino_tokenizer") for ext in ("xml", "bin")}
+    assert detect(speecht5, {"architectures": ["SpeechT5ForTextToSpeech"]}).kind == "tts"
+    missing = detect(speecht5 - {"openvino_vocoder.xml"}, {"architectures": ["SpeechT5ForTextToSpeech"]})
+    assert missing.kind is None and "openvino_vocoder.xml/.bin" in missing.reason
+    kokoro = {"openvino_model.xml", "openvino_model.bin", "voices/af_heart.bin"}
+    assert detect(kokoro, {"vocab": {"a": 1}, "istftnet": {}}).kind == "tts"
+    assert detect(kokoro, {"architectures": ["KModel"]}).kind is None  # neither SpeechT5 nor Kokoro
 
 
 def test_path_problems_name_the_path_and_what_was_expected(tmp_path, demo_dirs):

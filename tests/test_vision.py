@@ -228,10 +228,7 @@ def test_a_bad_image_is_a_400_naming_its_part(app, name):
 def test_a_dead_image_decoder_is_replaced(app):
     """The decoder process is the front's child; killed between requests, the next image gets a new one."""
     def decoder_pid() -> int:
-        children = open(f"/proc/{app.proc.pid}/task/{app.proc.pid}/children").read().split()
-        pids = [int(pid) for pid in children if "appliance.front.image_decoder" in open(f"/proc/{pid}/cmdline").read()]
-        assert len(pids) == 1, pids
-        return pids[0]
+        return app.helper_pid("appliance.front.image_decoder")
     decoder = decoder_pid()
     os.kill(decoder, signal.SIGKILL)
     assert answer(app, data_url(encoded(BLUE))).startswith("Blue ")

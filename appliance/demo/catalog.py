@@ -1,5 +1,5 @@
 """The demo models of every worker kind, built from nothing: which builder makes each kind, the build cache, and
-atomic installs. Each builder lives in its own module (llm, encoder, whisper) and is imported only when building,
+atomic installs. Each builder lives in its own module (llm, encoder, whisper, vlm, tts) and is imported only when building,
 so `openarc demo-model` on a cache hit never loads OpenVINO."""
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ DEMO_KINDS = {
     "rerank": DemoKind("appliance.demo.encoder", "write_rerank_model", _seed_only, 2),
     "transcription": DemoKind("appliance.demo.whisper", "write_whisper_model", _seed_only, 1),
     "vlm": DemoKind("appliance.demo.vlm", "write_vlm_model", checked_params, 2),
+    "tts": DemoKind("appliance.demo.tts", "write_tts_model", _seed_only, 1),
 }
 
 

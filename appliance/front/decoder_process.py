@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import sys
+import tempfile
 from typing import Any, Callable
 
 from appliance.front.request import RequestFailed
@@ -134,6 +136,29 @@ class DecoderProcess:
                 self._proc.kill()
                 await self._proc.wait()
         self._proc = None
+
+
+class HelperUser:
+    """A route family that hands media to a helper process and keeps a spool directory for its files (the audio
+    routes, the speech route): the helper is started with the server when a model of `kind` is configured, so the
+    first request does not wait for it, and both end with the server."""
+
+    def __init__(self, appliance, kind: str, helper: DecoderProcess, spool_prefix: str):
+        self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, config
+        self.kind, self.helper = kind, helper
+        self.spool = tempfile.mkdtemp(prefix=spool_prefix)
+
+    def mount(self, app) -> None:
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.close)
+
+    async def start(self, app) -> None:
+        if any(model.kind == self.kind for model in self.appliance.config.models):
+            await self.helper.start()
+
+    async def close(self, app) -> None:
+        await self.helper.close()
+        shutil.rmtree(self.spool, ignore_errors=True)
 
 
 def serve(stdin, stdout, handle: Callable[[dict[str, Any], bytes], dict[str, Any]]) -> None:

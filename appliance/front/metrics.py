@@ -59,6 +59,9 @@ class ModelMetrics:
     kv_cache_usage: Any
     embedding_inputs: Any
     audio_seconds: Any
+    speech_audio_seconds: Any
+    speech_characters: Any
+    time_to_first_audio: Any
     draft: DraftTokens  # labelled by outcome too: built apart in for_model
 
 
@@ -87,7 +90,7 @@ class Metrics:
                                        ["model"], registry=r)
         self.worker_up = Gauge("openarc_worker_up", "1 while the model's worker is ready", ["model"], registry=r)
         # Always 1: joins any per-model series to the model's kind (`* on (model) group_left (kind)`).
-        self.model_info = Gauge("openarc_model_info", "The model's worker kind (llm, embedding, rerank, transcription)",
+        self.model_info = Gauge("openarc_model_info", "The model's worker kind (llm, vlm, embedding, rerank, transcription, tts)",
                                 ["model", "kind"], registry=r)
         self.model_state = Gauge("openarc_model_state", "1 for the model's current state", ["model", "state"], registry=r)
         self.gpu_resets = Counter("openarc_gpu_resets", "GPU hangs and resets seen in the kernel log",
@@ -123,6 +126,13 @@ class Metrics:
                                         ["model"], registry=r)
         self.audio_seconds = Counter("openarc_audio_seconds", "Seconds of audio transcribed or translated",
                                      ["model"], registry=r)
+        self.speech_audio_seconds = Counter("openarc_speech_audio_seconds", "Seconds of audio synthesised "
+                                            "(/v1/audio/speech, before any speed change)", ["model"], registry=r)
+        self.speech_characters = Counter("openarc_speech_characters", "Characters of text synthesised to speech",
+                                         ["model"], registry=r)
+        self.time_to_first_audio = Histogram("openarc_time_to_first_audio_seconds", "Time from a speech request to "
+                                             "its first audio (the first sentence synthesised and encoded)", ["model"],
+                                             buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30), registry=r)
         self.images = Counter("openarc_images", "Images sent to vision models (decoded and checked)", ["model"],
                               registry=r)
         self.image_rejections = Counter("openarc_image_rejections", "Images refused with a 400, by reason "

@@ -21,7 +21,8 @@ from appliance.front.request import Event, Request, RequestFailed
 from appliance.ipc import AsyncChannel, ProtocolError
 
 # What a result frame's "counts" may add to the model's counters (ModelMetrics fields).
-RESULT_COUNTERS = frozenset({"prompt_tokens", "embedding_inputs", "audio_seconds"})
+RESULT_COUNTERS = frozenset({"prompt_tokens", "embedding_inputs", "audio_seconds", "speech_audio_seconds",
+                             "speech_characters"})
 # The frames of one request (an `id`); every one of them is progress for the stall timer.
 REQUEST_OPS = frozenset({"tokens", "done", "result", "error", "progress"})
 

@@ -20,7 +20,7 @@ from aiohttp import web
 from appliance import __version__
 from appliance.front import listen
 from appliance.host import oom, telemetry
-from appliance.front.api import audio, dialects, embeddings, generate, messages, models, rerank, sse
+from appliance.front.api import audio, dialects, embeddings, generate, messages, models, rerank, speech, sse
 from appliance.front.api.errors import error_response
 from appliance.config import Config, ConfigError
 from appliance.front.lifecycle import ModelState
@@ -74,6 +74,7 @@ class Appliance:
         embeddings.add_routes(app, self)
         rerank.add_routes(app, self)
         audio.add_routes(app, self)
+        speech.add_routes(app, self)
         models.add_routes(app, self)
         return app
 

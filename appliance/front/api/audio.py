@@ -19,8 +19,6 @@ import asyncio
 import contextlib
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +30,7 @@ from appliance.front.api.results import QueuePlace, one_result
 from appliance.front.api.route import Call, ErrorShape, route
 from appliance.front.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESPONSE_FORMATS, Transcript
 from appliance.front.audio_decoder import AudioDecoder, AudioError, DecoderFault
+from appliance.front.decoder_process import HelperUser
 from appliance.front.request import Event, RequestFailed
 
 KIND = "transcription"
@@ -50,8 +49,7 @@ def add_routes(app: web.Application, appliance) -> None:
                         route(appliance, "audio/transcriptions", audio.transcriptions, TRANSCRIPT_ERRORS))
     app.router.add_post("/v1/audio/translations",
                         route(appliance, "audio/translations", audio.translations, TRANSCRIPT_ERRORS))
-    app.on_startup.append(audio.start)
-    app.on_cleanup.append(audio.close)
+    audio.mount(app)
 
 
 @dataclass
@@ -80,22 +78,12 @@ class AudioRequest:
                 "words": self.words, "stream": self.stream}
 
 
-class AudioRoutes:
+class AudioRoutes(HelperUser):
     def __init__(self, appliance):
-        self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
         self.decoder = AudioDecoder()
-        self.spool = tempfile.mkdtemp(prefix="openarc-audio-")
+        super().__init__(appliance, KIND, self.decoder, "openarc-audio-")
         self.serial = 0
         self.uploads = asyncio.Semaphore(MAX_UPLOADS_IN_FLIGHT)
-
-    async def start(self, app: web.Application) -> None:
-        """Start the decoder with the server when it serves audio, so the first upload does not wait for it."""
-        if any(model.kind == KIND for model in self.appliance.config.models):
-            await self.decoder.start()
-
-    async def close(self, app: web.Application) -> None:
-        await self.decoder.close()
-        shutil.rmtree(self.spool, ignore_errors=True)
 
     async def transcriptions(self, request: web.Request, call: Call) -> web.StreamResponse:
         return await self._handle(request, call, "transcribe")

@@ -20,6 +20,9 @@ def load_engine(spec: dict[str, Any], channel) -> Engine:
     if kind == "transcription":
         from appliance.worker.engines.transcription import TranscriptionEngine
         return TranscriptionEngine(spec, channel)
+    if kind == "tts":
+        from appliance.worker.engines.tts import SpeechEngine
+        return SpeechEngine(spec, channel)
     if kind == "vlm":
         from appliance.worker.engines.vlm import BatchingVLMEngine, SequentialVLMEngine
         return (SequentialVLMEngine if spec["pipeline"] == "stateful" else BatchingVLMEngine)(spec, channel)

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 BDF = r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
 
 
-def _read_text(path: Path | str) -> str | None:
+def read_text(path: Path | str) -> str | None:
     """File contents, or None when it is gone or unreadable (processes and fds vanish)."""
     try:
         with open(path, encoding="utf-8", errors="replace") as file:
@@ -124,7 +124,7 @@ def read_drm_clients(pid: int, proc_root: str | Path = "/proc") -> list[DrmClien
         fds = sorted(os.listdir(fdinfo_dir), key=lambda name: int(name) if name.isdigit() else -1)
     except OSError:
         return []  # the process is gone, or not ours to read
-    texts = (_read_text(fdinfo_dir / fd) for fd in fds)
+    texts = (read_text(fdinfo_dir / fd) for fd in fds)
     return _unique_clients(filter(None, (drm_client_from_fdinfo(parse_fdinfo(text or ""), pid) for text in texts)))
 
 
@@ -292,6 +292,14 @@ def _event_from_match(match: re.Match, kind: str, counts: bool, prefix: re.Match
     )
 
 
+def drm_message(text: str) -> tuple[str, str, str] | None:
+    """(driver, PCI address, message) of an i915/xe `[drm]` line, the message without its prefixes (`*ERROR* ` kept,
+    `Tile0: GT0: ` taken off); None for other lines."""
+    line = _DMESG_TIME.sub("", text.split("\n", 1)[0], count=1)
+    prefix = _DRM_PREFIX.match(line)
+    return (prefix["driver"], prefix["bdf"], (prefix["error"] or "") + line[prefix.end():]) if prefix else None
+
+
 def detect_gpu_event(text: str) -> GpuEvent | None:
     """The i915/xe hang, reset or wedge a kernel log line reports, or None.
 
@@ -348,13 +356,15 @@ _KMSG_MAX_READS_PER_POLL = 4096
 class KmsgWatcher:
     """Non-blocking reader of a kmsg-format source that reports GPU events as they come.
 
-    It starts at the end (SEEK_END) so messages from before the start are not counted.
+    It starts at the end (SEEK_END) so messages from before the start are not counted; `from_start` reads the
+    whole ring buffer first (what `openarc doctor` looks for boot messages in).
     If the source cannot be opened or read (EPERM under kernel.dmesg_restrict, missing in
     a container) it says so once in the log and `poll` returns [] from then on.
     """
 
-    def __init__(self, path: str | Path = "/dev/kmsg", *, window_us: int = RESET_WINDOW_US):
+    def __init__(self, path: str | Path = "/dev/kmsg", *, window_us: int = RESET_WINDOW_US, from_start: bool = False):
         self.path = str(path)
+        self.from_start = from_start
         self.unavailable: str | None = None  # why the source is not read, once known
         self.overruns = 0  # EPIPE count: records lost because we read too slowly
         self._pending = b""
@@ -369,7 +379,7 @@ class KmsgWatcher:
             self._give_up(f"cannot open {self.path}: {err.strerror}")
             return None
         with contextlib.suppress(OSError):  # a FIFO cannot seek (ESPIPE) and holds nothing old anyway
-            os.lseek(fd, 0, os.SEEK_END)
+            os.lseek(fd, 0, os.SEEK_SET if self.from_start else os.SEEK_END)
         return fd
 
     def _give_up(self, reason: str) -> None:
@@ -559,11 +569,11 @@ class GpuInfo:
     family: str  # DG2 | BMG | other
     variant: str | None  # DG2-G10, BMG-G21, ...
     name: str
-    memory_total_bytes: int | None  # from sysfs where the driver has it (see _probe_memory_total)
+    memory_total_bytes: int | None  # from sysfs where the driver has it (see probe_memory_total)
     warning: str | None  # e.g. an Intel id missing from the table
 
 
-def _gpu_identity(vendor_id: int, device_id: int) -> tuple[str, str | None, str, str | None]:
+def gpu_identity(vendor_id: int, device_id: int) -> tuple[str, str | None, str, str | None]:
     """(family, variant, name, warning) for a PCI id."""
     if vendor_id != INTEL_VENDOR_ID:
         return "other", None, f"PCI {vendor_id:04x}:{device_id:04x}", None
@@ -578,7 +588,7 @@ def _gpu_identity(vendor_id: int, device_id: int) -> tuple[str, str | None, str,
 
 
 def _read_hex(path: Path) -> int | None:
-    text = _read_text(path)
+    text = read_text(path)
     try:
         return int(text.strip(), 16) if text else None
     except ValueError:
@@ -586,21 +596,21 @@ def _read_hex(path: Path) -> int | None:
 
 
 def _card_bdf(device_dir: Path) -> str | None:
-    slot = parse_uevent(_read_text(device_dir / "uevent") or "").get("PCI_SLOT_NAME")
+    slot = parse_uevent(read_text(device_dir / "uevent") or "").get("PCI_SLOT_NAME")
     if slot:
         return slot
     resolved = os.path.basename(os.path.realpath(device_dir))
     return resolved if re.fullmatch(BDF, resolved) else None
 
 
-def _probe_memory_total(card_dir: Path) -> int | None:
+def probe_memory_total(card_dir: Path) -> int | None:
     """VRAM size from sysfs, where the driver has it: xe tileN/physical_vram_size_bytes (xe_tile_sysfs.c; some
     kernels make it root-only), the i915 backports' lmem_total_bytes. Upstream i915 has neither."""
     tiles = sorted(card_dir.glob("device/tile*/physical_vram_size_bytes"))
-    sizes = [int(text) for path in tiles if (text := (_read_text(path) or "").strip()).isdigit()]
+    sizes = [int(text) for path in tiles if (text := (read_text(path) or "").strip()).isdigit()]
     if sizes:
         return sum(sizes)
-    lmem = (_read_text(card_dir / "lmem_total_bytes") or "").strip()
+    lmem = (read_text(card_dir / "lmem_total_bytes") or "").strip()
     return int(lmem) if lmem.isdigit() else None
 
 
@@ -611,7 +621,7 @@ def _gpu_info(card_dir: Path) -> GpuInfo | None:
         return None
     driver_link = device_dir / "driver"
     render_nodes = sorted(path.name for path in device_dir.glob("drm/renderD*"))
-    family, variant, name, warning = _gpu_identity(vendor_id, device_id)
+    family, variant, name, warning = gpu_identity(vendor_id, device_id)
     return GpuInfo(
         card=card_dir.name,
         bdf=_card_bdf(device_dir),
@@ -622,7 +632,7 @@ def _gpu_info(card_dir: Path) -> GpuInfo | None:
         family=family,
         variant=variant,
         name=name,
-        memory_total_bytes=_probe_memory_total(card_dir),
+        memory_total_bytes=probe_memory_total(card_dir),
         warning=warning,
     )
 
@@ -648,8 +658,8 @@ _VM_RSS = re.compile(r"^VmRSS:\s*(\d+)\s*kB", re.MULTILINE)
 
 def process_rss_bytes(pid: int, proc_root: str | Path = "/proc") -> int:
     """Resident set size of a process in bytes; 0 once the process is gone."""
-    statm = (_read_text(Path(proc_root, str(pid), "statm")) or "").split()
+    statm = (read_text(Path(proc_root, str(pid), "statm")) or "").split()
     if len(statm) >= 2 and statm[1].isdigit():
         return int(statm[1]) * os.sysconf("SC_PAGE_SIZE")
-    match = _VM_RSS.search(_read_text(Path(proc_root, str(pid), "status")) or "")
+    match = _VM_RSS.search(read_text(Path(proc_root, str(pid), "status")) or "")
     return int(match[1]) * 1024 if match else 0

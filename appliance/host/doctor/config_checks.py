@@ -87,7 +87,8 @@ def _model_dir_problem(box: Box, path: str, kind: str, user: User) -> str | None
     if problem or user.uid is None or user.uid == os.geteuid():
         return problem
     files = [Path(on_box) / f"{stem}.{ext}" for stem in model_files.IR_FILES.get(kind, ()) for ext in ("xml", "bin")]
-    blocked = next((where for file in files if (where := model_files.unreadable_by(file, user.uid, set(user.gids)))),
+    blocked = next((where for file in files if (where := model_files.unreadable_by(file, user.uid, set(user.gids),
+                                                                              box.root.absolute() if box.recorded else None))),
                    None)
     return f"{user.name} ({user.source}) cannot read {blocked!r}" if blocked else None
 

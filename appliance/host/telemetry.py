@@ -50,6 +50,10 @@ _FDINFO_KEYS = {
     "resident": re.compile(r"drm-resident-(?:local|vram)\d+"),
     "memory": re.compile(r"drm-memory-(?:local|vram)\d+"),
     "total": re.compile(r"drm-total-(?:local|vram)\d+"),
+    # system memory a client's buffers sit in: i915 system<N> (never stolen-system<N>), xe system and gtt. On a
+    # discrete card a model's buffers land here when the driver evicts them from VRAM (the eviction cliff).
+    "system_resident": re.compile(r"drm-resident-(?:system\d*|gtt)"),
+    "system_memory": re.compile(r"drm-memory-(?:system\d*|gtt)"),
 }
 
 
@@ -62,6 +66,7 @@ class DrmClient:
     client_name: str | None
     vram_resident_bytes: int | None  # None: no device-local memory lines (iGPU, old kernel)
     vram_total_bytes: int | None
+    system_resident_bytes: int | None = None  # None: no system-memory lines
 
 
 def parse_fdinfo(text: str) -> dict[str, str]:
@@ -106,6 +111,8 @@ def drm_client_from_fdinfo(fields: Mapping[str, str], pid: int) -> DrmClient | N
         client_name=fields.get("drm-client-name"),
         vram_resident_bytes=resident,
         vram_total_bytes=_sum_sizes(fields, "total"),
+        system_resident_bytes=next((size for family in ("system_resident", "system_memory")
+                                    if (size := _sum_sizes(fields, family)) is not None), None),
     )
 
 
@@ -135,6 +142,17 @@ def device_memory_used(pids: Iterable[int], proc_root: str | Path = "/proc") -> 
         if client.vram_resident_bytes is not None:
             used[client.pdev] = used.get(client.pdev, 0) + client.vram_resident_bytes
     return used
+
+
+def device_memory_regions(pids: Iterable[int], proc_root: str | Path = "/proc") -> dict[str, int]:
+    """Where the buffers of `pids`' unique DRM clients are resident: {"vram": bytes, "system": bytes}, the regions
+    some client reported ({} for a process with no GPU memory lines: not on a GPU, or an old kernel)."""
+    regions: dict[str, int] = {}
+    for client in _unique_clients(client for pid in pids for client in read_drm_clients(pid, proc_root)):
+        for region, size in (("vram", client.vram_resident_bytes), ("system", client.system_resident_bytes)):
+            if size is not None:
+                regions[region] = regions.get(region, 0) + size
+    return regions
 
 
 # ---------------------------------------------------------------------------------------

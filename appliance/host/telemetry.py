@@ -496,13 +496,15 @@ class KernelLog:
     "was there a GPU hang or reset lately?" and "did the OOM killer kill this pid?".
 
     The front calls update() every second; each question reads what arrived since, so a line written just before
-    the failure is seen. `on_reset` is called once per counted reset (the log line and the metric).
+    the failure is seen. `on_reset` is called once per counted reset (the log line and the metric), `on_event` for
+    every GPU line.
     """
 
     def __init__(self, path: str | Path = "/dev/kmsg", *, on_reset: Callable[[GpuEvent], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 on_event: Callable[[GpuEvent], None] | None = None, clock: Callable[[], float] = time.monotonic):
         self.watcher = KmsgWatcher(path)
         self.on_reset = on_reset
+        self.on_event = on_event  # every GPU line, context lines (fence timeouts) too: the GPU sentinel's
         self.clock = clock
         self._gpu_trouble: dict[str | None, tuple[float, GpuEvent]] = {}  # bdf -> (when seen, last event)
         self._oom_killed: collections.deque[int] = collections.deque(maxlen=_OOM_KILLS_KEPT)
@@ -512,6 +514,8 @@ class KernelLog:
         for record in self.watcher.poll_records():
             if event := self.watcher.gpu_event(record):
                 self._gpu_trouble[event.bdf] = (now, event)
+                if self.on_event:
+                    self.on_event(event)
                 if event.counts_as_reset and self.on_reset:
                     self.on_reset(event)
             elif (pid := oom_killed_pid(record)) is not None:

@@ -122,3 +122,28 @@ def test_a_live_server_counts_the_mitigation_and_shows_it_in_status(appliance_fa
     assert f'openarc_gpu_mitigations_total{{card="{A770}",mitigation="sdpa_off"}} 1.0' in metrics
     assert "GPU mitigation sdpa_off on 0000:03:00.0: 3 fence timeouts or GPU hangs" in app.logs()
     assert app.model_status("demo")["state"] == "ready"  # a CPU model is never restarted for a GPU mitigation
+
+
+def test_status_and_doctor_agree_on_the_cards_facts(appliance_factory, demo_model, tmp_path):
+    """/openarc/status shows each card's driver, ReBAR and firmware from the functions doctor judges, with the
+    mitigations in force; here over a recorded A770 root."""
+    from appliance.host import doctor
+    from doctor_roots import build_root
+    root = build_root(tmp_path / "root", "a770")
+    source = tmp_path / "kmsg"
+    source.write_text("")
+    app = appliance_factory({"models": [model_entry("demo", demo_model)]},
+                            env={"OPENARC_DEBUG_KMSG_PATH": str(source), "OPENARC_DEBUG_SYSTEM_ROOT": str(root)})
+    with source.open("a") as file:
+        file.write("".join(incident("i915-a770-guc-hang.kmsg", A770, n) for n in range(3)))
+    wait_until(lambda: app.status()["gpu_mitigations"], 10, "the mitigation in /openarc/status")
+    (card,) = app.status()["cards"]
+    assert {key: card[key] for key in ("bdf", "name", "pci_id", "generation", "driver", "kernel", "rebar",
+                                       "vram_bar_bytes", "firmware", "mitigations")} == {
+        "bdf": A770, "name": "Intel Arc A770", "pci_id": "8086:56a0", "generation": "Alchemist (DG2)",
+        "driver": "i915", "kernel": "6.8.0-51-generic", "rebar": "on", "vram_bar_bytes": 16 << 30,
+        "firmware": {"GuC": "70.36.0", "HuC": "7.10.16"}, "mitigations": ["sdpa_off"]}
+    checks = {check.name: check for check in doctor.diagnose(root)}
+    assert f"driver {card['driver']}, kernel {card['kernel']}" in checks[f"card {A770} driver"].detail
+    assert checks[f"card {A770} resizable BAR"].detail.startswith("VRAM BAR 16.0 GiB")
+    assert checks[f"card {A770} firmware"].detail.startswith(f"GuC {card['firmware']['GuC']}; HuC 7.10.16")

@@ -38,6 +38,9 @@ OPEN_ROUTES = {"/health", "/ready"}
 KMSG_POLL_INTERVAL_S = 1.0
 # Test knob: read kernel log records from this file or FIFO instead of /dev/kmsg. Never set in production.
 KMSG_PATH_ENV = "OPENARC_DEBUG_KMSG_PATH"
+# Test knob: read the machine's files (sysfs, the kernel's boot log) for /openarc/status's cards under this root, as
+# `openarc doctor --root` does. Never set in production.
+SYSTEM_ROOT_ENV = "OPENARC_DEBUG_SYSTEM_ROOT"
 LOAD_EXTEND_EVERY_S = 20.0  # well inside notify.LOAD_EXTEND_USEC
 
 
@@ -143,7 +146,8 @@ class Appliance:
     async def status(self, request: web.Request) -> web.Response:
         sup = self.supervisor
         if self.card_facts is None:  # the same facts `openarc doctor` judges (sysfs, the kernel's boot lines)
-            self.card_facts = await asyncio.get_running_loop().run_in_executor(None, cards.card_facts, box.Box("/"))
+            machine = box.Box(os.environ.get(SYSTEM_ROOT_ENV, "/"))
+            self.card_facts = await asyncio.get_running_loop().run_in_executor(None, cards.card_facts, machine)
         return web.json_response({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
                                   "draining": self.draining, "residency": sup.residency_summary(),
                                   "cards": cards.status_view(self.card_facts, self.sentinel.in_force),

@@ -53,3 +53,23 @@ def test_only_the_serving_worker_writes_the_models_gauges(tmp_path, demo_model):
         new.life.enter(ModelState.RESTARTING)  # the serving worker's own end does empty it
         assert gauges(sup)[1] == 0
     asyncio.run(scenario())
+
+
+def test_a_gpu_workers_buffers_by_region_become_the_models_device_memory_gauge(tmp_path, demo_model):
+    """The telemetry a GPU worker sends from its DRM fdinfo (appliance.host.telemetry.device_memory_regions, tested
+    on recorded xe and i915 files in test_telemetry.py) as openarc_model_device_memory_bytes{model,region}."""
+    path = tmp_path / "openarc.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"name": "m", "path": str(demo_model), "device": "CPU"}]}))
+    config = load_config(path)
+
+    async def scenario() -> None:
+        sup = Supervisor(config, Metrics())
+        model = sup.models["m"]
+        for state in (ModelState.LOADING, ModelState.READY):
+            model.life.enter(state)
+        model._on_frame(ipc.frame("telemetry", rss_bytes=1, device_memory_regions={"vram": 8 << 30, "system": 6 << 20}))
+        model._on_frame(ipc.frame("telemetry", rss_bytes=1, device_memory_regions={"vram": 1 << 30, "system": 15 << 30}))
+        scrape = samples(sup.metrics.exposition()[0].decode())
+        assert value(scrape, "openarc_model_device_memory_bytes", model="m", region="vram") == 1 << 30
+        assert value(scrape, "openarc_model_device_memory_bytes", model="m", region="system") == 15 << 30
+    asyncio.run(scenario())

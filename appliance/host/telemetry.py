@@ -382,7 +382,7 @@ class KmsgWatcher:
 
     def __init__(self, path: str | Path = "/dev/kmsg", *, window_us: int = RESET_WINDOW_US, from_start: bool = False):
         self.path = str(path)
-        self.from_start = from_start
+        self.from_start = from_start  # a one-off read (doctor's), not the reset watch: no warning when unreadable
         self.unavailable: str | None = None  # why the source is not read, once known
         self.overruns = 0  # EPIPE count: records lost because we read too slowly
         self._pending = b""
@@ -401,7 +401,8 @@ class KmsgWatcher:
         return fd
 
     def _give_up(self, reason: str) -> None:
-        log.warning("GPU reset detection from the kernel log is off: %s", reason)
+        if not self.from_start:
+            log.warning("GPU reset detection from the kernel log is off: %s", reason)
         self.unavailable = reason
         self.close()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.host import telemetry
@@ -25,8 +25,8 @@ class User:
     name: str
     uid: int | None  # None: a unit's user that does not exist (yet) on this box
     gids: frozenset[int]
-    source: str  # where it came from: "the unit openarc.service", "this shell"
-    extra_groups: tuple[str, ...] = field(default=())  # SupplementaryGroups= of the unit, by name
+    source: str  # where it came from: "the unit openarc.service", "the user running doctor"
+    unit: str | None = None  # the unit whose User= it is
 
 
 class Box:
@@ -76,16 +76,17 @@ class Box:
     def group_gid(self, name: str) -> int | None:
         return next((gid for gid, group in self.group_names().items() if group == name), None)
 
-    def user_named(self, name: str, source: str, groups: tuple[str, ...] = ()) -> User:
+    def user_named(self, name: str, unit: str, groups: tuple[str, ...] = ()) -> User:
         """A user of /etc/passwd with its primary group, the groups that list it, and `groups` (a unit's
         Group= and SupplementaryGroups=)."""
         entry = next((row for row in self._colon_file("/etc/passwd") if row[0] == name), None)
         named = {self.group_gid(group) for group in groups} - {None}
+        source = f"the unit {unit}"
         if entry is None or not entry[2].isdigit():
-            return User(name, None, frozenset(named), source, groups)
+            return User(name, None, frozenset(named), source, unit)
         members = {int(row[2]) for row in self._colon_file("/etc/group")
                    if row[2].isdigit() and len(row) > 3 and name in row[3].split(",")}
-        return User(name, int(entry[2]), frozenset({int(entry[3]), *members, *named}), source, groups)
+        return User(name, int(entry[2]), frozenset({int(entry[3]), *members, *named}), source, unit)
 
     def current_user(self) -> User:
         """Whoever runs doctor: uid and groups from /proc/self/status (Uid:, Gid:, Groups:)."""

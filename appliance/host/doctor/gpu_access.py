@@ -24,11 +24,10 @@ def _no_nodes(cards: list[CardFacts]) -> Check:
                 "in a container, pass the device (--device /dev/dri, quadlet AddDevice=/dev/dri)")
 
 
-def access_fix(box: Box, user: User, group: str) -> str:
+def access_fix(user: User, group: str) -> str:
     """How `user` gets the node's group: a unit line for a service, usermod for a login user."""
-    if user.source.startswith("the unit"):
-        return f"add `SupplementaryGroups={group}` under [Service] of {user.source[len('the unit '):]} " \
-               f"(`sudo systemctl edit {user.source[len('the unit '):]}`)"
+    if user.unit:
+        return f"add `SupplementaryGroups={group}` under [Service] of {user.unit} (`sudo systemctl edit {user.unit}`)"
     return f"sudo usermod -aG {group} {user.name}, then log out and in again (or `newgrp {group}`)"
 
 
@@ -47,5 +46,5 @@ def checks(box: Box, user: User, cards: list[CardFacts]) -> list[Check]:
                               "sudo systemd-sysusers (installs units/openarc.sysusers.conf), or create the user"))
         else:
             found.append(fail(name, f"{user.name} ({user.source}) cannot open it: {box.mode(node)} group {group}, "
-                                    f"and {user.name} is not in group {group}", access_fix(box, user, group)))
+                                    f"and {user.name} is not in group {group}", access_fix(user, group)))
     return found

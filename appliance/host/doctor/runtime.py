@@ -28,8 +28,8 @@ class KnownBad:
 
 
 KNOWN_BAD = (
-    KnownBad(RUNTIME_PACKAGES, "26.18", "OpenVINO serving crashes on Arc GPUs after the upgrade from compute-runtime "
-             "26.01 (a regression, GSD-12905)", "pin the previous runtime (26.01) until a fixed release: "
+    KnownBad(RUNTIME_PACKAGES, "26.18", "OpenVINO Model Server crashes on an Arc iGPU after the upgrade from "
+             "compute-runtime 26.01 (a regression, GSD-12905)", "pin the previous runtime (26.01) until a fixed release: "
              "sudo apt install intel-opencl-icd=<26.01 version> libze-intel-gpu1=<26.01 version>",
              "intel/compute-runtime#937"),
 )

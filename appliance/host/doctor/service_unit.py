@@ -92,7 +92,7 @@ def service_user(box: Box, unit: Unit | None) -> User:
         return box.current_user()
     groups = [*unit.values("Service", "Group"), *(g for v in unit.values("Service", "SupplementaryGroups")
                                                   for g in v.split())]
-    return box.user_named(unit.last("Service", "User"), f"the unit {unit.name}", tuple(groups))
+    return box.user_named(unit.last("Service", "User"), unit.name, tuple(groups))
 
 
 def _service_checks(unit: Unit) -> list[Check]:

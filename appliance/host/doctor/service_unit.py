@@ -126,6 +126,16 @@ def _service_checks(unit: Unit) -> list[Check]:
     return found
 
 
+def kernel_log_check(box: Box) -> Check:
+    """Without a unit: whether this user can read the kernel log (kernel.dmesg_restrict asks for CAP_SYSLOG)."""
+    _records, unreadable = box.kernel_log()
+    if unreadable:
+        return warn("kernel log", f"{unreadable}: GPU hangs and resets go uncounted and the SDPA mitigation cannot "
+                                  "act", "run openarc under the shipped unit with units/openarc-kmsg.conf, or "
+                                         "sudo sysctl kernel.dmesg_restrict=0")
+    return ok("kernel log", "readable (GPU hangs and resets are seen)")
+
+
 def _quadlet_checks(unit: Unit) -> list[Check]:
     devices = [value.lstrip("-") for value in unit.values("Container", "AddDevice")]
     found = []
@@ -149,7 +159,7 @@ def checks(box: Box, unit: Unit | None, asked: str | None, user: User) -> list[C
         if asked:
             return [fail("unit", f"no unit or quadlet named {asked} is installed", INSTALL_FIX)]
         return [skip("unit", f"no openarc.service or openarc.container installed; checking as {user.name} "
-                             f"({user.source})")]
+                             f"({user.source})"), kernel_log_check(box)]
     dropins = f" with {', '.join(unit.dropins)}" if unit.dropins else ""
     found = [ok("unit", f"{unit.name} at {unit.path}{dropins}; runs as {user.name}")]
     return found + (_quadlet_checks(unit) if unit.is_quadlet else _service_checks(unit))

@@ -204,3 +204,27 @@ def test_on_this_machine_doctor_fails_on_the_missing_render_node_fast(tmp_path):
     assert "FAIL  render nodes: no /dev/dri/renderD* node" in done.stdout
     assert "max_contxt" in done.stdout
     assert took < 60, took  # the OpenVINO child dominates; seconds on an idle machine
+
+
+def test_the_shipped_quadlet_passes_and_one_without_the_gpu_fails(tmp_path):
+    root = build_root(tmp_path / "root", unit=False)
+    quadlet = root / "etc/containers/systemd/openarc.container"
+    quadlet.parent.mkdir(parents=True)
+    shipped = (REPO / "containers/openarc.container").read_text()
+    quadlet.write_text(shipped)
+    named = by_name(doctor.diagnose(root))
+    assert named["unit"].detail.startswith("openarc.container at /etc/containers/systemd/openarc.container")
+    assert named["unit device access"].status == named["unit render group"].status == "ok"
+    quadlet.write_text(shipped.replace("AddDevice=-/dev/dri\n", "").replace("GroupAdd=keep-groups\n", ""))
+    named = by_name(doctor.diagnose(root, unit="openarc.container"))
+    assert named["unit device access"].status == "fail"
+    assert named["unit device access"].fix == ("add `AddDevice=-/dev/dri` under [Container] of "
+                                               "/etc/containers/systemd/openarc.container")
+    assert named["unit render group"].status == "warn" and "GroupAdd=keep-groups" in named["unit render group"].fix
+
+
+def test_a_named_unit_that_is_not_installed_fails(tmp_path):
+    root = build_root(tmp_path / "root", unit=False)
+    unit = by_name(doctor.diagnose(root, unit="openarc@qwen"))["unit"]
+    assert unit.status == "fail" and unit.detail == "no unit or quadlet named openarc@qwen is installed"
+    assert unit.fix.startswith("sudo units/install.sh")

@@ -310,12 +310,19 @@ def _event_from_match(match: re.Match, kind: str, counts: bool, prefix: re.Match
     )
 
 
+def _drm_split(text: str) -> tuple[str, re.Match | None, str]:
+    """(the line, its drm prefix, the message after it with `*ERROR* ` kept) of a record's first line or a dmesg
+    line (its "[seconds] " stamp taken off)."""
+    line = _DMESG_TIME.sub("", text.split("\n", 1)[0], count=1)
+    prefix = _DRM_PREFIX.match(line)
+    return line, prefix, (prefix["error"] or "") + line[prefix.end():] if prefix else line
+
+
 def drm_message(text: str) -> tuple[str, str, str] | None:
     """(driver, PCI address, message) of an i915/xe `[drm]` line, the message without its prefixes (`*ERROR* ` kept,
     `Tile0: GT0: ` taken off); None for other lines."""
-    line = _DMESG_TIME.sub("", text.split("\n", 1)[0], count=1)
-    prefix = _DRM_PREFIX.match(line)
-    return (prefix["driver"], prefix["bdf"], (prefix["error"] or "") + line[prefix.end():]) if prefix else None
+    _line, prefix, message = _drm_split(text)
+    return (prefix["driver"], prefix["bdf"], message) if prefix else None
 
 
 def detect_gpu_event(text: str) -> GpuEvent | None:
@@ -325,9 +332,7 @@ def detect_gpu_event(text: str) -> GpuEvent | None:
     Only the first line of a multi-line record is looked at. Lines that do not name a
     PCI device (no drm prefix, no BDF in the message) are never GPU events.
     """
-    line = _DMESG_TIME.sub("", text.split("\n", 1)[0], count=1)
-    prefix = _DRM_PREFIX.match(line)
-    message = (prefix["error"] or "") + line[prefix.end():] if prefix else line
+    line, prefix, message = _drm_split(text)
     for pattern, kind, counts in _COMPILED_KMSG_EVENTS:
         match = pattern.match(message)
         if match and (prefix or match.groupdict().get("bdf")):

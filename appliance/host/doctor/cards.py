@@ -125,7 +125,7 @@ def firmware_from_log(records: list[telemetry.KmsgRecord], bdf: str) -> dict[str
             continue
         message = parsed[2]
         if loaded := _FW_LOADED.match(message.removeprefix("*ERROR* ")):
-            firmware.setdefault(loaded["fw"], loaded["version"])
+            firmware[loaded["fw"]] = loaded["version"]
         elif failed := _FW_FAILED.match(message):
             kind = failed["fw"] or failed["fw2"] or failed["fw3"] or "GuC"
             firmware[kind] = f"failed: {message.removeprefix('*ERROR* ')}"

@@ -144,6 +144,9 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Read-only checks of this box (or a recorded root) before the first request; exit 1 when one fails."""
     from appliance.host import doctor
+    if not Path(args.root).is_dir():
+        print(f"openarc doctor: --root {args.root}: not a directory", file=sys.stderr)
+        return 2
     logging.getLogger("appliance.host").setLevel(logging.ERROR)  # the checks say it; no warnings twice
     checks = doctor.diagnose(args.root, args.config, args.unit)
     print(doctor.to_json(checks) if args.json else doctor.to_text(checks))

@@ -66,6 +66,7 @@ class CardFacts:
     vram_bar_bytes: int | None
     firmware: dict[str, str] = field(default_factory=dict)  # "GuC" -> "70.36.0" | "missing: ..." | "failed: ..."
     firmware_source: str = "kernel log"  # or why the kernel log was not read
+    openvino_name: str | None = None  # GPU.0, GPU.1 (bare GPU when it is the only one), where OpenVINO said
 
     @property
     def generation(self) -> dict[str, Any] | None:
@@ -109,11 +110,9 @@ def read_bar_size(resource_text: str | None, index: int = VRAM_BAR) -> int | Non
     return end - start + 1 if end > start else None
 
 
-def _openvino_memory(listing: dict[str, Any] | None, bdf: str) -> int | None:
-    for device in (listing or {}).get("devices", []):
-        if device.get("pci") == bdf and device.get("memory_bytes"):
-            return int(device["memory_bytes"])
-    return None
+def _openvino_device(listing: dict[str, Any] | None, bdf: str) -> dict[str, Any]:
+    """What OpenVINO listed for the card at `bdf` ({} when it did not, or told no PCI address)."""
+    return next((device for device in (listing or {}).get("devices", []) if device.get("pci") == bdf), {})
 
 
 def firmware_from_log(records: list[telemetry.KmsgRecord], bdf: str) -> dict[str, str]:
@@ -154,10 +153,11 @@ def card_facts(box: Box, listing: dict[str, Any] | None = None) -> list[CardFact
         card_dirs = sorted(device.glob("drm/card*"))
         vram = telemetry.probe_memory_total(card_dirs[0]) if card_dirs else None
         bdf = device.name
+        openvino = _openvino_device(listing, bdf)
         facts.append(CardFacts(
             bdf=bdf, name=name, pci_id=f"{vendor:04x}:{device_id:04x}", family=family, variant=variant,
             driver=driver, render_node=f"/dev/dri/{renders[0]}" if renders else None, kernel=box.kernel_release(),
-            vram_bytes=vram or _openvino_memory(listing, bdf),
+            vram_bytes=vram or openvino.get("memory_bytes"), openvino_name=openvino.get("name"),
             vram_bar_bytes=read_bar_size(telemetry.read_text(device / "resource")),
             firmware=firmware_from_log(records, bdf) if driver else {},
             firmware_source="kernel log" if not unreadable else f"kernel log unreadable ({unreadable})"))
@@ -247,7 +247,7 @@ def status_view(facts: list[CardFacts], mitigations: dict[str, list[str]] | None
     """The per-card facts /openarc/status shows: what doctor checks, plus the mitigations in force on each card."""
     view = []
     for card in facts:
-        entry = {key: value for key, value in asdict(card).items() if key != "firmware_source"}
+        entry = {key: value for key, value in asdict(card).items() if key not in ("firmware_source", "openvino_name")}
         entry.update(generation=(card.generation or {}).get("name"), rebar=card.rebar,
                      mitigations=sorted((mitigations or {}).get(card.bdf, [])))
         view.append(entry)

@@ -32,10 +32,11 @@ def load(path: str) -> tuple[Config | None, list[Check]]:
 
 
 def gpu_cards(cards: list[CardFacts]) -> dict[str, CardFacts]:
-    """OpenVINO's device names (GPU.0, GPU.1, ...) for the Arc cards, in PCI order (the order OpenVINO enumerates
-    discrete cards in)."""
+    """OpenVINO's device names (GPU.0, GPU.1, ...) for the Arc cards: the name OpenVINO gave the card's PCI address
+    (bare GPU is GPU.0), else by PCI order (the order it enumerates discrete cards in)."""
     arc = [card for card in cards if card.generation]
-    return {f"GPU.{i}": card for i, card in enumerate(arc)}
+    named = {budget_device(card.openvino_name): card for card in arc if card.openvino_name}
+    return named or {f"GPU.{i}": card for i, card in enumerate(arc)}
 
 
 def memory_checks(config: Config, cards: list[CardFacts]) -> list[Check]:

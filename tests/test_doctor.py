@@ -228,3 +228,17 @@ def test_a_named_unit_that_is_not_installed_fails(tmp_path):
     unit = by_name(doctor.diagnose(root, unit="openarc@qwen"))["unit"]
     assert unit.status == "fail" and unit.detail == "no unit or quadlet named openarc@qwen is installed"
     assert unit.fix.startswith("sudo units/install.sh")
+
+
+def test_a_known_bad_runtime_version_warns_with_its_source(tmp_path):
+    root = build_root(tmp_path / "root")
+    status = root / "var/lib/dpkg/status"
+    status.write_text(status.read_text().replace("25.35.35096.9-1~24.04~ppa3", "25.18.33578.6-1~24.04~ppa1"))
+    checks = doctor.diagnose(root)
+    bad = [check for check in checks if check.name.startswith("known issue")]
+    assert [check.name for check in bad] == ["known issue: intel-opencl-icd 25.18.33578.6-1~24.04~ppa1",
+                                             "known issue: libze-intel-gpu1 25.18.33578.6-1~24.04~ppa1"]
+    assert all(check.status == "warn" and "(intel/compute-runtime#831)" in check.detail and
+               "25.13.33276.16" in check.fix for check in bad)
+    assert doctor.exit_status(checks) == 0  # a warning passes
+

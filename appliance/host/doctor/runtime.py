@@ -32,6 +32,11 @@ KNOWN_BAD = (
              "compute-runtime 26.01 (a regression, GSD-12905)", "pin the previous runtime (26.01) until a fixed release: "
              "sudo apt install intel-opencl-icd=<26.01 version> libze-intel-gpu1=<26.01 version>",
              "intel/compute-runtime#937"),
+    KnownBad(RUNTIME_PACKAGES, "25.18.33578", "OpenCL lists no platform on Arc A-series cards (clinfo: \"Number of "
+             "platforms 0\"), so OpenVINO sees no GPU", "upgrade the compute runtime, or pin 25.13.33276.16",
+             "intel/compute-runtime#831"),
+    KnownBad(RUNTIME_PACKAGES, "26.27.39122.12", "SIGSEGV during inference on Battlemage (Arc Pro B50); rolling back "
+             "to 26.22 fixed it", "upgrade past 26.27.39122.12, or pin 26.22", "intel/compute-runtime#971"),
 )
 
 

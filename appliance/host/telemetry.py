@@ -615,7 +615,7 @@ def gpu_identity(vendor_id: int, device_id: int) -> tuple[str, str | None, str, 
     return family, None, f"Intel GPU 0x{device_id:04x}", warning
 
 
-def _read_hex(path: Path) -> int | None:
+def read_hex(path: Path) -> int | None:
     text = read_text(path)
     try:
         return int(text.strip(), 16) if text else None
@@ -644,7 +644,7 @@ def probe_memory_total(card_dir: Path) -> int | None:
 
 def _gpu_info(card_dir: Path) -> GpuInfo | None:
     device_dir = card_dir / "device"
-    vendor_id, device_id = _read_hex(device_dir / "vendor"), _read_hex(device_dir / "device")
+    vendor_id, device_id = read_hex(device_dir / "vendor"), read_hex(device_dir / "device")
     if vendor_id is None or device_id is None:
         return None
     driver_link = device_dir / "driver"

@@ -144,8 +144,9 @@ def card_facts(box: Box, listing: dict[str, Any] | None = None) -> list[CardFact
     records, unreadable = box.kernel_log()
     facts = []
     for device in _pci_dirs(box):
-        vendor = int((telemetry.read_text(device / "vendor") or "0").strip(), 16)
-        device_id = int((telemetry.read_text(device / "device") or "0").strip(), 16)
+        vendor, device_id = telemetry.read_hex(device / "vendor"), telemetry.read_hex(device / "device")
+        if vendor is None or device_id is None:
+            continue
         family, variant, name, _warning = telemetry.gpu_identity(vendor, device_id)
         driver_link = device / "driver"
         driver = os.path.basename(os.readlink(driver_link)) if driver_link.is_symlink() else None

@@ -43,7 +43,12 @@ def query(box: Box) -> dict[str, Any]:
     to ask), or {"skipped": why} without one."""
     if box.recorded:
         text = box.read(RECORDED_OPENVINO)
-        return json.loads(text) if text else {"skipped": f"the recorded root holds no {RECORDED_OPENVINO}"}
+        if not text:
+            return {"skipped": f"the recorded root holds no {RECORDED_OPENVINO}"}
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            return {"error": f"{RECORDED_OPENVINO} of the recorded root is not JSON ({exc})"}
     try:
         done = subprocess.run([sys.executable, "-c", QUERY], capture_output=True, text=True, timeout=QUERY_TIMEOUT_S)
     except subprocess.TimeoutExpired:

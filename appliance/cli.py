@@ -1,4 +1,4 @@
-"""`openarc`: serve, check-config, pull, demo-model, health, and models / load / unload against a running server."""
+"""`openarc`: serve, check-config, doctor, pull, demo-model, health, and models / load / unload against a running server."""
 
 from __future__ import annotations
 
@@ -141,6 +141,18 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Read-only checks of this box (or a recorded root) before the first request; exit 1 when one fails."""
+    from appliance.host import doctor
+    if not Path(args.root).is_dir():
+        print(f"openarc doctor: --root {args.root}: not a directory", file=sys.stderr)
+        return 2
+    logging.getLogger("appliance.host").setLevel(logging.ERROR)  # the checks say it; no warnings twice
+    checks = doctor.diagnose(args.root, args.config, args.unit)
+    print(doctor.to_json(checks) if args.json else doctor.to_text(checks))
+    return doctor.exit_status(checks)
+
+
 def api_key(args: argparse.Namespace) -> str | None:
     """The key the server checks, from the same environment variable: the one its config's server.api_key_env
     names (--config, else /etc/openarc/openarc.yaml when readable), else OPENARC_API_KEY."""
@@ -246,6 +258,16 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt-phrases", action="store_true",
                       help="llm: the model's answer text in a prompt encodes to its own tokens (prompt lookup)")
     demo.set_defaults(func=cmd_demo_model)
+    doctor = sub.add_parser("doctor", help="check this box before the first request: GPU nodes and permissions, "
+                                           "compute runtime, OpenVINO's devices, each card, the config, the unit, "
+                                           "disk; each failure with its fix; exit 1 when one fails")
+    doctor.add_argument("--config", help="also check this config: every check-config problem, memory against "
+                                         "VRAM, the model directories")
+    doctor.add_argument("--json", action="store_true", help='print {"checks": [{"name", "status", "detail", "fix"}]}')
+    doctor.add_argument("--unit", help="the systemd unit or quadlet that runs openarc (default: openarc.service, "
+                                       "else openarc.container; its User= is the user checked)")
+    doctor.add_argument("--root", default="/", help="the machine's files under this directory (a recorded root)")
+    doctor.set_defaults(func=cmd_doctor)
     health = sub.add_parser("health", help="exit 0 iff the appliance answers /ready with 200")
     health.add_argument("--url", default=os.environ.get("OPENARC_URL", "http://127.0.0.1:8000"))
     health.add_argument("--timeout", type=float, default=5.0)

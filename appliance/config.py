@@ -162,6 +162,9 @@ class ModelConfig:
     scheduler_config: dict[str, Any] = field(default_factory=dict)
     # GPU_ENABLE_SDPA_OPTIMIZATION; false stops the fence-timeout hangs seen on Arc A770.
     sdpa_optimization: bool | None = None
+    # auto: after repeated fence timeouts or hangs on this model's card (kernel log), its worker is restarted with
+    # sdpa_optimization false (appliance.front.gpu_sentinel); an explicit sdpa_optimization always wins. off: never.
+    gpu_mitigations: Literal["auto", "off"] = "auto"
     # ENABLE_WEIGHTLESS; None means true on GPU (9-17 GB -> ~0.2 GB host RAM per 14B load).
     enable_weightless: bool | None = None
     # llm: prompt plus completion; embedding, rerank: tokens of one input (a longer one is a 400 unless the

@@ -66,8 +66,10 @@ OPS: dict[str, Op] = {
     "error": _op("worker", "id kind code message retryable", "hint",
                  "a request failed (retryable: a retry may succeed); the worker goes on"),
     "progress": _op("worker", doc="generation goes on though nothing was sent (keeps the stall timer honest)"),
-    "telemetry": _op("worker", "rss_bytes", "device_memory_used_bytes device_memory_total_bytes kv_cache_usage_ratio",
-                     "memory figures (and the KV cache's use, where the engine has one), every few seconds"),
+    "telemetry": _op("worker", "rss_bytes",
+                     "device_memory_used_bytes device_memory_total_bytes device_memory_regions kv_cache_usage_ratio",
+                     "memory figures (and the KV cache's use, where the engine has one), every few seconds; "
+                     "device_memory_regions: where its GPU buffers are resident, {vram, system} bytes (DRM fdinfo)"),
     "batch": _op("worker", "frames", doc="the frames of one engine step, sent as one"),
 }
 

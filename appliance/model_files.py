@@ -200,13 +200,16 @@ def _permits(st: os.stat_result, uid: int, gids: set[int], want: int) -> bool:
     return (st.st_mode >> shift) & want == want
 
 
-def unreadable_by(path: Path, uid: int, gids: set[int]) -> str | None:
+def unreadable_by(path: Path, uid: int, gids: set[int], top: Path | None = None) -> str | None:
     """The first part of `path` (a directory on the way, or the file itself) that user `uid` (groups `gids`) cannot
-    pass or read, from the permission bits: what `check-config` run as root says about the service user."""
+    pass or read, from the permission bits: what `check-config` run as root says about the service user. `top`: look
+    only from there down (a machine's files under a root, as `openarc doctor --root` reads them)."""
     if uid == 0:
         return None
     path = path.absolute()
     for part in [*reversed(path.parents), path]:
+        if top is not None and not part.is_relative_to(top):
+            continue
         try:
             st = part.stat()
         except OSError:

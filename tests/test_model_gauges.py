@@ -26,16 +26,26 @@ def telemetry(rss: int, kv: float) -> dict:
     return ipc.frame("telemetry", rss_bytes=rss, kv_cache_usage_ratio=kv)
 
 
-def test_only_the_serving_worker_writes_the_models_gauges(tmp_path, demo_model):
+def one_model_config(tmp_path, demo_model):
     path = tmp_path / "openarc.yaml"
     path.write_text(yaml.safe_dump({"models": [{"name": "m", "path": str(demo_model), "device": "CPU"}]}))
-    config = load_config(path)
+    return load_config(path)
+
+
+def ready_model(sup: Supervisor):
+    """The supervisor's model "m", as if its worker had loaded."""
+    model = sup.models["m"]
+    for state in (ModelState.LOADING, ModelState.READY):
+        model.life.enter(state)
+    return model
+
+
+def test_only_the_serving_worker_writes_the_models_gauges(tmp_path, demo_model):
+    config = one_model_config(tmp_path, demo_model)
 
     async def scenario() -> None:
         sup = Supervisor(config, Metrics())
-        old = sup.models["m"]
-        for state in (ModelState.LOADING, ModelState.READY):
-            old.life.enter(state)
+        old = ready_model(sup)
         old._on_frame(telemetry(100, 0.5))
         new = sup._new_model(config.models[0], config)  # the replacement, as Supervisor._replace makes it
         new.reports = False
@@ -52,4 +62,20 @@ def test_only_the_serving_worker_writes_the_models_gauges(tmp_path, demo_model):
         assert gauges(sup) == (300, 0.2)
         new.life.enter(ModelState.RESTARTING)  # the serving worker's own end does empty it
         assert gauges(sup)[1] == 0
+    asyncio.run(scenario())
+
+
+def test_a_gpu_workers_buffers_by_region_become_the_models_device_memory_gauge(tmp_path, demo_model):
+    """The telemetry a GPU worker sends from its DRM fdinfo (appliance.host.telemetry.device_memory_regions, tested
+    on recorded xe and i915 files in test_telemetry.py) as openarc_model_device_memory_bytes{model,region}."""
+    config = one_model_config(tmp_path, demo_model)
+
+    async def scenario() -> None:
+        sup = Supervisor(config, Metrics())
+        model = ready_model(sup)
+        model._on_frame(ipc.frame("telemetry", rss_bytes=1, device_memory_regions={"vram": 8 << 30, "system": 6 << 20}))
+        model._on_frame(ipc.frame("telemetry", rss_bytes=1, device_memory_regions={"vram": 1 << 30, "system": 15 << 30}))
+        scrape = samples(sup.metrics.exposition()[0].decode())
+        assert value(scrape, "openarc_model_device_memory_bytes", model="m", region="vram") == 1 << 30
+        assert value(scrape, "openarc_model_device_memory_bytes", model="m", region="system") == 15 << 30
     asyncio.run(scenario())

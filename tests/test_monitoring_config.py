@@ -34,6 +34,8 @@ OPENARC_METRICS = {
     "openarc_device_memory_used_bytes": ("gauge", ("device",)),
     "openarc_device_memory_total_bytes": ("gauge", ("device",)),
     "openarc_worker_resident_memory_bytes": ("gauge", ("model",)),
+    "openarc_model_device_memory_bytes": ("gauge", ("model", "region")),
+    "openarc_gpu_mitigations_total": ("counter", ("card", "mitigation")),
     "openarc_requests_running": ("gauge", ("model",)),
     "openarc_requests_waiting": ("gauge", ("model",)),
     "openarc_kv_cache_usage_ratio": ("gauge", ("model",)),
@@ -358,7 +360,8 @@ def test_dashboard_queries_pass_promtool_as_recording_rules(promtool, dashboard,
 # A healthy, busy server: every metric exported once, one model ready, no 5xx.
 SAMPLE_LABELS = {"model": "demo", "endpoint": "/v1/chat/completions", "status": "200", "kind": "device_oom",
                  "signal": "SIGSEGV", "reason": "crash", "device": "GPU.0", "outcome": "accepted",
-                 "source": "cache", "type": "web_search"}
+                 "source": "cache", "type": "web_search",
+                 "region": "vram", "card": "0000:03:00.0", "mitigation": "sdpa_off"}
 SCRAPE_LABELS = {"job": "openarc", "instance": "127.0.0.1:8000"}
 SAMPLE_MINUTES = 90
 HISTOGRAM_BUCKETS = ("0.1", "1", "+Inf")

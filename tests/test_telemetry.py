@@ -14,6 +14,7 @@ import pytest
 from appliance.host.telemetry import (
     DrmClient,
     GpuInfo,
+    device_memory_regions,
     device_memory_used,
     list_gpus,
     parse_fdinfo,
@@ -77,6 +78,7 @@ A770_CLIENT = DrmClient(
     client_name=None,
     vram_resident_bytes=7342084 * KiB,
     vram_total_bytes=7342084 * KiB,
+    system_resident_bytes=18944 * KiB,
 )
 
 
@@ -128,6 +130,28 @@ def test_device_memory_sums_unique_clients_per_card(tmp_path):
     make_process(tmp_path, 102, NON_DRM_FDS)
     used = device_memory_used([100, 101, 102, 99999], proc_root=tmp_path)
     assert used == {"0000:03:00.0": 7342084 * KiB + 1 * MiB, "0000:07:00.0": 8388612 * KiB}
+
+
+@pytest.mark.parametrize(
+    ("name", "vram", "system"),
+    [
+        ("xe-b580-llm.txt", 8388612 * KiB, 6148 * KiB),  # after load: all in VRAM, gtt holds the page tables
+        ("xe-b580-evicted.txt", 1024 * MiB, 15360 * MiB),  # the cliff: the model's buffers moved to system memory
+        ("xe-kerneldoc.txt", 23992 * KiB, 192 * KiB),  # system 0 + gtt 192 KiB; stolen is neither
+        ("i915-a770-compute.txt", 7342084 * KiB, 18944 * KiB),  # system0, never stolen-local0
+        ("i915-a770-evicted.txt", 1069060 * KiB, 6144 * MiB),
+        ("i915-a770-memory-alias.txt", 7342084 * KiB, 18944 * KiB),  # the deprecated drm-memory- alias
+    ],
+)
+def test_device_memory_by_region_from_recorded_fdinfo(tmp_path, name, vram, system):
+    make_process(tmp_path, 7, {**NON_DRM_FDS, 9: fixture(f"fdinfo/{name}"), 10: fixture(f"fdinfo/{name}")})
+    assert device_memory_regions([7], proc_root=tmp_path) == {"vram": vram, "system": system}
+
+
+def test_device_memory_by_region_without_memory_lines_is_empty(tmp_path):
+    make_process(tmp_path, 7, {3: fixture("fdinfo/i915-a770-engines-only.txt")})
+    make_process(tmp_path, 8, NON_DRM_FDS)
+    assert device_memory_regions([7, 8, 99999], proc_root=tmp_path) == {}
 
 
 def test_card_without_device_memory_is_left_out(tmp_path):

@@ -95,10 +95,17 @@ class Metrics:
         self.model_state = Gauge("openarc_model_state", "1 for the model's current state", ["model", "state"], registry=r)
         self.gpu_resets = Counter("openarc_gpu_resets", "GPU hangs and resets seen in the kernel log",
                                   ["device"], registry=r)
+        self.gpu_mitigations = Counter("openarc_gpu_mitigations", "Automatic mitigations applied to a card's "
+                                       "workers (sdpa_off: restarted with GPU_ENABLE_SDPA_OPTIMIZATION false after "
+                                       "repeated fence timeouts or hangs on the card)", ["card", "mitigation"],
+                                       registry=r)
         self.device_memory_used = Gauge("openarc_device_memory_used_bytes", "Device (VRAM) memory used by workers",
                                         ["device"], registry=r)
         self.device_memory_total = Gauge("openarc_device_memory_total_bytes", "Device (VRAM) memory size",
                                          ["device"], registry=r)
+        self.model_device_memory = Gauge("openarc_model_device_memory_bytes", "GPU buffers of the model's worker by "
+                                         "where they are resident (DRM fdinfo): vram, or system memory (evicted)",
+                                         ["model", "region"], registry=r)
         self.worker_rss = Gauge("openarc_worker_resident_memory_bytes", "Host RAM resident in the model's worker",
                                 ["model"], registry=r)
         self.requests_running = Gauge("openarc_requests_running", "Requests generating in the worker", ["model"], registry=r)
@@ -178,6 +185,12 @@ class Metrics:
         for reason in UNLOAD_REASONS:
             self.model_unloads.labels(model=model, reason=reason)
         return ModelMetrics(**series, draft=draft)
+
+    def set_device_memory(self, model: str, regions: dict[str, int]) -> None:
+        """A worker's {vram, system} resident bytes (its telemetry frame's device_memory_regions)."""
+        for region, size in regions.items():
+            if region in ("vram", "system"):
+                self.model_device_memory.labels(model=model, region=region).set(size)
 
     def set_state(self, model: str, state: str) -> None:
         for name in MODEL_STATES:

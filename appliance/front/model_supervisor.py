@@ -149,6 +149,7 @@ class ModelSupervisor:
         self.series.worker_rss.set(message.get("rss_bytes", 0))
         if "kv_cache_usage_ratio" in message and self.state not in NO_WORKER:  # not a late figure of a gone one
             self.series.kv_cache_usage.set(message["kv_cache_usage_ratio"])
+        self.metrics.set_device_memory(self.name, message.get("device_memory_regions") or {})
         for device, used in (message.get("device_memory_used_bytes") or {}).items():
             self.metrics.device_memory_used.labels(device=device).set(used)
         for device, total in (message.get("device_memory_total_bytes") or {}).items():

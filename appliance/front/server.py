@@ -19,6 +19,9 @@ from aiohttp import web
 
 from appliance import __version__
 from appliance.front import listen
+from appliance.front.device_faults import sole_card
+from appliance.front.gpu_sentinel import GpuSentinel
+from appliance.host.doctor import box, cards
 from appliance.host import oom, telemetry
 from appliance.front.api import audio, dialects, embeddings, generate, messages, models, rerank, speech, sse
 from appliance.front.api.errors import error_response
@@ -35,6 +38,9 @@ OPEN_ROUTES = {"/health", "/ready"}
 KMSG_POLL_INTERVAL_S = 1.0
 # Test knob: read kernel log records from this file or FIFO instead of /dev/kmsg. Never set in production.
 KMSG_PATH_ENV = "OPENARC_DEBUG_KMSG_PATH"
+# Test knob: read the machine's files (sysfs, the kernel's boot log) for /openarc/status's cards under this root, as
+# `openarc doctor --root` does. Never set in production.
+SYSTEM_ROOT_ENV = "OPENARC_DEBUG_SYSTEM_ROOT"
 LOAD_EXTEND_EVERY_S = 20.0  # well inside notify.LOAD_EXTEND_USEC
 
 
@@ -48,7 +54,10 @@ class Appliance:
         self.reloading = asyncio.Lock()
         self.metrics = Metrics()
         # GPU resets and OOM kills, for the metrics and for classifying a worker's failure
-        self.kernel_log = telemetry.KernelLog(os.environ.get(KMSG_PATH_ENV, "/dev/kmsg"), on_reset=self.on_gpu_reset)
+        self.sentinel = GpuSentinel()  # card-level mitigations (SDPA off after repeated hangs)
+        self.kernel_log = telemetry.KernelLog(os.environ.get(KMSG_PATH_ENV, "/dev/kmsg"), on_reset=self.on_gpu_reset,
+                                              on_event=self.on_gpu_event)
+        self.card_facts: list[cards.CardFacts] | None = None  # what doctor checks per card, read once
         self.supervisor = Supervisor(config, self.metrics, self.kernel_log)
         self.notifier = Notifier()
         self.loop_health = LoopHealth(self.metrics.event_loop_lag.set)
@@ -154,8 +163,13 @@ class Appliance:
 
     async def status(self, request: web.Request) -> web.Response:
         sup = self.supervisor
+        if self.card_facts is None:  # the same facts `openarc doctor` judges (sysfs, the kernel's boot lines)
+            machine = box.Box(os.environ.get(SYSTEM_ROOT_ENV, "/"))
+            self.card_facts = await asyncio.get_running_loop().run_in_executor(None, cards.card_facts, machine)
         return web.json_response({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
                                   "draining": self.draining, "residency": sup.placement.summary(),
+                                  "cards": cards.status_view(self.card_facts, self.sentinel.in_force),
+                                  "gpu_mitigations": self.sentinel.status(),
                                   "models": [{**m.status(), **sup.placement.status(m.name)}
                                              for m in sup.models.values()]})
 
@@ -238,6 +252,28 @@ class Appliance:
         log.error("GPU %s on %s: %s", event.kind, event.bdf or "?", event.text)
         self.metrics.gpu_resets.labels(device=event.bdf or "unknown").inc()
 
+    def on_gpu_event(self, event: telemetry.GpuEvent) -> None:
+        """A hang line of the kernel log: the sentinel counts it per card; a mitigation it turns on restarts that
+        card's workers (gpu_sentinel)."""
+        for mitigation in self.sentinel.observe(event):
+            log.warning("GPU mitigation %s on %s: %s; restarting its models with sdpa_optimization: false",
+                        mitigation.mitigation, mitigation.card, mitigation.reason)
+            self.metrics.gpu_mitigations.labels(card=mitigation.card, mitigation=mitigation.mitigation).inc()
+            self.request_reload(self.apply_mitigations())
+
+    def model_cards(self) -> dict[str, str | None]:
+        """The card each model's worker runs on: its ready frame's PCI address, else the box's only card."""
+        only = sole_card()
+        return {name: sup.life.device_faults.card or only for name, sup in self.supervisor.models.items()}
+
+    async def apply_mitigations(self) -> None:
+        async with self.reloading:
+            if self.draining:
+                return
+            self.config = self.sentinel.apply(self.config, self.model_cards())
+            changed = await self.supervisor.apply(self.config)
+            log.warning("GPU mitigation: %s restarted", ", ".join(changed) or "no model")
+
     async def watch_kernel_log(self) -> None:
         while True:
             self.kernel_log.update()
@@ -287,9 +323,10 @@ class Appliance:
         await self.shutdown(runner)
         return status
 
-    def request_reload(self) -> None:
-        """SIGHUP: a reload, queued behind any in progress; kept until done, so shutdown can wait for it."""
-        task = asyncio.create_task(self.reload())
+    def request_reload(self, work=None) -> None:
+        """SIGHUP: a reload (or other `work` on the models' config), queued behind any in progress; kept until done,
+        so shutdown can wait for it."""
+        task = asyncio.create_task(work or self.reload())
         self.reloads.add(task)
         task.add_done_callback(self.reloads.discard)
 
@@ -315,6 +352,7 @@ class Appliance:
             log.warning("reload: a new listen address takes a restart; keeping %s:%d",
                         self.config.server.host, self.config.server.port)
         self.api_key = config.api_key()
+        config = self.sentinel.apply(config, self.model_cards())  # mitigations in force outlive a reload
         changed = await self.supervisor.apply(config)
         self.config = dataclasses.replace(config, server=dataclasses.replace(
             config.server, host=self.config.server.host, port=self.config.server.port))

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 BDF = r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
 
 
-def _read_text(path: Path | str) -> str | None:
+def read_text(path: Path | str) -> str | None:
     """File contents, or None when it is gone or unreadable (processes and fds vanish)."""
     try:
         with open(path, encoding="utf-8", errors="replace") as file:
@@ -50,6 +50,10 @@ _FDINFO_KEYS = {
     "resident": re.compile(r"drm-resident-(?:local|vram)\d+"),
     "memory": re.compile(r"drm-memory-(?:local|vram)\d+"),
     "total": re.compile(r"drm-total-(?:local|vram)\d+"),
+    # system memory a client's buffers sit in: i915 system<N> (never stolen-system<N>), xe system and gtt. On a
+    # discrete card a model's buffers land here when the driver evicts them from VRAM (the eviction cliff).
+    "system_resident": re.compile(r"drm-resident-(?:system\d*|gtt)"),
+    "system_memory": re.compile(r"drm-memory-(?:system\d*|gtt)"),
 }
 
 
@@ -62,6 +66,7 @@ class DrmClient:
     client_name: str | None
     vram_resident_bytes: int | None  # None: no device-local memory lines (iGPU, old kernel)
     vram_total_bytes: int | None
+    system_resident_bytes: int | None = None  # None: no system-memory lines
 
 
 def parse_fdinfo(text: str) -> dict[str, str]:
@@ -106,6 +111,8 @@ def drm_client_from_fdinfo(fields: Mapping[str, str], pid: int) -> DrmClient | N
         client_name=fields.get("drm-client-name"),
         vram_resident_bytes=resident,
         vram_total_bytes=_sum_sizes(fields, "total"),
+        system_resident_bytes=next((size for family in ("system_resident", "system_memory")
+                                    if (size := _sum_sizes(fields, family)) is not None), None),
     )
 
 
@@ -124,7 +131,7 @@ def read_drm_clients(pid: int, proc_root: str | Path = "/proc") -> list[DrmClien
         fds = sorted(os.listdir(fdinfo_dir), key=lambda name: int(name) if name.isdigit() else -1)
     except OSError:
         return []  # the process is gone, or not ours to read
-    texts = (_read_text(fdinfo_dir / fd) for fd in fds)
+    texts = (read_text(fdinfo_dir / fd) for fd in fds)
     return _unique_clients(filter(None, (drm_client_from_fdinfo(parse_fdinfo(text or ""), pid) for text in texts)))
 
 
@@ -135,6 +142,17 @@ def device_memory_used(pids: Iterable[int], proc_root: str | Path = "/proc") -> 
         if client.vram_resident_bytes is not None:
             used[client.pdev] = used.get(client.pdev, 0) + client.vram_resident_bytes
     return used
+
+
+def device_memory_regions(pids: Iterable[int], proc_root: str | Path = "/proc") -> dict[str, int]:
+    """Where the buffers of `pids`' unique DRM clients are resident: {"vram": bytes, "system": bytes}, the regions
+    some client reported ({} for a process with no GPU memory lines: not on a GPU, or an old kernel)."""
+    regions: dict[str, int] = {}
+    for client in _unique_clients(client for pid in pids for client in read_drm_clients(pid, proc_root)):
+        for region, size in (("vram", client.vram_resident_bytes), ("system", client.system_resident_bytes)):
+            if size is not None:
+                regions[region] = regions.get(region, 0) + size
+    return regions
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,6 +310,21 @@ def _event_from_match(match: re.Match, kind: str, counts: bool, prefix: re.Match
     )
 
 
+def _drm_split(text: str) -> tuple[str, re.Match | None, str]:
+    """(the line, its drm prefix, the message after it with `*ERROR* ` kept) of a record's first line or a dmesg
+    line (its "[seconds] " stamp taken off)."""
+    line = _DMESG_TIME.sub("", text.split("\n", 1)[0], count=1)
+    prefix = _DRM_PREFIX.match(line)
+    return line, prefix, (prefix["error"] or "") + line[prefix.end():] if prefix else line
+
+
+def drm_message(text: str) -> tuple[str, str, str] | None:
+    """(driver, PCI address, message) of an i915/xe `[drm]` line, the message without its prefixes (`*ERROR* ` kept,
+    `Tile0: GT0: ` taken off); None for other lines."""
+    _line, prefix, message = _drm_split(text)
+    return (prefix["driver"], prefix["bdf"], message) if prefix else None
+
+
 def detect_gpu_event(text: str) -> GpuEvent | None:
     """The i915/xe hang, reset or wedge a kernel log line reports, or None.
 
@@ -299,9 +332,7 @@ def detect_gpu_event(text: str) -> GpuEvent | None:
     Only the first line of a multi-line record is looked at. Lines that do not name a
     PCI device (no drm prefix, no BDF in the message) are never GPU events.
     """
-    line = _DMESG_TIME.sub("", text.split("\n", 1)[0], count=1)
-    prefix = _DRM_PREFIX.match(line)
-    message = (prefix["error"] or "") + line[prefix.end():] if prefix else line
+    line, prefix, message = _drm_split(text)
     for pattern, kind, counts in _COMPILED_KMSG_EVENTS:
         match = pattern.match(message)
         if match and (prefix or match.groupdict().get("bdf")):
@@ -348,13 +379,15 @@ _KMSG_MAX_READS_PER_POLL = 4096
 class KmsgWatcher:
     """Non-blocking reader of a kmsg-format source that reports GPU events as they come.
 
-    It starts at the end (SEEK_END) so messages from before the start are not counted.
+    It starts at the end (SEEK_END) so messages from before the start are not counted; `from_start` reads the
+    whole ring buffer first (what `openarc doctor` looks for boot messages in).
     If the source cannot be opened or read (EPERM under kernel.dmesg_restrict, missing in
     a container) it says so once in the log and `poll` returns [] from then on.
     """
 
-    def __init__(self, path: str | Path = "/dev/kmsg", *, window_us: int = RESET_WINDOW_US):
+    def __init__(self, path: str | Path = "/dev/kmsg", *, window_us: int = RESET_WINDOW_US, from_start: bool = False):
         self.path = str(path)
+        self.from_start = from_start  # a one-off read (doctor's), not the reset watch: no warning when unreadable
         self.unavailable: str | None = None  # why the source is not read, once known
         self.overruns = 0  # EPIPE count: records lost because we read too slowly
         self._pending = b""
@@ -369,11 +402,12 @@ class KmsgWatcher:
             self._give_up(f"cannot open {self.path}: {err.strerror}")
             return None
         with contextlib.suppress(OSError):  # a FIFO cannot seek (ESPIPE) and holds nothing old anyway
-            os.lseek(fd, 0, os.SEEK_END)
+            os.lseek(fd, 0, os.SEEK_SET if self.from_start else os.SEEK_END)
         return fd
 
     def _give_up(self, reason: str) -> None:
-        log.warning("GPU reset detection from the kernel log is off: %s", reason)
+        if not self.from_start:
+            log.warning("GPU reset detection from the kernel log is off: %s", reason)
         self.unavailable = reason
         self.close()
 
@@ -468,13 +502,15 @@ class KernelLog:
     "was there a GPU hang or reset lately?" and "did the OOM killer kill this pid?".
 
     The front calls update() every second; each question reads what arrived since, so a line written just before
-    the failure is seen. `on_reset` is called once per counted reset (the log line and the metric).
+    the failure is seen. `on_reset` is called once per counted reset (the log line and the metric), `on_event` for
+    every GPU line.
     """
 
     def __init__(self, path: str | Path = "/dev/kmsg", *, on_reset: Callable[[GpuEvent], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 on_event: Callable[[GpuEvent], None] | None = None, clock: Callable[[], float] = time.monotonic):
         self.watcher = KmsgWatcher(path)
         self.on_reset = on_reset
+        self.on_event = on_event  # every GPU line, context lines (fence timeouts) too: the GPU sentinel's
         self.clock = clock
         self._gpu_trouble: dict[str | None, tuple[float, GpuEvent]] = {}  # bdf -> (when seen, last event)
         self._oom_killed: collections.deque[int] = collections.deque(maxlen=_OOM_KILLS_KEPT)
@@ -484,6 +520,8 @@ class KernelLog:
         for record in self.watcher.poll_records():
             if event := self.watcher.gpu_event(record):
                 self._gpu_trouble[event.bdf] = (now, event)
+                if self.on_event:
+                    self.on_event(event)
                 if event.counts_as_reset and self.on_reset:
                     self.on_reset(event)
             elif (pid := oom_killed_pid(record)) is not None:
@@ -559,11 +597,11 @@ class GpuInfo:
     family: str  # DG2 | BMG | other
     variant: str | None  # DG2-G10, BMG-G21, ...
     name: str
-    memory_total_bytes: int | None  # from sysfs where the driver has it (see _probe_memory_total)
+    memory_total_bytes: int | None  # from sysfs where the driver has it (see probe_memory_total)
     warning: str | None  # e.g. an Intel id missing from the table
 
 
-def _gpu_identity(vendor_id: int, device_id: int) -> tuple[str, str | None, str, str | None]:
+def gpu_identity(vendor_id: int, device_id: int) -> tuple[str, str | None, str, str | None]:
     """(family, variant, name, warning) for a PCI id."""
     if vendor_id != INTEL_VENDOR_ID:
         return "other", None, f"PCI {vendor_id:04x}:{device_id:04x}", None
@@ -577,8 +615,8 @@ def _gpu_identity(vendor_id: int, device_id: int) -> tuple[str, str | None, str,
     return family, None, f"Intel GPU 0x{device_id:04x}", warning
 
 
-def _read_hex(path: Path) -> int | None:
-    text = _read_text(path)
+def read_hex(path: Path) -> int | None:
+    text = read_text(path)
     try:
         return int(text.strip(), 16) if text else None
     except ValueError:
@@ -586,32 +624,32 @@ def _read_hex(path: Path) -> int | None:
 
 
 def _card_bdf(device_dir: Path) -> str | None:
-    slot = parse_uevent(_read_text(device_dir / "uevent") or "").get("PCI_SLOT_NAME")
+    slot = parse_uevent(read_text(device_dir / "uevent") or "").get("PCI_SLOT_NAME")
     if slot:
         return slot
     resolved = os.path.basename(os.path.realpath(device_dir))
     return resolved if re.fullmatch(BDF, resolved) else None
 
 
-def _probe_memory_total(card_dir: Path) -> int | None:
+def probe_memory_total(card_dir: Path) -> int | None:
     """VRAM size from sysfs, where the driver has it: xe tileN/physical_vram_size_bytes (xe_tile_sysfs.c; some
     kernels make it root-only), the i915 backports' lmem_total_bytes. Upstream i915 has neither."""
     tiles = sorted(card_dir.glob("device/tile*/physical_vram_size_bytes"))
-    sizes = [int(text) for path in tiles if (text := (_read_text(path) or "").strip()).isdigit()]
+    sizes = [int(text) for path in tiles if (text := (read_text(path) or "").strip()).isdigit()]
     if sizes:
         return sum(sizes)
-    lmem = (_read_text(card_dir / "lmem_total_bytes") or "").strip()
+    lmem = (read_text(card_dir / "lmem_total_bytes") or "").strip()
     return int(lmem) if lmem.isdigit() else None
 
 
 def _gpu_info(card_dir: Path) -> GpuInfo | None:
     device_dir = card_dir / "device"
-    vendor_id, device_id = _read_hex(device_dir / "vendor"), _read_hex(device_dir / "device")
+    vendor_id, device_id = read_hex(device_dir / "vendor"), read_hex(device_dir / "device")
     if vendor_id is None or device_id is None:
         return None
     driver_link = device_dir / "driver"
     render_nodes = sorted(path.name for path in device_dir.glob("drm/renderD*"))
-    family, variant, name, warning = _gpu_identity(vendor_id, device_id)
+    family, variant, name, warning = gpu_identity(vendor_id, device_id)
     return GpuInfo(
         card=card_dir.name,
         bdf=_card_bdf(device_dir),
@@ -622,7 +660,7 @@ def _gpu_info(card_dir: Path) -> GpuInfo | None:
         family=family,
         variant=variant,
         name=name,
-        memory_total_bytes=_probe_memory_total(card_dir),
+        memory_total_bytes=probe_memory_total(card_dir),
         warning=warning,
     )
 
@@ -648,8 +686,8 @@ _VM_RSS = re.compile(r"^VmRSS:\s*(\d+)\s*kB", re.MULTILINE)
 
 def process_rss_bytes(pid: int, proc_root: str | Path = "/proc") -> int:
     """Resident set size of a process in bytes; 0 once the process is gone."""
-    statm = (_read_text(Path(proc_root, str(pid), "statm")) or "").split()
+    statm = (read_text(Path(proc_root, str(pid), "statm")) or "").split()
     if len(statm) >= 2 and statm[1].isdigit():
         return int(statm[1]) * os.sysconf("SC_PAGE_SIZE")
-    match = _VM_RSS.search(_read_text(Path(proc_root, str(pid), "status")) or "")
+    match = _VM_RSS.search(read_text(Path(proc_root, str(pid), "status")) or "")
     return int(match[1]) * 1024 if match else 0

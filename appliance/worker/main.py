@@ -78,6 +78,10 @@ class DeviceProbe:
         if self.total is None and card:  # where OpenVINO cannot tell, the driver's sysfs may
             self.total = card.memory_total_bytes
 
+    def regions(self, pid: int) -> dict[str, int]:
+        """Where this worker's GPU buffers are resident ({vram, system} bytes; {} off the GPU): the eviction cliff."""
+        return telemetry.device_memory_regions([pid]) if self.label is not None else {}
+
     def memory(self, pid: int) -> tuple[dict[str, int], dict[str, int]]:
         """(used, total) VRAM by device label."""
         if self.label is None:
@@ -95,8 +99,10 @@ def report_telemetry(channel: BlockingChannel, probe: DeviceProbe, engine: Engin
         try:
             used, total = probe.memory(pid)
             kv_cache = {} if engine.kv_cache_usage_ratio is None else {"kv_cache_usage_ratio": engine.kv_cache_usage_ratio}
+            regions = probe.regions(pid)
             channel.send(frame("telemetry", rss_bytes=telemetry.process_rss_bytes(pid),
-                               device_memory_used_bytes=used, device_memory_total_bytes=total, **kv_cache))
+                               device_memory_used_bytes=used, device_memory_total_bytes=total,
+                               **({"device_memory_regions": regions} if regions else {}), **kv_cache))
         except OSError:
             return
         except Exception:  # telemetry must never take a worker down

@@ -41,3 +41,22 @@ def test_embedding_and_rerank_models_serve_on_the_gpu(appliance_factory, embeddi
     reply = app.client().post("/rerank", body={"model": "rank", "query": "cat",
                                                "documents": ["GPU drivers crash", "a cat on a mat"]}, cast_to=object)
     assert reply["results"][0]["index"] == 1
+
+
+def test_doctor_and_status_see_the_same_card(appliance_factory, demo_model):
+    """On an Arc box: doctor finds a render node this user can open, OpenVINO's GPU, and each card's driver; the
+    running server's /openarc/status shows the same cards, and the demo worker's buffers by region."""
+    from appliance.host import doctor
+    checks = {check.name: check for check in doctor.diagnose("/")}
+    assert checks["render nodes"].status == "ok" and checks["openvino devices"].status == "ok"
+    app = appliance_factory({"models": [model_entry("demo", demo_model, device="GPU")]})
+    cards = app.status()["cards"]
+    assert cards and all(checks[f"card {card['bdf']} driver"].status != "skip" or not card["generation"]
+                         for card in cards)
+    deadline = time.monotonic() + 10
+    regions = {}
+    while time.monotonic() < deadline and "vram" not in regions:
+        regions = {dict(k[1])["region"]: v for k, v in samples(app.metrics()).items()
+                   if k[0] == "openarc_model_device_memory_bytes"}
+        time.sleep(0.5)
+    assert regions.get("vram", 0) > 0, "no VRAM-resident bytes from the worker's fdinfo"

@@ -326,7 +326,7 @@ class ServerConfig:
     # At most this many models have a worker at once (0: no limit), and the footprints of the models loaded on a
     # device stay within its memory_budget ({GPU.0: 14GiB, CPU: 32GiB}): a load evicts idle models first.
     max_loaded: int = 0
-    memory_budget: dict[str, str | int] = field(default_factory=dict)
+    memory_budget: dict[str, Any] = field(default_factory=dict)  # values checked by _memory_budgets, one line each
     # Other names clients may ask for: glob pattern -> a configured model ({"claude-*": coder}), tried in order
     # after the exact names (Claude Code asks for claude-* models whatever the server holds).
     model_aliases: dict[str, str] = field(default_factory=dict)

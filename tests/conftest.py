@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -317,6 +318,11 @@ def quick_side_bench(stem: str, tmp_path: Path) -> dict[str, dict]:
 # storage and the roots and image cached under /var/tmp (the quadlet and end-to-end tests build and use them).
 XDIST_GROUPS = {"test_systemd.py": "systemd", "test_zero_downtime.py": "systemd",
                 "test_podman_e2e.py": "podman", "test_quadlet.py": "podman"}
+# Files whose tests judge timings against the targets the docs quote as met (quoted_as_met): each runs alone on
+# the machine, the other xdist workers waiting between their tests (machine_share), so that a figure is not judged
+# on two cores shared with the rest of the suite.
+ALONE_FILES = {"test_bench.py", "test_bench_constrained.py"}
+MACHINE_LOCKS = Path(tempfile.gettempdir()) / "openarc-tests-machine"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -324,3 +330,26 @@ def pytest_collection_modifyitems(config, items):
         group = XDIST_GROUPS.get(item.path.name)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+        if item.path.name in ALONE_FILES:
+            item.add_marker(pytest.mark.alone)
+
+
+@pytest.fixture(autouse=True)
+def machine_share(request):
+    """Under xdist, every test holds the machine lock shared and an `alone` test holds it exclusively. A turnstile
+    taken before the lock keeps new shared holders out while an exclusive one waits, so it cannot starve."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    MACHINE_LOCKS.mkdir(exist_ok=True)
+    with open(MACHINE_LOCKS / "turnstile", "a") as turnstile, open(MACHINE_LOCKS / "machine", "a") as machine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)

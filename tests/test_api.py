@@ -221,8 +221,8 @@ def test_api_key_guards_everything_but_health_and_ready(appliance_factory, demo_
 def test_an_exception_after_a_stream_opened_ends_it_and_never_answers_twice():
     """The front's real middlewares and route wrapper on a real socket, with handlers that raise once their event
     stream is open (headers sent): an OpenAI route's stream ends with its error event, an Anthropic one's with its
-    `error` event, a handler outside the wrapper has its stream ended by the errors middleware; no second HTTP
-    response is ever written into a stream, and every connection ends."""
+    `error` event, a handler outside the wrapper has its stream ended by the errors middleware, a chunked body of
+    another kind is cut short; no second HTTP response is ever written into a stream, and every connection ends."""
     import asyncio
 
     import aiohttp
@@ -241,12 +241,20 @@ def test_an_exception_after_a_stream_opened_ends_it_and_never_answers_twice():
             raise KeyError("a bug after the headers")
         return handler
 
+    async def raw_then_raising(request, call=None):  # a chunked body of another kind (as audio speech sends)
+        response = web.StreamResponse(headers={"Content-Type": "audio/wav"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(b"RIFF")
+        raise KeyError("a bug after the headers")
+
     async def scenario() -> dict[str, tuple[int, str]]:
         appliance = Appliance(demo_config())
         app = appliance.make_app()
         app.router.add_post("/test/openai", route(appliance, "test", raising(True)))
         app.router.add_post("/test/anthropic", route(appliance, "test", raising(False), messages.ANTHROPIC))
         app.router.add_post("/test/bare", raising(False))
+        app.router.add_post("/test/raw", route(appliance, "test", raw_then_raising))
         runner = web.AppRunner(app)
         await runner.setup()
         port = free_port()
@@ -257,11 +265,18 @@ def test_an_exception_after_a_stream_opened_ends_it_and_never_answers_twice():
                 for path in ("/test/openai", "/test/anthropic", "/test/bare"):
                     async with session.post(f"http://127.0.0.1:{port}{path}", json={}) as response:
                         seen[path] = response.status, await response.text()
+                async with session.post(f"http://127.0.0.1:{port}/test/raw", json={}) as response:
+                    raw = bytearray()
+                    with pytest.raises(aiohttp.ClientPayloadError):  # cut short: never a complete-looking body
+                        async for chunk in response.content.iter_any():
+                            raw += chunk
+                    seen["raw"] = response.status, bytes(raw)
         finally:
             await runner.cleanup()
         return seen
 
     seen = asyncio.run(scenario())
+    assert seen.pop("raw") == (200, b"RIFF")  # no second response in the body
     for path, (status, text) in seen.items():
         assert status == 200 and "HTTP/1.1" not in text and text.startswith('data: {"type": "first"}'), (path, text)
     assert seen["/test/openai"][1].endswith('"param": null, "code": "internal_error"}}\n\ndata: [DONE]\n\n')

@@ -7,6 +7,7 @@ supervisor. Lifecycle follows aiohttp's web_runner: setup, start, serve until SI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import logging
@@ -73,6 +74,7 @@ class Appliance:
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.server.max_body_bytes,
                               middlewares=[self.errors_middleware, self.auth_middleware])
+        app.on_response_prepare.append(sse.record_prepared)  # a request whose answer began is never answered again
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_route)
@@ -90,25 +92,24 @@ class Appliance:
     @web.middleware
     async def errors_middleware(self, request: web.Request, handler) -> web.StreamResponse:
         """Every error leaves as an error body in the route's dialect; no traceback ever reaches a client. A request
-        whose event stream is open already had its answer begin: it is never answered again (the route wrapper sent
-        the error event; here the stream is only ended)."""
+        whose answer began (its headers went out, on any route) is never answered again: an event stream is ended
+        (the route wrapper sent the error event), any other body cut short."""
         sse.watch(request)
         try:
             return await handler(request)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as exc:
-            stream = sse.opened(request)
-            if stream is None:
+            stream, response = sse.opened(request), sse.prepared(request)
+            if response is None:
                 return self.error_answer(request, exc)
-            log.error("%s in the open stream of %s %s", type(exc).__name__, request.method, request.path,
+            log.error("%s after the answer of %s %s began", type(exc).__name__, request.method, request.path,
                       exc_info=exc)
-            try:
-                return await stream.close()
-            except Exception:  # noqa: BLE001 - the stream cannot even end: the connection does
-                if request.transport is not None:
-                    request.transport.close()
-                return stream.response
+            if stream is not None:
+                with contextlib.suppress(Exception):  # a stream that cannot even end: its connection does
+                    return await stream.close()
+            sse.cut(request)  # a body of another kind (chunked audio) is cut short
+            return response
 
     def error_answer(self, request: web.Request, exc: Exception) -> web.StreamResponse:
         """The error body of a request that raised before its answer began."""

@@ -102,11 +102,15 @@ class Call:
     async def answer_failure(self, request: web.Request, exc: Exception) -> web.StreamResponse:
         """What a request whose handler raised gets: its error response before the stream opened, the error event
         in the stream after (a fault of ours, unless the handler raised a request's failure)."""
-        stream = sse.opened(request)
-        if stream is None:
+        stream, response = sse.opened(request), sse.prepared(request)
+        if response is None:
             if isinstance(exc, (InvalidRequest, RequestFailed)):
                 return self.failed(exc)
             raise exc  # the errors middleware answers 500 and logs it
+        if stream is None:  # a body of another kind (chunked audio) has no error event: it is cut short
+            log.error("%s after the answer of %s began", type(exc).__name__, request.path, exc_info=exc)
+            sse.cut(request)
+            return response
         if stream.closed:
             log.error("%s after the end of a stream of %s", type(exc).__name__, request.path, exc_info=exc)
             return stream.response

@@ -3,9 +3,9 @@ routes of other dialects): one stream per response, one JSON payload per event, 
 
 Headers wait for the request's first event (`refused_before_start`), so a request its worker refuses (a context too
 long, a schema that does not compile) still gets a plain 4xx in the route's error shape; once the stream began, a
-failure can only be an event in it. An open stream is recorded on its request (`opened`): whatever raises after the
-headers went out, the route wrapper ends the stream with the dialect's error event and the errors middleware never
-writes a second response into it.
+failure can only be an event in it. A response whose headers went out is recorded on its request (`prepared`, an
+event stream also as `opened`): whatever raises after that, the route wrapper ends an event stream with the
+dialect's error event (another kind of body is cut), and the errors middleware never writes a second response.
 """
 
 from __future__ import annotations
@@ -39,21 +39,44 @@ async def next_event(events: AsyncIterator[Event]) -> Event | RequestFailed:
 
 
 class StreamSlot:
-    """Where a request's event stream is recorded when it opens: one object, shared with the request's clones (a
-    handler that raises its body limit answers on a clone; aiohttp copies the request's dict to it)."""
+    """Where a request's answer is recorded once its headers went out: one object, shared with the request's clones
+    (aiohttp copies the request's dict to a clone). `response`: any response prepared for it (recorded by the app's
+    on_response_prepare signal, whoever prepared it); `stream`: its event stream, if that is what it is."""
 
+    response: web.StreamResponse | None = None
     stream: EventStream | None = None
 
 
 def watch(request: web.Request) -> None:
-    """Give the request a slot for its event stream (before its handler runs, so its clones share it)."""
+    """Give the request a slot for its answer (before its handler runs, so its clones share it)."""
     request.setdefault(OPEN_STREAM, StreamSlot())
+
+
+async def record_prepared(request: web.Request, response: web.StreamResponse) -> None:
+    """The app's on_response_prepare signal: the request's answer began (its status and headers are going out)."""
+    slot = request.get(OPEN_STREAM)
+    if slot is not None and slot.response is None:
+        slot.response = response
+
+
+def prepared(request: web.Request) -> web.StreamResponse | None:
+    """The response whose headers went out for this request, if one did: the request is answered, whatever
+    happens next."""
+    slot = request.get(OPEN_STREAM)
+    return slot.response if slot is not None else None
 
 
 def opened(request: web.Request) -> EventStream | None:
     """The request's event stream if its headers went out (its status is then 200, whatever happens next)."""
     slot = request.get(OPEN_STREAM)
     return slot.stream if slot is not None else None
+
+
+def cut(request: web.Request) -> None:
+    """End the connection of an answer that began and cannot be finished in its own format (a chunked audio body):
+    the client sees an incomplete body, never a complete-looking one nor a second response."""
+    if request.transport is not None:
+        request.transport.close()
 
 
 class EventStream:

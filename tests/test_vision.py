@@ -41,7 +41,8 @@ def app(demo_vlm, demo_model, tmp_path_factory):
                          model_entry("vlm-limited", demo_vlm, kind="vlm", **LIMITED),
                          model_entry("vlm-stateful", demo_vlm, kind="vlm", pipeline="stateful"),
                          model_entry("vlm-think", demo_vlm, kind="vlm", reasoning_parser="qwen3"),
-                         model_entry("chat", demo_model)]}
+                         model_entry("chat", demo_model)],
+              "server": {"model_aliases": {"gpt-4o*": "vlm"}}}
     appliance = Appliance(config, tmp_path_factory.mktemp("vision")).start()
     yield appliance
     appliance.stop()
@@ -516,6 +517,8 @@ def test_a_body_past_max_body_bytes_is_read_only_for_a_vision_model(app):
     assert "only a request to a vision model" in reply["error"]["message"]
     status, reply = post_chat(app, {**body, "model": "vlm", "max_tokens": 2})
     assert status == 200, reply
+    status, reply = post_chat(app, {**body, "model": "gpt-4o-mini", "max_tokens": 2})  # an alias of the VLM
+    assert status == 200 and reply["model"] == "gpt-4o-mini", reply
 
 
 def test_a_request_with_images_to_a_busy_model_is_refused_before_they_are_fetched(appliance_factory,

@@ -80,6 +80,7 @@ class GenerationRoutes:
                 return parse_json(bytes(data))
             body = await asyncio.to_thread(parse_json, bytes(data))
         model = body.get("model") if isinstance(body, dict) else None
+        model = self.appliance.model_named(model) if isinstance(model, str) else None  # an alias reaches a VLM too
         if not any(m.name == model and m.kind == "vlm" for m in config.models):
             raise RequestFailed(413, "invalid_request", f"the request body exceeds the limit of {normal} bytes "
                                 "(server.max_body_bytes); only a request to a vision model (kind vlm) may be larger",
@@ -141,7 +142,8 @@ class GenerationRoutes:
         choices = []
         for index, ((text, logprobs, done), answer) in enumerate(zip(results, answers)):
             reply = answer.message(text, cut=done.finish_reason == "length") if answer else text
-            choices.append(shaper.choice(index, reply, finish_reason(self.appliance.metrics, sup.name, answer, done), logprobs))
+            reason = finish_reason(self.appliance.metrics, sup.name, answer, done)
+            choices.append(shaper.choice(index, reply, reason, logprobs))
         return web.json_response(shaper.whole(choices, self._usage(shaper, [done for _, _, done in results])))
 
     @staticmethod
@@ -180,7 +182,8 @@ class GenerationRoutes:
                 else:
                     for delta in answer.finish(cut=event.finish_reason == "length") if answer else ():
                         await stream.send(shaper.chunk(delta, index=index))
-                    await stream.send(shaper.chunk(finish_reason=finish_reason(self.appliance.metrics, sup.name, answer, event), index=index))
+                    reason = finish_reason(self.appliance.metrics, sup.name, answer, event)
+                    await stream.send(shaper.chunk(finish_reason=reason, index=index))
                     done.append(event)
                     if len(done) == req.n:
                         if req.include_usage:

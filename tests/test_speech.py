@@ -390,3 +390,16 @@ def test_quick_tts_bench_reports_every_figure(tmp_path):
     assert len(figures) == 7
     assert all(f["value"] > 0 for name, f in figures.items() if not name.endswith("added"))
     assert all(f["verdict"] == "info" for f in figures.values())
+
+
+def test_check_config_names_a_voice_file_it_cannot_read(demo_tts, tmp_path):
+    import subprocess
+    import sys
+    config = tmp_path / "openarc.yaml"
+    config.write_text(json.dumps({"models": [model_entry("speech", demo_tts, kind="tts",
+                                                         voices={"a": "voices/alloy.bin", "gone": "voices/gone.bin"})]}))
+    done = subprocess.run([sys.executable, "-m", "appliance", "check-config", str(config)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"models[0].voices.gone: expected a voice file this user can read; cannot read " \
+           f"'{demo_tts}/voices/gone.bin' (model 'speech')" in done.stderr + done.stdout

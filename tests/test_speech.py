@@ -403,3 +403,23 @@ def test_check_config_names_a_voice_file_it_cannot_read(demo_tts, tmp_path):
     assert done.returncode != 0
     assert f"models[0].voices.gone: expected a voice file this user can read; cannot read " \
            f"'{demo_tts}/voices/gone.bin' (model 'speech')" in done.stderr + done.stdout
+
+
+def test_a_client_hanging_up_mid_encode_leaves_the_encoder_to_the_others(app):
+    """The whole of a long text is encoded at the end; a client that hangs up then must not take the encoder process
+    (and every other response's session in it) down with its request."""
+    encoder = encoder_pid(app)
+
+    def busy_ticks() -> int:
+        fields = open(f"/proc/{encoder}/stat").read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    connection = HTTPConnection("127.0.0.1", app.port, timeout=60)
+    text = " ".join(["The quick brown fox jumps over the lazy dog again and again."] * 60)[:4096]
+    connection.request("POST", "/v1/audio/speech", json.dumps(
+        {"model": "speech", "input": text, "voice": "alloy", "response_format": "mp3"}),
+        {"Content-Type": "application/json"})
+    idle = busy_ticks()
+    wait_until(lambda: busy_ticks() > idle + 5, 60, "the encoder at work on the long text")
+    connection.close()  # the client hangs up while its audio is being encoded
+    assert speak(app, "Still here.", response_format="mp3") and encoder_pid(app) == encoder

@@ -769,6 +769,10 @@ def served_path_check(model: ModelConfig, user_name: str | None = None) -> tuple
     if problem is None and model.draft_model:  # the draft loads in the same worker: its files count too
         problem = model_files.path_problem(model.draft_model.path, "llm", user_name=user_name)
         return ("draft_model.path", problem) if problem else None
+    if problem is None and model.voices:  # read by the worker on a request for the voice: a 400 then, named here
+        for name, file in model_files.voice_files(model.path, model.voices).items():
+            if not os.access(file, os.R_OK):
+                return f"voices.{name}", f"expected a voice file this user can read; cannot read {file!r}"
     return ("path", problem) if problem else None
 
 

@@ -110,11 +110,17 @@ def is_speech_synthesis(config: dict[str, Any] | None) -> bool:
             or isinstance(config.get("vocab"), dict))
 
 
+def ir_stems(files: set[str], kind: str) -> tuple[str, ...]:
+    """The IR files (stems) a worker of `kind` opens in a directory of `files`: a tts directory is SpeechT5's four
+    models and tokenizer, or Kokoro's one model."""
+    if kind == "tts" and all(_has_ir(files, stem) for stem in KOKORO_IR):
+        return KOKORO_IR
+    return IR_FILES.get(kind, ())
+
+
 def missing_ir(files: set[str], kind: str) -> list[str]:
     """The IR files a worker of `kind` needs that `files` lacks (empty: the directory serves as that kind)."""
-    if kind == "tts" and all(_has_ir(files, stem) for stem in KOKORO_IR):
-        return []
-    return [f"{stem}.xml/.bin" for stem in IR_FILES.get(kind, ()) if not _has_ir(files, stem)]
+    return [f"{stem}.xml/.bin" for stem in ir_stems(files, kind) if not _has_ir(files, stem)]
 
 
 def detect(files: Iterable[str], config: dict[str, Any] | None) -> Detected:
@@ -257,7 +263,7 @@ def path_problem(path: str, kind: str, user_name: str | None = SERVICE_USER) -> 
         what = f"it holds a model of kind {found.kind!r}; use kind: {found.kind}" if found.kind else found.reason
         return (f"expected an OpenVINO IR directory for kind {kind!r}; {path!r} lacks {', '.join(missing)} "
                 f"({what})")
-    ir = [directory / f"{stem}.{ext}" for stem in IR_FILES.get(kind, ()) for ext in ("xml", "bin")]
+    ir = [directory / f"{stem}.{ext}" for stem in ir_stems(files, kind) for ext in ("xml", "bin")]
     unreadable = [str(file) for file in ir if not os.access(file, os.R_OK)]
     if unreadable:
         return f"expected files this user can read; cannot read {unreadable[0]!r}"

@@ -390,3 +390,36 @@ def test_quick_tts_bench_reports_every_figure(tmp_path):
     assert len(figures) == 7
     assert all(f["value"] > 0 for name, f in figures.items() if not name.endswith("added"))
     assert all(f["verdict"] == "info" for f in figures.values())
+
+
+def test_check_config_names_a_voice_file_it_cannot_read(demo_tts, tmp_path):
+    import subprocess
+    import sys
+    config = tmp_path / "openarc.yaml"
+    config.write_text(json.dumps({"models": [model_entry("speech", demo_tts, kind="tts",
+                                                         voices={"a": "voices/alloy.bin", "gone": "voices/gone.bin"})]}))
+    done = subprocess.run([sys.executable, "-m", "appliance", "check-config", str(config)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"models[0].voices.gone: expected a voice file this user can read; cannot read " \
+           f"'{demo_tts}/voices/gone.bin' (model 'speech')" in done.stderr + done.stdout
+
+
+def test_a_client_hanging_up_mid_encode_leaves_the_encoder_to_the_others(app):
+    """The whole of a long text is encoded at the end; a client that hangs up then must not take the encoder process
+    (and every other response's session in it) down with its request."""
+    encoder = encoder_pid(app)
+
+    def busy_ticks() -> int:
+        fields = open(f"/proc/{encoder}/stat").read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    connection = HTTPConnection("127.0.0.1", app.port, timeout=60)
+    text = " ".join(["The quick brown fox jumps over the lazy dog again and again."] * 60)[:4096]
+    connection.request("POST", "/v1/audio/speech", json.dumps(
+        {"model": "speech", "input": text, "voice": "alloy", "response_format": "mp3"}),
+        {"Content-Type": "application/json"})
+    idle = busy_ticks()
+    wait_until(lambda: busy_ticks() > idle + 5, 60, "the encoder at work on the long text")
+    connection.close()  # the client hangs up while its audio is being encoded
+    assert speak(app, "Still here.", response_format="mp3") and encoder_pid(app) == encoder

@@ -17,6 +17,7 @@ SSE error event, or a chunked response cut short (the status was already sent).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import itertools
@@ -214,10 +215,13 @@ class Speech:
         return chunk
 
     async def _encode(self, inputs: list[str], speed: float, final: bool, continued: bool) -> bytes:
+        """This response's next bytes from the encoder process.  Shielded: a client that hangs up mid-encode must
+        not cancel the exchange, whose cancellation kills the process (so no stale reply reaches the next request)
+        and with it every other response's encoder session."""
         try:
-            return await self.routes.encoder.encode(self.session, inputs, self._spool("out"),
-                                                    fmt=self.req.response_format, rate=self.rate, speed=speed,
-                                                    final=final, continued=continued)
+            return await asyncio.shield(self.routes.encoder.encode(
+                self.session, inputs, self._spool("out"), fmt=self.req.response_format, rate=self.rate, speed=speed,
+                final=final, continued=continued))
         except EncoderFault as exc:
             raise RequestFailed(503, "speech_encoder", f"the audio could not be encoded because of a server fault: "
                                 f"{exc}", "speech_encoder_unavailable", retry_after=1) from None

@@ -144,3 +144,10 @@ def test_a_cut_call_whose_name_never_came_leaks_no_markup():
     for parser, text in ((HermesParser(), '<tool_call>\n{"na'), (Qwen3CoderParser(), "<tool_call>\n<function=ge")):
         answer, deltas = split(parser, [text], cut=True, custom=())
         assert deltas == [] and not answer.calls
+
+
+@pytest.mark.parametrize("name", ["get\\qweather", "get\nweather"])  # a bad escape, a raw newline: not JSON
+def test_a_cut_call_whose_name_is_not_a_json_string_is_dropped_not_a_crash(name):
+    text = '<tool_call>\n{"name": "' + name + '", "arguments": {"city": "Par'
+    answer, deltas = split(HermesParser(), [text], cut=True, custom=())
+    assert deltas == [] and not answer.calls

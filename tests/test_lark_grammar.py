@@ -66,10 +66,23 @@ def test_regex_terminals_become_ebnf(regex, ebnf):
     ("start: missing", "does not load"),
     ("start: (", "does not load"),
     ("other: \"a\"", "no 'start' rule"),
+    ("start: /(?i)abc/", "case-insensitive"),  # an inline flag, not lark's /.../i
+    ("%declare X\nstart: X", "%declare (X)"),
+    ("%import grammars.secret.KEY\nstart: KEY", "only lark's own grammars"),
+    ("%import .secret.KEY\nstart: KEY", "only lark's own grammars"),
 ])
 def test_what_has_no_ebnf_form_is_refused_naming_the_construct(grammar, words):
     with pytest.raises(GrammarNotConvertible, match=re.escape(words)):
         lark_to_ebnf(grammar)
+
+
+def test_an_import_never_reads_the_servers_files(tmp_path, monkeypatch):
+    (tmp_path / "secret.lark").write_text('KEY: "the server\'s own file"\n')
+    monkeypatch.chdir(tmp_path)  # where lark looked for a relative or unknown import
+    for grammar in ("%import .secret.KEY\nstart: KEY", "%import secret.KEY\nstart: KEY"):
+        with pytest.raises(GrammarNotConvertible, match="only lark's own grammars"):
+            lark_to_ebnf(grammar)
+    assert rules(lark_to_ebnf("%import common.LF\nstart: LF"))["t_LF"] == '"\\n"'
 
 
 def test_templates_priorities_and_inlined_rules_convert():

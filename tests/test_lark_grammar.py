@@ -3,13 +3,16 @@ functions, no processes. That genai compiles and enforces the EBNF is shown live
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import pytest
 
 from appliance.front.api.answer import AnswerParser
-from appliance.front.api.lark_grammar import GrammarNotConvertible, lark_to_ebnf, regex_ebnf
+from appliance.front.api.lark_grammar import (GrammarNotConvertible, convert_off_loop, converted, lark_to_ebnf,
+                                              regex_ebnf)
 from appliance.front.api.tool_parsers import HermesParser, Qwen3CoderParser
+from appliance.front.api.tools import lark_grammars
 from conftest import FIXTURES
 
 APPLY_PATCH = (FIXTURES / "agents" / "codex_apply_patch.lark").read_text()
@@ -164,3 +167,45 @@ def test_a_cut_call_whose_name_is_not_a_json_string_is_dropped_not_a_crash(name)
     text = '<tool_call>\n{"name": "' + name + '", "arguments": {"city": "Par'
     answer, deltas = split(HermesParser(), [text], cut=True, custom=())
     assert deltas == [] and not answer.calls
+
+
+def codex_bodies(definition: str) -> list[dict]:
+    """One custom Lark tool in chat completions' shape and in the Responses API's."""
+    fmt = {"type": "grammar", "syntax": "lark", "definition": definition}
+    return [{"tools": [{"type": "custom", "custom": {"name": "g", "format": {"type": "grammar", "grammar": {
+        "syntax": "lark", "definition": definition}}}}]},
+            {"tools": [{"type": "function", "name": "shell"}, {"type": "custom", "name": "g", "format": fmt}]}]
+
+
+def test_the_grammars_of_both_shapes_are_found_for_conversion_before_parsing():
+    for body in codex_bodies(APPLY_PATCH):
+        assert lark_grammars(body) == [APPLY_PATCH]
+    assert lark_grammars({"tools": [{"type": "custom", "name": "r", "format": {"type": "grammar", "syntax": "regex",
+                                                                              "definition": "a+"}}]}) == []
+    assert lark_grammars({"tools": "not a list"}) == lark_grammars([]) == []
+
+
+def test_a_large_grammar_is_converted_while_the_event_loop_runs():
+    # 2,000 rules: seconds of lark on these cores; on the loop, no tick would run until it was done
+    grammar = ("start: " + " | ".join(f"r{i}" for i in range(2000)) + "\n"
+               + "\n".join(f'r{i}: "w{i}"' for i in range(2000)) + "\n")
+
+    async def convert_and_tick() -> int:
+        ticks, converting = 0, asyncio.ensure_future(convert_off_loop(lark_grammars(codex_bodies(grammar)[1])))
+        while not converting.done():
+            await asyncio.sleep(0.01)
+            ticks += 1
+        await converting
+        return ticks
+
+    assert asyncio.run(convert_and_tick()) >= 3
+    assert converted.cache_info().currsize and lark_to_ebnf(grammar).startswith("root ::= r_start")
+
+
+def test_a_refusal_is_remembered_as_a_conversion_is():
+    bad = "start: /(?=a)a/\n"
+    hits = converted.cache_info().hits
+    for _ in range(2):
+        with pytest.raises(GrammarNotConvertible, match="lookahead"):
+            lark_to_ebnf(bad)
+    assert converted.cache_info().hits == hits + 1

@@ -11,6 +11,7 @@ a 400: never a silently unconstrained call. `%import` reaches lark's own grammar
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 import re._constants as sre  # the parsed-regex opcodes
@@ -32,10 +33,32 @@ class GrammarNotConvertible(ValueError):
     """A grammar with a construct genai's EBNF cannot express; the message names it."""
 
 
-@functools.lru_cache(maxsize=64)
 def lark_to_ebnf(definition: str) -> str:
-    """The EBNF of a Lark grammar whose start rule is `start`. Remembered: Codex sends the same grammar every turn,
-    and lark takes about 70 ms to read it (on the front's event loop)."""
+    """The EBNF of a Lark grammar whose start rule is `start`; GrammarNotConvertible naming what it cannot take."""
+    ebnf, refusal = converted(definition)
+    if refusal is not None:
+        raise GrammarNotConvertible(refusal)
+    return ebnf
+
+
+async def convert_off_loop(definitions: list[str]) -> None:
+    """Convert (and remember) grammars in a thread, so that lark_to_ebnf finds them converted: lark takes about
+    70 ms to read Codex's grammar and seconds for a large one, time the front's event loop must not stop for."""
+    for definition in definitions:
+        await asyncio.to_thread(converted, definition)
+
+
+@functools.lru_cache(maxsize=64)
+def converted(definition: str) -> tuple[str, str | None]:
+    """(EBNF, None), or ("", why not): refusals are remembered as conversions are (Codex sends the same grammar
+    every turn)."""
+    try:
+        return _convert(definition), None
+    except GrammarNotConvertible as exc:
+        return "", str(exc)
+
+
+def _convert(definition: str) -> str:
     from lark.exceptions import LarkError
     from lark.load_grammar import load_grammar
 

@@ -112,6 +112,21 @@ def parse_tools(body: dict) -> ToolRequest:
     return req
 
 
+def lark_grammars(body: Any) -> list[str]:
+    """The Lark grammars of a body's custom tools, in chat completions' shape (format.grammar.definition) or the
+    Responses API's (format.definition): what appliance.front.api.lark_grammar.convert_off_loop converts before
+    the body is parsed."""
+    tools = body.get("tools") if isinstance(body, dict) else None
+    out = []
+    for tool in tools if isinstance(tools, list) else ():
+        custom = tool.get("custom", tool) if isinstance(tool, dict) and tool.get("type") == "custom" else None
+        fmt = custom.get("format") if isinstance(custom, dict) else None
+        grammar = fmt.get("grammar", fmt) if isinstance(fmt, dict) else None
+        if isinstance(grammar, dict) and grammar.get("syntax") == "lark" and isinstance(grammar.get("definition"), str):
+            out.append(grammar["definition"])
+    return out
+
+
 def _custom_tool(tool: dict, where: str) -> tuple[dict[str, Any], dict[str, str]]:
     """A custom tool as the template sees it (a function of one string, `input`), and what its input may be."""
     custom = tool.get("custom")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from appliance.config import systemd_directory
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import utf8
 from appliance.front.decoder_process import DecoderFault
@@ -311,11 +312,7 @@ def sweep_stale_spools(base: str) -> None:
 def spool_base() -> str | None:
     """Where the image spool directory goes: the unit's cache directory (systemd's CacheDirectory=, on disk; the
     private /tmp is often RAM), else its state directory, else None (the system's temporary directory)."""
-    for name in ("CACHE_DIRECTORY", "STATE_DIRECTORY"):
-        first = os.environ.get(name, "").split(":")[0]
-        if first:
-            return first
-    return None
+    return systemd_directory("CACHE_DIRECTORY", "STATE_DIRECTORY")
 
 
 def _unlink(path: str) -> None:

@@ -25,16 +25,16 @@ def rules(ebnf: str) -> dict[str, str]:
 def test_codex_apply_patch_converts_rule_by_rule():
     ebnf = rules(lark_to_ebnf(APPLY_PATCH))
     assert ebnf["root"] == "r_start"
-    assert ebnf["r_start"] == "r_begin_patch t_start_plus_0 r_end_patch"  # hunk+ as lark expands it
-    assert ebnf["t_start_plus_0"] == "r_hunk | t_start_plus_0 r_hunk"
-    assert ebnf["r_end_patch"] == "t_ANON_1 t_LF | t_ANON_1"  # LF?
+    assert ebnf["r_start"] == "r_begin_patch g_start_plus_0 r_end_patch"  # hunk+ as lark expands it
+    assert ebnf["g_start_plus_0"] == "r_hunk | g_start_plus_0 r_hunk"
+    assert ebnf["r_end_patch"] == "g_ANON_1 t_LF | g_ANON_1"  # LF?
     assert ebnf["t_LF"] == '"\\n"'  # %import common.LF
-    assert ebnf["t_ANON_5"] == "[^\\n]+"  # filename: /(.+)/
-    assert ebnf["t_ANON_6"] == "[^\\n]*"  # /(.*)/
-    assert ebnf["r_add_line"] == "t_PLUS t_ANON_6 t_LF"  # "-> line" names the tree node only
+    assert ebnf["g_ANON_5"] == "[^\\n]+"  # filename: /(.+)/
+    assert ebnf["g_ANON_6"] == "[^\\n]*"  # /(.*)/
+    assert ebnf["r_add_line"] == "t_PLUS g_ANON_6 t_LF"  # "-> line" names the tree node only
     assert '"*** Begin Patch"' in ebnf.values() and '"*** End of File"' in ebnf.values()
     # every symbol used is defined
-    used = {word for body in ebnf.values() for word in re.findall(r"\b[rt]_\w+", body)}
+    used = {word for body in ebnf.values() for word in re.findall(r"\b[rtg]_\w+", body)}
     assert used <= set(ebnf)
 
 
@@ -86,6 +86,15 @@ def test_an_import_never_reads_the_servers_files(tmp_path, monkeypatch):
         with pytest.raises(GrammarNotConvertible, match="only lark's own grammars"):
             lark_to_ebnf(grammar)
     assert rules(lark_to_ebnf("%import common.LF\nstart: LF"))["t_LF"] == '"\\n"'
+
+
+@pytest.mark.parametrize("grammar", ['start: a+ _start_plus_0\n_start_plus_0: "x"\na: "y"\n',
+                                     'start: ANON_0 "b" _X X\nANON_0: "a"\n_X: "c"\nX: "d"\n'])
+def test_a_grammars_own_names_never_clash_with_lark_s(grammar):
+    # each symbol once (lark's __start_plus_0 and __ANON_0 and a grammar's _start_plus_0, ANON_0, _X and X were
+    # written under the same names: two definitions of one symbol)
+    names = [line.split(" ::= ")[0] for line in lark_to_ebnf(grammar).splitlines()]
+    assert len(names) == len(set(names)), names
 
 
 def test_templates_priorities_and_inlined_rules_convert():

@@ -108,9 +108,13 @@ def _first_line(exc: Exception) -> str:
 
 
 def _name(symbol: str) -> str:
-    """Lark's names (rules lower case, terminals upper, its own __anon ones) prefixed so none is `root` or
-    clashes: xgrammar identifiers are letters, digits, '_', '-' and '.'."""
-    return "r_" + symbol if symbol[:1].islower() else "t_" + symbol.lstrip("_")
+    """Lark's names prefixed so none is `root` or clashes (xgrammar identifiers are letters, digits, '_', '-' and
+    '.'): the grammar's rules (lower case, `_rule` too) r_, its terminals (upper case, `_TERM` too) t_, and the
+    ones lark makes up (__ANON_0, __start_plus_0: names a grammar cannot write) g_. Stripping underscores made a
+    grammar's own `_start_plus_0` or `ANON_0` the same symbol as lark's."""
+    if symbol.startswith("__"):
+        return "g_" + symbol[2:]
+    return ("r_" if symbol.lstrip("_")[:1].islower() else "t_") + symbol
 
 
 def terminal_ebnf(name: str, pattern: Any) -> str:

@@ -59,9 +59,10 @@ class ToolRequest:
         shaped = any(spec["type"] != "text" for spec in self.custom.values())  # a grammar binds even under auto
         if not self.active or (self.choice == "auto" and not strict and not shaped):
             return None
-        names = [self.named] if self.named else list(self.schemas())
+        schemas = self.schemas()
+        names = [self.named] if self.named else list(schemas)
         tools = [{"name": n, "custom": self.custom[n]} if n in self.custom
-                 else {"name": n, "parameters": json.dumps(self.schemas()[n])} for n in names]
+                 else {"name": n, "parameters": json.dumps(schemas[n])} for n in names]
         return {"type": "tool_calls", "kind": "tool_calls", "param": "tools", "after_reasoning": True,
                 "tools": tools, "required": self.choice != "auto",
                 "single": not self.parallel or self.named is not None}

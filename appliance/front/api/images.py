@@ -243,9 +243,16 @@ class ImageResolver:
         return bytes(data)
 
     def _spool(self) -> str:
+        """The spool directory, made on the first image; one that cannot be made (a base directory missing, read
+        only or full) is the server's fault, a 503 as the decoder's own are (it was a 500)."""
         if self.spool is None:
-            sweep_stale_spools(self.spool_base or tempfile.gettempdir())
-            self.spool = tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=self.spool_base)
+            base = self.spool_base or tempfile.gettempdir()
+            try:
+                sweep_stale_spools(base)
+                self.spool = tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=base)
+            except OSError as exc:
+                raise DecoderFault(self.decoder.what, f"cannot make the image spool in {base}: {exc}").failure() \
+                    from None
         return self.spool
 
     def release(self, files: list[dict[str, Any]]) -> None:

@@ -360,8 +360,8 @@ class Config:
     def ov_cache_dir(self) -> str | None:
         if self.server.cache_dir:
             return self.server.cache_dir
-        systemd_cache = os.environ.get("CACHE_DIRECTORY")  # set by CacheDirectory=; may list several
-        return str(Path(systemd_cache.split(":")[0]) / "ov") if systemd_cache else None
+        systemd_cache = systemd_directory("CACHE_DIRECTORY")
+        return str(Path(systemd_cache) / "ov") if systemd_cache else None
 
     def shared_gpu_warnings(self) -> list[str]:
         """One line per GPU that several models are pinned to: each loads its own copy of its weights and KV cache
@@ -503,6 +503,16 @@ def _checked(value: Any, tp: Any, where: str, problems: Problems | None) -> Any:
     except ConfigError as error:
         _report(problems, error)
         return INVALID
+
+
+def systemd_directory(*variables: str) -> str | None:
+    """The first path of the first of systemd's directory variables that is set ($CACHE_DIRECTORY from
+    CacheDirectory=, $STATE_DIRECTORY from StateDirectory=; each may list several paths, ':'-separated), or None."""
+    for variable in variables:
+        first = os.environ.get(variable, "").split(":")[0]
+        if first:
+            return first
+    return None
 
 
 def _key_name(key: Any) -> str:

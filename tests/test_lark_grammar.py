@@ -3,13 +3,16 @@ functions, no processes. That genai compiles and enforces the EBNF is shown live
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import pytest
 
 from appliance.front.api.answer import AnswerParser
-from appliance.front.api.lark_grammar import GrammarNotConvertible, lark_to_ebnf, regex_ebnf
+from appliance.front.api.lark_grammar import (GrammarNotConvertible, convert_off_loop, converted, lark_to_ebnf,
+                                              regex_ebnf)
 from appliance.front.api.tool_parsers import HermesParser, Qwen3CoderParser
+from appliance.front.api.tools import lark_grammars
 from conftest import FIXTURES
 
 APPLY_PATCH = (FIXTURES / "agents" / "codex_apply_patch.lark").read_text()
@@ -22,16 +25,16 @@ def rules(ebnf: str) -> dict[str, str]:
 def test_codex_apply_patch_converts_rule_by_rule():
     ebnf = rules(lark_to_ebnf(APPLY_PATCH))
     assert ebnf["root"] == "r_start"
-    assert ebnf["r_start"] == "r_begin_patch t_start_plus_0 r_end_patch"  # hunk+ as lark expands it
-    assert ebnf["t_start_plus_0"] == "r_hunk | t_start_plus_0 r_hunk"
-    assert ebnf["r_end_patch"] == "t_ANON_1 t_LF | t_ANON_1"  # LF?
+    assert ebnf["r_start"] == "r_begin_patch g_start_plus_0 r_end_patch"  # hunk+ as lark expands it
+    assert ebnf["g_start_plus_0"] == "r_hunk | g_start_plus_0 r_hunk"
+    assert ebnf["r_end_patch"] == "g_ANON_1 t_LF | g_ANON_1"  # LF?
     assert ebnf["t_LF"] == '"\\n"'  # %import common.LF
-    assert ebnf["t_ANON_5"] == "[^\\n]+"  # filename: /(.+)/
-    assert ebnf["t_ANON_6"] == "[^\\n]*"  # /(.*)/
-    assert ebnf["r_add_line"] == "t_PLUS t_ANON_6 t_LF"  # "-> line" names the tree node only
+    assert ebnf["g_ANON_5"] == "[^\\n]+"  # filename: /(.+)/
+    assert ebnf["g_ANON_6"] == "[^\\n]*"  # /(.*)/
+    assert ebnf["r_add_line"] == "t_PLUS g_ANON_6 t_LF"  # "-> line" names the tree node only
     assert '"*** Begin Patch"' in ebnf.values() and '"*** End of File"' in ebnf.values()
     # every symbol used is defined
-    used = {word for body in ebnf.values() for word in re.findall(r"\b[rt]_\w+", body)}
+    used = {word for body in ebnf.values() for word in re.findall(r"\b[rtg]_\w+", body)}
     assert used <= set(ebnf)
 
 
@@ -66,10 +69,32 @@ def test_regex_terminals_become_ebnf(regex, ebnf):
     ("start: missing", "does not load"),
     ("start: (", "does not load"),
     ("other: \"a\"", "no 'start' rule"),
+    ("start: /(?i)abc/", "case-insensitive"),  # an inline flag, not lark's /.../i
+    ("%declare X\nstart: X", "%declare (X)"),
+    ("%import grammars.secret.KEY\nstart: KEY", "only lark's own grammars"),
+    ("%import .secret.KEY\nstart: KEY", "only lark's own grammars"),
 ])
 def test_what_has_no_ebnf_form_is_refused_naming_the_construct(grammar, words):
     with pytest.raises(GrammarNotConvertible, match=re.escape(words)):
         lark_to_ebnf(grammar)
+
+
+def test_an_import_never_reads_the_servers_files(tmp_path, monkeypatch):
+    (tmp_path / "secret.lark").write_text('KEY: "the server\'s own file"\n')
+    monkeypatch.chdir(tmp_path)  # where lark looked for a relative or unknown import
+    for grammar in ("%import .secret.KEY\nstart: KEY", "%import secret.KEY\nstart: KEY"):
+        with pytest.raises(GrammarNotConvertible, match="only lark's own grammars"):
+            lark_to_ebnf(grammar)
+    assert rules(lark_to_ebnf("%import common.LF\nstart: LF"))["t_LF"] == '"\\n"'
+
+
+@pytest.mark.parametrize("grammar", ['start: a+ _start_plus_0\n_start_plus_0: "x"\na: "y"\n',
+                                     'start: ANON_0 "b" _X X\nANON_0: "a"\n_X: "c"\nX: "d"\n'])
+def test_a_grammars_own_names_never_clash_with_lark_s(grammar):
+    # each symbol once (lark's __start_plus_0 and __ANON_0 and a grammar's _start_plus_0, ANON_0, _X and X were
+    # written under the same names: two definitions of one symbol)
+    names = [line.split(" ::= ")[0] for line in lark_to_ebnf(grammar).splitlines()]
+    assert len(names) == len(set(names)), names
 
 
 def test_templates_priorities_and_inlined_rules_convert():
@@ -144,3 +169,52 @@ def test_a_cut_call_whose_name_never_came_leaks_no_markup():
     for parser, text in ((HermesParser(), '<tool_call>\n{"na'), (Qwen3CoderParser(), "<tool_call>\n<function=ge")):
         answer, deltas = split(parser, [text], cut=True, custom=())
         assert deltas == [] and not answer.calls
+
+
+@pytest.mark.parametrize("name", ["get\\qweather", "get\nweather"])  # a bad escape, a raw newline: not JSON
+def test_a_cut_call_whose_name_is_not_a_json_string_is_dropped_not_a_crash(name):
+    text = '<tool_call>\n{"name": "' + name + '", "arguments": {"city": "Par'
+    answer, deltas = split(HermesParser(), [text], cut=True, custom=())
+    assert deltas == [] and not answer.calls
+
+
+def codex_bodies(definition: str) -> list[dict]:
+    """One custom Lark tool in chat completions' shape and in the Responses API's."""
+    fmt = {"type": "grammar", "syntax": "lark", "definition": definition}
+    return [{"tools": [{"type": "custom", "custom": {"name": "g", "format": {"type": "grammar", "grammar": {
+        "syntax": "lark", "definition": definition}}}}]},
+            {"tools": [{"type": "function", "name": "shell"}, {"type": "custom", "name": "g", "format": fmt}]}]
+
+
+def test_the_grammars_of_both_shapes_are_found_for_conversion_before_parsing():
+    for body in codex_bodies(APPLY_PATCH):
+        assert lark_grammars(body) == [APPLY_PATCH]
+    assert lark_grammars({"tools": [{"type": "custom", "name": "r", "format": {"type": "grammar", "syntax": "regex",
+                                                                              "definition": "a+"}}]}) == []
+    assert lark_grammars({"tools": "not a list"}) == lark_grammars([]) == []
+
+
+def test_a_large_grammar_is_converted_while_the_event_loop_runs():
+    # 2,000 rules: seconds of lark on these cores; on the loop, no tick would run until it was done
+    grammar = ("start: " + " | ".join(f"r{i}" for i in range(2000)) + "\n"
+               + "\n".join(f'r{i}: "w{i}"' for i in range(2000)) + "\n")
+
+    async def convert_and_tick() -> int:
+        ticks, converting = 0, asyncio.ensure_future(convert_off_loop(lark_grammars(codex_bodies(grammar)[1])))
+        while not converting.done():
+            await asyncio.sleep(0.01)
+            ticks += 1
+        await converting
+        return ticks
+
+    assert asyncio.run(convert_and_tick()) >= 3
+    assert converted.cache_info().currsize and lark_to_ebnf(grammar).startswith("root ::= r_start")
+
+
+def test_a_refusal_is_remembered_as_a_conversion_is():
+    bad = "start: /(?=a)a/\n"
+    hits = converted.cache_info().hits
+    for _ in range(2):
+        with pytest.raises(GrammarNotConvertible, match="lookahead"):
+            lark_to_ebnf(bad)
+    assert converted.cache_info().hits == hits + 1

@@ -505,6 +505,21 @@ def test_the_spool_is_in_the_units_cache_directory(tmp_path, monkeypatch):
     assert not stale.exists() and live.exists()  # a killed front's spool does not outlive it on disk
 
 
+def test_a_spool_directory_that_cannot_be_made_is_a_503_not_a_500(tmp_path):
+    """CACHE_DIRECTORY missing or read only (a container run without its volume): the server's fault, a 503 saying
+    where (it raised FileNotFoundError in the route: a 500); the image is not counted as the client's bad one."""
+    from appliance.front.request import RequestFailed
+
+    async def scenario(resolver, model):
+        with pytest.raises(RequestFailed) as failed:
+            await resolver.resolve(content_of(encoded(RED)), model)
+        return failed.value, resolver.metrics.exposition()[0].decode()
+    failure, metrics = resolver_run(scenario, str(tmp_path / "missing"))
+    assert (failure.status, failure.code, failure.retry_after) == (503, "image_decoder_unavailable", 1)
+    assert str(tmp_path / "missing") in failure.message and "server fault" in failure.message
+    assert 'openarc_image_rejections_total{model="vlm"' not in metrics
+
+
 def test_a_body_past_max_body_bytes_is_read_only_for_a_vision_model(app):
     """The larger chat body a vision model needs is not every model's: the same 2 MB body to the text model is a
     413 (it was read, parsed and answered with a 400 about images)."""

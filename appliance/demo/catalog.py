@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
+from appliance.config import systemd_directory
 from appliance.demo.llm import BUILD_FORMAT, checked_params, write_json
 
 DEMO_MODEL_NAME = "demo"
@@ -87,9 +88,9 @@ def default_cache_dir() -> pathlib.Path:
     else $XDG_CACHE_HOME/openarc, else ~/.cache/openarc."""
     if os.environ.get("OPENARC_CACHE_DIR"):
         return pathlib.Path(os.environ["OPENARC_CACHE_DIR"])
-    systemd_dirs = [d for d in os.environ.get("CACHE_DIRECTORY", "").split(":") if d]
-    if systemd_dirs:
-        return pathlib.Path(systemd_dirs[0])
+    systemd_cache = systemd_directory("CACHE_DIRECTORY")
+    if systemd_cache:
+        return pathlib.Path(systemd_cache)
     xdg = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
     return pathlib.Path(xdg) / "openarc"
 

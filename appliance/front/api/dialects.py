@@ -20,9 +20,11 @@ from appliance.front.api import messages, responses, sse
 from appliance.front.api.answer_items import Events
 from appliance.front.api.fields import json_body
 from appliance.front.api.generate import answer_parser, finish_reason, note_constraint
+from appliance.front.api.lark_grammar import convert_off_loop
 from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.results import ResultRequest, ResultRoute
 from appliance.front.api.route import Call, route
+from appliance.front.api.tools import lark_grammars
 from appliance.front.request import Event, RequestFailed
 
 
@@ -72,6 +74,7 @@ class DialectRoute:
     async def handler(self, request: web.Request, call: Call) -> web.StreamResponse:
         body = await json_body(request)
         call.label(body)
+        await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = self.dialect.parse(body)
         gen = req.gen
         sup = await self.appliance.model_for(gen.model, call.endpoint, GENERATIVE_KINDS)

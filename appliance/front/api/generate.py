@@ -19,9 +19,11 @@ from appliance.front.api import sse
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_body, parse_json
 from appliance.front.api.images import MAX_IMAGE_REQUESTS_IN_FLIGHT, MAX_IMAGES, ImageResolver, body_limit, spool_base
+from appliance.front.api.lark_grammar import convert_off_loop
 from appliance.front.api.results import QueuePlace
 from appliance.front.api.route import Call, route
 from appliance.front.api.tool_parsers import parser_for
+from appliance.front.api.tools import lark_grammars
 from appliance.front.request import Event, RequestFailed
 from appliance.config import GENERATIVE_KINDS
 
@@ -89,6 +91,7 @@ class GenerationRoutes:
 
     async def _generate(self, request: web.Request, call: Call, parse, body: Any) -> web.StreamResponse:
         call.label(body)
+        await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = parse(body)
         sup = await self.appliance.model_for(req.model, call.endpoint, GENERATIVE_KINDS)
         # A request with images holds its place in the queue before they are fetched and decoded: a busy model

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from appliance.config import systemd_directory
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import utf8
 from appliance.front.decoder_process import DecoderFault
@@ -242,9 +243,16 @@ class ImageResolver:
         return bytes(data)
 
     def _spool(self) -> str:
+        """The spool directory, made on the first image; one that cannot be made (a base directory missing, read
+        only or full) is the server's fault, a 503 as the decoder's own are (it was a 500)."""
         if self.spool is None:
-            sweep_stale_spools(self.spool_base or tempfile.gettempdir())
-            self.spool = tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=self.spool_base)
+            base = self.spool_base or tempfile.gettempdir()
+            try:
+                sweep_stale_spools(base)
+                self.spool = tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=base)
+            except OSError as exc:
+                raise DecoderFault(self.decoder.what, f"cannot make the image spool in {base}: {exc}").failure() \
+                    from None
         return self.spool
 
     def release(self, files: list[dict[str, Any]]) -> None:
@@ -311,11 +319,7 @@ def sweep_stale_spools(base: str) -> None:
 def spool_base() -> str | None:
     """Where the image spool directory goes: the unit's cache directory (systemd's CacheDirectory=, on disk; the
     private /tmp is often RAM), else its state directory, else None (the system's temporary directory)."""
-    for name in ("CACHE_DIRECTORY", "STATE_DIRECTORY"):
-        first = os.environ.get(name, "").split(":")[0]
-        if first:
-            return first
-    return None
+    return systemd_directory("CACHE_DIRECTORY", "STATE_DIRECTORY")
 
 
 def _unlink(path: str) -> None:

@@ -4,13 +4,14 @@ the start rule named `root`).
 
 Lark itself reads the grammar (rules, `?rule` inlining, `+ ? * [ ]`, string literals, /regex/ terminals,
 `%import common.X`, `-> alias`, templates) and compiles it to plain alternatives of symbols; each terminal's
-regex is then written out as EBNF from Python's own regex parser. What has no EBNF form (`%ignore`, lookaround,
-back-references, anchors, case-insensitive flags) is a GrammarNotConvertible naming the construct, for a 400:
-never a silently unconstrained call.
+regex is then written out as EBNF from Python's own regex parser. What has no EBNF form (`%ignore`, `%declare`,
+lookaround, back-references, anchors, case-insensitive flags) is a GrammarNotConvertible naming the construct, for
+a 400: never a silently unconstrained call. `%import` reaches lark's own grammars only, never the server's files.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 import re._constants as sre  # the parsed-regex opcodes
@@ -32,15 +33,37 @@ class GrammarNotConvertible(ValueError):
     """A grammar with a construct genai's EBNF cannot express; the message names it."""
 
 
-@functools.lru_cache(maxsize=64)
 def lark_to_ebnf(definition: str) -> str:
-    """The EBNF of a Lark grammar whose start rule is `start`. Remembered: Codex sends the same grammar every turn,
-    and lark takes about 70 ms to read it (on the front's event loop)."""
+    """The EBNF of a Lark grammar whose start rule is `start`; GrammarNotConvertible naming what it cannot take."""
+    ebnf, refusal = converted(definition)
+    if refusal is not None:
+        raise GrammarNotConvertible(refusal)
+    return ebnf
+
+
+async def convert_off_loop(definitions: list[str]) -> None:
+    """Convert (and remember) grammars in a thread, so that lark_to_ebnf finds them converted: lark takes about
+    70 ms to read Codex's grammar and seconds for a large one, time the front's event loop must not stop for."""
+    for definition in definitions:
+        await asyncio.to_thread(converted, definition)
+
+
+@functools.lru_cache(maxsize=64)
+def converted(definition: str) -> tuple[str, str | None]:
+    """(EBNF, None), or ("", why not): refusals are remembered as conversions are (Codex sends the same grammar
+    every turn)."""
+    try:
+        return _convert(definition), None
+    except GrammarNotConvertible as exc:
+        return "", str(exc)
+
+
+def _convert(definition: str) -> str:
     from lark.exceptions import LarkError
     from lark.load_grammar import load_grammar
 
     try:
-        grammar, _ = load_grammar(definition, "<tool grammar>", None, False)
+        grammar, _ = load_grammar(definition, "<tool grammar>", [_lark_library], False)
         terminals, rules, ignore = grammar.compile([START], set())
     except LarkError as exc:
         raise GrammarNotConvertible(f"the Lark grammar does not load: {_first_line(exc)}") from None
@@ -51,6 +74,11 @@ def lark_to_ebnf(definition: str) -> str:
     if ignore:
         raise GrammarNotConvertible(f"%ignore ({', '.join(ignore)}) has no EBNF form: the grammar must spell out "
                                     "where whitespace goes")
+    defined = {terminal.name for terminal in terminals}
+    declared = sorted({s.name for rule in rules for s in rule.expansion if s.is_term and s.name not in defined})
+    if declared:
+        raise GrammarNotConvertible(f"%declare ({', '.join(declared)}) has no EBNF form: a terminal the grammar "
+                                    "does not define cannot be generated")
     lines = [f"root ::= {_name(START)}"]
     alternatives: dict[str, list[str]] = {}
     for rule in rules:
@@ -62,14 +90,31 @@ def lark_to_ebnf(definition: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _lark_library(base_path: Any, grammar_path: str) -> tuple[Any, str]:
+    """Lark's import loader for a client's grammar: lark's own grammars (common.lark and the like) only. Lark would
+    otherwise look for `%import foo.X` in the server's working directory (reading its files, or a 500 where
+    there are none)."""
+    from lark.load_grammar import PackageResource, stdlib_loader
+
+    try:
+        return stdlib_loader(base_path if isinstance(base_path, PackageResource) else None, grammar_path)
+    except OSError:
+        raise GrammarNotConvertible(f"%import of {grammar_path.removesuffix('.lark').replace('/', '.')}: only "
+                                    "lark's own grammars (common) can be imported") from None
+
+
 def _first_line(exc: Exception) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _name(symbol: str) -> str:
-    """Lark's names (rules lower case, terminals upper, its own __anon ones) prefixed so none is `root` or
-    clashes: xgrammar identifiers are letters, digits, '_', '-' and '.'."""
-    return "r_" + symbol if symbol[:1].islower() else "t_" + symbol.lstrip("_")
+    """Lark's names prefixed so none is `root` or clashes (xgrammar identifiers are letters, digits, '_', '-' and
+    '.'): the grammar's rules (lower case, `_rule` too) r_, its terminals (upper case, `_TERM` too) t_, and the
+    ones lark makes up (__ANON_0, __start_plus_0: names a grammar cannot write) g_. Stripping underscores made a
+    grammar's own `_start_plus_0` or `ANON_0` the same symbol as lark's."""
+    if symbol.startswith("__"):
+        return "g_" + symbol[2:]
+    return ("r_" if symbol.lstrip("_")[:1].islower() else "t_") + symbol
 
 
 def terminal_ebnf(name: str, pattern: Any) -> str:
@@ -89,6 +134,8 @@ def regex_ebnf(regex: str, dotall: bool = False, where: str = "regex") -> str:
         parsed = sre_parse.parse(regex)
     except (re.error, RecursionError) as exc:
         raise GrammarNotConvertible(f"{where}: /{regex}/ is not a valid regex ({exc})") from None
+    if parsed.state.flags & re.IGNORECASE:
+        raise GrammarNotConvertible(f"{where} /{regex}/: case-insensitive regexes ((?i)) are not supported")
     if parsed.state.flags & re.DOTALL:
         dotall = True
     return _sequence(list(parsed), dotall, f"{where} /{regex}/")
@@ -115,10 +162,10 @@ def _item(op, arg, dotall: bool, where: str) -> str:
         if add_flags & re.IGNORECASE:
             raise GrammarNotConvertible(f"{where}: case-insensitive groups are not supported")
         return _sequence(list(sub), dotall or bool(add_flags & re.DOTALL), where)
-    if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, getattr(sre, "POSSESSIVE_REPEAT", None)):
+    if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT):
         low, high, sub = arg
         return _repeat(_sequence(list(sub), dotall, where), low, high, where)
-    if op is sre.ATOMIC_GROUP if hasattr(sre, "ATOMIC_GROUP") else False:
+    if op is sre.ATOMIC_GROUP:
         return _sequence(list(arg), dotall, where)
     names = {sre.AT: "anchors (^, $, \\b)", sre.ASSERT: "lookahead and lookbehind",
              sre.ASSERT_NOT: "negative lookahead and lookbehind", sre.GROUPREF: "back-references",
@@ -129,7 +176,7 @@ def _item(op, arg, dotall: bool, where: str) -> str:
 def _repeat(body: str, low: int, high: int, where: str) -> str:
     if body.endswith(("*", "+", "?")):  # (x+)? stays grouped: EBNF operators do not stack
         body = f"({body})"
-    if high is sre.MAXREPEAT or high == sre.MAXREPEAT:
+    if high == sre.MAXREPEAT:
         if low == 0:
             return body + "*"
         if low == 1:

@@ -83,6 +83,15 @@ def _json_values(text: str) -> list[Any]:
         values.append(value)
 
 
+def _name_of(head: re.Match) -> str | None:
+    """The call name a CALL_NAME head matched (a JSON string's inside), or None where it is not valid JSON (a bad
+    escape, a raw control character: a model writing freely may write either)."""
+    try:
+        return json.loads(f'"{head[1]}"')
+    except ValueError:
+        return None
+
+
 # The start of a JSON call object up to its arguments' key: `{"name": "NAME", ` (the name's inside in group 1).
 CALL_NAME = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
 
@@ -125,9 +134,10 @@ class ToolCallParser:
         """The call a section cut short by max_tokens begins: its name, and its arguments as far as they were
         written; None if its name never came."""
         head = self.call_head.match(section) if self.call_head else None
-        if head is None:
+        name = _name_of(head) if head else None
+        if name is None:
             return None
-        return ToolCall(_call_id(self.family), json.loads(f'"{head[1]}"'), section[head.end():])
+        return ToolCall(_call_id(self.family), name, section[head.end():])
 
 
 class HermesParser(ToolCallParser):
@@ -377,10 +387,11 @@ class ToolCallSplitter:
         head = self.parser.call_head.match(self.held)
         if not head or head.end() == len(self.held):  # the arguments' first character decides
             return None
-        if self.held[head.end()] != "{":
+        name = _name_of(head)
+        if self.held[head.end()] != "{" or name is None:
             self.broken = True  # not the shape the grammar writes: the rest is content
             return None
-        call = ToolCall(_call_id(self.parser.family), json.loads(f'"{head[1]}"'), "")
+        call = ToolCall(_call_id(self.parser.family), name, "")
         self.held = self.held[head.end():]
         self.writing = (call, JsonObjectEnd())
         self.calls.append(call)

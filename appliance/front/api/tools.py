@@ -59,9 +59,10 @@ class ToolRequest:
         shaped = any(spec["type"] != "text" for spec in self.custom.values())  # a grammar binds even under auto
         if not self.active or (self.choice == "auto" and not strict and not shaped):
             return None
-        names = [self.named] if self.named else list(self.schemas())
+        schemas = self.schemas()
+        names = [self.named] if self.named else list(schemas)
         tools = [{"name": n, "custom": self.custom[n]} if n in self.custom
-                 else {"name": n, "parameters": json.dumps(self.schemas()[n])} for n in names]
+                 else {"name": n, "parameters": json.dumps(schemas[n])} for n in names]
         return {"type": "tool_calls", "kind": "tool_calls", "param": "tools", "after_reasoning": True,
                 "tools": tools, "required": self.choice != "auto",
                 "single": not self.parallel or self.named is not None}
@@ -110,6 +111,21 @@ def parse_tools(body: dict) -> ToolRequest:
                              f"cannot run ({', '.join(req.ignored)}): add a function or custom tool, or use auto",
                              "tool_choice")
     return req
+
+
+def lark_grammars(body: Any) -> list[str]:
+    """The Lark grammars of a body's custom tools, in chat completions' shape (format.grammar.definition) or the
+    Responses API's (format.definition): what appliance.front.api.lark_grammar.convert_off_loop converts before
+    the body is parsed."""
+    tools = body.get("tools") if isinstance(body, dict) else None
+    out = []
+    for tool in tools if isinstance(tools, list) else ():
+        custom = tool.get("custom", tool) if isinstance(tool, dict) and tool.get("type") == "custom" else None
+        fmt = custom.get("format") if isinstance(custom, dict) else None
+        grammar = fmt.get("grammar", fmt) if isinstance(fmt, dict) else None
+        if isinstance(grammar, dict) and grammar.get("syntax") == "lark" and isinstance(grammar.get("definition"), str):
+            out.append(grammar["definition"])
+    return out
 
 
 def _custom_tool(tool: dict, where: str) -> tuple[dict[str, Any], dict[str, str]]:

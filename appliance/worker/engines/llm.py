@@ -487,14 +487,15 @@ class BatchingEngine(LLMEngine):
 
     def on_generate(self, message: dict[str, Any]) -> None:
         req = self.prepare(message)
-        if req is not None:
-            self.on_generate_prepared(req)
-
-    def on_generate_prepared(self, req: Request) -> None:
-        if self.cache_model is not None and self.models_prefix(req):
+        if req is None:
+            return
+        if self.cache_model is not None and self.models_prefix(req):  # once: not again for a re-admission
             prompt = req.input_ids.data[0].tolist()
             req.cached_tokens = self.cache_model.lookup(prompt)
             self.cache_model.store(prompt)  # a running request's blocks are shared with the requests that follow
+        self.on_generate_prepared(req)
+
+    def on_generate_prepared(self, req: Request) -> None:
         if self.speculative:
             req.tally = speculative.DraftTally(req.proposal, req.max_tokens)
         try:

@@ -27,9 +27,13 @@ class InProcess:
 
     def __init__(self, model_path: str, device: str = "CPU", properties: dict | None = None):
         import openvino_genai
+        from appliance.config import ModelConfig
+        from appliance.worker.engines.llm import scheduler_config
         self.og = openvino_genai
         started = time.monotonic()
-        self.pipe = openvino_genai.ContinuousBatchingPipeline(model_path, openvino_genai.SchedulerConfig(), device,
+        # the scheduler the server's worker runs (prefix caching, openarc's prefill chunk): the same on both sides
+        settings = ModelConfig(name="baseline", path=model_path, device=device).scheduler_settings()
+        self.pipe = openvino_genai.ContinuousBatchingPipeline(model_path, scheduler_config(settings), device,
                                                               properties or {})
         self.load_seconds = time.monotonic() - started
         self.tokenizer = self.pipe.get_tokenizer()

@@ -58,11 +58,9 @@ class InProcessGenai:
 
     def __init__(self, path: Path, settings: dict):
         import openvino_genai
-        scheduler = openvino_genai.SchedulerConfig()
-        for key, value in settings.items():
-            setattr(scheduler, key, value)
+        from appliance.worker.engines.llm import scheduler_config
         self.genai = openvino_genai
-        self.pipe = openvino_genai.ContinuousBatchingPipeline(str(path), scheduler, "CPU", {})
+        self.pipe = openvino_genai.ContinuousBatchingPipeline(str(path), scheduler_config(settings), "CPU", {})
         self.tokenizer = self.pipe.get_tokenizer()
         self.next_id = 0
 

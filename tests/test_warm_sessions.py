@@ -231,3 +231,25 @@ def test_the_next_turns_prompt_begins_with_this_turns_prompt_and_answer(demo_mod
     assert following.startswith(prompt + generated) == stable
     # wherever it breaks, it breaks at the previous answer: the history before it is served from the cache
     assert following.startswith(render(history, generation_prompt=False))
+
+
+def test_a_full_cache_evicts_the_oldest_conversation_and_never_fails_a_request(appliance_factory, demo_model):
+    """A cache of 64 blocks (2,048 tokens on the CPU) and conversations of about 600 tokens: each new one pushes the
+    least recently used out. Every request succeeds, the last conversation comes back warm, the first cold, and
+    the timing agrees with the figure where the demo model is this light only loosely, so only the figures are
+    checked here (the heavy test above checks figures against time)."""
+    app = appliance_factory({"models": [model_entry("small", demo_model, max_context=1024,
+                                                    scheduler_config={"num_kv_blocks": 64})]})
+    client = app.client()
+    systems = [f"{uuid.uuid4().hex} " + " ".join(f"Note {i} of {n}." for i in range(60)) for n in range(6)]
+
+    def ask(system):
+        reply = client.chat.completions.create(model="small", max_tokens=4, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "Next?"}])
+        return reply.usage
+
+    first = [ask(system) for system in systems]
+    assert all(u.prompt_tokens > 400 and u.prompt_tokens_details.cached_tokens == 0 for u in first)
+    latest = ask(systems[-1])
+    assert latest.prompt_tokens_details.cached_tokens >= latest.prompt_tokens - 32
+    assert ask(systems[0]).prompt_tokens_details.cached_tokens == 0  # evicted: recomputed, and answered

@@ -437,10 +437,7 @@ class BatchingEngine(LLMEngine):
 
     def __init__(self, spec, channel):
         import openvino_genai
-        scheduler = openvino_genai.SchedulerConfig()
-        for key, value in spec["scheduler_config"].items():
-            setattr(scheduler, key, value)
-        self.pipe = speculative.load_pipeline(spec, scheduler)
+        self.pipe = speculative.load_pipeline(spec, scheduler_config(spec["scheduler_config"]))
         self.cache_model = prefix_cache.for_spec(spec)  # None with prefix caching off
         self.speculative = bool(spec.get("speculative"))
         super().__init__(spec, channel, self.pipe.get_tokenizer())
@@ -487,14 +484,15 @@ class BatchingEngine(LLMEngine):
 
     def on_generate(self, message: dict[str, Any]) -> None:
         req = self.prepare(message)
-        if req is not None:
-            self.on_generate_prepared(req)
-
-    def on_generate_prepared(self, req: Request) -> None:
-        if self.cache_model is not None and self.models_prefix(req):
+        if req is None:
+            return
+        if self.cache_model is not None and self.models_prefix(req):  # once: not again for a re-admission
             prompt = req.input_ids.data[0].tolist()
             req.cached_tokens = self.cache_model.lookup(prompt)
             self.cache_model.store(prompt)  # a running request's blocks are shared with the requests that follow
+        self.on_generate_prepared(req)
+
+    def on_generate_prepared(self, req: Request) -> None:
         if self.speculative:
             req.tally = speculative.DraftTally(req.proposal, req.max_tokens)
         try:
@@ -693,6 +691,16 @@ class SequentialEngine(LLMEngine):
 
     def run_pipeline(self, req: Request, streamer) -> None:
         self.pipe.generate(req.input_ids, req.config, streamer)
+
+
+def scheduler_config(settings: dict[str, Any]):
+    """openvino_genai.SchedulerConfig with these fields set (config.ModelConfig.scheduler_settings: openarc's
+    defaults and the model's scheduler_config); the benches' in-process pipelines build theirs here too."""
+    import openvino_genai
+    scheduler = openvino_genai.SchedulerConfig()
+    for key, value in settings.items():
+        setattr(scheduler, key, value)
+    return scheduler
 
 
 def finish_reason_name(reason, req: Request) -> str:

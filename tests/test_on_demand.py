@@ -518,5 +518,21 @@ def test_an_upload_holding_its_reserved_place_is_busy_past_the_grace_for_evictio
     assert b"hello world" in answer
     unloader.join(HANG_BOUND_S)
     assert unloaded == [200] and worker_pids(app) == []
-    assert "w" not in samples(app, "openarc_model_unloads_total") or \
-        samples(app, "openarc_model_unloads_total")["w"]["evicted"] == 0
+    assert samples(app, "openarc_model_unloads_total")["w"]["evicted"] == 0
+
+
+def test_count_tokens_never_evicts_a_model_to_count(appliance_factory, demo_model):
+    app = appliance_factory({"server": {"max_loaded": 1},
+                             "models": [on_demand("a", demo_model), on_demand("b", demo_model)]})
+    count = {"model": "b", "messages": [{"role": "user", "content": "Hi"}]}
+    assert chat(app, "a", stream=False) == "length"  # a holds the one slot, idle
+    started = time.monotonic()
+    code, headers, body = http("POST", app.base + "/v1/messages/count_tokens", count, timeout=HANG_BOUND_S)
+    assert code == 503 and body["type"] == "error" and int(headers["Retry-After"]) >= 1, body
+    assert "does not evict" in body["error"]["message"], body
+    assert time.monotonic() - started < 30  # at once, not after ready_wait_s (60 s)
+    assert app.model_status("a")["state"] == "ready" and samples(app, "openarc_model_unloads_total")["a"]["evicted"] == 0
+    assert http("POST", app.base + "/openarc/models/a/unload", timeout=HANG_BOUND_S)[0] == 200
+    code, _, body = http("POST", app.base + "/v1/messages/count_tokens", count, timeout=HANG_BOUND_S)
+    assert code == 200 and body["input_tokens"] > 0, body  # free room: b loads to count
+    assert samples(app, "openarc_model_loads_total")["b"]["demand"] == 1

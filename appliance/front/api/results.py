@@ -35,16 +35,17 @@ class ResultRoute:
 
     def __init__(self, appliance, kinds: tuple[str, ...],
                  parse: Callable[[Any], ResultRequest],
-                 shape: Callable[[ResultRequest, Event], web.Response]):
+                 shape: Callable[[ResultRequest, Event], web.Response], load_reason: str = "demand"):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
         self.kinds = kinds
         self.parse, self.shape = parse, shape
+        self.load_reason = load_reason  # a model this route wants loaded: why (Supervisor.ready_model)
 
     async def handler(self, request: web.Request, call: Call) -> web.Response:
         body = await json_body(request)
         call.label(body)
         req = self.parse(body)
-        sup = await self.appliance.model_for(req.model, call.endpoint, self.kinds)
+        sup = await self.appliance.model_for(req.model, call.endpoint, self.kinds, self.load_reason)
         if req.inputs > sup.model.max_inputs:
             raise InvalidRequest(f"{req.inputs} inputs exceed this model's max_inputs={sup.model.max_inputs}",
                                  code="too_many_inputs")

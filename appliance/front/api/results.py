@@ -72,6 +72,17 @@ class QueuePlace:
             self.held = False
             self.sup.router.unreserve()
 
+    async def follow(self, appliance, name: str, endpoint: str, kinds: tuple[str, ...]):
+        """The supervisor to open the request on: this place's while it takes the request (an unload's drain
+        waits for the place), else, the model unloaded under the request once that drain gave up waiting, the
+        model's next load (waited for up to its ready_wait_s) with a new place in its queue."""
+        if not self.sup.life.admits(self.held):
+            self.release()
+            sup = await appliance.model_for(name, endpoint, kinds)
+            sup.reserve()
+            self.sup, self.held = sup, True
+        return self.sup
+
 
 async def one_result(sup, frame: dict[str, Any], reserved: bool = False) -> Event:
     """Hand one `request` frame to the model's worker (in its reserved place, if it has one) and wait for its one

@@ -3,6 +3,7 @@ idle_unload_s, loaded and unloaded through the API and the CLI; never more worke
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import openai
 import pytest
 import yaml
 
+from audio_samples import multipart, tone, wav_bytes
 from conftest import REPO, http, model_entry, pid_alive, quick_side_bench, wait_until
 
 HANG_BOUND_S = 60  # catches hangs only
@@ -483,24 +485,39 @@ def test_reload_restart_of_a_loaded_on_demand_model_keeps_max_loaded_and_ready(a
     assert not_ready == []  # an on-demand model's reload is not the whole server's readiness
 
 
-def test_an_upload_holding_its_reserved_place_is_busy_past_the_grace_for_eviction_and_drain(appliance_factory, demo_model,
-                                                                                           demo_whisper):
-    """An audio upload still being read holds a reserved place in its model's queue: the model is busy for as long
-    (not just HANDOFF_GRACE_S), so it is not evicted for another model, and an unload's drain waits for it."""
-    from audio_samples import multipart, tone, wav_bytes
-
-    app = appliance_factory({"server": {"max_loaded": 1},
-                             "models": [on_demand("w", demo_whisper, kind="transcription"),
-                                        on_demand("b", demo_model, ready_wait_s=1)]})
-    content_type, body = multipart({"model": "w", "file": wav_bytes(tone(1.0))})
+@contextlib.contextmanager
+def held_upload(app, model: str):
+    """An audio upload to `model` whose file is read only in part: its place in the model's queue is reserved (the
+    model is loaded for it first). Yields the connection and the bytes still to send (finish_upload)."""
+    content_type, body = multipart({"model": model, "file": wav_bytes(tone(1.0))})
     split = body.index(b"RIFF") + 1000  # the model field and the first kilobyte of the file
     with socket.create_connection(("127.0.0.1", app.port), timeout=HANG_BOUND_S) as upload:
         upload.sendall(f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
                        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body[:split])
         time.sleep(0.3)
         upload.sendall(body[split:split + 1000])  # aiohttp reads a chunk ahead before it ends a part
-        wait_until(lambda: (m := app.model_status("w"))["state"] == "ready" and m["requests_waiting"] == 1,
-                   HANG_BOUND_S, "w loaded, the upload's place reserved")
+        wait_until(lambda: (m := app.model_status(model))["state"] == "ready" and m["requests_waiting"] == 1,
+                   HANG_BOUND_S, f"{model} loaded, the upload's place reserved")
+        yield upload, body[split + 1000:]
+
+
+def finish_upload(upload: socket.socket, rest: bytes) -> bytes:
+    """Send the rest of a held upload; the whole HTTP answer."""
+    upload.sendall(rest)
+    answer = b""
+    while chunk := upload.recv(65536):
+        answer += chunk
+    return answer
+
+
+def test_an_upload_holding_its_reserved_place_is_busy_past_the_grace_for_eviction_and_drain(appliance_factory, demo_model,
+                                                                                           demo_whisper):
+    """An audio upload still being read holds a reserved place in its model's queue: the model is busy for as long
+    (not just HANDOFF_GRACE_S), so it is not evicted for another model, and an unload's drain waits for it."""
+    app = appliance_factory({"server": {"max_loaded": 1},
+                             "models": [on_demand("w", demo_whisper, kind="transcription"),
+                                        on_demand("b", demo_model, ready_wait_s=1)]})
+    with held_upload(app, "w") as (upload, rest):
         time.sleep(6)  # past the 5 s hand-out grace (appliance.front.placement.HANDOFF_GRACE_S)
         code, _, refused = http("POST", app.base + "/v1/chat/completions", {"model": "b", "messages": CHAT},
                                 timeout=HANG_BOUND_S)
@@ -510,13 +527,41 @@ def test_an_upload_holding_its_reserved_place_is_busy_past_the_grace_for_evictio
             http("POST", app.base + "/openarc/models/w/unload", timeout=HANG_BOUND_S)[0]))
         unloader.start()
         wait_until(lambda: app.model_status("w")["state"] == "unloaded", HANG_BOUND_S, "the unload under way")
-        upload.sendall(body[split + 1000:])  # the rest of the file: opened on the draining model, which waited for it
-        answer = b""
-        while chunk := upload.recv(65536):
-            answer += chunk
+        answer = finish_upload(upload, rest)  # opened on the draining model, which waited for it
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
     assert b"hello world" in answer
     unloader.join(HANG_BOUND_S)
     assert unloaded == [200] and worker_pids(app) == []
-    assert "w" not in samples(app, "openarc_model_unloads_total") or \
-        samples(app, "openarc_model_unloads_total")["w"]["evicted"] == 0
+    assert samples(app, "openarc_model_unloads_total")["w"]["evicted"] == 0
+
+
+def test_count_tokens_never_evicts_a_model_to_count(appliance_factory, demo_model):
+    app = appliance_factory({"server": {"max_loaded": 1},
+                             "models": [on_demand("a", demo_model), on_demand("b", demo_model)]})
+    count = {"model": "b", "messages": [{"role": "user", "content": "Hi"}]}
+    assert chat(app, "a", stream=False) == "length"  # a holds the one slot, idle
+    started = time.monotonic()
+    code, headers, body = http("POST", app.base + "/v1/messages/count_tokens", count, timeout=HANG_BOUND_S)
+    assert code == 503 and body["type"] == "error" and int(headers["Retry-After"]) >= 1, body
+    assert "does not evict" in body["error"]["message"], body
+    assert time.monotonic() - started < 30  # at once, not after ready_wait_s (60 s)
+    assert app.model_status("a")["state"] == "ready" and samples(app, "openarc_model_unloads_total")["a"]["evicted"] == 0
+    assert http("POST", app.base + "/openarc/models/a/unload", timeout=HANG_BOUND_S)[0] == 200
+    code, _, body = http("POST", app.base + "/v1/messages/count_tokens", count, timeout=HANG_BOUND_S)
+    assert code == 200 and body["input_tokens"] > 0, body  # free room: b loads to count
+    assert samples(app, "openarc_model_loads_total")["b"]["demand"] == 1
+
+
+def test_an_upload_whose_model_was_unloaded_under_it_waits_for_the_next_load(appliance_factory, demo_whisper):
+    """The unload's drain waits for a reserved place only up to drain_timeout_s; the upload, read after that, is not
+    told 503 "shutting down" (the server is not): it waits for the model's next load and is answered."""
+    app = appliance_factory({"server": {"drain_timeout_s": 0.5},
+                             "models": [on_demand("w", demo_whisper, kind="transcription")]})
+    with held_upload(app, "w") as (upload, rest):
+        old = app.worker_pid("w")
+        code, _, body = http("POST", app.base + "/openarc/models/w/unload", timeout=HANG_BOUND_S)
+        assert code == 200 and body["state"] == "unloaded", body  # the drain gave up waiting after 0.5 s
+        wait_until(lambda: not pid_alive(old), HANG_BOUND_S, "the unloaded worker gone")
+        answer = finish_upload(upload, rest)
+    assert answer.startswith(b"HTTP/1.1 200") and b"hello world" in answer, answer[:300]
+    assert app.worker_pid("w") != old and samples(app, "openarc_model_loads_total")["w"]["demand"] == 2

@@ -100,15 +100,12 @@ class ModelSupervisor:
     def open(self, frame: dict[str, Any], op: str = "generate", reserved: bool = False) -> Request:
         """Admit a request or refuse it at once: nothing waits on a model that cannot serve it.
         `frame`: the fields of its ipc `op` (generate for an LLM, request for the one-answer kinds) but the id;
-        `reserved`: it holds a place from reserve(), which this takes whether it admits the request or not (a drain
-        waits for the place, so the request is taken while the model drains; given back after it is queued)."""
-        try:
-            if not self.life.admits(reserved):
-                raise self.life.unavailable()
-            return self.router.open(frame, op, reserved)
-        finally:
+        `reserved`: it holds a place from reserve() (a drain waits for it), which this takes, admitted or not."""
+        if not self.life.admits(reserved):
             if reserved:
                 self.router.unreserve()
+            raise self.life.unavailable()
+        return self.router.open(frame, op, reserved)
 
     def close(self, req: Request) -> None:
         self.router.close(req)

@@ -74,13 +74,15 @@ class RequestRouter:
         self._note_idle()
 
     def open(self, frame: dict[str, Any], op: str = "generate", reserved: bool = False) -> Request:
-        """Queue a request, or refuse it with 429 when the queue is full (unless its place was `reserved`).
+        """Queue a request, or refuse it with 429 when the queue is full (unless its place was `reserved`: then the
+        reserved place becomes its place in the queue, never free in between for a drain to end at).
         `frame`: the fields of its ipc `op` (generate for an LLM, request for the one-answer kinds) but the id."""
         if not reserved:
             self._check_room()
         req = Request(next(self.ids), frame, op)
         req.frame["id"] = req.id
         self.waiting.append(req)
+        self.reserved -= reserved
         self._dispatch()
         return req
 

@@ -194,11 +194,11 @@ class Appliance:
         """The configured model a request's name reaches: its own, else through server.model_aliases."""
         return name if name in self.supervisor.models else self.config.server.alias_target(name)
 
-    async def model_for(self, name: str, endpoint: str, kinds: tuple[str, ...]):
+    async def model_for(self, name: str, endpoint: str, kinds: tuple[str, ...], reason: str = "demand"):
         """The supervisor of the model a request names (or reaches through an alias), if it exists, is of a kind
         the route serves, and the server is not draining, once the model is ready (Supervisor.ready_model waits
-        out a load, a restart or a replacement, up to the model's ready_wait_s); else the RequestFailed the client
-        gets. The answer keeps the name the client asked for."""
+        out a load, a restart or a replacement, up to the model's ready_wait_s; `reason`: why it loads, if it
+        must); else the RequestFailed the client gets. The answer keeps the name the client asked for."""
         name = self.model_named(name) or name
         sup = self.supervisor.get(name)
         if sup is None:
@@ -208,7 +208,7 @@ class Appliance:
                                                         f"needs a model of kind {' or '.join(kinds)}", "wrong_model_kind")
         if self.draining:
             raise shutting_down()
-        ready = await self.supervisor.ready_model(name)
+        ready = await self.supervisor.ready_model(name, reason)
         if ready is None:  # removed by a reload while the request waited
             raise self.not_found(name)
         return ready

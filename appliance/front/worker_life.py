@@ -153,11 +153,11 @@ class WorkerLife:
                 self.current.process.ask_to_leave()
         if self.task:
             done, _ = await asyncio.wait([self.task], timeout=LEAVE_GRACE_S)
-            if not done:
+            if not done and self.current.process:  # (no process: a load waiting for the gate ends on its own)
                 log.warning("model %s: worker %s did not leave within %gs of being asked; killing it", self.name,
                             self.pid, LEAVE_GRACE_S)
                 self.end_worker(Exit(ExitReason.STOPPED))
-                await asyncio.gather(self.task, return_exceptions=True)
+            await asyncio.gather(self.task, return_exceptions=True)
         if self.state is ModelState.DRAINING:
             self.enter(ModelState.STOPPED)
 

@@ -111,6 +111,7 @@ class AudioRoutes(HelperUser):
             form.file = req.file = b""  # decoded into the spool file: the upload's memory is free for the next
             upload.release_slot()
             frame = {"kind": KIND, "body": req.body(audio_path)}
+            sup = await upload.follow(req.model)
             if req.stream:
                 return await self._stream(request, call, sup, req, frame, decoded.seconds, upload.hand_over())
             event = await one_result(sup, frame, upload.hand_over())
@@ -185,6 +186,11 @@ class Upload:
             sup = await self.routes.appliance.model_for(name, self.call.endpoint, (KIND,))
             self.place = QueuePlace(sup)
             self.sup = sup
+        return self.sup
+
+    async def follow(self, name: str):
+        """The model to open on now (QueuePlace.follow: its next load, if it was unloaded under the upload)."""
+        self.sup = await self.place.follow(self.routes.appliance, name, self.call.endpoint, (KIND,))
         return self.sup
 
     def hand_over(self) -> bool:

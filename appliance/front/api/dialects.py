@@ -25,6 +25,7 @@ from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.results import ResultRequest, ResultRoute
 from appliance.front.api.route import Call, route
 from appliance.front.api.tools import lark_grammars
+from appliance.front.placement import COUNT
 from appliance.front.request import Event, RequestFailed
 
 
@@ -50,7 +51,7 @@ def add_routes(app: web.Application, appliance) -> None:
         "messages": (DialectRoute(appliance, Dialect(messages.parse_messages, messages.MessageStream,
                                                      lambda s: s.message)).handler, messages.ANTHROPIC),
         "messages/count_tokens": (ResultRoute(appliance, GENERATIVE_KINDS, count_tokens_request,
-                                              lambda req, event: web.json_response(event.result)).handler,
+                                              lambda req, event: web.json_response(event.result), COUNT).handler,
                                   messages.ANTHROPIC),
     }
     for endpoint, (handler, errors) in routes.items():
@@ -59,7 +60,7 @@ def add_routes(app: web.Application, appliance) -> None:
 
 def count_tokens_request(body: Any) -> ResultRequest:
     """/v1/messages/count_tokens: counted by the model's worker with its template and tokenizer (the front has
-    neither)."""
+    neither). An unloaded model is loaded for it only into free room, never by evicting another (placement.COUNT)."""
     model, count_body = messages.count_frame(body)
     return ResultRequest(model, 1, count_body)
 

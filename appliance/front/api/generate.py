@@ -99,6 +99,8 @@ class GenerationRoutes:
         place = QueuePlace(sup) if req.content.images and sup.model.kind == "vlm" else None
         try:
             req.images = await self.images.resolve(req.content, sup.model)
+            if place is not None:
+                sup = await place.follow(self.appliance, req.model, call.endpoint, GENERATIVE_KINDS)
             answers = [answer_parser(sup, req) for _ in range(req.n)]
             note_constraint(call, self.appliance.metrics, req)
             return await (self._stream(request, call, sup, req, answers, place) if req.stream

@@ -35,16 +35,17 @@ class ResultRoute:
 
     def __init__(self, appliance, kinds: tuple[str, ...],
                  parse: Callable[[Any], ResultRequest],
-                 shape: Callable[[ResultRequest, Event], web.Response]):
+                 shape: Callable[[ResultRequest, Event], web.Response], load_reason: str = "demand"):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
         self.kinds = kinds
         self.parse, self.shape = parse, shape
+        self.load_reason = load_reason  # a model this route wants loaded: why (Supervisor.ready_model)
 
     async def handler(self, request: web.Request, call: Call) -> web.Response:
         body = await json_body(request)
         call.label(body)
         req = self.parse(body)
-        sup = await self.appliance.model_for(req.model, call.endpoint, self.kinds)
+        sup = await self.appliance.model_for(req.model, call.endpoint, self.kinds, self.load_reason)
         if req.inputs > sup.model.max_inputs:
             raise InvalidRequest(f"{req.inputs} inputs exceed this model's max_inputs={sup.model.max_inputs}",
                                  code="too_many_inputs")
@@ -70,6 +71,17 @@ class QueuePlace:
         if self.held:  # refused or failed before it was opened
             self.held = False
             self.sup.router.unreserve()
+
+    async def follow(self, appliance, name: str, endpoint: str, kinds: tuple[str, ...]):
+        """The supervisor to open the request on: this place's while it takes the request (an unload's drain
+        waits for the place), else, the model unloaded under the request once that drain gave up waiting, the
+        model's next load (waited for up to its ready_wait_s) with a new place in its queue."""
+        if not self.sup.life.admits(self.held):
+            self.release()
+            sup = await appliance.model_for(name, endpoint, kinds)
+            sup.reserve()
+            self.sup, self.held = sup, True
+        return self.sup
 
 
 async def one_result(sup, frame: dict[str, Any], reserved: bool = False) -> Event:

@@ -47,7 +47,7 @@ def test_only_the_serving_worker_writes_the_models_gauges(tmp_path, demo_model):
         sup = Supervisor(config, Metrics())
         old = ready_model(sup)
         old._on_frame(telemetry(100, 0.5))
-        new = sup._new_model(config.models[0], config)  # the replacement, as Supervisor._replace makes it
+        new = sup.new_model(config.models[0])  # the replacement, as Supervisor._replace makes it
         new.reports = False
         new.life.enter(ModelState.LOADING)
         new.life.enter(ModelState.READY)

@@ -552,6 +552,24 @@ def test_count_tokens_never_evicts_a_model_to_count(appliance_factory, demo_mode
     assert samples(app, "openarc_model_loads_total")["b"]["demand"] == 1
 
 
+def test_a_count_that_found_no_room_holds_back_no_chat_request(appliance_factory, demo_model):
+    """With ready_wait_s 0 a count_tokens request that found no room left its count-only want standing: the model
+    stayed 'no room' for counting, and every chat request for it was refused with the count's 503 and never loaded
+    it. A chat request evicts an idle model as ever."""
+    app = appliance_factory({"server": {"max_loaded": 1},
+                             "models": [on_demand("a", demo_model), on_demand("b", demo_model, ready_wait_s=0)]})
+    assert chat(app, "a", stream=False) == "length"  # a holds the one slot, idle
+    count = {"model": "b", "messages": [{"role": "user", "content": "Hi"}]}
+    code, _, body = http("POST", app.base + "/v1/messages/count_tokens", count, timeout=HANG_BOUND_S)
+    assert code == 503, body
+    time.sleep(1)  # the placer has planned with the count's want
+    code, _, body = http("POST", app.base + "/v1/chat/completions", {"model": "b", "messages": CHAT},
+                         timeout=HANG_BOUND_S)
+    assert code == 503 and "is being loaded now" in body["error"]["message"], body  # ready_wait_s 0: not waited
+    app.wait_model("b", "ready", timeout=HANG_BOUND_S)  # a was evicted for the chat request
+    assert samples(app, "openarc_model_unloads_total")["a"]["evicted"] == 1
+
+
 def test_an_upload_whose_model_was_unloaded_under_it_waits_for_the_next_load(appliance_factory, demo_whisper):
     """The unload's drain waits for a reserved place only up to drain_timeout_s; the upload, read after that, is not
     told 503 "shutting down" (the server is not): it waits for the model's next load and is answered."""

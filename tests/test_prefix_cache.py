@@ -49,6 +49,16 @@ def test_the_least_recently_used_conversation_is_evicted_first():
     assert len(cache.blocks) == 6
 
 
+def test_a_partly_filled_last_block_takes_its_room_so_an_evicted_prompt_is_not_reported_cached():
+    cache = BlockCacheModel(block_size=4, capacity_blocks=4)
+    a, b, c = [1] * 6, [2] * 6, [3] * 6  # one whole block and a partly filled one each: two of genai's blocks
+    for prompt in (a, b, c):
+        cache.store(prompt)
+    # genai's four blocks held b and c: a's went first, so a's next turn is served nothing
+    assert cache.lookup(a + [9, 9]) == 0
+    assert cache.lookup(c + [9, 9]) == 4 and len(cache.blocks) == 4
+
+
 def test_capacity_follows_the_scheduler_settings():
     assert prefix_cache.capacity_blocks({"num_kv_blocks": 500}, 16, 1000) == 500
     # 2 GB of 16-token blocks at 56 KiB a token (Qwen2.5-7B in f16)

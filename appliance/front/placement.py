@@ -102,7 +102,7 @@ class Placement:
     def want(self, name: str, waiter: object, reason: str) -> None:
         """A request waits for this unloaded model: answered at once (RequestFailed) if its last load failed lately
         or it cannot fit under the limits now, else counted for the residency plan."""
-        refusal = self.refusal(name)
+        refusal = self.refusal(name, counting=reason == COUNT)
         if refusal is not None:
             raise refusal
         wants = self.wants.setdefault(name, {})
@@ -117,8 +117,9 @@ class Placement:
                 del self.wants[name]
             self.replan.set()
 
-    def refusal(self, name: str) -> RequestFailed | None:
-        """Why a request for this unloaded model is answered now instead of waiting for its load, if it is."""
+    def refusal(self, name: str, counting: bool = False) -> RequestFailed | None:
+        """Why a request for this unloaded model is answered now instead of waiting for its load, if it is (`no_room`
+        answers only a request that counts tokens: any other one may evict, and its want takes the model off it)."""
         usage, now = self.usage[name], time.monotonic()
         if usage.refused(now):
             failure = usage.refusal
@@ -130,7 +131,7 @@ class Placement:
                       if source == "measured" else "raise the budget and reload")
             return RequestFailed(503, "model_unavailable", f"model {name} cannot load here: {self.impossible[name]} "
                                  f"({source} footprint; {advice})")
-        if name in self.no_room:
+        if counting and name in self.no_room:
             return RequestFailed(503, "model_unavailable", f"model {name} is not loaded, and counting tokens does not "
                                  "evict another model to load it (no room is free now); the message itself loads it",
                                  retry_after=max(1.0, self.models[name].model.restart.backoff_initial_s))
@@ -191,9 +192,9 @@ class Placement:
     def _carry_out(self, plan: residency.Plan) -> None:
         if (plan.impossible, plan.no_room) != (self.impossible, self.no_room):
             self.impossible, self.no_room = dict(plan.impossible), plan.no_room
-            for name in self.impossible:
-                self.unwant(name, STANDING)
             self.owner.changes.notify()  # their waiters answer now
+        for name in (*plan.impossible, *plan.no_room):  # a standing want these cannot load (a count's: no room)
+            self.unwant(name, STANDING)
         for names, reason in ((plan.idle, "idle"), (plan.evict, "evicted")):
             for name in names:
                 self.begin_unload(name, reason)  # at once: the next plan sees it leaving

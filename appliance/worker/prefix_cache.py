@@ -57,8 +57,14 @@ class BlockCacheModel:
         return min(served, max(0, len(prompt) - 1))
 
     def store(self, tokens: Sequence[int]) -> None:
-        """Keep the blocks of a sequence whose KV cache was computed (a prompt, or a prompt and its answer)."""
-        for key in block_hashes(tokens, self.block_size):
+        """Keep the blocks of a sequence whose KV cache was computed (a prompt, or a prompt and its answer). A partly
+        filled last block is never counted as served, but it holds a whole block of genai's cache as long as it is
+        kept: it counts against the capacity, or this model would evict later than genai does and say tokens were
+        served that genai had evicted."""
+        keys = block_hashes(tokens, self.block_size)
+        if len(tokens) % self.block_size:
+            keys.append(hash((keys[-1] if keys else 0, tuple(tokens[len(keys) * self.block_size:]), "partial")))
+        for key in keys:
             self.blocks[key] = None
             self.blocks.move_to_end(key)
         while len(self.blocks) > self.capacity_blocks:

@@ -313,3 +313,19 @@ def test_openarc_keys_lists_names_classes_and_limits_never_values(tmp_path, demo
     assert lines[2].split() == ["indexer", "background", "-", "300", "-", "bge-*,demo", "KEY_BOB", "(not", "set",
                                 "here)"]
     assert SECRETS["KEY_ALICE"] not in done.stdout + done.stderr
+
+
+def test_a_reload_keeps_a_keys_running_requests_and_frees_their_slots(appliance_factory, long_demo_model):
+    config = {"server": {"api_keys": [{"name": "agent", "key_env": "KEY_ALICE", "max_concurrent": 1}]},
+              "models": [model_entry("demo", long_demo_model, max_running=2)]}
+    app = appliance_factory(config, env=SECRETS)
+    alice = SECRETS["KEY_ALICE"]
+    long = Long(app, alice)
+    config["server"].update(port=app.port, host="127.0.0.1")
+    config["server"]["api_keys"][0]["requests_per_minute"] = 100
+    app.config_path.write_text(yaml.safe_dump(config))
+    app.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "reloaded" in app.logs(), 30, "reload")
+    assert chat(app, alice)[0] == 429  # the request admitted before the reload still holds the key's one slot
+    long.close()  # and ending it frees that slot under the new config
+    wait_until(lambda: chat(app, alice)[0] == 200, 30, "the slot freed")

@@ -1,4 +1,5 @@
-"""`openarc`: serve, check-config, doctor, pull, demo-model, health, and models / load / unload against a running server."""
+"""`openarc`: serve, check-config, doctor, pull, demo-model, health, keys, and models / load / unload against a
+running server."""
 
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ def device_check(available: list[str]):
 def cmd_check_config(args: argparse.Namespace) -> int:
     checks = [path_check] + ([device_check(available_devices())] if args.strict else [])
     config = load_config(args.path, checks)
+    config.key_secrets()  # an unset or empty key variable would turn authentication off: refused, named
     names = ", ".join(f"{m.name} ({m.device}{'' if m.kind == 'llm' else ', ' + m.kind})" for m in config.models)
     names = names or "no models"
     print(f"{args.path}: OK: {names}")
@@ -154,13 +156,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def api_key(args: argparse.Namespace) -> str | None:
-    """The key the server checks, from the same environment variable: the one its config's server.api_key_env
-    names (--config, else /etc/openarc/openarc.yaml when readable), else OPENARC_API_KEY."""
+    """A key the server checks, from the same environment variable: the one its config's server.api_key_env
+    names, else its first server.api_keys entry's (--config, else /etc/openarc/openarc.yaml when readable), else
+    OPENARC_API_KEY."""
     env = "OPENARC_API_KEY"
     path = args.config or (DEFAULT_CONFIG_PATH if os.access(DEFAULT_CONFIG_PATH, os.R_OK) else None)
-    if path:
-        env = load_config(path).server.api_key_env or env
-    return os.environ.get(env)
+    keys = load_config(path).api_keys() if path else []
+    return os.environ.get(keys[0].key_env if keys else env)
 
 
 def call_server(args: argparse.Namespace, method: str, path: str) -> tuple[int, dict]:
@@ -200,14 +202,37 @@ def cmd_models(args: argparse.Namespace) -> int:
         last = time.strftime("%H:%M:%S", time.localtime(m["last_used"])) if m.get("last_used") else "-"
         rows.append((m["name"], m["kind"], m["state"], m.get("load", "at_start"), f"{m.get('idle_unload_s', 0):g}",
                      size, last, str(m["pid"] or "-")))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    print_table(rows)
     residency = body.get("residency") or {}
     if residency.get("max_loaded") or residency.get("memory_budget"):
         budget = ", ".join(f"{d}: {s}" for d, s in residency["memory_budget"].items()) or "none"
         print(f"\nloaded {residency['loaded']} of max_loaded {residency['max_loaded'] or 'unlimited'}; "
               f"memory_budget: {budget}")
+    return 0
+
+
+def print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    """The config's API keys: names, classes, limits and models, and whether each variable is set here; never a
+    key's value."""
+    path = args.config or DEFAULT_CONFIG_PATH
+    config = load_config(path)
+    keys = config.api_keys()
+    if not keys:
+        print(f"{path}: no API keys: authentication is off (server.api_keys, server.api_key_env)")
+        return 0
+    rows = [("NAME", "PRIORITY", "MAX_CONCURRENT", "REQUESTS/MIN", "TOKENS/MIN", "MODELS", "KEY_ENV")]
+    for key in keys:
+        here = "set" if os.environ.get(key.key_env, "").strip() else "not set here"
+        rows.append((key.name, key.priority, *(str(limit or "-") for limit in (
+            key.max_concurrent, key.requests_per_minute, key.tokens_per_minute)),
+            ",".join(key.models) if key.models else "all", f"{key.key_env} ({here})"))
+    print_table(rows)
     return 0
 
 
@@ -268,6 +293,10 @@ def parser() -> argparse.ArgumentParser:
                                        "else openarc.container; its User= is the user checked)")
     doctor.add_argument("--root", default="/", help="the machine's files under this directory (a recorded root)")
     doctor.set_defaults(func=cmd_doctor)
+    keys = sub.add_parser("keys", help="list the config's API keys: names, priority classes, limits and models "
+                                       "(never their values)")
+    keys.add_argument("--config", help=f"config file (default {DEFAULT_CONFIG_PATH})")
+    keys.set_defaults(func=cmd_keys)
     health = sub.add_parser("health", help="exit 0 iff the appliance answers /ready with 200")
     health.add_argument("--url", default=os.environ.get("OPENARC_URL", "http://127.0.0.1:8000"))
     health.add_argument("--timeout", type=float, default=5.0)

@@ -238,6 +238,13 @@ class ModelConfig:
     load: Literal["at_start", "on_demand"] = "at_start"
     idle_unload_s: float = 0.0
     memory: str | int | None = None
+    # Sharing one GPU (docs/sharing.md): background-class chat requests for this model go to the chat model
+    # task_model names instead; at most max_running_background of the running requests are background ones
+    # (None: half of max_running, at least 1), and a background request that waited background_max_wait_s in the
+    # queue is admitted as if it were interactive (it never starves).
+    task_model: str | None = None
+    max_running_background: int | None = None
+    background_max_wait_s: float = 30.0
 
     @property
     def speculative(self) -> str | None:
@@ -296,6 +303,13 @@ class ModelConfig:
     def effective_max_running(self) -> int:
         return 1 if self.pipeline == "stateful" else self.max_running
 
+    @property
+    def background_slots(self) -> int:
+        """How many running requests may be background ones (the rest stays for people)."""
+        if self.max_running_background is not None:
+            return min(self.max_running_background, self.effective_max_running)
+        return max(1, self.effective_max_running // 2)
+
 
 @dataclass
 class ImageFetch:
@@ -307,12 +321,32 @@ class ImageFetch:
     timeout_s: float = 10.0
 
 
+PRIORITIES = ("interactive", "background")
+# The key the single server.api_key_env is, among server.api_keys.
+DEFAULT_KEY_NAME = "default"
+
+
+@dataclass
+class ApiKeyConfig:
+    """One named API key (docs/sharing.md): the secret is in the environment variable key_env, never in the file.
+    Limits unset are no limit; `models`: names or globs (fnmatch) of the models it may use, unset: all."""
+    name: str
+    key_env: str
+    priority: Literal["interactive", "background"] = "interactive"
+    max_concurrent: int | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    models: list[str] | None = None
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    # Name of the environment variable that holds the API key; the key itself never lives in the file.
+    # Name of the environment variable that holds the API key; the key itself never lives in the file. It is the
+    # key named `default`, beside any api_keys.
     api_key_env: str | None = None
+    api_keys: list[ApiKeyConfig] = field(default_factory=list)
     metrics_require_key: bool = False
     max_body_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0
@@ -354,8 +388,35 @@ class Config:
                 return model
         raise ConfigError(f"{self.source}: models: no model named {name!r} (have: {', '.join(m.name for m in self.models)})")
 
-    def api_key(self) -> str | None:
-        return os.environ.get(self.server.api_key_env) if self.server.api_key_env else None
+    def keys_at(self) -> list[tuple[str, ApiKeyConfig]]:
+        """Every API key with the config key its variable is named at: server.api_key_env as the key named
+        `default`, then server.api_keys."""
+        single = [("server.api_key_env", ApiKeyConfig(DEFAULT_KEY_NAME, self.server.api_key_env))] \
+            if self.server.api_key_env else []
+        return single + [(f"server.api_keys[{i}].key_env", key) for i, key in enumerate(self.server.api_keys)]
+
+    def api_keys(self) -> list[ApiKeyConfig]:
+        return [key for _, key in self.keys_at()]
+
+    def key_secrets(self, environ: typing.Mapping[str, str] = os.environ) -> dict[str, str]:
+        """Each key's name -> its secret, read from its environment variable; a ConfigError naming every variable
+        that is unset or empty (authentication would silently be off) and keys that share one value. The values
+        are never part of an error."""
+        problems, secrets, owners = [], {}, {}
+        for at, key in self.keys_at():
+            value = environ.get(key.key_env) or _credential(environ, key.key_env)
+            if not value.strip():
+                problems.append(f"{self.source}: {at}: the environment variable {key.key_env} is "
+                                f"{'empty' if key.key_env in environ else 'not set'} (nor a systemd credential of that "
+                                "name); set it to the key (refusing to serve without authentication)")
+            elif value in owners:
+                problems.append(f"{self.source}: {at}: key {key.name!r} has the same value as key "
+                                f"{owners[value]!r}; give each key its own")
+            else:
+                owners[value], secrets[key.name] = key.name, value
+        if problems:
+            raise ConfigError("\n".join(problems))
+        return secrets
 
     def ov_cache_dir(self) -> str | None:
         if self.server.cache_dir:
@@ -388,6 +449,17 @@ class Config:
         model = dataclasses.replace(self.model(name), load="at_start", idle_unload_s=0.0)
         server = dataclasses.replace(self.server, port=model.port or self.server.port, max_loaded=0, memory_budget={})
         return Config(server=server, models=[model], source=self.source)
+
+
+def _credential(environ: typing.Mapping[str, str], name: str) -> str:
+    """A systemd credential of this name (LoadCredential=NAME:FILE puts it in $CREDENTIALS_DIRECTORY), else ""."""
+    directory = environ.get("CREDENTIALS_DIRECTORY")
+    if not directory:
+        return ""
+    try:
+        return (Path(directory) / name).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 # The plugins a device string names (inside composites too: "HETERO:GPU.1,CPU").
@@ -630,6 +702,8 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
                 f"a size such as 4.5GiB, 800MiB or a number of bytes (got {m.memory!r})")
     _check_residency(config, problems)
     _check_aliases(config, problems)
+    _check_keys(config.server, problems)
+    _check_task_models(config, problems)
 
 
 def _check_aliases(config: Config, problems: Problems) -> None:
@@ -639,6 +713,57 @@ def _check_aliases(config: Config, problems: Problems) -> None:
         if target not in names:
             problems.append(f"server.model_aliases.{_key_name(pattern)}: {target!r} is not a configured model "
                             f"(have: {', '.join(names)})")
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_keys(s: ServerConfig, problems: Problems) -> None:
+    """Named keys: unique names (metric labels), one variable each, limits of at least 1."""
+    names = {DEFAULT_KEY_NAME} if s.api_key_env else set()
+    envs = {s.api_key_env} if s.api_key_env else set()
+    if s.api_key_env is not None and ENV_NAME.fullmatch(s.api_key_env) is None:  # "" would be no auth at all
+        problems.append("server.api_key_env: expected the name of an environment variable (the key itself never "
+                        "lives in the file), or leave it out for no authentication")
+    for i, key in enumerate(s.api_keys):
+        if key is None:  # its problems are reported already
+            continue
+        at = f"server.api_keys[{i}]"
+        if MODEL_NAME.fullmatch(key.name) is None:
+            problems.append(f"{at}.name: expected letters, digits, '.', '_' or '-' (it is a metric label)")
+        elif key.name in names:
+            problems.append(f"{at}.name: expected a unique key name ({key.name!r} appears twice"
+                            + (", and server.api_key_env is the key named 'default')" if key.name == DEFAULT_KEY_NAME
+                               and s.api_key_env else ")"))
+        names.add(key.name)
+        if ENV_NAME.fullmatch(key.key_env) is None:
+            problems.append(f"{at}.key_env: expected the name of an environment variable (the key itself never "
+                            "lives in the file)")
+        elif key.key_env in envs:
+            problems.append(f"{at}.key_env: {key.key_env} is another key's variable too; give each key its own")
+        envs.add(key.key_env)
+        for limit in ("max_concurrent", "requests_per_minute", "tokens_per_minute"):
+            if getattr(key, limit) is not None and getattr(key, limit) < 1:
+                problems.append(f"{at}.{limit}: expected at least 1 (leave it out for no limit)")
+        if key.models is not None and not key.models:
+            problems.append(f"{at}.models: expected at least one model name or glob (leave it out for all models)")
+
+
+def _check_task_models(config: Config, problems: Problems) -> None:
+    """task_model names another configured chat model; the background knobs are in range."""
+    chat = {m.name for m in config.models if m is not None and m.kind in GENERATIVE_KINDS}
+    for i, m in enumerate(config.models):
+        if m is None:
+            continue
+        if m.task_model is not None and (m.task_model == m.name or m.task_model not in chat
+                                         or m.kind not in GENERATIVE_KINDS):
+            problems.append(f"models[{i}].task_model: expected the name of another configured chat model (llm or "
+                            f"vlm) for a chat model's background requests; {m.task_model!r} is not one"
+                            + (f" (chat models: {', '.join(sorted(chat - {m.name}))})" if chat - {m.name} else ""))
+        if m.max_running_background is not None and not 0 <= m.max_running_background <= m.max_running:
+            problems.append(f"models[{i}].max_running_background: expected 0 to max_running ({m.max_running})")
+        if m.background_max_wait_s <= 0:
+            problems.append(f"models[{i}].background_max_wait_s: expected a positive number of seconds")
 
 
 def _check_residency(config: Config, problems: Problems) -> None:

@@ -160,7 +160,8 @@ class Appliance:
         self.python = python  # the front's interpreter, and so its workers' (sys.executable)
         self.proc: subprocess.Popen | None = None
         self.worker_pids: set[int] = set()
-        key = self.env.get(config["server"].get("api_key_env") or "")
+        server = config["server"]  # the single key, else the first named key (docs/sharing.md)
+        key = self.env.get(server.get("api_key_env") or next((k["key_env"] for k in server.get("api_keys") or ()), ""))
         self.auth = {"Authorization": f"Bearer {key}"} if key else {}
 
     def start(self, wait_ready: bool = True) -> Appliance:

@@ -320,7 +320,7 @@ def test_an_unmatched_model_name_is_a_404_and_the_models_list_shows_configured_m
     # metrics never carry a client's name: the aliased request counts under the model it reached
     claude(app).messages.create(model="claude-opus-4-1", max_tokens=2, messages=[{"role": "user", "content": "x"}])
     assert "claude-opus" not in app.metrics()
-    assert re.search(r'openarc_requests_total\{endpoint="messages",model="demo",status="200"\}', app.metrics())
+    assert re.search(r'openarc_requests_total\{endpoint="messages",key="none",model="demo",priority="interactive",status="200"\}', app.metrics())
 
 
 # --- through a gateway: LiteLLM's openai/, anthropic/ and Responses paths -----------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import socket
 import subprocess
 import sys
@@ -130,9 +131,9 @@ def test_missing_file_is_a_config_error(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
-def run_cli(*args) -> subprocess.CompletedProcess:
+def run_cli(*args, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "appliance", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env={**os.environ, **env} if env else None)
 
 
 def with_paths(data: dict, *paths) -> dict:
@@ -144,9 +145,14 @@ def with_paths(data: dict, *paths) -> dict:
 
 
 def test_check_config_exits_zero_on_a_valid_file(tmp_path, demo_model):
-    done = run_cli("check-config", write(tmp_path, with_paths(FULL, demo_model, demo_model)))
+    path = write(tmp_path, with_paths(FULL, demo_model, demo_model))
+    done = run_cli("check-config", path, env={"OPENARC_KEY": "k"})  # server.api_key_env's variable must be set
     assert done.returncode == 0, done.stderr
     assert "OK: qwen-14b (GPU.0), small (CPU)" in done.stdout
+    unset = {k: v for k, v in os.environ.items() if k != "OPENARC_KEY"}
+    done = subprocess.run([sys.executable, "-m", "appliance", "check-config", path], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=unset)
+    assert done.returncode == 2 and "server.api_key_env: the environment variable OPENARC_KEY is not set" in done.stderr
 
 
 def test_check_config_names_each_model_kind_but_llm(tmp_path, demo_model, embedding_model, rerank_model):

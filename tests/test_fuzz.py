@@ -351,14 +351,16 @@ def test_the_appliance_still_serves_after_the_fuzzing(app):
 CONFIG_KEYS = ("server", "models", "name", "path", "device", "port", "host", "pipeline", "restart", "scheduler_config",
                "runtime_config", "max_context", "max_running", "max_queue", "stall_timeout_s", "backoff_initial_s",
                "num_kv_blocks", "log_level", "api_key_env", "kind", "max_inputs", "pooling", "normalize",
-               "matryoshka_dimensions")
+               "matryoshka_dimensions", "api_keys", "key_env", "priority", "max_concurrent", "task_model")
 yaml_scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-(10 ** 400), max_value=10 ** 400)
                 | st.floats() | texts | st.dates())
 config_values = st.recursive(yaml_scalars, lambda inner: st.lists(inner, max_size=3)
                              | st.dictionaries(st.sampled_from(CONFIG_KEYS) | texts, inner, max_size=4), max_leaves=10)
 VALID_CONFIG = {
     "server": {"host": "127.0.0.1", "port": 8000, "api_key_env": "OPENARC_KEY", "max_body_bytes": 4096,
-               "drain_timeout_s": 5, "load_concurrency": 1, "log_level": "info"},
+               "drain_timeout_s": 5, "load_concurrency": 1, "log_level": "info",
+               "api_keys": [{"name": "agent", "key_env": "OPENARC_AGENT_KEY", "priority": "background",
+                             "max_concurrent": 2, "tokens_per_minute": 1000, "models": ["demo*"]}]},
     "models": [{"name": "demo", "path": "/models/demo", "device": "GPU.0", "pipeline": "stateful", "max_context": 2048,
                 "scheduler_config": {"num_kv_blocks": 4}, "runtime_config": {"KV_CACHE_PRECISION": "u8"},
                 "restart": {"backoff_initial_s": 1, "backoff_max_s": 2, "max_failures": 3, "window_s": 60}},

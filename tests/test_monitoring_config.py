@@ -23,7 +23,8 @@ DASHBOARD = REPO / "config" / "grafana" / "openarc-dashboard.json"
 # The metrics openarc exports (the contract with appliance/front/metrics.py):
 # name -> (type, label names).
 OPENARC_METRICS = {
-    "openarc_requests_total": ("counter", ("model", "endpoint", "status")),
+    "openarc_requests_total": ("counter", ("model", "endpoint", "status", "key", "priority")),
+    "openarc_rate_limited_total": ("counter", ("key", "reason")),
     "openarc_request_errors_total": ("counter", ("model", "kind", "endpoint")),
     "openarc_worker_crashes_total": ("counter", ("model", "signal", "reason")),
     "openarc_worker_exits_total": ("counter", ("model", "reason")),
@@ -39,12 +40,12 @@ OPENARC_METRICS = {
     "openarc_requests_running": ("gauge", ("model",)),
     "openarc_requests_waiting": ("gauge", ("model",)),
     "openarc_kv_cache_usage_ratio": ("gauge", ("model",)),
-    "openarc_prompt_tokens_total": ("counter", ("model", "source")),
-    "openarc_generation_tokens_total": ("counter", ("model",)),
+    "openarc_prompt_tokens_total": ("counter", ("model", "source", "key", "priority")),
+    "openarc_generation_tokens_total": ("counter", ("model", "key", "priority")),
     "openarc_time_to_first_token_seconds": ("histogram", ("model", "source")),
     "openarc_inter_token_latency_seconds": ("histogram", ("model",)),
     "openarc_request_duration_seconds": ("histogram", ("model", "endpoint")),
-    "openarc_queue_time_seconds": ("histogram", ("model",)),
+    "openarc_queue_time_seconds": ("histogram", ("model", "priority")),
     "openarc_model_load_seconds": ("histogram", ("model",)),
     "openarc_event_loop_lag_seconds": ("gauge", ()),
     "openarc_model_info": ("gauge", ("model", "kind")),
@@ -313,6 +314,16 @@ def test_model_variable_is_only_used_as_a_regex(dashboard):
         assert uses == query["expr"].count('model=~"$model"'), where
 
 
+def test_dashboard_shows_who_uses_the_gpu_by_key_name(dashboard):
+    """docs/sharing.md: a row of requests, tokens and refusals by API key name, and queue time by class."""
+    titles = [panel["title"] for panel in dashboard["panels"]]
+    row = titles.index("Who uses the GPU")
+    exprs = " ".join(target["expr"] for panel in dashboard["panels"][row + 1:row + 5] for target in panel["targets"])
+    for wanted in ("sum by (key, priority) (rate(openarc_requests_total", "sum by (key) (rate(openarc_generation_tokens",
+                   "sum by (key, reason) (rate(openarc_rate_limited_total", "sum by (priority, le)"):
+        assert wanted in exprs, wanted
+
+
 def test_dashboard_covers_every_metric_and_latency_quantile(dashboard):
     exprs = " ".join(query["expr"] for _, query in dashboard_queries(dashboard))
     shown = {name for name in OPENARC_METRICS if name in exprs}
@@ -361,7 +372,8 @@ def test_dashboard_queries_pass_promtool_as_recording_rules(promtool, dashboard,
 SAMPLE_LABELS = {"model": "demo", "endpoint": "/v1/chat/completions", "status": "200", "kind": "device_oom",
                  "signal": "SIGSEGV", "reason": "crash", "device": "GPU.0", "outcome": "accepted",
                  "source": "cache", "type": "web_search",
-                 "region": "vram", "card": "0000:03:00.0", "mitigation": "sdpa_off"}
+                 "region": "vram", "card": "0000:03:00.0", "mitigation": "sdpa_off", "key": "alice",
+                 "priority": "interactive"}
 SCRAPE_LABELS = {"job": "openarc", "instance": "127.0.0.1:8000"}
 SAMPLE_MINUTES = 90
 HISTOGRAM_BUCKETS = ("0.1", "1", "+Inf")

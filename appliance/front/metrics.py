@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from appliance.front.lifecycle import ModelState
+from appliance.front.priority import CLASSES
 
 MODEL_STATES = tuple(state.value for state in ModelState)
 LOAD_REASONS = ("start", "demand", "api", "reload")
@@ -48,13 +49,9 @@ class ModelMetrics:
     worker_rss: Any
     requests_running: Any
     requests_waiting: Any
-    prompt_tokens: Any  # source="computed"
-    cached_prompt_tokens: Any  # source="cache"
-    generation_tokens: Any
     ttft: Any  # source="computed": most of the prompt computed
     ttft_cached: Any  # source="cache": at least half of the prompt served by the prefix cache
     itl: Any
-    queue_time: Any
     model_load: Any
     kv_cache_usage: Any
     embedding_inputs: Any
@@ -63,6 +60,23 @@ class ModelMetrics:
     speech_characters: Any
     time_to_first_audio: Any
     draft: DraftTokens  # labelled by outcome too: built apart in for_model
+    queue_time: dict[str, Any]  # by priority class
+    token_series: Any  # (key, priority) -> TokenSeries, labelled once per pair
+
+    def tokens(self, key: str, priority: str) -> TokenSeries:
+        """The model's prompt and generation token counters of one key and class (a request labels them once)."""
+        return self.token_series(key, priority)
+
+
+@dataclass
+class TokenSeries:
+    prompt: Any  # source="computed"
+    cached_prompt: Any  # source="cache"
+    generation: Any
+
+
+# ModelMetrics fields that are not one child labelled by model alone.
+SPECIAL_SERIES = frozenset({"draft", "queue_time", "token_series", "ttft", "ttft_cached"})
 
 
 class Metrics:
@@ -70,8 +84,11 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.model_kinds: dict[str, str] = {}
         self.requests = Counter("openarc_requests", "HTTP requests, by final status code "
-                                "(499: the client hung up before the answer was complete)",
-                                ["model", "endpoint", "status"], registry=r)
+                                "(499: the client hung up before the answer was complete), API key name and class",
+                                ["model", "endpoint", "status", "key", "priority"], registry=r)
+        self.rate_limited = Counter("openarc_rate_limited", "Requests refused with 429 for their API key's limits, "
+                                    "by which: concurrency, requests (a minute) or tokens (a minute)",
+                                    ["key", "reason"], registry=r)
         self.request_errors = Counter("openarc_request_errors", "Requests that ended in an error, by kind",
                                       ["model", "kind", "endpoint"], registry=r)
         self.tool_calls = Counter("openarc_tool_calls", "Tool calls returned to clients", ["model"], registry=r)
@@ -110,9 +127,11 @@ class Metrics:
                                 ["model"], registry=r)
         self.requests_running = Gauge("openarc_requests_running", "Requests generating in the worker", ["model"], registry=r)
         self.requests_waiting = Gauge("openarc_requests_waiting", "Requests queued in the front, or waiting for the model to be ready", ["model"], registry=r)
-        self.prompt_tokens = Counter("openarc_prompt_tokens", "Prompt tokens, by source: computed, or served by the "
-                                     "prefix cache (cache)", ["model", "source"], registry=r)
-        self.generation_tokens = Counter("openarc_generation_tokens", "Tokens generated", ["model"], registry=r)
+        self.prompt_tokens = Counter("openarc_prompt_tokens", "Prompt tokens, by source (computed, or served by the "
+                                     "prefix cache: cache), API key name and class",
+                                     ["model", "source", "key", "priority"], registry=r)
+        self.generation_tokens = Counter("openarc_generation_tokens", "Tokens generated, by API key name and class",
+                                         ["model", "key", "priority"], registry=r)
         self.ttft = Histogram("openarc_time_to_first_token_seconds", "Time from request to its first token, by "
                               "where most of its prompt came from (cache: the prefix cache served at least half)",
                               ["model", "source"],
@@ -122,8 +141,8 @@ class Metrics:
         self.request_duration = Histogram("openarc_request_duration_seconds", "Time to answer a request",
                                           ["model", "endpoint"],
                                           buckets=(.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
-        self.queue_time = Histogram("openarc_queue_time_seconds", "Time a request waited before reaching the worker",
-                                    ["model"], buckets=(.001, .005, .01, .05, .1, .5, 1, 5, 10, 30, 60), registry=r)
+        self.queue_time = Histogram("openarc_queue_time_seconds", "Time a request waited before reaching the worker, "
+                                    "by priority class", ["model", "priority"], buckets=(.001, .005, .01, .05, .1, .5, 1, 5, 10, 30, 60), registry=r)
         self.kv_cache_usage = Gauge("openarc_kv_cache_usage_ratio",
                                     "Share of the model's KV-cache blocks in use by running requests, 0 to 1",
                                     ["model"], registry=r)
@@ -172,19 +191,29 @@ class Metrics:
             self.model_info.remove(model, previous)
         self.model_kinds[model] = kind
         self.model_info.labels(model=model, kind=kind).set(1)
-        split = ("draft", "prompt_tokens", "cached_prompt_tokens", "ttft", "ttft_cached")  # more labels: below
         series = {name: getattr(self, name).labels(model=model) for name in ModelMetrics.__annotations__
-                  if name not in split}
-        series["prompt_tokens"] = self.prompt_tokens.labels(model=model, source="computed")
-        series["cached_prompt_tokens"] = self.prompt_tokens.labels(model=model, source="cache")
+                  if name not in SPECIAL_SERIES}
         series["ttft"] = self.ttft.labels(model=model, source="computed")
         series["ttft_cached"] = self.ttft.labels(model=model, source="cache")
         draft = DraftTokens(*(self.draft_tokens.labels(model=model, outcome=o) for o in ("accepted", "rejected")))
+        queue_time = {priority: self.queue_time.labels(model=model, priority=priority) for priority in CLASSES}
         for reason in LOAD_REASONS:
             self.model_loads.labels(model=model, reason=reason)
         for reason in UNLOAD_REASONS:
             self.model_unloads.labels(model=model, reason=reason)
-        return ModelMetrics(**series, draft=draft)
+        return ModelMetrics(**series, draft=draft, queue_time=queue_time, token_series=self._token_series(model))
+
+    def _token_series(self, model: str):
+        labelled: dict[tuple[str, str], TokenSeries] = {}
+
+        def tokens(key: str, priority: str) -> TokenSeries:
+            if (key, priority) not in labelled:
+                labelled[key, priority] = TokenSeries(
+                    *(self.prompt_tokens.labels(model=model, source=source, key=key, priority=priority)
+                      for source in ("computed", "cache")),
+                    self.generation_tokens.labels(model=model, key=key, priority=priority))
+            return labelled[key, priority]
+        return tokens
 
     def set_device_memory(self, model: str, regions: dict[str, int]) -> None:
         """A worker's {vram, system} resident bytes (its telemetry frame's device_memory_regions)."""

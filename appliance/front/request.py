@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.front.keys import Ticket
+
 
 class RequestFailed(Exception):
     """A request that ends in an error; the front turns it into an OpenAI error body with `status`."""
@@ -47,6 +49,8 @@ class Request:
     first_token: float | None = None
     last_token: float | None = None
     ended: bool = False
+    ticket: Ticket = field(default_factory=Ticket)  # its key and priority class
+    prompt_counted: bool = False  # its prompt tokens were counted against its key (from its first tokens frame)
 
 
 def shutting_down() -> RequestFailed:

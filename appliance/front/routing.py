@@ -9,20 +9,22 @@ is dispatched; a request that was admitted waits in the queue until its worker i
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import time
 from typing import Any, AsyncIterator, Callable
 
 from appliance import ipc
 from appliance.config import ModelConfig
+from appliance.front import keys
+from appliance.front.admission import AdmissionQueue
 from appliance.front.metrics import ModelMetrics
+from appliance.front.priority import BACKGROUND
 from appliance.front.request import Event, Request, RequestFailed
 from appliance.ipc import AsyncChannel, ProtocolError
 
 # What a result frame's "counts" may add to the model's counters (ModelMetrics fields).
-RESULT_COUNTERS = frozenset({"prompt_tokens", "embedding_inputs", "audio_seconds", "speech_audio_seconds",
-                             "speech_characters"})
+# (prompt_tokens goes to the token counters of the request's key and class: RequestRouter._count_prompt.)
+RESULT_COUNTERS = frozenset({"embedding_inputs", "audio_seconds", "speech_audio_seconds", "speech_characters"})
 # The frames of one request (an `id`); every one of them is progress for the stall timer.
 REQUEST_OPS = frozenset({"tokens", "done", "result", "error", "progress"})
 
@@ -34,7 +36,8 @@ class RequestRouter:
         self.model = model
         self.series = series
         self.running: dict[int, Request] = {}
-        self.waiting: collections.deque[Request] = collections.deque()
+        # ordered by priority class (appliance.front.admission)
+        self.waiting = AdmissionQueue(model.background_max_wait_s)
         self.awaiting_ready = 0  # requests waiting for this model to become ready (Supervisor.ready_model)
         self.reserved = 0  # places held for requests whose body is still being read (reserve())
         self.ids = itertools.count(1)
@@ -79,9 +82,10 @@ class RequestRouter:
         `frame`: the fields of its ipc `op` (generate for an LLM, request for the one-answer kinds) but the id."""
         if not reserved:
             self._check_room()
-        req = Request(next(self.ids), frame, op)
+        # the key and class the route wrapper admitted this request with (appliance.front.keys.CURRENT)
+        req = Request(next(self.ids), frame, op, ticket=keys.CURRENT.get())
         req.frame["id"] = req.id
-        self.waiting.append(req)
+        self.waiting.push(req, req.ticket.priority, req.submitted)
         self.reserved -= reserved
         self._dispatch()
         return req
@@ -132,12 +136,16 @@ class RequestRouter:
 
     def _dispatch(self) -> None:
         while self.waiting and len(self.running) < self.model.effective_max_running and self.channel:
-            req = self.waiting.popleft()
+            background = sum(r.ticket.priority == BACKGROUND for r in self.running.values())
+            entry = self.waiting.pop_next(time.monotonic(), background, self.model.background_slots)
+            if entry is None:  # only background requests wait, and their slots are taken
+                break
+            req = entry.item
             if not self.running:
                 self.last_progress = time.monotonic()  # an idle worker's stall clock starts now
             req.dispatched = time.monotonic()
             self.running[req.id] = req
-            self.series.queue_time.observe(req.dispatched - req.submitted)
+            self.series.queue_time[req.ticket.priority].observe(req.dispatched - req.submitted)
             try:
                 self.channel.send(ipc.frame(req.op, **req.frame))
             except (ValueError, ProtocolError) as exc:  # a frame that cannot be sent must not hold a slot forever
@@ -178,8 +186,7 @@ class RequestRouter:
             self._on_tokens(req, message)
         elif op == "done":
             cached = min(message.get("cached_tokens", 0), message["prompt_tokens"])
-            self.series.prompt_tokens.inc(message["prompt_tokens"] - cached)
-            self.series.cached_prompt_tokens.inc(cached)
+            self._count_prompt(req, message["prompt_tokens"], cached)
             if "draft_accepted" in message:
                 self.series.draft.add(message["draft_accepted"], message["draft_rejected"])
             self.finish(req, Event("done", finish_reason=message["finish_reason"],
@@ -191,6 +198,7 @@ class RequestRouter:
             counts = message.get("counts", {})
             for name in RESULT_COUNTERS.intersection(counts):
                 getattr(self.series, name).inc(counts[name])
+            self._count_prompt(req, counts.get("prompt_tokens", 0))
             self.finish(req, Event("result", result=message["result"], prompt_tokens=counts.get("prompt_tokens", 0)))
 
     def _on_tokens(self, req: Request, message: dict[str, Any]) -> None:
@@ -202,10 +210,24 @@ class RequestRouter:
         elif message["n"]:
             self.series.itl.observe((now - req.last_token) / message["n"])
         req.last_token = now
-        self.series.generation_tokens.inc(message["n"])
+        self.series.tokens(req.ticket.key, req.ticket.priority).generation.inc(message["n"])
+        req.ticket.count_tokens(message["n"])
+        if message.get("prompt_tokens") and not req.prompt_counted:  # tokens_per_minute counts the prompt now
+            req.ticket.count_tokens(message["prompt_tokens"])
+            req.prompt_counted = True
         req.events.put_nowait(Event("tokens", text=message["text"], n=message["n"], logprobs=message.get("logprobs"),
                                     prompt_tokens=message.get("prompt_tokens", 0),
                                     cached_tokens=message.get("cached_tokens", 0)))
+
+    def _count_prompt(self, req: Request, prompt_tokens: int, cached_tokens: int = 0) -> None:
+        """A finished request's prompt tokens in the metrics (`cached_tokens` of them served by the prefix cache),
+        and all of them against its key unless its first tokens did."""
+        series = self.series.tokens(req.ticket.key, req.ticket.priority)
+        series.prompt.inc(prompt_tokens - cached_tokens)
+        series.cached_prompt.inc(cached_tokens)
+        if not req.prompt_counted:
+            req.ticket.count_tokens(prompt_tokens)
+            req.prompt_counted = True
 
     def finish(self, req: Request, outcome: Event | RequestFailed) -> None:
         self.running.pop(req.id, None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import os
 import signal
@@ -23,6 +22,7 @@ from appliance.front import listen
 from appliance.front.device_faults import sole_card
 from appliance.front.gpu_sentinel import GpuSentinel
 from appliance.host.doctor import box, cards
+from appliance.front.keys import KeyRing
 from appliance.host import oom, telemetry
 from appliance.front.api import audio, dialects, embeddings, generate, messages, models, rerank, speech, sse
 from appliance.front.api.errors import error_response
@@ -62,7 +62,7 @@ class Appliance:
         self.supervisor = Supervisor(config, self.metrics, self.kernel_log)
         self.notifier = Notifier()
         self.loop_health = LoopHealth(self.metrics.event_loop_lag.set)
-        self.api_key = config.api_key()
+        self.keys = KeyRing(config, config.key_secrets())  # a ConfigError names an unset or empty variable
         self.draining = False
         self.started = time.time()
         self.background: list[asyncio.Task] = []
@@ -131,15 +131,14 @@ class Appliance:
 
     @web.middleware
     async def auth_middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        if self.api_key and not self._open_route(request.path):
-            # Anthropic's clients send x-api-key; OpenAI's Authorization: Bearer. Constant-time compares; the
-            # presented key is never logged.
-            bearer = request.headers.get("Authorization", "").encode()
-            api_key = request.headers.get("x-api-key", "").encode()
-            if not (hmac.compare_digest(bearer, f"Bearer {self.api_key}".encode())
-                    | hmac.compare_digest(api_key, self.api_key.encode())):
+        """The key a request presents (request["api_key"], for the route wrapper), or a 401. Anthropic's clients
+        send x-api-key, OpenAI's Authorization: Bearer; the presented key is never logged."""
+        if self.keys and not self._open_route(request.path):
+            key = self.keys.identify(request.headers.get("Authorization", ""), request.headers.get("x-api-key", ""))
+            if key is None:
                 return self.error_shape(request)(401, "invalid or missing API key (Authorization: Bearer ... or "
                                                       "x-api-key: ...)", "invalid_api_key")
+            request["api_key"] = key
         return await handler(request)
 
     def _open_route(self, path: str) -> bool:
@@ -169,6 +168,7 @@ class Appliance:
             self.card_facts = await asyncio.get_running_loop().run_in_executor(None, cards.card_facts, machine)
         return web.json_response({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
                                   "draining": self.draining, "residency": sup.placement.summary(),
+                                  "keys": [key.status() for key in self.keys.keys],
                                   "cards": cards.status_view(self.card_facts, self.sentinel.in_force),
                                   "gpu_mitigations": self.sentinel.status(),
                                   "models": [{**m.status(), **sup.placement.status(m.name)}
@@ -179,8 +179,10 @@ class Appliance:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def list_models(self, request: web.Request) -> web.Response:
+        key = request.get("api_key")  # a key sees the models it may use
         data = [{"id": name, "object": "model", "created": int(self.started), "owned_by": "openarc",
-                 "kind": sup.model.kind} for name, sup in self.supervisor.models.items()]
+                 "kind": sup.model.kind} for name, sup in self.supervisor.models.items()
+                if key is None or key.may_use(name)]
         return web.json_response({"object": "list", "data": data})
 
     # --- shared by the route families -----------------------------------------------------------------
@@ -194,28 +196,35 @@ class Appliance:
         """The configured model a request's name reaches: its own, else through server.model_aliases."""
         return name if name in self.supervisor.models else self.config.server.alias_target(name)
 
-    async def model_for(self, name: str, endpoint: str, kinds: tuple[str, ...], reason: str = "demand"):
-        """The supervisor of the model a request names (or reaches through an alias), if it exists, is of a kind
-        the route serves, and the server is not draining, once the model is ready (Supervisor.ready_model waits
-        out a load, a restart or a replacement, up to the model's ready_wait_s; `reason`: why it loads, if it
-        must); else the RequestFailed the client gets. The answer keeps the name the client asked for."""
+    async def model_for(self, name: str, call, kinds: tuple[str, ...], reason: str = "demand"):
+        """The supervisor of the model a request names (or reaches through an alias), if it exists for the
+        request's key, is of a kind the route serves, the key's limits admit the request and the server is not
+        draining, once the model is ready (Supervisor.ready_model waits out a load, a restart or a replacement, up
+        to the model's ready_wait_s; `reason`: why it loads, if it must); else the RequestFailed the client gets. A
+        background chat request for a model with a task_model goes to that. The answer keeps the name the client
+        asked for. `call`: the request as the route wrapper counts it (appliance.front.api.route.Call)."""
         name = self.model_named(name) or name
-        sup = self.supervisor.get(name)
+        sup = self.supervisor.get(name) if call.may_use(name) else None
         if sup is None:
-            raise self.not_found(name)
+            raise self.not_found(name, call.api_key)
         if sup.model.kind not in kinds:
-            raise RequestFailed(400, "invalid_request", f"the model '{name}' is of kind {sup.model.kind}; /v1/{endpoint} "
+            raise RequestFailed(400, "invalid_request", f"the model '{name}' is of kind {sup.model.kind}; /v1/{call.endpoint} "
                                                         f"needs a model of kind {' or '.join(kinds)}", "wrong_model_kind")
         if self.draining:
             raise shutting_down()
+        if call.is_background and sup.model.task_model and self.supervisor.get(sup.model.task_model):
+            name = sup.model.task_model
+        call.admit()  # the key's limits: a 429 before the request takes any queue place
         ready = await self.supervisor.ready_model(name, reason)
         if ready is None:  # removed by a reload while the request waited
-            raise self.not_found(name)
+            raise self.not_found(name, call.api_key)
         return ready
 
-    def not_found(self, name: str) -> RequestFailed:
-        return RequestFailed(404, "model_not_found", f"the model '{name}' does not exist "
-                                                     f"(have: {', '.join(self.supervisor.models)})")
+    def not_found(self, name: str, key=None) -> RequestFailed:
+        """A 404 for a model that does not exist, or that the request's key may not use (the same answer, so a
+        key learns no names beyond its own models)."""
+        have = [model for model in self.supervisor.models if key is None or key.may_use(model)]
+        return RequestFailed(404, "model_not_found", f"the model '{name}' does not exist (have: {', '.join(have)})")
 
     # --- lifecycle -----------------------------------------------------------------------------------------
 
@@ -340,7 +349,9 @@ class Appliance:
                 return
             self.notifier.reloading()
             try:
-                await self._apply(await asyncio.get_running_loop().run_in_executor(None, self.reload_config))
+                config = await asyncio.get_running_loop().run_in_executor(None, self.reload_config)
+                # a new config's keys, or the error naming an unset variable: the previous keys keep serving
+                await self._apply(config, KeyRing(config, config.key_secrets(), previous=self.keys))
             except ConfigError as exc:
                 log.error("reload refused, still serving the previous config: %s", exc)
             except Exception:  # a bug: loud in the log, and the server goes on with what it has
@@ -348,11 +359,11 @@ class Appliance:
             finally:  # systemd leaves "reloading" only on READY=1, whatever happened
                 self.notifier.ready(self.status_line())
 
-    async def _apply(self, config: Config) -> None:
+    async def _apply(self, config: Config, keys: KeyRing) -> None:
         if (config.server.host, config.server.port) != (self.config.server.host, self.config.server.port):
             log.warning("reload: a new listen address takes a restart; keeping %s:%d",
                         self.config.server.host, self.config.server.port)
-        self.api_key = config.api_key()
+        self.keys = keys
         config = self.sentinel.apply(config, self.model_cards())  # mitigations in force outlive a reload
         changed = await self.supervisor.apply(config)
         self.config = dataclasses.replace(config, server=dataclasses.replace(

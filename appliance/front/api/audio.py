@@ -183,14 +183,14 @@ class Upload:
     async def admit(self, name: str):
         """The model's supervisor, with a place reserved in its queue (RequestFailed if there is none)."""
         if self.sup is None:
-            sup = await self.routes.appliance.model_for(name, self.call.endpoint, (KIND,))
+            sup = await self.routes.appliance.model_for(name, self.call, (KIND,))
             self.place = QueuePlace(sup)
             self.sup = sup
         return self.sup
 
     async def follow(self, name: str):
         """The model to open on now (QueuePlace.follow: its next load, if it was unloaded under the upload)."""
-        self.sup = await self.place.follow(self.routes.appliance, name, self.call.endpoint, (KIND,))
+        self.sup = await self.place.follow(self.routes.appliance, name, self.call, (KIND,))
         return self.sup
 
     def hand_over(self) -> bool:

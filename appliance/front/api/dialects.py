@@ -78,7 +78,7 @@ class DialectRoute:
         await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = self.dialect.parse(body)
         gen = req.gen
-        sup = await self.appliance.model_for(gen.model, call.endpoint, GENERATIVE_KINDS)
+        sup = await self.appliance.model_for(gen.model, call, GENERATIVE_KINDS)
         answer = answer_parser(sup, gen)
         note_constraint(call, self.appliance.metrics, gen)
         handle = sup.open(gen.frame())

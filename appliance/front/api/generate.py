@@ -93,14 +93,14 @@ class GenerationRoutes:
         call.label(body)
         await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = parse(body)
-        sup = await self.appliance.model_for(req.model, call.endpoint, GENERATIVE_KINDS)
+        sup = await self.appliance.model_for(req.model, call, GENERATIVE_KINDS)
         # A request with images holds its place in the queue before they are fetched and decoded: a busy model
         # refuses it now (429), not after megabytes of pixels were spooled for it.
         place = QueuePlace(sup) if req.content.images and sup.model.kind == "vlm" else None
         try:
             req.images = await self.images.resolve(req.content, sup.model)
             if place is not None:
-                sup = await place.follow(self.appliance, req.model, call.endpoint, GENERATIVE_KINDS)
+                sup = await place.follow(self.appliance, req.model, call, GENERATIVE_KINDS)
             answers = [answer_parser(sup, req) for _ in range(req.n)]
             note_constraint(call, self.appliance.metrics, req)
             return await (self._stream(request, call, sup, req, answers, place) if req.stream

@@ -1,6 +1,6 @@
 """POST /openarc/models/{name}/load and /unload: load a model now (returns when it is ready, or 503 with why), or
 drain and stop one (it stays unloaded until a request or a load). Behind the API key like every route but /health and
-/ready; 404 for a model the config does not have. What decides residency is appliance.front.residency."""
+/ready; 404 for a model the config does not have, or the key may not use. What decides residency is appliance.front.residency."""
 
 from __future__ import annotations
 
@@ -17,18 +17,20 @@ def add_routes(app: web.Application, appliance) -> None:
             raise shutting_down()
         sup = await appliance.supervisor.ready_model(name, reason="api")
         if sup is None:  # removed by a reload while it waited
-            raise appliance.not_found(name)
+            raise appliance.not_found(name, call.api_key)
         return web.json_response({"model": name, "state": sup.state.value, "pid": sup.life.pid,
                                   "load_seconds": sup.life.load_seconds})
 
     async def unload(request: web.Request, call: Call) -> web.Response:
         name = model_named(request, call)
         if not await appliance.supervisor.unload(name, "api"):
-            raise appliance.not_found(name)
+            raise appliance.not_found(name, call.api_key)
         return web.json_response({"model": name, "state": appliance.supervisor.get(name).state.value})
 
     def model_named(request: web.Request, call: Call) -> str:
         name = request.match_info["name"]
+        if not call.may_use(name):  # a key loads and unloads its own models only, and learns no other names
+            raise appliance.not_found(name, call.api_key)
         call.label({"model": name})
         return name
 

@@ -45,7 +45,7 @@ class ResultRoute:
         body = await json_body(request)
         call.label(body)
         req = self.parse(body)
-        sup = await self.appliance.model_for(req.model, call.endpoint, self.kinds, self.load_reason)
+        sup = await self.appliance.model_for(req.model, call, self.kinds, self.load_reason)
         if req.inputs > sup.model.max_inputs:
             raise InvalidRequest(f"{req.inputs} inputs exceed this model's max_inputs={sup.model.max_inputs}",
                                  code="too_many_inputs")
@@ -72,13 +72,13 @@ class QueuePlace:
             self.held = False
             self.sup.router.unreserve()
 
-    async def follow(self, appliance, name: str, endpoint: str, kinds: tuple[str, ...]):
+    async def follow(self, appliance, name: str, call, kinds: tuple[str, ...]):
         """The supervisor to open the request on: this place's while it takes the request (an unload's drain
         waits for the place), else, the model unloaded under the request once that drain gave up waiting, the
         model's next load (waited for up to its ready_wait_s) with a new place in its queue."""
         if not self.sup.life.admits(self.held):
             self.release()
-            sup = await appliance.model_for(name, endpoint, kinds)
+            sup = await appliance.model_for(name, call, kinds)
             sup.reserve()
             self.sup, self.held = sup, True
         return self.sup

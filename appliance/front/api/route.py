@@ -19,8 +19,11 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from appliance.front import keys
 from appliance.front.api import sse
 from appliance.front.api.errors import ERROR_TYPES, InvalidRequest, error_body, json_error
+from appliance.front.limits import Limited
+from appliance.front.priority import BACKGROUND, HEADER, INTERACTIVE, BadPriority, request_class
 from appliance.front.request import RequestFailed
 
 log = logging.getLogger("openarc.server")
@@ -65,18 +68,54 @@ def as_failure(exc: InvalidRequest | RequestFailed) -> tuple[RequestFailed, str 
 
 
 class Call:
-    """One request as the wrapper counts it: its endpoint, its model label, and error kinds that name a parameter."""
+    """One request as the wrapper counts it: its endpoint, its model label, its API key and priority class, and
+    error kinds that name a parameter."""
 
-    def __init__(self, appliance, endpoint: str, errors: ErrorShape):
+    def __init__(self, appliance, endpoint: str, errors: ErrorShape, request: web.Request | None = None):
         self.appliance = appliance  # appliance.front.server.Appliance
         self.endpoint = endpoint
         self.errors = errors
         self.model = ""  # the metrics label: a configured model's name, else ""
         # error kind -> the request field it came from (a constraint genai cannot compile names its field)
         self.params: dict[str, str] = {}
+        self.api_key = request.get("api_key") if request is not None else None  # appliance.front.keys.ApiKey
+        self.key = self.api_key.name if self.api_key else keys.NO_KEY  # the metrics label, never the secret
+        self.header = request.headers.get(HEADER) if request is not None else None
+        self.priority = self.api_key.config.priority if self.api_key else INTERACTIVE
+        self.holds_slot = False  # admit() took one of its key's concurrency slots
 
     def label(self, body: Any) -> None:
+        """The model label, and the class the body and the X-OpenArc-Priority header make the request."""
         self.model = self.appliance.model_label(body)
+        try:
+            self.priority = request_class(self.priority, self.header, body)
+        except BadPriority as exc:
+            raise InvalidRequest(str(exc), HEADER, "invalid_priority") from None
+
+    @property
+    def is_background(self) -> bool:
+        return self.priority == BACKGROUND
+
+    def may_use(self, model: str) -> bool:
+        return self.api_key is None or self.api_key.may_use(model)
+
+    def admit(self) -> None:
+        """The request's key admits it (its limits), or a 429 with Retry-After; either way the request's ticket is
+        what the router queues it with (appliance.front.keys.CURRENT)."""
+        limits = self.api_key.limits if self.api_key else None
+        if limits is not None and not self.holds_slot:
+            try:
+                limits.admit()
+            except Limited as exc:
+                self.appliance.metrics.rate_limited.labels(key=self.key, reason=exc.reason).inc()
+                raise RequestFailed(429, "rate_limited", str(exc), retry_after=exc.retry_after) from None
+            self.holds_slot = True
+        keys.CURRENT.set(keys.Ticket(self.key, self.priority, limits))
+
+    def release(self) -> None:
+        if self.holds_slot:
+            self.api_key.limits.release()
+            self.holds_slot = False
 
     def count_error(self, kind: str) -> None:
         metrics = self.appliance.metrics
@@ -130,7 +169,7 @@ def route(appliance, endpoint: str, handler: Handler, errors: ErrorShape = OPENA
 
     async def wrapped(request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
-        call = Call(appliance, endpoint, errors)
+        call = Call(appliance, endpoint, errors, request)
         status = UNHANDLED
         sse.watch(request)
         try:
@@ -146,8 +185,10 @@ def route(appliance, endpoint: str, handler: Handler, errors: ErrorShape = OPENA
             status = CLIENT_CLOSED  # the client hung up: aiohttp cancelled the handler, or a write found it gone
             raise
         finally:
+            call.release()
             metrics = appliance.metrics
-            metrics.requests.labels(model=call.model, endpoint=endpoint, status=status).inc()
+            metrics.requests.labels(model=call.model, endpoint=endpoint, status=status, key=call.key,
+                                    priority=call.priority).inc()
             metrics.request_duration.labels(model=call.model, endpoint=endpoint).observe(time.monotonic() - started)
 
     return wrapped

@@ -120,7 +120,7 @@ class SpeechRoutes(HelperUser):
         body = await fields.json_body(request)
         call.label(body)
         req = parse(body)
-        sup = await self.appliance.model_for(req.model, call.endpoint, (KIND,))
+        sup = await self.appliance.model_for(req.model, call, (KIND,))
         voice = choose_voice(req.voice, voice_files(sup.model.path, sup.model.voices), sup.model.default_voice,
                              req.model)
         speech = Speech(self, sup, req, voice, f"{os.getpid()}-{next(self.serial)}")

@@ -1,0 +1,123 @@
+"""A key's limits as a pure policy: concurrent requests, requests a minute and tokens a minute, each refused with
+the seconds until it would be admitted. No processes and no event loop: the clock is injected (tests pass their
+own), and the server calls admit() before a request takes a queue place, release() when it ends, and
+add_tokens() as tokens are produced.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import Callable
+
+WINDOW_S = 60.0  # "per minute": a sliding window over the last 60 s
+
+
+class Limited(Exception):
+    """A request over one of its key's limits: `reason` (concurrency, requests or tokens) and `retry_after`, the
+    whole seconds until a slot or the window frees (at least 1)."""
+
+    def __init__(self, reason: str, retry_after: float, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = max(1, math.ceil(retry_after))
+
+
+class SlidingWindow:
+    """Amounts added over the last `window_s` seconds, against a limit."""
+
+    def __init__(self, limit: int, window_s: float = WINDOW_S):
+        self.limit, self.window_s = limit, window_s
+        self.entries: collections.deque[tuple[float, int]] = collections.deque()
+        self.total = 0
+
+    def _expire(self, now: float) -> None:
+        while self.entries and self.entries[0][0] <= now - self.window_s:
+            self.total -= self.entries.popleft()[1]
+
+    def used(self, now: float) -> int:
+        self._expire(now)
+        return self.total
+
+    def add(self, now: float, amount: int) -> None:
+        if amount > 0:
+            self.entries.append((now, amount))
+            self.total += amount
+
+    def full(self, now: float) -> bool:
+        return self.used(now) >= self.limit
+
+    def frees_in(self, now: float) -> float:
+        """Seconds until the window is under its limit again (0 if it is now)."""
+        total = self.used(now)
+        if total < self.limit:
+            return 0.0
+        for at, amount in self.entries:  # oldest first: each leaves the window at `at + window_s`
+            total -= amount
+            if total < self.limit:
+                return at + self.window_s - now
+        return 0.0
+
+
+class KeyLimits:
+    """One key's limits and what it uses of them; a limit of None is no limit."""
+
+    def __init__(self, name: str, max_concurrent: int | None = None, requests_per_minute: int | None = None,
+                 tokens_per_minute: int | None = None, clock: Callable[[], float] = time.monotonic):
+        self.name = name
+        self.clock = clock
+        self.running = 0
+        self.requests: SlidingWindow | None = None
+        self.tokens: SlidingWindow | None = None
+        self.configure(max_concurrent, requests_per_minute, tokens_per_minute)
+
+    def configure(self, max_concurrent: int | None, requests_per_minute: int | None,
+                  tokens_per_minute: int | None) -> None:
+        """New limits (a reload), keeping what the key uses: its running requests and its last minute."""
+        self.max_concurrent = max_concurrent
+        self.requests = _resized(self.requests, requests_per_minute)
+        self.tokens = _resized(self.tokens, tokens_per_minute)
+
+    def admit(self) -> None:
+        """Take a concurrency slot and count a request, or raise Limited (nothing taken)."""
+        now = self.clock()
+        if self.max_concurrent is not None and self.running >= self.max_concurrent:
+            # A running request's end cannot be foreseen: retry in a second.
+            raise Limited("concurrency", 1, f"API key '{self.name}' has {self.running} requests running "
+                                            f"(max_concurrent={self.max_concurrent}); retry when one ends")
+        if self.requests is not None and self.requests.full(now):
+            raise Limited("requests", self.requests.frees_in(now),
+                          f"API key '{self.name}' made {self.requests.limit} requests in the last minute "
+                          f"(requests_per_minute={self.requests.limit})")
+        if self.tokens is not None and self.tokens.full(now):
+            raise Limited("tokens", self.tokens.frees_in(now),
+                          f"API key '{self.name}' used {self.tokens.used(now)} tokens in the last minute "
+                          f"(tokens_per_minute={self.tokens.limit})")
+        self.running += 1
+        if self.requests is not None:
+            self.requests.add(now, 1)
+
+    def release(self) -> None:
+        self.running -= 1
+
+    def usage(self) -> dict[str, int | None]:
+        """What the key uses now, for /openarc/status (None: no such limit)."""
+        now = self.clock()
+        return {"running": self.running,
+                "requests_last_minute": self.requests.used(now) if self.requests else None,
+                "tokens_last_minute": self.tokens.used(now) if self.tokens else None}
+
+    def add_tokens(self, n: int) -> None:
+        """Prompt or completion tokens of a running request, counted as they are produced."""
+        if self.tokens is not None:
+            self.tokens.add(self.clock(), n)
+
+
+def _resized(window: SlidingWindow | None, limit: int | None) -> SlidingWindow | None:
+    if not limit:
+        return None
+    if window is None:
+        return SlidingWindow(limit)
+    window.limit = limit
+    return window

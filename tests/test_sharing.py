@@ -1,0 +1,331 @@
+"""Sharing one GPU on a live server: named keys, their limits, interactive before background, Open WebUI's
+housekeeping to a task model, and metrics by key name (docs/sharing.md). The policies alone are in
+tests/test_sharing_policy.py."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, http, model_entry, wait_until
+from test_metrics import samples, value
+
+OPEN_WEBUI = json.loads((Path(__file__).parent / "fixtures" / "open-webui-task-prompts.json").read_text())
+CHAT = [{"role": "user", "content": "Tell me something."}]
+SECRETS = {"KEY_ALICE": "alice-s3cret-4f9a", "KEY_BOB": "bob-s3cret-77c1", "KEY_CRON": "cron-s3cret-0b2e",
+           "KEY_SIPPER": "sipper-s3cret-9d3d"}
+
+
+def chat(app, key: str | None = None, model: str = "demo", headers: dict | None = None, max_tokens: int = 4,
+         messages=CHAT, path: str = "/v1/chat/completions", timeout: float = 60):
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"model": model, "max_tokens": max_tokens, "messages": messages}
+    if path == "/v1/responses":
+        body = {"model": model, "input": "hi", "max_output_tokens": max_tokens}
+    return http("POST", app.base + path, body, headers={**auth, **(headers or {})}, timeout=timeout)
+
+
+class Long:
+    """A streamed request that generates until closed: it holds the model's one running slot."""
+
+    def __init__(self, app, key: str | None = None, model: str = "demo"):
+        client = app.client(api_key=key or "unused")
+        self.stream = client.chat.completions.create(model=model, messages=CHAT, max_tokens=3000, stream=True)
+        next(iter(self.stream))  # it is running
+
+    def close(self):
+        self.stream.close()
+
+
+def queued(app, model: str = "demo") -> int:
+    return app.model_status(model)["requests_waiting"]
+
+
+def running(app, model: str = "demo") -> int:
+    return app.model_status(model)["requests_running"]
+
+
+@pytest.fixture
+def one_slot(appliance_factory, long_demo_model):
+    """A model that runs one request at a time, never stopping by itself."""
+    return appliance_factory({"models": [model_entry("demo", long_demo_model, max_running=1,
+                                                     background_max_wait_s=2.0)]})
+
+
+def test_interactive_starts_before_background_queued_earlier(one_slot):
+    app = one_slot
+    finished: list[str] = []
+
+    def request(name: str, **kwargs):
+        status, _, body = chat(app, max_tokens=5, **kwargs)
+        assert status == 200, body
+        finished.append(name)
+
+    long = Long(app)
+    threads = []
+    arrivals = [("bg-header-1", {"headers": {"X-OpenArc-Priority": "background"}}),
+                ("bg-open-webui-title", {"messages": OPEN_WEBUI["requests"]["title"]["messages"]}),
+                ("bg-header-2", {"headers": {"X-OpenArc-Priority": "BACKGROUND"}}),
+                ("person", {})]
+    for n, (name, kwargs) in enumerate(arrivals, 1):
+        threads.append(threading.Thread(target=request, args=(name,), kwargs=kwargs))
+        threads[-1].start()
+        wait_until(lambda: queued(app) == n, 30, f"{n} queued")  # arrival order is fixed
+    long.close()  # the slot frees: one request at a time runs, so finishing order is admission order
+    for thread in threads:
+        thread.join(60)
+    assert finished == ["person", "bg-header-1", "bg-open-webui-title", "bg-header-2"]
+    status, _, body = chat(app, headers={"X-OpenArc-Priority": "urgent"})
+    assert status == 400 and body["error"]["param"] == "X-OpenArc-Priority", body
+    scrape = samples(app.metrics())
+    assert value(scrape, "openarc_queue_time_seconds_count", model="demo", priority="background") == 3
+    assert value(scrape, "openarc_queue_time_seconds_count", model="demo", priority="interactive") >= 2
+    assert value(scrape, "openarc_requests_total", endpoint="chat/completions", priority="background",
+                 status="200") == 3
+
+
+def test_background_completes_within_its_bounded_wait_under_a_stream_of_interactive(one_slot):
+    app = one_slot  # background_max_wait_s: 2
+    stop = threading.Event()
+    interactive_done: list[float] = []
+
+    def person():
+        while not stop.is_set():
+            status, _, body = chat(app, max_tokens=300)
+            assert status == 200, body
+            interactive_done.append(time.monotonic())
+
+    people = [threading.Thread(target=person) for _ in range(5)]  # more than run: people always wait
+    for thread in people:
+        thread.start()
+    wait_until(lambda: queued(app) >= 3, 30, "interactive requests queued")
+    started = time.monotonic()
+    status, _, body = chat(app, max_tokens=5, headers={"X-OpenArc-Priority": "background"}, timeout=120)
+    answered = time.monotonic()
+    waited = answered - started
+    wait_until(lambda: any(t > answered for t in interactive_done), 30, "people still served after it")
+    stop.set()
+    for thread in people:
+        thread.join(60)
+    assert status == 200, body
+    # People went first until it had waited background_max_wait_s (2 s); then it aged into their class, behind
+    # the people who had queued before it, and was answered while people still queued requests (without aging it
+    # would have waited for them to stop). The upper bound only catches a hang on these shared cores.
+    assert 2.0 <= waited < 60, waited
+    print(f"\nbackground request answered after {waited:.2f}s under 5 interactive clients "
+          f"({len(interactive_done)} interactive answers in all)")
+
+
+@pytest.fixture
+def keyed(appliance_factory, long_demo_model, demo_model):
+    config = {"server": {"api_key_env": "KEY_ALICE",  # alice is `default`: the single key still works
+                         "api_keys": [{"name": "bob", "key_env": "KEY_BOB", "models": ["demo", "small*"]},
+                                      {"name": "cron", "key_env": "KEY_CRON", "priority": "background",
+                                       "requests_per_minute": 2},
+                                      {"name": "sipper", "key_env": "KEY_SIPPER", "tokens_per_minute": 30}]},
+              "models": [model_entry("demo", long_demo_model, max_running=4), model_entry("other", demo_model)]}
+    config["server"]["api_keys"][0]["max_concurrent"] = 1
+    return appliance_factory(config, env=SECRETS)
+
+
+def test_concurrency_limit_is_429_with_retry_after_while_another_key_is_served(keyed):
+    app = keyed
+    long = Long(app, SECRETS["KEY_BOB"])
+    try:
+        started = time.monotonic()
+        status, headers, body = chat(app, SECRETS["KEY_BOB"])
+        assert time.monotonic() - started < 5  # refused at once, not after a wait
+        assert status == 429, body
+        assert body["error"]["code"] == "rate_limited" and "bob" in body["error"]["message"]
+        assert body["error"]["type"] == "rate_limit_error"
+        assert int(headers["Retry-After"]) >= 1
+        assert queued(app) == 0  # it never took a queue place
+        status, _, body = chat(app, SECRETS["KEY_ALICE"])  # another key is served meanwhile
+        assert status == 200, body
+        # in Anthropic's shape on /v1/messages
+        status, headers, body = http("POST", app.base + "/v1/messages",
+                                     {"model": "demo", "max_tokens": 4, "messages": CHAT},
+                                     headers={"x-api-key": SECRETS["KEY_BOB"]})
+        assert status == 429 and body["type"] == "error" and body["error"]["type"] == "rate_limit_error", body
+        assert int(headers["Retry-After"]) >= 1
+    finally:
+        long.close()
+    wait_until(lambda: chat(app, SECRETS["KEY_BOB"])[0] == 200, 30, "bob's slot freed")
+    scrape = samples(app.metrics())
+    assert value(scrape, "openarc_rate_limited_total", key="bob", reason="concurrency") == 2
+
+
+def test_requests_per_minute_is_429_until_the_window_frees(keyed):
+    app = keyed
+    for _ in range(2):
+        status, _, body = chat(app, SECRETS["KEY_CRON"], model="other")
+        assert status == 200, body
+    status, headers, body = chat(app, SECRETS["KEY_CRON"], model="other")
+    assert status == 429 and "requests_per_minute=2" in body["error"]["message"], body
+    assert 1 <= int(headers["Retry-After"]) <= 60
+    status, _, body = chat(app, SECRETS["KEY_CRON"], model="other", path="/v1/responses")
+    assert status == 429 and body["error"]["code"] == "rate_limited", body  # the Responses route's shape
+    assert value(samples(app.metrics()), "openarc_rate_limited_total", key="cron", reason="requests") == 2
+    assert chat(app, SECRETS["KEY_ALICE"], model="other")[0] == 200
+
+
+def test_tokens_per_minute_counts_prompt_and_completion(keyed):
+    app = keyed
+    status, _, body = chat(app, SECRETS["KEY_SIPPER"], model="other", max_tokens=20)
+    assert status == 200, body
+    used = body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    assert used >= 30  # over the key's tokens_per_minute now
+    status, headers, body = chat(app, SECRETS["KEY_SIPPER"], model="other")
+    assert status == 429 and "tokens_per_minute=30" in body["error"]["message"], body
+    assert 1 <= int(headers["Retry-After"]) <= 60
+    assert value(samples(app.metrics()), "openarc_rate_limited_total", key="sipper", reason="tokens") == 1
+
+
+def test_unknown_key_is_401_in_each_routes_shape(keyed):
+    app = keyed
+    status, _, body = chat(app, "not-a-key")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+    status, _, body = http("POST", app.base + "/v1/messages", {"model": "demo", "max_tokens": 4, "messages": CHAT},
+                           headers={"x-api-key": "not-a-key"})
+    assert status == 401 and body == {"type": "error", "error": {"type": "authentication_error",
+                                                                 "message": body["error"]["message"]}}, body
+    status, _, body = chat(app, "not-a-key", path="/v1/responses")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+    # x-api-key works on the OpenAI routes too, as Authorization works on Anthropic's
+    assert http("POST", app.base + "/v1/chat/completions", {"model": "other", "max_tokens": 2, "messages": CHAT},
+                headers={"x-api-key": SECRETS["KEY_ALICE"]})[0] == 200
+
+
+def test_a_keys_models_outside_its_list_are_404_without_leaking_names(keyed):
+    app = keyed
+    status, _, body = chat(app, SECRETS["KEY_BOB"], model="other")
+    assert status == 404 and body["error"]["code"] == "model_not_found", body
+    assert "'other'" in body["error"]["message"] and "have: demo)" in body["error"]["message"]
+    bob = {"Authorization": f"Bearer {SECRETS['KEY_BOB']}"}
+    status, _, listed = http("GET", app.base + "/v1/models", headers=bob)
+    assert [m["id"] for m in listed["data"]] == ["demo"]
+    for verb in ("load", "unload"):  # nor may it load or unload another key's model
+        status, _, body = http("POST", app.base + f"/openarc/models/other/{verb}", headers=bob)
+        assert status == 404 and "have: demo)" in body["error"]["message"], body
+    assert app.model_status("other")["state"] == "ready"
+    status, _, listed = http("GET", app.base + "/v1/models", headers={"Authorization": f"Bearer {SECRETS['KEY_ALICE']}"})
+    assert [m["id"] for m in listed["data"]] == ["demo", "other"]
+
+
+def test_metrics_carry_key_names_and_no_secret_appears_anywhere(keyed):
+    app = keyed
+    assert chat(app, SECRETS["KEY_ALICE"], model="other")[0] == 200
+    assert chat(app, SECRETS["KEY_CRON"], model="other")[0] == 200
+    assert chat(app, "wrong-" + SECRETS["KEY_BOB"])[0] == 401
+    text = app.metrics()
+    scrape = samples(text)
+    assert value(scrape, "openarc_requests_total", model="other", key="default", priority="interactive") == 1
+    assert value(scrape, "openarc_requests_total", model="other", key="cron", priority="background") == 1
+    assert value(scrape, "openarc_generation_tokens_total", model="other", key="cron", priority="background") == 4
+    assert value(scrape, "openarc_prompt_tokens_total", model="other", key="default") > 0
+    keys = {key["name"]: key for key in app.status()["keys"]}
+    assert keys["cron"]["priority"] == "background" and keys["cron"]["requests_last_minute"] == 1
+    assert keys["sipper"]["tokens_last_minute"] == 0 and keys["default"]["running"] == 0
+    status = json.dumps(app.status())
+    for secret in SECRETS.values():
+        assert secret not in text and secret not in app.logs() and secret not in status
+
+
+def test_task_model_answers_open_webui_housekeeping(appliance_factory, demo_model):
+    app = appliance_factory({"models": [model_entry("big", demo_model, task_model="small"),
+                                        model_entry("small", demo_model)]})
+    for task, body in OPEN_WEBUI["requests"].items():
+        status, _, answer = http("POST", app.base + "/v1/chat/completions", {**body, "model": "big", "max_tokens": 3})
+        assert status == 200, (task, answer)
+    status, _, answer = chat(app, model="big", max_tokens=3)  # a person's message stays on the big model
+    assert status == 200, answer
+    scrape = samples(app.metrics())
+    tasks = len(OPEN_WEBUI["requests"])
+    assert value(scrape, "openarc_generation_tokens_total", model="small", priority="background") == 3 * tasks
+    assert value(scrape, "openarc_generation_tokens_total", model="big", priority="background") == 0
+    assert value(scrape, "openarc_generation_tokens_total", model="big", priority="interactive") == 3
+
+
+# --- keys from the environment: refused when unset or empty, picked up by a reload -------------------------------
+
+def write_config(tmp_path: Path, server: dict, demo_model) -> Path:
+    path = tmp_path / "openarc.yaml"
+    path.write_text(yaml.safe_dump({"server": server, "models": [model_entry("demo", demo_model)]}))
+    return path
+
+
+@pytest.mark.parametrize("env", [{}, {"KEY_AGENT": ""}])
+@pytest.mark.parametrize("server", [{"api_key_env": "KEY_AGENT"},
+                                    {"api_keys": [{"name": "agent", "key_env": "KEY_AGENT"}]}])
+def test_serve_and_check_config_refuse_an_unset_or_empty_key_variable(tmp_path, demo_model, env, server):
+    path = write_config(tmp_path, server, demo_model)
+    base = {k: v for k, v in __import__("os").environ.items() if k != "KEY_AGENT"}
+    for command in (["check-config", str(path)], ["serve", "--config", str(path), "--port", "1"]):
+        done = subprocess.run([sys.executable, "-m", "appliance", *command], cwd=REPO, capture_output=True,
+                              text=True, timeout=120, env={**base, "PYTHONPATH": str(REPO), **env})
+        assert done.returncode == 2, done.stderr
+        said = "empty" if env else "not set"
+        assert f"the environment variable KEY_AGENT is {said}" in done.stderr, done.stderr
+
+
+def test_a_reload_picks_up_changed_keys_and_keeps_the_old_ones_on_an_unset_variable(appliance_factory, demo_model):
+    server = {"api_keys": [{"name": "agent", "key_env": "KEY_ALICE"}]}
+    app = appliance_factory({"server": dict(server), "models": [model_entry("demo", demo_model)]}, env=SECRETS)
+    alice, bob = SECRETS["KEY_ALICE"], SECRETS["KEY_BOB"]
+    assert chat(app, alice)[0] == 200 and chat(app, bob)[0] == 401
+
+    def reload(server: dict, marker: str) -> None:
+        before = app.logs().count(marker)
+        app.config_path.write_text(yaml.safe_dump({"server": {**server, "port": app.port, "host": "127.0.0.1"},
+                                                   "models": [model_entry("demo", demo_model)]}))
+        app.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: app.logs().count(marker) > before, 30, marker)
+
+    reload({"api_keys": [{"name": "agent", "key_env": "KEY_BOB"}]}, "reloaded")
+    app.auth = {"Authorization": f"Bearer {bob}"}
+    assert chat(app, bob)[0] == 200 and chat(app, alice)[0] == 401
+    reload({"api_keys": [{"name": "agent", "key_env": "KEY_NOWHERE"}]}, "reload refused")
+    assert "the environment variable KEY_NOWHERE is not set" in app.logs()
+    assert chat(app, bob)[0] == 200  # the old keys still hold
+    assert chat(app)[0] == 401
+
+
+def test_openarc_keys_lists_names_classes_and_limits_never_values(tmp_path, demo_model):
+    path = write_config(tmp_path, {"api_key_env": "KEY_ALICE",
+                                   "api_keys": [{"name": "indexer", "key_env": "KEY_BOB", "priority": "background",
+                                                 "requests_per_minute": 300, "models": ["bge-*", "demo"]}]}, demo_model)
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "KEY_ALICE": SECRETS["KEY_ALICE"]}
+    env.pop("KEY_BOB", None)
+    done = subprocess.run([sys.executable, "-m", "appliance", "keys", "--config", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "PRIORITY", "MAX_CONCURRENT", "REQUESTS/MIN", "TOKENS/MIN", "MODELS", "KEY_ENV"]
+    assert lines[1].split() == ["default", "interactive", "-", "-", "-", "all", "KEY_ALICE", "(set)"]
+    assert lines[2].split() == ["indexer", "background", "-", "300", "-", "bge-*,demo", "KEY_BOB", "(not", "set",
+                                "here)"]
+    assert SECRETS["KEY_ALICE"] not in done.stdout + done.stderr
+
+
+def test_a_reload_keeps_a_keys_running_requests_and_frees_their_slots(appliance_factory, long_demo_model):
+    config = {"server": {"api_keys": [{"name": "agent", "key_env": "KEY_ALICE", "max_concurrent": 1}]},
+              "models": [model_entry("demo", long_demo_model, max_running=2)]}
+    app = appliance_factory(config, env=SECRETS)
+    alice = SECRETS["KEY_ALICE"]
+    long = Long(app, alice)
+    config["server"].update(port=app.port, host="127.0.0.1")
+    config["server"]["api_keys"][0]["requests_per_minute"] = 100
+    app.config_path.write_text(yaml.safe_dump(config))
+    app.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "reloaded" in app.logs(), 30, "reload")
+    assert chat(app, alice)[0] == 429  # the request admitted before the reload still holds the key's one slot
+    long.close()  # and ending it frees that slot under the new config
+    wait_until(lambda: chat(app, alice)[0] == 200, 30, "the slot freed")

@@ -244,6 +244,8 @@ class Placement:
         on_demand = sup.model.load == "on_demand" or usage.load_reason in ("demand", "api")
         if sup.state is not ModelState.RESTARTING or not on_demand or sup.life.stopping:
             return
+        if self.models.get(sup.name) is not sup:  # a reload replaced it meanwhile: its successor has its own settings
+            return
         backoff = sup.life.last_backoff_s or sup.model.restart.backoff_initial_s
         self._refuse(sup.name, RequestFailed(
             503, "model_unavailable", f"model {sup.name} failed to load: {sup.life.last_error}; the next load is tried "

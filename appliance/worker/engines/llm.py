@@ -489,7 +489,6 @@ class BatchingEngine(LLMEngine):
         if self.cache_model is not None and self.models_prefix(req):  # once: not again for a re-admission
             prompt = req.input_ids.data[0].tolist()
             req.cached_tokens = self.cache_model.lookup(prompt)
-            self.cache_model.store(prompt)  # a running request's blocks are shared with the requests that follow
         self.on_generate_prepared(req)
 
     def on_generate_prepared(self, req: Request) -> None:
@@ -513,6 +512,13 @@ class BatchingEngine(LLMEngine):
     def models_prefix(req: Request) -> bool:
         """Whether the cache model can follow this request's prompt (its token ids are what genai hashes)."""
         return True
+
+    def prompt_computed(self, req: Request) -> None:
+        """A request's first token came: genai holds its prompt's blocks now, shared with the requests that follow.
+        Not at admission: a request refused there, dropped by the scheduler or cancelled before its prefill computed
+        nothing, and its retry would have been reported as served from the cache."""
+        if self.cache_model is not None and self.models_prefix(req):
+            self.cache_model.store(req.input_ids.data[0].tolist())
 
     def finish(self, req: Request, finish_reason: str) -> None:
         if self.cache_model is not None and self.models_prefix(req) and req.generated:
@@ -541,6 +547,8 @@ class BatchingEngine(LLMEngine):
                 if status != running and not (req.stream or not req.generated):
                     finish = self._read(req, handle, new_ids)
             if new_ids:
+                if not req.generated:
+                    self.prompt_computed(req)
                 updates.append((req, new_ids))
             progress.append((req, handle, status, finish))
         self.emit_tokens(updates)

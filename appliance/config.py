@@ -291,8 +291,10 @@ class ModelConfig:
 
     def scheduler_settings(self) -> dict[str, Any]:
         """The SchedulerConfig fields its worker sets: openarc's defaults (prefix caching on, a fixed cache, a
-        per-device prefill chunk), then the model's scheduler_config wins."""
-        settings: dict[str, Any] = {"enable_prefix_caching": True}
+        per-device prefill chunk), then the model's scheduler_config wins. A speculative model keeps prefix caching
+        off unless its scheduler_config turns it on: with both, genai 2026.4.1 failed a streamed request with "Cannot
+        remove more tokens than has been generated" (sequence_group.hpp), seen in tests/test_speculative.py."""
+        settings: dict[str, Any] = {"enable_prefix_caching": not self.speculative}
         if not {"cache_size", "num_kv_blocks"} & self.scheduler_config.keys():
             settings["cache_size"] = DEFAULT_CACHE_SIZE_GB
         family = "GPU" if self.is_gpu else "CPU"

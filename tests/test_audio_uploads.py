@@ -52,8 +52,10 @@ def test_many_large_uploads_to_a_busy_model_get_429_early_and_the_front_stays_sm
     assert set(statuses) <= {200, 429} and statuses.count(200) >= 2
     assert len(refused) >= CLIENTS - 10
     assert all(headers.get("Retry-After") for _, headers in refused)
-    # Early: a refused upload is not read, decoded and queued first (one transcription takes 20 s here).
-    assert sorted(w for w, _ in refused)[len(refused) // 2] < 3
+    # Early: a refused upload is not read, decoded and queued first. One transcription takes 20 s here, so a median
+    # refusal well before that cannot have waited for one; the bound leaves room for 50 clients pushing 1 GB through
+    # loopback on two shared cores (3-5 s seen under the parallel suite).
+    assert sorted(w for w, _ in refused)[len(refused) // 2] < 10
     assert growth < RSS_BOUND_MB, f"the front's peak RSS grew by {growth:.0f} MB"
 
 

@@ -176,9 +176,17 @@ def image_store() -> Path:
     if not stamp.exists() or stamp.read_text() != digest:
         import_forky_base()
         started = time.monotonic()
-        in_trixie("podman", "--cgroup-manager=cgroupfs", "build", "--isolation=chroot", "--network=host",
-                  "--build-arg", "BASE_IMAGE=localhost/debian:forky", "-f", "/context/containers/Containerfile",
-                  "-t", IMAGE, "/context", timeout=1800)
+        build = ("podman", "--cgroup-manager=cgroupfs", "build", "--isolation=chroot", "--network=host",
+                 "--build-arg", "BASE_IMAGE=localhost/debian:forky", "-f", "/context/containers/Containerfile",
+                 "-t", IMAGE, "/context")
+        for attempt in (1, 2):  # the build installs from the package registries: one retry for a network hiccup
+            try:
+                in_trixie(*build, timeout=1800)
+                break
+            except subprocess.CalledProcessError as exc:
+                if attempt == 2:
+                    raise AssertionError(f"podman build failed twice:\n{exc.stdout[-2000:]}\n{exc.stderr[-3000:]}")
+                print(f"podman build failed, once more:\n{exc.stderr[-2000:]}")
         in_trixie("podman", "image", "prune", "-f")
         print(f"image built in {time.monotonic() - started:.0f} s")
         stamp.write_text(digest)

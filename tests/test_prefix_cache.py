@@ -88,6 +88,10 @@ def test_prefix_caching_is_on_by_default_with_a_fixed_cache_and_a_per_device_chu
                                                              "max_num_batched_tokens": 256}).scheduler_settings()
     assert off == {"enable_prefix_caching": False, "num_kv_blocks": 64, "max_num_batched_tokens": 256}
     assert prefix_cache.for_spec({"scheduler_config": off, "device": "CPU", "path": "/m"}) is None
+    # a speculative model keeps it off (genai 2026.4.1 fails some of its requests with both), unless it asks
+    assert ModelConfig(name="m", path="/m", prompt_lookup=True).scheduler_settings()["enable_prefix_caching"] is False
+    asked = ModelConfig(name="m", path="/m", prompt_lookup=True, scheduler_config={"enable_prefix_caching": True})
+    assert asked.scheduler_settings()["enable_prefix_caching"] is True
 
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.3.abc; cc_entrypoint=cli; cch=1f2e3;"

@@ -74,7 +74,12 @@ def request_until_fault(app, model: str, fault, max_tokens: int = 3000) -> tuple
 # --- failed generations: the worker and the model stay up -----------------------------------------------
 
 def oom_config(demo_model):
-    return {"models": [model_entry("tight", demo_model, scheduler_config={"num_kv_blocks": 4}, max_context=2048)]}
+    # Prefix caching off: with it on (the default since warm sessions), genai 2026.4.1 with this 4-block cache
+    # sometimes (1 run in 4 here) also drops a small request running beside the one that cannot fit, which then
+    # gets the same retryable 500. Left open and documented in docs/warm-sessions.md; off, 6 runs in 6 pass.
+    return {"models": [model_entry("tight", demo_model, scheduler_config={"num_kv_blocks": 4,
+                                                                            "enable_prefix_caching": False},
+                                    max_context=2048)]}
 
 
 def test_scheduler_oom_is_a_500_with_a_classified_code_and_the_worker_stays(appliance_factory, demo_model):

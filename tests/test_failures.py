@@ -439,11 +439,12 @@ def test_worker_killed_while_loading_is_restarted(appliance_factory, demo_model)
 
 
 def test_worker_stuck_while_loading_is_killed_after_load_timeout(appliance_factory, demo_model):
-    app = appliance_factory({"models": [model_entry("demo", demo_model, load_timeout_s=2.0)]}, wait_ready=False)
+    # 6 s: the restarted worker's real load must fit in it on two cores shared with the parallel suite (2 s did not)
+    app = appliance_factory({"models": [model_entry("demo", demo_model, load_timeout_s=6.0)]}, wait_ready=False)
     pid = kill_while_loading(app, "demo", signal.SIGSTOP)
     started = time.monotonic()
-    wait_until(lambda: app.model_status("demo")["last_exit"] == "load_timeout", 2.0 + HANG_BOUND_S, "timed out")
-    assert 1.5 < time.monotonic() - started
+    wait_until(lambda: app.model_status("demo")["last_exit"] == "load_timeout", 6.0 + HANG_BOUND_S, "timed out")
+    assert 5.0 < time.monotonic() - started
     ready = app.wait_model("demo", "ready", new_pid_not=pid)
     assert not pid_alive(pid)
     assert ready["restarts"] == 1 and ready["crashes"] == 0  # our own kill, not a crash

@@ -208,6 +208,9 @@ def test_a_server_that_stops_early_is_reported_not_compared(appliance_factory, d
         assert figures[name]["verdict"] == "info" and figures[name]["value"] > 0, figures[name]
         assert "equal work: the baseline generated the server's own token count" in figures[name]["baseline"]
     assert f"stopped early (median {produced} of 128 tokens)" in figures[sixteen]["measured"]
+    # the 8 -> 16 change of replies that stopped early is reported, not judged against the target for full replies
+    scaling = figures["Concurrency, 8 -> 16 clients: aggregate change"]
+    assert scaling["verdict"] == "not comparable" and "stopped early" in scaling["measured"], scaling
     assert side_by_side(result, "demo48")["Tokens per 32-token reply"] == "32 in all 10 replies"
     assert_standin_counted(result)
     assert "not measured (no pid)" in side_by_side(result, "standin")["SIGABRT mid-stream (after chunk 5)"]

@@ -15,7 +15,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 HEADER = struct.Struct(">I")
 MAX_FRAME = 64 << 20  # a prompt is bounded by the HTTP body limit; this only guards against garbage
@@ -174,3 +174,16 @@ class BlockingChannel:
         frame = encode(message)
         with self._send_lock:
             self._sock.sendall(frame)
+
+
+def serve_requests(stdin, stdout, handle: Callable[[dict[str, Any], bytes], dict[str, Any]]) -> None:
+    """A helper process's loop (the front's decoders, appliance.front.decoder_process; the token counter): each
+    request line and its data through `handle`, whose dict is the reply line; ends at EOF."""
+    while True:
+        line = stdin.readline()
+        if not line:
+            return
+        request = json.loads(line)
+        reply = handle(request, stdin.read(request["bytes"]))
+        stdout.write(json.dumps(reply).encode() + b"\n")
+        stdout.flush()

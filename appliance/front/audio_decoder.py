@@ -23,7 +23,8 @@ import sys
 import wave
 from dataclasses import dataclass
 
-from appliance.front.decoder_process import DecoderFailed, DecoderFault, DecoderProcess, serve, write_failed
+from appliance.front.decoder_process import DecoderFailed, DecoderFault, DecoderProcess, write_failed
+from appliance.ipc import serve_requests
 
 SAMPLE_RATE = 16000
 DECODE_TIMEOUT_S = 120.0  # a decoder stuck on one file is killed: generous, decoding runs at 100x real time or more
@@ -149,7 +150,7 @@ class AudioDecoder(DecoderProcess):
 
 def main() -> None:
     os.nice(5)  # decoding yields to the model workers on a busy box
-    serve(sys.stdin.buffer, sys.stdout.buffer, _handle)
+    serve_requests(sys.stdin.buffer, sys.stdout.buffer, _handle)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import logging
 import shutil
 import sys
 import tempfile
-from typing import Any, Callable
+from typing import Any
 
 from appliance.front.request import RequestFailed
 
@@ -159,16 +159,3 @@ class HelperUser:
     async def close(self, app) -> None:
         await self.helper.close()
         shutil.rmtree(self.spool, ignore_errors=True)
-
-
-def serve(stdin, stdout, handle: Callable[[dict[str, Any], bytes], dict[str, Any]]) -> None:
-    """The decoder process's loop: each request line and its data through `handle`, whose dict is the reply
-    line; ends at EOF."""
-    while True:
-        line = stdin.readline()
-        if not line:
-            return
-        request = json.loads(line)
-        reply = handle(request, stdin.read(request["bytes"]))
-        stdout.write(json.dumps(reply).encode() + b"\n")
-        stdout.flush()

@@ -25,7 +25,8 @@ import os
 import sys
 import warnings
 
-from appliance.front.decoder_process import DecoderFailed, DecoderProcess, serve, write_failed
+from appliance.front.decoder_process import DecoderFailed, DecoderProcess, write_failed
+from appliance.ipc import serve_requests
 
 DECODE_TIMEOUT_S = 30.0
 # (magic bytes at offset, offset, format as config and Pillow name it)
@@ -137,7 +138,7 @@ class ImageDecoder(DecoderProcess):
 
 def main() -> None:
     os.nice(5)  # decoding yields to the model workers on a busy box
-    serve(sys.stdin.buffer, sys.stdout.buffer, _handle)
+    serve_requests(sys.stdin.buffer, sys.stdout.buffer, _handle)
 
 
 if __name__ == "__main__":

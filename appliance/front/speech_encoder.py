@@ -22,7 +22,8 @@ import struct
 import sys
 from typing import Any
 
-from appliance.front.decoder_process import DecoderFailed, DecoderProcess, serve
+from appliance.front.decoder_process import DecoderFailed, DecoderProcess
+from appliance.ipc import serve_requests
 
 log = logging.getLogger("openarc.audio")
 
@@ -253,7 +254,7 @@ class SpeechEncoder(DecoderProcess):
 def main() -> None:
     # Not niced, unlike the audio decoder: the encoding of the first sentence is on the path of the time to first
     # audio, and a niced encoder on a busy box added about 200 ms to it.
-    serve(sys.stdin.buffer, sys.stdout.buffer, _handle)
+    serve_requests(sys.stdin.buffer, sys.stdout.buffer, _handle)
 
 
 if __name__ == "__main__":

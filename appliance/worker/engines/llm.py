@@ -13,15 +13,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pathlib import Path
-
 from appliance import chat_formats
 from appliance.host import faults
 from appliance.worker.detokenize import make_detokenizer
 from appliance.worker.engines import speculative
 from appliance.worker.engines.base import PROGRESS_INTERVAL_S, Engine, InjectedFault
 from appliance.worker.engines.constraints import GrammarProbe, InvalidGrammar, after_reasoning, genai_message
-from appliance.worker import agent_noise, prefix_cache
+from appliance.worker import prefix_cache
+from appliance.worker.prompt import INVALID_REQUEST, Prompts, Refused
 from appliance.ipc import frame
 
 log = logging.getLogger("openarc.worker")
@@ -34,15 +33,6 @@ PROBE_FAULT_ENV = "OPENARC_DEBUG_PROBE_FAULT"
 PROBE_HOLD_ENV = "OPENARC_DEBUG_PROBE_HOLD_S"
 
 INVALID_GRAMMAR = faults.Fault("invalid_grammar", "invalid_grammar", None, False)
-INVALID_REQUEST = faults.Fault("invalid_request", "invalid_request", None, False)
-
-
-class Refused(Exception):
-    """A request the worker will not run, and why (its fault): answered with an error frame."""
-
-    def __init__(self, fault: faults.Fault, message: str):
-        super().__init__(message)
-        self.fault = fault
 
 
 @dataclass
@@ -135,14 +125,8 @@ class LLMEngine(Engine):
         super().__init__(spec, channel)
         self.tokenizer = tokenizer
         self.detok = make_detokenizer(tokenizer)
-        if spec.get("chat_template"):
-            tokenizer.set_chat_template(Path(spec["chat_template"]).read_text())
-        template = self._template_text()
-        self.formats = {
-            "tool_parser": chat_formats.resolve(spec.get("tool_parser"), chat_formats.detect_tool_parser(template)),
-            "reasoning_parser": chat_formats.resolve(spec.get("reasoning_parser"),
-                                                     chat_formats.detect_reasoning_parser(template)),
-        }
+        self.prompts = Prompts(spec, tokenizer, self.classify)
+        self.formats = self.prompts.formats
         self.probe = GrammarProbe(tokenizer)
         # Constraints never compiled before are probed on a thread of their own (genai releases the GIL), so a
         # slow compile does not hold up the batch that is generating; the request joins the inbox afterwards.
@@ -151,7 +135,6 @@ class LLMEngine(Engine):
         self.cancelled_while_probing: set[int] = set()
         self.probe_fault = os.environ.get(PROBE_FAULT_ENV) or None
         self.probe_hold_s = float(os.environ.get(PROBE_HOLD_ENV) or 0)
-        self.noise_logged = False  # the first agent-noise drop is logged, the rest are not
 
     def threads(self) -> list[tuple[str, Any]]:
         return [("grammar-probe", self._probe_loop)]
@@ -160,7 +143,7 @@ class LLMEngine(Engine):
         """(channel reader thread) A request with a constraint not compiled yet goes by the probe thread; a
         `request` op (count a conversation's prompt tokens) is counted here, where tokenizing releases the GIL."""
         if message["op"] == "request":
-            self.inbox.put(("count", self._count(message)))
+            self.inbox.put(("count", self.prompts.count(message["id"], message["body"])))
             return
         constraint = message.get("constraint")
         if constraint and not self.probe.known(constraint, self.formats["tool_parser"]):
@@ -178,17 +161,6 @@ class LLMEngine(Engine):
         except Refused as refused:
             message["prepared"] = refused
         super().submit(message)
-
-    def _count(self, message: dict[str, Any]) -> dict[str, Any]:
-        """The reply frame to a `request` op: the prompt tokens of its body (a chat generate frame's messages,
-        tools and template_kwargs) as the model's template renders them, or why they cannot be counted."""
-        try:
-            input_ids = self._prompt({**message["body"], "kind": "chat"})[0]
-        except Refused as refused:
-            fault = refused.fault
-            return frame("error", id=message["id"], kind=fault.kind, code=fault.code, hint=fault.hint,
-                         message=str(refused), retryable=fault.retryable)
-        return frame("result", id=message["id"], result={"input_tokens": int(input_ids.get_shape()[1])}, counts={})
 
     def on_count(self, reply: dict[str, Any]) -> None:
         self.post(reply)
@@ -225,12 +197,6 @@ class LLMEngine(Engine):
         self.probing.discard(request_id)
         self.cancelled_while_probing.discard(request_id)
 
-    def _template_text(self) -> str:
-        try:
-            return self.tokenizer.chat_template or ""
-        except Exception:  # a tokenizer without a template
-            return ""
-
     def ready_info(self) -> dict[str, Any]:
         return {"formats": self.formats}
 
@@ -249,7 +215,7 @@ class LLMEngine(Engine):
 
     def _request(self, message: dict[str, Any]) -> Request:
         params = message["params"]
-        input_ids, prefix, thinking, text = self._prompt(message)
+        input_ids, prefix, thinking, text = self.prompts.prompt(message)
         prompt_tokens = int(input_ids.get_shape()[1])
         max_tokens = params.get("max_tokens") or self.spec["default_max_tokens"]
         limit = self.spec["max_context"]
@@ -278,28 +244,6 @@ class LLMEngine(Engine):
             raise Refused(INVALID_REQUEST, f"invalid sampling parameters: {genai_message(exc)}") from None
         return req
 
-    def _prompt(self, message: dict[str, Any]) -> tuple[Any, str, bool, str]:
-        """The prompt's token ids, the text the template already wrote for the answer (an opened <think>),
-        whether the answer starts with reasoning (a reasoning model whose template did not close the block, as
-        Qwen3's does for enable_thinking: false), and the prompt's text."""
-        prefix, text, thinking = "", message.get("prompt", ""), False
-        if message["kind"] == "chat":
-            try:
-                text = self._render(message)
-            except Exception as exc:  # the template refused this conversation (raise_exception, a missing field)
-                raise Refused(INVALID_REQUEST, "the model's chat template cannot render this conversation: "
-                                               f"{genai_message(exc)}") from None
-            if self.formats["reasoning_parser"]:
-                tail = text.rstrip()
-                if tail.endswith(chat_formats.THINK_OPEN):
-                    prefix = chat_formats.THINK_OPEN  # the answer starts inside the block the template opened
-                thinking = not tail.endswith(chat_formats.THINK_CLOSE)
-        try:
-            input_ids = self.tokenizer.encode(text, add_special_tokens=message["kind"] != "chat").input_ids
-            return input_ids, prefix, thinking, text
-        except Exception as exc:  # a tokenizer error belongs to this request only
-            raise Refused(self.classify(str(exc)), str(exc)) from None
-
     def _structured(self, message: dict[str, Any], thinking: bool, opened: bool):
         """The request's StructuredOutputConfig (compiled by the probe already, or now), or None. On a reasoning
         model, response_format and tool calls apply after the think block (structured_outputs as written)."""
@@ -318,25 +262,6 @@ class LLMEngine(Engine):
             raise Refused(INVALID_GRAMMAR, f"the output constraint cannot be compiled: {exc}") from None
 
     reports_logprobs = True
-
-    def _render(self, message: dict[str, Any]) -> str:
-        """The chat prompt: messages (tool calls and results included), the tools, chat_template_kwargs."""
-        import openvino_genai
-        history = openvino_genai.ChatHistory(self._canonical(message["messages"]))
-        return self.tokenizer.apply_chat_template(history, add_generation_prompt=True,
-                                                  tools=message.get("tools") or None,
-                                                  extra_context=message.get("template_kwargs") or None)
-
-    def _canonical(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The messages without known agent noise (models[].canonicalize_agent_noise), so prefixes stay stable."""
-        if not self.spec.get("canonicalize_agent_noise", True):
-            return messages
-        messages, dropped = agent_noise.canonical_messages(messages)
-        if dropped and not self.noise_logged:
-            self.noise_logged = True
-            log.info("model %s: dropped %s before templating (it changes every request and would defeat the prefix "
-                     "cache; logged once; canonicalize_agent_noise: false keeps it)", self.spec["name"], dropped[0])
-        return messages
 
     def generation_config(self, req: Request):
         import openvino_genai

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from appliance.host import faults
-from appliance.worker.engines.llm import INVALID_REQUEST, BatchingEngine, Refused, Request, SequentialEngine
+from appliance.worker.engines.llm import BatchingEngine, Request, SequentialEngine
+from appliance.worker.prompt import INVALID_REQUEST, Refused
 
 INVALID_IMAGE = faults.Fault("invalid_request", "invalid_image", None, False)
 # genai's refusals of a prompt's image tags (a native tag such as "<image>" typed beside the images, a tag with no

@@ -1,0 +1,107 @@
+"""A model's prompt: its chat template and tokenizer turning a request's messages (or text) into token ids.
+
+One class, so that the LLM and VLM engines and the token counter (appliance.worker.token_counter, which counts for
+a model whose worker is not loaded) render and count a conversation the same way: the template a model's config
+names (models[].chat_template) or the one its tokenizer carries, its agent noise dropped first
+(models[].canonicalize_agent_noise), the tool and reasoning formats detected from the template.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+from appliance import chat_formats
+from appliance.host import faults
+from appliance.ipc import frame
+from appliance.worker import agent_noise
+from appliance.worker.engines.constraints import genai_message
+
+log = logging.getLogger("openarc.worker")
+
+INVALID_REQUEST = faults.Fault("invalid_request", "invalid_request", None, False)
+
+
+class Refused(Exception):
+    """A request the worker will not run, and why (its fault): answered with an error frame."""
+
+    def __init__(self, fault: faults.Fault, message: str):
+        super().__init__(message)
+        self.fault = fault
+
+
+class Prompts:
+    """The prompts of one model: `spec` is the worker's spec (appliance.config.worker_spec), `tokenizer` its
+    openvino_genai.Tokenizer, `classify` names the fault of a tokenizer error (the engine's device-aware one)."""
+
+    def __init__(self, spec: dict[str, Any], tokenizer, classify: Callable[[str], faults.Fault]):
+        self.spec, self.tokenizer, self.classify = spec, tokenizer, classify
+        if spec.get("chat_template"):
+            tokenizer.set_chat_template(Path(spec["chat_template"]).read_text())
+        template = self.template_text()
+        self.formats = {
+            "tool_parser": chat_formats.resolve(spec.get("tool_parser"), chat_formats.detect_tool_parser(template)),
+            "reasoning_parser": chat_formats.resolve(spec.get("reasoning_parser"),
+                                                     chat_formats.detect_reasoning_parser(template)),
+        }
+        self.noise_logged = False  # the first agent-noise drop is logged, the rest are not
+
+    def template_text(self) -> str:
+        try:
+            return self.tokenizer.chat_template or ""
+        except Exception:  # a tokenizer without a template
+            return ""
+
+    def prompt(self, message: dict[str, Any]) -> tuple[Any, str, bool, str]:
+        """The prompt's token ids, the text the template already wrote for the answer (an opened <think>),
+        whether the answer starts with reasoning (a reasoning model whose template did not close the block, as
+        Qwen3's does for enable_thinking: false), and the prompt's text."""
+        prefix, text, thinking = "", message.get("prompt", ""), False
+        if message["kind"] == "chat":
+            try:
+                text = self.render(message)
+            except Exception as exc:  # the template refused this conversation (raise_exception, a missing field)
+                raise Refused(INVALID_REQUEST, "the model's chat template cannot render this conversation: "
+                                               f"{genai_message(exc)}") from None
+            if self.formats["reasoning_parser"]:
+                tail = text.rstrip()
+                if tail.endswith(chat_formats.THINK_OPEN):
+                    prefix = chat_formats.THINK_OPEN  # the answer starts inside the block the template opened
+                thinking = not tail.endswith(chat_formats.THINK_CLOSE)
+        try:
+            input_ids = self.tokenizer.encode(text, add_special_tokens=message["kind"] != "chat").input_ids
+            return input_ids, prefix, thinking, text
+        except Exception as exc:  # a tokenizer error belongs to this request only
+            raise Refused(self.classify(str(exc)), str(exc)) from None
+
+    def count(self, request_id: int, body: dict[str, Any]) -> dict[str, Any]:
+        """The reply frame to a `request` op that counts a conversation (/v1/messages/count_tokens: a chat
+        generate frame's messages, tools and template_kwargs) as the template renders it, or why it cannot be
+        counted."""
+        try:
+            input_ids = self.prompt({**body, "kind": "chat"})[0]
+        except Refused as refused:
+            fault = refused.fault
+            return frame("error", id=request_id, kind=fault.kind, code=fault.code, hint=fault.hint,
+                         message=str(refused), retryable=fault.retryable)
+        return frame("result", id=request_id, result={"input_tokens": int(input_ids.get_shape()[1])}, counts={})
+
+    def render(self, message: dict[str, Any]) -> str:
+        """The chat prompt: messages (tool calls and results included), the tools, chat_template_kwargs."""
+        import openvino_genai
+        history = openvino_genai.ChatHistory(self.canonical(message["messages"]))
+        return self.tokenizer.apply_chat_template(history, add_generation_prompt=True,
+                                                  tools=message.get("tools") or None,
+                                                  extra_context=message.get("template_kwargs") or None)
+
+    def canonical(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages without known agent noise (models[].canonicalize_agent_noise), so prefixes stay stable."""
+        if not self.spec.get("canonicalize_agent_noise", True):
+            return messages
+        messages, dropped = agent_noise.canonical_messages(messages)
+        if dropped and not self.noise_logged:
+            self.noise_logged = True
+            log.info("model %s: dropped %s before templating (it changes every request and would defeat the prefix "
+                     "cache; logged once; canonicalize_agent_noise: false keeps it)", self.spec["name"], dropped[0])
+        return messages

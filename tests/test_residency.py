@@ -173,11 +173,3 @@ def test_the_views_the_plan_and_status_read_change_nothing():
         assert placement.usage == before and placement.views(now=100.0) == views
 
     asyncio.run(main())
-
-
-def test_counting_tokens_loads_only_into_free_room_and_holds_up_nobody():
-    models = [view("idle", last_used=1), view("count", S.UNLOADED, wanted_since=1, evicts=False),
-              view("chat", S.UNLOADED, wanted_since=2)]
-    p = plan(models, Limits(max_loaded=1), now=10)
-    assert (p.no_room, p.evict, p.waits_for_room) == (("count",), ("idle",), "chat")  # chat, though second, evicts
-    assert plan(models, Limits(max_loaded=2), now=10).load == "count"  # a free slot: it loads

@@ -44,8 +44,6 @@ HANDOFF_GRACE_S = 5.0
 # The key of a want no request waits on: a load that goes on without its requester (ready_wait_s ran out, or is 0;
 # a restart reload). It stands until the model's load begins or is refused.
 STANDING = "standing"
-# The want of a request that only counts tokens (/v1/messages/count_tokens): it loads a model into free room only.
-COUNT = "count"
 
 
 @dataclass
@@ -72,7 +70,6 @@ class Placement:
         self.wants: dict[str, dict[object, tuple[float, str]]] = {}  # model -> its waiters' (arrival, load reason)
         self.leaving: set[ModelSupervisor] = set()  # unloaded, still draining: they hold their slot until gone
         self.impossible: dict[str, str] = {}  # the latest plan's: wanted models that cannot fit now, and why
-        self.no_room: tuple[str, ...] = ()  # the latest plan's: wanted only to count tokens, with no free room
         self.replan = asyncio.Event()  # something the residency plan looks at changed
         self.placer: asyncio.Task | None = None
         self.chores: set[asyncio.Task] = set()  # loads being watched
@@ -102,7 +99,7 @@ class Placement:
     def want(self, name: str, waiter: object, reason: str) -> None:
         """A request waits for this unloaded model: answered at once (RequestFailed) if its last load failed lately
         or it cannot fit under the limits now, else counted for the residency plan."""
-        refusal = self.refusal(name, counting=reason == COUNT)
+        refusal = self.refusal(name)
         if refusal is not None:
             raise refusal
         wants = self.wants.setdefault(name, {})
@@ -117,9 +114,8 @@ class Placement:
                 del self.wants[name]
             self.replan.set()
 
-    def refusal(self, name: str, counting: bool = False) -> RequestFailed | None:
-        """Why a request for this unloaded model is answered now instead of waiting for its load, if it is (`no_room`
-        answers only a request that counts tokens: any other one may evict, and its want takes the model off it)."""
+    def refusal(self, name: str) -> RequestFailed | None:
+        """Why a request for this unloaded model is answered now instead of waiting for its load, if it is."""
         usage, now = self.usage[name], time.monotonic()
         if usage.refused(now):
             failure = usage.refusal
@@ -131,10 +127,6 @@ class Placement:
                       if source == "measured" else "raise the budget and reload")
             return RequestFailed(503, "model_unavailable", f"model {name} cannot load here: {self.impossible[name]} "
                                  f"({source} footprint; {advice})")
-        if counting and name in self.no_room:
-            return RequestFailed(503, "model_unavailable", f"model {name} is not loaded, and counting tokens does not "
-                                 "evict another model to load it (no room is free now); the message itself loads it",
-                                 retry_after=max(1.0, self.models[name].model.restart.backoff_initial_s))
         return None
 
     # --- the plan, made and carried out ----------------------------------------------------------------------
@@ -155,8 +147,7 @@ class Placement:
             views.append(residency.ModelView(
                 name, state, budget_device(sup.model.device), self.footprint(name)[0], busy,
                 now if busy else usage.last_used, min(since for since, _ in wants.values()) if wants else None,
-                sup.model.load == "at_start", sup.model.idle_unload_s,
-                evicts=any(reason != COUNT for _, reason in wants.values()) if wants else True))
+                sup.model.load == "at_start", sup.model.idle_unload_s))
         views += [residency.ModelView(f"{sup.name} (leaving)", ModelState.DRAINING, budget_device(sup.model.device),
                                       self.footprint(sup.name)[0]) for sup in self.leaving]
         return views
@@ -190,17 +181,17 @@ class Placement:
             await self._until_replan(plan)
 
     def _carry_out(self, plan: residency.Plan) -> None:
-        if (plan.impossible, plan.no_room) != (self.impossible, self.no_room):
-            self.impossible, self.no_room = dict(plan.impossible), plan.no_room
+        if plan.impossible != self.impossible:
+            self.impossible = dict(plan.impossible)
             self.owner.changes.notify()  # their waiters answer now
-        for name in (*plan.impossible, *plan.no_room):  # a standing want these cannot load (a count's: no room)
+        for name in plan.impossible:  # a standing want these cannot load
             self.unwant(name, STANDING)
         for names, reason in ((plan.idle, "idle"), (plan.evict, "evicted")):
             for name in names:
                 self.begin_unload(name, reason)  # at once: the next plan sees it leaving
         if plan.load:
             reason = min((self.wants.get(plan.load) or {None: (0.0, "demand")}).values())[1]
-            self.begin_load(self.models[plan.load], "demand" if reason == COUNT else reason)
+            self.begin_load(self.models[plan.load], reason)
 
     async def _until_replan(self, plan: residency.Plan) -> None:
         """Until something the plan looks at changes (replan: a state, a want, a waiter counted, a model gone idle,

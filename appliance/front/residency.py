@@ -18,8 +18,6 @@ The rules, in the order they are applied:
   as few as needed; the load starts once their drains have ended. A model with a request running, queued or waiting
   is never evicted: then the head waits (its requests are bounded by ready_wait_s).
 - A model whose footprint alone exceeds its device's budget can never load: its waiters are answered at once.
-- A model wanted only to count tokens (/v1/messages/count_tokens) loads only into free room: nothing is evicted for
-  it, it does not hold up the line, and without room its waiters are answered at once.
 """
 
 from __future__ import annotations
@@ -45,7 +43,6 @@ class ModelView:
     wanted_since: float | None = None  # when the oldest request waiting for its load arrived (None: nobody waits)
     pinned: bool = False            # load: at_start: never evicted to make room for another model
     idle_unload_s: float = 0.0      # 0: never unloaded for idleness
-    evicts: bool = True             # its waiters may have others evicted for it (False: they only count tokens)
 
 
 @dataclass(frozen=True)
@@ -61,7 +58,6 @@ class Plan:
     idle: tuple[str, ...] = ()               # drain and stop these: idle for their idle_unload_s
     waits_for_room: str | None = None        # the head of the line, waiting for evictions or for a model to go idle
     impossible: dict[str, str] = field(default_factory=dict)  # wanted models that can never load here: why
-    no_room: tuple[str, ...] = ()            # wanted only to count tokens, and no free room: their waiters answer now
     recheck_s: float | None = None           # look again after this long even if nothing changes (an idle deadline)
 
     @property
@@ -77,21 +73,19 @@ def plan(models: list[ModelView], limits: Limits, now: float) -> Plan:
     everyone = [m for m in models if m.state in OCCUPYING]
     wanted = [m for m in models if m.wanted_since is not None and m.state is ModelState.UNLOADED
               and m.name not in impossible]
-    # Counting tokens loads a model into free room or not at all: it neither evicts nor holds up the line.
-    no_room = tuple(m.name for m in wanted if not m.evicts and not _fits(m, everyone, limits))
-    line = sorted((m for m in wanted if m.name not in no_room), key=lambda m: (m.wanted_since, m.name))
+    line = sorted(wanted, key=lambda m: (m.wanted_since, m.name))
     if not line:
-        return Plan(idle=idle, impossible=impossible, no_room=no_room, recheck_s=recheck)
+        return Plan(idle=idle, impossible=impossible, recheck_s=recheck)
     head = line[0]
     # Slots being freed (draining, or unloaded for idleness by this plan) still hold memory until their drain ends.
     leaving = {m.name for m in models if m.state is ModelState.DRAINING} | set(idle)
     staying = [m for m in models if m.state in OCCUPYING and m.name not in leaving]
     if _fits(head, staying, limits):
         load = head.name if _fits(head, everyone, limits) else None  # else: wait for the drains to end
-        return Plan(load=load, idle=idle, impossible=impossible, no_room=no_room, recheck_s=recheck,
+        return Plan(load=load, idle=idle, impossible=impossible, recheck_s=recheck,
                     waits_for_room=None if load else head.name)
     evict = _evictions(head, staying, limits)
-    return Plan(evict=evict, idle=idle, impossible=impossible, no_room=no_room, recheck_s=recheck,
+    return Plan(evict=evict, idle=idle, impossible=impossible, recheck_s=recheck,
                 waits_for_room=head.name)
 
 

@@ -196,13 +196,26 @@ class Appliance:
         """The configured model a request's name reaches: its own, else through server.model_aliases."""
         return name if name in self.supervisor.models else self.config.server.alias_target(name)
 
-    async def model_for(self, name: str, call, kinds: tuple[str, ...], reason: str = "demand"):
+    async def model_for(self, name: str, call, kinds: tuple[str, ...]):
         """The supervisor of the model a request names (or reaches through an alias), if it exists for the
         request's key, is of a kind the route serves, the key's limits admit the request and the server is not
         draining, once the model is ready (Supervisor.ready_model waits out a load, a restart or a replacement, up
-        to the model's ready_wait_s; `reason`: why it loads, if it must); else the RequestFailed the client gets. A
+        to the model's ready_wait_s); else the RequestFailed the client gets. A
         background chat request for a model with a task_model goes to that. The answer keeps the name the client
         asked for. `call`: the request as the route wrapper counts it (appliance.front.api.route.Call)."""
+        sup = self.model_served(name, call, kinds)
+        name = sup.model.name
+        if call.is_background and sup.model.task_model and self.supervisor.get(sup.model.task_model):
+            name = sup.model.task_model
+        call.admit()  # the key's limits: a 429 before the request takes any queue place
+        ready = await self.supervisor.ready_model(name)
+        if ready is None:  # removed by a reload while the request waited
+            raise self.not_found(name, call.api_key)
+        return ready
+
+    def model_served(self, name: str, call, kinds: tuple[str, ...]):
+        """The supervisor of the model a request names (or reaches through an alias), loaded or not, if the
+        request's key may use it, it is of a kind the route serves and the server is not draining."""
         name = self.model_named(name) or name
         sup = self.supervisor.get(name) if call.may_use(name) else None
         if sup is None:
@@ -212,13 +225,7 @@ class Appliance:
                                                         f"needs a model of kind {' or '.join(kinds)}", "wrong_model_kind")
         if self.draining:
             raise shutting_down()
-        if call.is_background and sup.model.task_model and self.supervisor.get(sup.model.task_model):
-            name = sup.model.task_model
-        call.admit()  # the key's limits: a 429 before the request takes any queue place
-        ready = await self.supervisor.ready_model(name, reason)
-        if ready is None:  # removed by a reload while the request waited
-            raise self.not_found(name, call.api_key)
-        return ready
+        return sup
 
     def not_found(self, name: str, key=None) -> RequestFailed:
         """A 404 for a model that does not exist, or that the request's key may not use (the same answer, so a

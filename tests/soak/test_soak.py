@@ -265,7 +265,7 @@ def worker_children(front_pid: int) -> set[int]:
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if b"appliance.worker" in cmdline and ppid == front_pid and pid_alive(int(proc.name)):
+        if b"\0appliance.worker\0" in cmdline and ppid == front_pid and pid_alive(int(proc.name)):
             found.add(int(proc.name))
     return found
 

@@ -18,14 +18,13 @@ from aiohttp import web
 from appliance.config import GENERATIVE_KINDS
 from appliance.front.api import messages, responses, sse
 from appliance.front.api.answer_items import Events
+from appliance.front.api.count_tokens import CountTokensRoute
 from appliance.front.api.fields import json_body
 from appliance.front.api.generate import answer_parser, finish_reason, note_constraint
 from appliance.front.api.lark_grammar import convert_off_loop
 from appliance.front.api.response_store import ResponseStore
-from appliance.front.api.results import ResultRequest, ResultRoute
 from appliance.front.api.route import Call, route
 from appliance.front.api.tools import lark_grammars
-from appliance.front.placement import COUNT
 from appliance.front.request import Event, RequestFailed
 
 
@@ -50,19 +49,10 @@ def add_routes(app: web.Application, appliance) -> None:
                       responses.RESPONSES),
         "messages": (DialectRoute(appliance, Dialect(messages.parse_messages, messages.MessageStream,
                                                      lambda s: s.message)).handler, messages.ANTHROPIC),
-        "messages/count_tokens": (ResultRoute(appliance, GENERATIVE_KINDS, count_tokens_request,
-                                              lambda req, event: web.json_response(event.result), COUNT).handler,
-                                  messages.ANTHROPIC),
     }
     for endpoint, (handler, errors) in routes.items():
         app.router.add_post(f"/v1/{endpoint}", route(appliance, endpoint, handler, errors))
-
-
-def count_tokens_request(body: Any) -> ResultRequest:
-    """/v1/messages/count_tokens: counted by the model's worker with its template and tokenizer (the front has
-    neither). An unloaded model is loaded for it only into free room, never by evicting another (placement.COUNT)."""
-    model, count_body = messages.count_frame(body)
-    return ResultRequest(model, 1, count_body)
+    CountTokensRoute(appliance).mount(app)
 
 
 class DialectRoute:

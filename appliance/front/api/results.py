@@ -1,4 +1,4 @@
-"""What the one-answer routes share (embeddings, rerank, count_tokens; audio, whose body is a form, uses one_result
+"""What the one-answer routes share (embeddings, rerank; count_tokens and audio, whose body is a form, use one_result
 alone): read the JSON body, find a model of the right kind, refuse too many inputs, hand one frame to its worker,
 wait for its one `result`, count it, shape it.
 
@@ -35,17 +35,16 @@ class ResultRoute:
 
     def __init__(self, appliance, kinds: tuple[str, ...],
                  parse: Callable[[Any], ResultRequest],
-                 shape: Callable[[ResultRequest, Event], web.Response], load_reason: str = "demand"):
+                 shape: Callable[[ResultRequest, Event], web.Response]):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
         self.kinds = kinds
         self.parse, self.shape = parse, shape
-        self.load_reason = load_reason  # a model this route wants loaded: why (Supervisor.ready_model)
 
     async def handler(self, request: web.Request, call: Call) -> web.Response:
         body = await json_body(request)
         call.label(body)
         req = self.parse(body)
-        sup = await self.appliance.model_for(req.model, call, self.kinds, self.load_reason)
+        sup = await self.appliance.model_for(req.model, call, self.kinds)
         if req.inputs > sup.model.max_inputs:
             raise InvalidRequest(f"{req.inputs} inputs exceed this model's max_inputs={sup.model.max_inputs}",
                                  code="too_many_inputs")

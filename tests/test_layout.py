@@ -32,7 +32,9 @@ SHARED = {"__init__", "__main__", "chat_formats", "cli", "config", "ipc", "logs"
           # what a model directory is (kind, IR files): the config's check, the front's start and `openarc pull`
           "model_files",
           # `openarc pull`: downloads through huggingface_hub; the CLI's alone, neither process imports it
-          "pull"}
+          "pull",
+          # the config's parts, read by the front, the worker (what it is told, a draft's tokenizer) and the CLI
+          "config_validator"}
 ROOMS = {"front", "worker", "demo", "host"}
 
 

@@ -13,8 +13,6 @@ import fnmatch
 import json
 import os
 import re
-import subprocess
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,16 +22,9 @@ import yaml
 
 from appliance import model_files
 from appliance.config_validator import ConfigError, Problems, build, checked, key_name, parse_size
+from appliance.devices import DEVICE_PATTERN, available_devices, budget_device, gpu_indices, missing_devices
 
 DEFAULT_CONFIG_PATH = Path("/etc/openarc/openarc.yaml")
-
-# OpenVINO device names are case sensitive ("cpu" is not registered): accept the plugin names and their
-# composite forms, reject anything else here rather than as a C++ exception at load time.
-DEVICE_PATTERN = re.compile(r"^(CPU|NPU|GPU(\.\d+)?|(AUTO|MULTI|HETERO|BATCH)(:[A-Z0-9.,:]+)?)$")
-
-# A GPU a device string names: "GPU.1", or bare "GPU" (OpenVINO's name for GPU.0), also inside composite
-# devices ("HETERO:GPU.1,CPU").
-GPU_IN_DEVICE = re.compile(r"\bGPU(?:\.(\d+))?\b")
 
 # What a model's worker runs: a chat/completion LLM, or one of the request-in, result-out kinds.
 MODEL_KINDS = ("llm", "vlm", "embedding", "rerank", "transcription", "tts")
@@ -393,12 +384,12 @@ class Config:
         Only configs that name GPU indices pin: where no model says GPU.N (one card, or a Kubernetes pod that sees
         only its own card), bare "GPU" is the one card there is, and models sharing it are what the user meant.
         """
-        indexed = any(index is not None for m in self.models for index in _gpu_indices(m.device))
+        indexed = any(index is not None for m in self.models for index in gpu_indices(m.device))
         if not indexed:
             return []
         pinned: dict[int, list[int]] = {}
         for i, model in enumerate(self.models):
-            for index in _gpu_indices(model.device):
+            for index in gpu_indices(model.device):
                 pinned.setdefault(index or 0, []).append(i)
         return [f"{self.source}: {', '.join(f'models[{i}].device' for i in at)}: models "
                 f"{', '.join(repr(self.models[i].name) for i in at)} share GPU.{index} (bare GPU is GPU.0) and its "
@@ -422,39 +413,6 @@ def _credential(environ: typing.Mapping[str, str], name: str) -> str:
         return (Path(directory) / name).read_text().strip()
     except (OSError, UnicodeDecodeError):
         return ""
-
-
-# The plugins a device string names (inside composites too: "HETERO:GPU.1,CPU").
-DEVICE_IN_STRING = re.compile(r"\b(CPU|NPU|GPU(?:\.\d+)?)\b")
-
-
-def missing_devices(device: str, available: list[str]) -> list[str]:
-    """The devices `device` names that OpenVINO's `available_devices` lacks. One GPU is listed as bare "GPU",
-    several as "GPU.0", "GPU.1"...: bare GPU is any GPU, and GPU.0 is the lone one."""
-    def present(name: str) -> bool:
-        return (name in available or (name == "GPU" and any(a.startswith("GPU") for a in available))
-                or (name == "GPU.0" and "GPU" in available))
-    return [name for name in DEVICE_IN_STRING.findall(device) if not present(name)]
-
-
-def available_devices() -> list[str]:
-    """OpenVINO's device list (Core().available_devices), read in a child process: the front never imports
-    OpenVINO, and a broken GPU runtime must not take this process down."""
-    code = "import json, openvino; print(json.dumps(openvino.Core().available_devices))"
-    try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    except (subprocess.SubprocessError, OSError) as exc:
-        raise ConfigError(f"cannot list OpenVINO's devices: {exc}") from None
-    try:
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        detail = " ".join(done.stderr.split()[-40:]) or f"exit status {done.returncode}"
-        raise ConfigError(f"cannot list OpenVINO's devices: {detail}") from None
-
-
-def _gpu_indices(device: str) -> set[int | None]:
-    """The GPUs a device string names: an index, or None for bare GPU."""
-    return {int(index) if index else None for index in GPU_IN_DEVICE.findall(device)}
 
 
 def systemd_directory(*variables: str) -> str | None:
@@ -653,13 +611,6 @@ def _memory_budgets(raw: dict[str, Any], problems: Problems) -> dict[str, tuple[
             continue
         budgets[device] = (key, size, budget)
     return budgets
-
-
-def budget_device(device: str) -> str:
-    """The server.memory_budget key a model's device counts against: bare GPU is GPU.0; a composite device
-    (AUTO:GPU,CPU or HETERO:GPU.1,CPU) counts against the first device it names."""
-    first = device.split(":", 1)[-1].split(",")[0]
-    return "GPU.0" if first == "GPU" else first
 
 
 def _speculative_problems(m: ModelConfig, at: str):

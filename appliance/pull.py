@@ -22,7 +22,8 @@ from typing import Any
 import yaml
 
 from appliance import model_files
-from appliance.config import MODEL_NAME, ConfigError, available_devices, parse_config
+from appliance.config import MODEL_NAME, ConfigError, parse_config
+from appliance.devices import available_devices
 
 MODELS_DIR = Path("/var/lib/openarc/models")
 

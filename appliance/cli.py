@@ -16,10 +16,10 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from appliance.config import (DEFAULT_CONFIG_PATH, MODEL_KINDS, Config, ConfigError, ModelConfig, demo_config,
-                              load_config, model_problems, path_check, served_path_check)
+from appliance.config import DEFAULT_CONFIG_PATH, MODEL_KINDS, Config, ConfigError, ModelConfig, demo_config, load_config
 from appliance.devices import available_devices, missing_devices
 from appliance.logs import setup_logging
+from appliance.model_checks import model_problems, path_check, served_path_check
 
 log = logging.getLogger("openarc")
 

@@ -22,28 +22,13 @@ import yaml
 from appliance.config_validator import ConfigError, Problems, build, checked, key_name, parse_size
 from appliance.devices import DEVICE_PATTERN, available_devices, budget_device, gpu_indices, missing_devices
 from appliance.model_checks import ModelCheck, model_problems, path_check, served_path_check, tokenizer_mismatch
+from appliance.launch_spec import worker_spec
+from appliance.model_kinds import GENERATIVE_KINDS, KIND_ONLY_KEYS, MODEL_KINDS, kinds_of
 
 DEFAULT_CONFIG_PATH = Path("/etc/openarc/openarc.yaml")
 
-# What a model's worker runs: a chat/completion LLM, or one of the request-in, result-out kinds.
-MODEL_KINDS = ("llm", "vlm", "embedding", "rerank", "transcription", "tts")
 # A model's name: the `model` of API requests, a systemd instance name, a metrics label, a directory name.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-# The kinds that generate text (chat and text completions); vlm also takes images in chat.
-GENERATIVE_KINDS = ("llm", "vlm")
-# Keys that mean something for some kinds only (a kind, or a tuple of kinds): set for another kind they are a
-# mistake worth naming.
-KIND_ONLY_KEYS: dict[str, str | tuple[str, ...]] = {
-    "pipeline": GENERATIVE_KINDS, "scheduler_config": GENERATIVE_KINDS, "default_max_tokens": GENERATIVE_KINDS,
-    "tool_parser": GENERATIVE_KINDS, "reasoning_parser": GENERATIVE_KINDS, "chat_template": GENERATIVE_KINDS,
-    "grammar_compile_timeout_s": GENERATIVE_KINDS, "canonicalize_agent_noise": GENERATIVE_KINDS,
-    "max_image_bytes": "vlm", "max_image_pixels": "vlm", "image_formats": "vlm",
-    "draft_model": "llm", "prompt_lookup": "llm", "num_assistant_tokens": "llm",
-    "assistant_confidence_threshold": "llm", "max_ngram_size": "llm",
-    "pooling": "embedding", "normalize": "embedding", "matryoshka_dimensions": "embedding",
-    "max_audio_seconds": "transcription", "max_upload_bytes": "transcription", "word_timestamps": "transcription",
-    "voices": "tts", "default_voice": "tts",
-}
 
 # The fields of openvino_genai.SchedulerConfig, listed here so the front never imports OpenVINO.
 SCHEDULER_FIELDS = {
@@ -428,13 +413,9 @@ def _check_kind_keys(model: ModelConfig, raw: Any, at: str, problems: Problems) 
     """A key written for another kind of model (pooling on an llm, scheduler_config on a reranker) is named."""
     for key in raw if isinstance(raw, dict) else ():
         kinds = KIND_ONLY_KEYS.get(key)
-        if kinds is not None and model.kind not in _kinds(kinds):
-            named = " or ".join(repr(k) for k in _kinds(kinds))
+        if kinds is not None and model.kind not in kinds_of(kinds):
+            named = " or ".join(repr(k) for k in kinds_of(kinds))
             problems.append(f"{at}.{key}: applies to kind {named} models only (this one is kind {model.kind!r})")
-
-
-def _kinds(kinds: str | tuple[str, ...]) -> tuple[str, ...]:
-    return (kinds,) if isinstance(kinds, str) else kinds
 
 
 def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
@@ -686,29 +667,3 @@ def demo_config(**server: Any) -> Config:
     embedding = ModelConfig(name="demo-embedding", path="", kind="embedding", device="CPU", max_context=512,
                             restart=dataclasses.replace(restart))
     return Config(server=ServerConfig(**server), models=[chat, embedding])
-
-
-# Keys of one kind (config.KIND_ONLY_KEYS) that only the front reads: its workers get every other key of their kind.
-FRONT_ONLY_KIND_KEYS = frozenset({"max_audio_seconds", "max_upload_bytes", "max_image_bytes", "max_image_pixels",
-                                  "image_formats"})
-
-
-def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
-    """What a worker needs to know, as JSON on its command line: the keys of every kind, and those of its own."""
-    spec = {"name": model.name, "kind": model.kind, "path": model.path, "device": model.device,
-            "properties": model.ov_properties(config.ov_cache_dir()), "max_context": model.max_context,
-            "log_level": config.server.log_level}
-    spec.update({key: getattr(model, key) for key, kinds in KIND_ONLY_KEYS.items()
-                 if model.kind in _kinds(kinds) and key not in FRONT_ONLY_KIND_KEYS})
-    if model.draft_model:
-        d = model.draft_model
-        # The draft compiles with the main model's first-class options (cache dir, GPU weightless) on its own device,
-        # and its own runtime_config.
-        as_model = dataclasses.replace(model, device=d.device or model.device, runtime_config=d.runtime_config)
-        spec["draft_model"] = {"path": d.path, "device": as_model.device,
-                               "properties": as_model.ov_properties(config.ov_cache_dir())}
-    if model.kind == "llm":
-        spec["speculative"] = model.speculative_defaults()
-    if "scheduler_config" in spec:
-        spec["scheduler_config"] = model.scheduler_settings()
-    return spec

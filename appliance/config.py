@@ -22,6 +22,7 @@ from appliance.config_rules import DEFAULT_KEY_NAME, check_rules
 from appliance.config_validator import ConfigError, Problems, build, parse_size
 from appliance.devices import gpu_indices
 from appliance.model_checks import ModelCheck, model_problems
+from appliance.systemd_env import credential, systemd_directory
 
 # Names that moved to modules of their own and are still imported from here (the tests, the bench, code written
 # before the split): appliance.config stays the one place to import the config's names from.
@@ -325,7 +326,7 @@ class Config:
         are never part of an error."""
         problems, secrets, owners = [], {}, {}
         for at, key in self.keys_at():
-            value = environ.get(key.key_env) or _credential(environ, key.key_env)
+            value = environ.get(key.key_env) or credential(environ, key.key_env)
             if not value.strip():
                 problems.append(f"{self.source}: {at}: the environment variable {key.key_env} is "
                                 f"{'empty' if key.key_env in environ else 'not set'} (nor a systemd credential of that "
@@ -370,27 +371,6 @@ class Config:
         model = dataclasses.replace(self.model(name), load="at_start", idle_unload_s=0.0)
         server = dataclasses.replace(self.server, port=model.port or self.server.port, max_loaded=0, memory_budget={})
         return Config(server=server, models=[model], source=self.source)
-
-
-def _credential(environ: typing.Mapping[str, str], name: str) -> str:
-    """A systemd credential of this name (LoadCredential=NAME:FILE puts it in $CREDENTIALS_DIRECTORY), else ""."""
-    directory = environ.get("CREDENTIALS_DIRECTORY")
-    if not directory:
-        return ""
-    try:
-        return (Path(directory) / name).read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return ""
-
-
-def systemd_directory(*variables: str) -> str | None:
-    """The first path of the first of systemd's directory variables that is set ($CACHE_DIRECTORY from
-    CacheDirectory=, $STATE_DIRECTORY from StateDirectory=; each may list several paths, ':'-separated), or None."""
-    for variable in variables:
-        first = os.environ.get(variable, "").split(":")[0]
-        if first:
-            return first
-    return None
 
 
 def parse_config(data: Any, source: str, checks: list[ModelCheck] = ()) -> Config:

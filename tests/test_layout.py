@@ -34,7 +34,7 @@ SHARED = {"__init__", "__main__", "chat_formats", "cli", "config", "ipc", "logs"
           # `openarc pull`: downloads through huggingface_hub; the CLI's alone, neither process imports it
           "pull",
           # the config's parts, read by the front, the worker (what it is told, a draft's tokenizer) and the CLI
-          "config_rules", "config_validator", "devices", "launch_spec", "model_checks", "model_kinds"}
+          "config_rules", "config_validator", "devices", "launch_spec", "model_checks", "model_kinds", "systemd_env"}
 ROOMS = {"front", "worker", "demo", "host"}
 
 

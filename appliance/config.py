@@ -24,8 +24,8 @@ from appliance.devices import gpu_indices
 from appliance.model_checks import ModelCheck, model_problems
 from appliance.systemd_env import credential, systemd_directory
 
-# Names that moved to modules of their own and are still imported from here (the tests, the bench, code written
-# before the split): appliance.config stays the one place to import the config's names from.
+# Names that moved to modules of their own, still importable from here: the tests, the bench and code written
+# before the split import them from appliance.config.
 from appliance.config_rules import MAX_ASSISTANT_TOKENS, MAX_NGRAM_SIZE, MODEL_NAME  # noqa: F401
 from appliance.devices import available_devices, budget_device, missing_devices  # noqa: F401
 from appliance.launch_spec import worker_spec  # noqa: F401
@@ -43,7 +43,6 @@ DEFAULT_CONFIG_PATH = Path("/etc/openarc/openarc.yaml")
 #   fewer steps (a faster first token), smaller lets running streams step between its chunks (docs/performance.md).
 DEFAULT_CACHE_SIZE_GB = 2
 DEFAULT_BATCHED_TOKENS = {"CPU": 2048, "GPU": 1024}
-
 
 # The speculative knobs of a model that sets none (config_rules has their bounds); its requests may set their own.
 DEFAULT_ASSISTANT_TOKENS = 5

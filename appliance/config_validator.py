@@ -155,6 +155,7 @@ def build(cls: type, data: dict, where: str, problems: Problems | None = None) -
     """The dataclass `cls` from a mapping; None (with its problems collected) when a key it needs is missing or
     wrong. A wrong optional key is reported and left at its default, so the checks after this see the rest."""
     hints = typing.get_type_hints(cls)
+    # Config.source is where a config was read from, set by parse_config: never a key of the file.
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     for key in data:
         if key not in fields:

@@ -16,10 +16,11 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from appliance.config import (DEFAULT_CONFIG_PATH, MODEL_KINDS, Config, ConfigError, ModelConfig, available_devices,
-                              demo_config, load_config, missing_devices, model_problems, path_check,
-                              served_path_check)
+from appliance.config import DEFAULT_CONFIG_PATH, Config, ConfigError, ModelConfig, demo_config, load_config
+from appliance.devices import available_devices, missing_devices
 from appliance.logs import setup_logging
+from appliance.model_checks import model_problems, path_check, served_path_check
+from appliance.model_kinds import MODEL_KINDS
 
 log = logging.getLogger("openarc")
 

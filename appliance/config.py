@@ -1,72 +1,38 @@
-"""The declarative YAML config: dataclasses plus one small validator driven by their type hints.
+"""The declarative YAML config: its dataclasses, and `parse_config` / `load_config` that build them from a file.
 
-Every error names the file, the key path and what was expected, in one line, so `openarc check-config` and a
-failing unit start say exactly what to fix; the validator goes on past an error, so one run names every mistake
-(one line each). A key added to a dataclass gets all of this (type checks, "did you mean", every error at once)
-without code of its own.
+The dataclasses are the schema: appliance.config_validator checks a file against their type hints (every error
+names the file, the key path and what was expected, in one line, every mistake at once), so a key added here gets
+its checks without code of its own; appliance.config_rules checks what types cannot say (ranges, names that must
+match, what fits a device's memory).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import fnmatch
-import json
 import os
-import re
-import subprocess
-import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import yaml
 
-from appliance import model_files
+from appliance.config_rules import DEFAULT_KEY_NAME, check_rules
+from appliance.config_validator import ConfigError, Problems, build, parse_size
+from appliance.devices import gpu_indices
+from appliance.model_checks import ModelCheck, model_problems
+from appliance.systemd_env import credential, systemd_directory
+
+# Names that moved to modules of their own, still importable from here: the tests, the bench and code written
+# before the split import them from appliance.config.
+from appliance.config_rules import MAX_ASSISTANT_TOKENS, MAX_NGRAM_SIZE, MODEL_NAME  # noqa: F401
+from appliance.devices import available_devices, budget_device, missing_devices  # noqa: F401
+from appliance.launch_spec import worker_spec  # noqa: F401
+from appliance.model_checks import path_check, served_path_check, tokenizer_mismatch  # noqa: F401
+from appliance.model_kinds import GENERATIVE_KINDS, MODEL_KINDS  # noqa: F401
 
 DEFAULT_CONFIG_PATH = Path("/etc/openarc/openarc.yaml")
-
-# OpenVINO device names are case sensitive ("cpu" is not registered): accept the plugin names and their
-# composite forms, reject anything else here rather than as a C++ exception at load time.
-DEVICE_PATTERN = re.compile(r"^(CPU|NPU|GPU(\.\d+)?|(AUTO|MULTI|HETERO|BATCH)(:[A-Z0-9.,:]+)?)$")
-
-# A GPU a device string names: "GPU.1", or bare "GPU" (OpenVINO's name for GPU.0), also inside composite
-# devices ("HETERO:GPU.1,CPU").
-GPU_IN_DEVICE = re.compile(r"\bGPU(?:\.(\d+))?\b")
-
-# What a model's worker runs: a chat/completion LLM, or one of the request-in, result-out kinds.
-MODEL_KINDS = ("llm", "vlm", "embedding", "rerank", "transcription", "tts")
-# A model's name: the `model` of API requests, a systemd instance name, a metrics label, a directory name.
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-# The kinds that generate text (chat and text completions); vlm also takes images in chat.
-GENERATIVE_KINDS = ("llm", "vlm")
-# Keys that mean something for some kinds only (a kind, or a tuple of kinds): set for another kind they are a
-# mistake worth naming.
-KIND_ONLY_KEYS: dict[str, str | tuple[str, ...]] = {
-    "pipeline": GENERATIVE_KINDS, "scheduler_config": GENERATIVE_KINDS, "default_max_tokens": GENERATIVE_KINDS,
-    "tool_parser": GENERATIVE_KINDS, "reasoning_parser": GENERATIVE_KINDS, "chat_template": GENERATIVE_KINDS,
-    "grammar_compile_timeout_s": GENERATIVE_KINDS, "canonicalize_agent_noise": GENERATIVE_KINDS,
-    "max_image_bytes": "vlm", "max_image_pixels": "vlm", "image_formats": "vlm",
-    "draft_model": "llm", "prompt_lookup": "llm", "num_assistant_tokens": "llm",
-    "assistant_confidence_threshold": "llm", "max_ngram_size": "llm",
-    "pooling": "embedding", "normalize": "embedding", "matryoshka_dimensions": "embedding",
-    "max_audio_seconds": "transcription", "max_upload_bytes": "transcription", "word_timestamps": "transcription",
-    "voices": "tts", "default_voice": "tts",
-}
-
-# The fields of openvino_genai.SchedulerConfig, listed here so the front never imports OpenVINO.
-SCHEDULER_FIELDS = {
-    "num_kv_blocks": int,
-    "cache_size": int,
-    "max_num_batched_tokens": int,
-    "max_num_seqs": int,
-    "dynamic_split_fuse": bool,
-    "enable_prefix_caching": bool,
-    "use_cache_eviction": bool,
-    "use_sparse_attention": bool,
-}
 
 # What openarc sets in a continuous-batching model's SchedulerConfig where its scheduler_config does not (genai's own
 # defaults keep nothing between requests and prefill a prompt 256 tokens a step; docs/warm-sessions.md):
@@ -78,54 +44,9 @@ SCHEDULER_FIELDS = {
 DEFAULT_CACHE_SIZE_GB = 2
 DEFAULT_BATCHED_TOKENS = {"CPU": 2048, "GPU": 1024}
 
-
-MAX_READY_WAIT_S = 3600.0
-
-# Speculative decoding's knobs, per model and per request: tokens a draft (or prompt lookup) proposes a step, and
-# the n-gram prompt lookup matches. Beyond these the main model verifies more than it could ever accept.
-MAX_ASSISTANT_TOKENS = 32
-MAX_NGRAM_SIZE = 16
+# The speculative knobs of a model that sets none (config_rules has their bounds); its requests may set their own.
 DEFAULT_ASSISTANT_TOKENS = 5
 DEFAULT_NGRAM_SIZE = 3
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
-          "T": 10**12, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-
-
-def parse_size(text: str | int) -> int | None:
-    """"14GiB", "512 MiB", "8GB", 4096 -> bytes; None if it is not a size."""
-    if isinstance(text, bool):
-        return None
-    if isinstance(text, int):
-        return text if text >= 0 else None
-    number, unit = text.strip(), ""
-    while number and not (number[-1].isdigit() or number[-1] == "."):
-        number, unit = number[:-1], number[-1] + unit
-    try:
-        value = float(number)
-    except ValueError:
-        return None
-    factor = _UNITS.get(unit.strip().upper())
-    return int(value * factor) if factor is not None and value >= 0 else None
-
-
-class ConfigError(ValueError):
-    """An invalid config; str() is what the user is shown: one line per problem, each naming file and key."""
-
-    @property
-    def lines(self) -> list[str]:
-        return str(self).splitlines()
-
-
-class Problems(list):
-    """The problems of one config as they are found, "key.path: what was expected" each. Given to the validator, it
-    collects them all; where none is given, the first problem raises (a value inside a union, tried option by
-    option)."""
-
-
-def _report(problems: Problems | None, error: ConfigError) -> None:
-    if problems is None:
-        raise error
-    problems.append(str(error))
 
 
 @dataclass
@@ -324,8 +245,6 @@ class ImageFetch:
 
 
 PRIORITIES = ("interactive", "background")
-# The key the single server.api_key_env is, among server.api_keys.
-DEFAULT_KEY_NAME = "default"
 
 
 @dataclass
@@ -406,7 +325,7 @@ class Config:
         are never part of an error."""
         problems, secrets, owners = [], {}, {}
         for at, key in self.keys_at():
-            value = environ.get(key.key_env) or _credential(environ, key.key_env)
+            value = environ.get(key.key_env) or credential(environ, key.key_env)
             if not value.strip():
                 problems.append(f"{self.source}: {at}: the environment variable {key.key_env} is "
                                 f"{'empty' if key.key_env in environ else 'not set'} (nor a systemd credential of that "
@@ -433,12 +352,12 @@ class Config:
         Only configs that name GPU indices pin: where no model says GPU.N (one card, or a Kubernetes pod that sees
         only its own card), bare "GPU" is the one card there is, and models sharing it are what the user meant.
         """
-        indexed = any(index is not None for m in self.models for index in _gpu_indices(m.device))
+        indexed = any(index is not None for m in self.models for index in gpu_indices(m.device))
         if not indexed:
             return []
         pinned: dict[int, list[int]] = {}
         for i, model in enumerate(self.models):
-            for index in _gpu_indices(model.device):
+            for index in gpu_indices(model.device):
                 pinned.setdefault(index or 0, []).append(i)
         return [f"{self.source}: {', '.join(f'models[{i}].device' for i in at)}: models "
                 f"{', '.join(repr(self.models[i].name) for i in at)} share GPU.{index} (bare GPU is GPU.0) and its "
@@ -453,477 +372,6 @@ class Config:
         return Config(server=server, models=[model], source=self.source)
 
 
-def _credential(environ: typing.Mapping[str, str], name: str) -> str:
-    """A systemd credential of this name (LoadCredential=NAME:FILE puts it in $CREDENTIALS_DIRECTORY), else ""."""
-    directory = environ.get("CREDENTIALS_DIRECTORY")
-    if not directory:
-        return ""
-    try:
-        return (Path(directory) / name).read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return ""
-
-
-# The plugins a device string names (inside composites too: "HETERO:GPU.1,CPU").
-DEVICE_IN_STRING = re.compile(r"\b(CPU|NPU|GPU(?:\.\d+)?)\b")
-
-
-def missing_devices(device: str, available: list[str]) -> list[str]:
-    """The devices `device` names that OpenVINO's `available_devices` lacks. One GPU is listed as bare "GPU",
-    several as "GPU.0", "GPU.1"...: bare GPU is any GPU, and GPU.0 is the lone one."""
-    def present(name: str) -> bool:
-        return (name in available or (name == "GPU" and any(a.startswith("GPU") for a in available))
-                or (name == "GPU.0" and "GPU" in available))
-    return [name for name in DEVICE_IN_STRING.findall(device) if not present(name)]
-
-
-def available_devices() -> list[str]:
-    """OpenVINO's device list (Core().available_devices), read in a child process: the front never imports
-    OpenVINO, and a broken GPU runtime must not take this process down."""
-    code = "import json, openvino; print(json.dumps(openvino.Core().available_devices))"
-    try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    except (subprocess.SubprocessError, OSError) as exc:
-        raise ConfigError(f"cannot list OpenVINO's devices: {exc}") from None
-    try:
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        detail = " ".join(done.stderr.split()[-40:]) or f"exit status {done.returncode}"
-        raise ConfigError(f"cannot list OpenVINO's devices: {detail}") from None
-
-
-def _gpu_indices(device: str) -> set[int | None]:
-    """The GPUs a device string names: an index, or None for bare GPU."""
-    return {int(index) if index else None for index in GPU_IN_DEVICE.findall(device)}
-
-
-# --- validation --------------------------------------------------------------------------------------
-
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}
-
-
-def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
-    if origin is list:
-        return "a list"
-    if origin is dict:
-        return "a mapping"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return _TYPE_NAMES.get(tp, getattr(tp, "__name__", str(tp)))
-
-
-def _convert(value: Any, tp: Any, where: str, problems: Problems | None = None) -> Any:
-    """Check value against a type hint and build dataclasses; raise ConfigError naming `where`. With `problems`,
-    what is wrong inside a list or a dataclass is collected there and the rest is still checked (an item that cannot
-    be built becomes None; its config is rejected anyway)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        sections = [o for o in typing.get_args(tp) if dataclasses.is_dataclass(o) or typing.get_origin(o) is dict]
-        if isinstance(value, dict) and len(sections) == 1:  # a section (draft_model, voices): its errors name the key
-            return _convert(value, sections[0], where, problems)
-        for option in typing.get_args(tp):
-            try:
-                return _convert(value, option, where)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{where}: expected {_describe(tp)}, got {value!r}")
-    if tp is type(None):
-        if value is None:
-            return None
-    elif origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-    elif origin is list:
-        if isinstance(value, list):
-            (item_tp,) = typing.get_args(tp)
-            items = (_checked(item, item_tp, f"{where}[{i}]", problems) for i, item in enumerate(value))
-            return [None if item is INVALID else item for item in items]
-    elif origin is dict:
-        if isinstance(value, dict):
-            value_tp = typing.get_args(tp)[1]
-            if value_tp is Any:
-                return {str(k): v for k, v in value.items()}
-            items = {str(k): _checked(v, value_tp, _join(where, _key_name(k)), problems) for k, v in value.items()}
-            return {k: v for k, v in items.items() if v is not INVALID}
-    elif dataclasses.is_dataclass(tp):
-        if isinstance(value, dict):
-            return _build(tp, value, where, problems)
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                return float(value)
-            except OverflowError:
-                raise ConfigError(f"{where}: expected a number, got an integer too large for one") from None
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(value, tp):
-        return value
-    raise ConfigError(f"{where}: expected {_describe(tp)}, got {value!r}")
-
-
-INVALID = object()  # what _checked() returns for a value whose problem it reported
-
-
-def _checked(value: Any, tp: Any, where: str, problems: Problems | None) -> Any:
-    """_convert(), with a problem reported (raised without `problems`) and INVALID in place of the value."""
-    try:
-        return _convert(value, tp, where, problems)
-    except ConfigError as error:
-        _report(problems, error)
-        return INVALID
-
-
-def systemd_directory(*variables: str) -> str | None:
-    """The first path of the first of systemd's directory variables that is set ($CACHE_DIRECTORY from
-    CacheDirectory=, $STATE_DIRECTORY from StateDirectory=; each may list several paths, ':'-separated), or None."""
-    for variable in variables:
-        first = os.environ.get(variable, "").split(":")[0]
-        if first:
-            return first
-    return None
-
-
-def _key_name(key: Any) -> str:
-    """A key as an error names it: plain names as they are, anything else quoted (a newline stays on one line)."""
-    return key if isinstance(key, str) and key.isprintable() and key.strip() == key and ":" not in key else repr(key)
-
-
-def _join(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key
-
-
-def _unknown_key(key: Any, fields: list[str]) -> str:
-    """An unknown key's message: the closest valid key when it looks like a misspelling of one, else them all."""
-    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6) if isinstance(key, str) else []
-    return f"unknown key (did you mean {close[0]!r}?)" if close else f"unknown key (expected one of: {', '.join(fields)})"
-
-
-def _build(cls: type, data: dict, where: str, problems: Problems | None = None) -> Any:
-    """The dataclass `cls` from a mapping; None (with its problems collected) when a key it needs is missing or
-    wrong. A wrong optional key is reported and left at its default, so the checks after this see the rest."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
-    for key in data:
-        if key not in fields:
-            _report(problems, ConfigError(f"{_join(where, _key_name(key))}: {_unknown_key(key, list(fields))}"))
-    kwargs, complete = {}, True
-    for name, f in fields.items():
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if name in data:
-            value = _checked(data[name], hints[name], _join(where, name), problems)
-            if value is not INVALID:
-                kwargs[name] = value
-            complete = complete and (value is not INVALID or not required)
-        elif required:
-            _report(problems, ConfigError(f"{_join(where, name)}: required key is missing ({_describe(hints[name])})"))
-            complete = False
-    return cls(**kwargs) if complete else None
-
-
-def _check_kind_keys(model: ModelConfig, raw: Any, at: str, problems: Problems) -> None:
-    """A key written for another kind of model (pooling on an llm, scheduler_config on a reranker) is named."""
-    for key in raw if isinstance(raw, dict) else ():
-        kinds = KIND_ONLY_KEYS.get(key)
-        if kinds is not None and model.kind not in _kinds(kinds):
-            named = " or ".join(repr(k) for k in _kinds(kinds))
-            problems.append(f"{at}.{key}: applies to kind {named} models only (this one is kind {model.kind!r})")
-
-
-def _kinds(kinds: str | tuple[str, ...]) -> tuple[str, ...]:
-    return (kinds,) if isinstance(kinds, str) else kinds
-
-
-def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
-    def require(ok: bool, key: str, expected: str) -> None:
-        if not ok:
-            problems.append(f"{key}: expected {expected}")
-
-    s = config.server
-    require(0 < s.port < 65536, "server.port", "a port number 1-65535")
-    require(s.max_body_bytes >= 1024, "server.max_body_bytes", "at least 1024")
-    require(s.load_concurrency >= 1, "server.load_concurrency", "at least 1")
-    require(s.drain_timeout_s >= 0, "server.drain_timeout_s", "a non-negative number")
-    f = s.image_fetch
-    require(f.max_bytes >= 1024, "server.image_fetch.max_bytes", "at least 1024")
-    require(f.timeout_s > 0, "server.image_fetch.timeout_s", "a positive number of seconds")
-    require(all(h and "/" not in h for h in f.allow_hosts), "server.image_fetch.allow_hosts",
-            "host names (host or host:port, no scheme or path)")
-    require(s.stored_responses >= 0, "server.stored_responses", "a non-negative number (0: none kept)")
-    seen: set[str] = set()
-    for i, m in enumerate(config.models):
-        if m is None:  # its problems are reported already
-            continue
-        at = f"models[{i}]"
-        require(MODEL_NAME.fullmatch(m.name) is not None, f"{at}.name",
-                "letters, digits, '.', '_' or '-' (it names a systemd instance and a metric label)")
-        require(m.name not in seen, f"{at}.name", f"a unique model name ({m.name!r} appears twice)")
-        seen.add(m.name)
-        require(DEVICE_PATTERN.match(m.device) is not None, f"{at}.device",
-                "an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case)")
-        require(m.port is None or 0 < m.port < 65536, f"{at}.port", "a port number 1-65535")
-        for key in ("max_context", "default_max_tokens", "max_running", "max_inputs"):
-            require(getattr(m, key) >= 1, f"{at}.{key}", "at least 1")
-        require(m.max_queue >= 0, f"{at}.max_queue", "a non-negative integer")
-        _check_kind_keys(m, raw_models[i] if i < len(raw_models) else {}, at, problems)
-        require(all(d >= 1 for d in m.matryoshka_dimensions or ()), f"{at}.matryoshka_dimensions",
-                "a list of positive integers")
-        require(m.max_audio_seconds > 0, f"{at}.max_audio_seconds", "a positive number of seconds")
-        require(m.max_upload_bytes >= 1024, f"{at}.max_upload_bytes", "at least 1024")
-        require(m.default_voice is None or m.voices is None or m.default_voice in m.voices, f"{at}.default_voice",
-                f"one of the model's voices ({', '.join(m.voices or ())})")
-        require(m.max_image_bytes >= 1024, f"{at}.max_image_bytes", "at least 1024")
-        require(m.max_image_pixels >= 1, f"{at}.max_image_pixels", "at least 1")
-        require(bool(m.image_formats), f"{at}.image_formats", "at least one of png, jpeg, webp, gif")
-        require(m.stall_timeout_s > 0 and m.load_timeout_s > 0, f"{at}.stall_timeout_s",
-                "positive timeouts (stall_timeout_s, load_timeout_s)")
-        require(m.grammar_compile_timeout_s > 0, f"{at}.grammar_compile_timeout_s", "a positive number of seconds")
-        require(0 <= m.ready_wait_s <= MAX_READY_WAIT_S, f"{at}.ready_wait_s",
-                f"0 to {MAX_READY_WAIT_S:g} seconds (a request never waits unbounded)")
-        r = m.restart
-        require(0 < r.backoff_initial_s <= r.backoff_max_s, f"{at}.restart.backoff_initial_s",
-                "a positive number no larger than backoff_max_s")
-        require(r.max_failures >= 1 and r.window_s > 0, f"{at}.restart.max_failures",
-                "max_failures >= 1 and window_s > 0")
-        require(m.chat_template is None or os.access(m.chat_template, os.R_OK) and Path(m.chat_template).is_file(),
-                f"{at}.chat_template", f"a readable .jinja file (cannot read {m.chat_template!r})")
-        problems.extend(_speculative_problems(m, at))
-        for key, value in m.scheduler_config.items():
-            expected = SCHEDULER_FIELDS.get(key)
-            require(expected is not None, f"{at}.scheduler_config.{key}",
-                    "a SchedulerConfig field: " + ", ".join(SCHEDULER_FIELDS))
-            if expected is not None:
-                _checked(value, expected, f"{at}.scheduler_config.{key}", problems)
-        require(m.idle_unload_s >= 0, f"{at}.idle_unload_s", "a non-negative number of seconds (0: never)")
-        require(m.memory is None or m.memory_bytes is not None, f"{at}.memory",
-                f"a size such as 4.5GiB, 800MiB or a number of bytes (got {m.memory!r})")
-    _check_residency(config, problems)
-    _check_aliases(config, problems)
-    _check_keys(config.server, problems)
-    _check_task_models(config, problems)
-
-
-def _check_aliases(config: Config, problems: Problems) -> None:
-    """Each alias reaches a configured model (a typo would otherwise be a 404 found by a client)."""
-    names = [m.name for m in config.models if m is not None]
-    for pattern, target in config.server.model_aliases.items():
-        if target not in names:
-            problems.append(f"server.model_aliases.{_key_name(pattern)}: {target!r} is not a configured model "
-                            f"(have: {', '.join(names)})")
-
-
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _check_keys(s: ServerConfig, problems: Problems) -> None:
-    """Named keys: unique names (metric labels), one variable each, limits of at least 1."""
-    names = {DEFAULT_KEY_NAME} if s.api_key_env else set()
-    envs = {s.api_key_env} if s.api_key_env else set()
-    if s.api_key_env is not None and ENV_NAME.fullmatch(s.api_key_env) is None:  # "" would be no auth at all
-        problems.append("server.api_key_env: expected the name of an environment variable (the key itself never "
-                        "lives in the file), or leave it out for no authentication")
-    for i, key in enumerate(s.api_keys):
-        if key is None:  # its problems are reported already
-            continue
-        at = f"server.api_keys[{i}]"
-        if MODEL_NAME.fullmatch(key.name) is None:
-            problems.append(f"{at}.name: expected letters, digits, '.', '_' or '-' (it is a metric label)")
-        elif key.name in names:
-            problems.append(f"{at}.name: expected a unique key name ({key.name!r} appears twice"
-                            + (", and server.api_key_env is the key named 'default')" if key.name == DEFAULT_KEY_NAME
-                               and s.api_key_env else ")"))
-        names.add(key.name)
-        if ENV_NAME.fullmatch(key.key_env) is None:
-            problems.append(f"{at}.key_env: expected the name of an environment variable (the key itself never "
-                            "lives in the file)")
-        elif key.key_env in envs:
-            problems.append(f"{at}.key_env: {key.key_env} is another key's variable too; give each key its own")
-        envs.add(key.key_env)
-        for limit in ("max_concurrent", "requests_per_minute", "tokens_per_minute"):
-            if getattr(key, limit) is not None and getattr(key, limit) < 1:
-                problems.append(f"{at}.{limit}: expected at least 1 (leave it out for no limit)")
-        if key.models is not None and not key.models:
-            problems.append(f"{at}.models: expected at least one model name or glob (leave it out for all models)")
-
-
-def _check_task_models(config: Config, problems: Problems) -> None:
-    """task_model names another configured chat model; the background knobs are in range."""
-    chat = {m.name for m in config.models if m is not None and m.kind in GENERATIVE_KINDS}
-    for i, m in enumerate(config.models):
-        if m is None:
-            continue
-        if m.task_model is not None and (m.task_model == m.name or m.task_model not in chat
-                                         or m.kind not in GENERATIVE_KINDS):
-            problems.append(f"models[{i}].task_model: expected the name of another configured chat model (llm or "
-                            f"vlm) for a chat model's background requests; {m.task_model!r} is not one"
-                            + (f" (chat models: {', '.join(sorted(chat - {m.name}))})" if chat - {m.name} else ""))
-        if m.max_running_background is not None and not 0 <= m.max_running_background <= m.max_running:
-            problems.append(f"models[{i}].max_running_background: expected 0 to max_running ({m.max_running})")
-        if m.background_max_wait_s <= 0:
-            problems.append(f"models[{i}].background_max_wait_s: expected a positive number of seconds")
-
-
-def _check_residency(config: Config, problems: Problems) -> None:
-    """max_loaded and memory_budget must leave room for what has to load at start (else it would fail at start)."""
-    s = config.server
-    models = [(i, m) for i, m in enumerate(config.models) if m is not None]  # None: its problems are reported
-    if s.max_loaded < 0:
-        problems.append("server.max_loaded: expected a non-negative integer (0: no limit)")
-    budgets = _memory_budgets(s.memory_budget, problems)
-    s.memory_budget = {device: size for device, (_, size, _) in budgets.items()}  # keys as models' devices count
-    at_start = [m.name for _, m in models if m.load == "at_start"]
-    if s.max_loaded > 0 and len(at_start) > s.max_loaded:
-        problems.append(f"server.max_loaded: {s.max_loaded} is fewer than the {len(at_start)} models with load: "
-                        f"at_start ({', '.join(at_start)}); raise it or make some of them load: on_demand")
-    for device, (key, size, budget) in budgets.items():
-        declared = [(i, m) for i, m in models if budget_device(m.device) == device and m.memory_bytes]
-        for i, m in declared:
-            if m.memory_bytes > budget:
-                problems.append(f"models[{i}].memory: {m.memory} exceeds server.memory_budget.{key} "
-                                f"({size}); this model could never load")
-        pinned = sum(m.memory_bytes for _, m in declared if m.load == "at_start")
-        if pinned > budget:
-            problems.append(f"server.memory_budget.{key}: {size} is less than the memory of "
-                            f"the load: at_start models on it ({pinned / (1 << 30):.1f} GiB)")
-
-
-def _memory_budgets(raw: dict[str, Any], problems: Problems) -> dict[str, tuple[str, str | int, int]]:
-    """server.memory_budget's valid entries, keyed as models' devices count against them (budget_device: bare GPU
-    is GPU.0), each (the key as written, the size as written, bytes); one problem per bad key or value."""
-    budgets: dict[str, tuple[str, str | int, int]] = {}
-    for key, size in raw.items():
-        at = f"server.memory_budget.{_key_name(key)}"
-        if DEVICE_PATTERN.match(key) is None or ":" in key:
-            problems.append(f"{at}: expected a device name such as GPU, GPU.0, GPU.1 or CPU (the key of one device)")
-            continue
-        budget = parse_size(size) if isinstance(size, (str, int)) else None
-        if not budget:  # None, a float, a list, zero: nothing a budget can be
-            problems.append(f"{at}: expected a size with its unit such as 14GiB or 32GB, got {size!r}")
-            continue
-        device = budget_device(key)
-        if device in budgets:
-            problems.append(f"{at}: names the same device as server.memory_budget.{budgets[device][0]} "
-                            f"({device}; bare GPU is GPU.0)")
-            continue
-        budgets[device] = (key, size, budget)
-    return budgets
-
-
-def budget_device(device: str) -> str:
-    """The server.memory_budget key a model's device counts against: bare GPU is GPU.0; a composite device
-    (AUTO:GPU,CPU or HETERO:GPU.1,CPU) counts against the first device it names."""
-    first = device.split(":", 1)[-1].split(",")[0]
-    return "GPU.0" if first == "GPU" else first
-
-
-def _speculative_problems(m: ModelConfig, at: str):
-    """A draft model or prompt lookup, not both; knobs in range; a draft with the main model's tokenizer."""
-    if m.draft_model and m.prompt_lookup:
-        yield (f"{at}.prompt_lookup: a model decodes with a draft_model or with prompt_lookup, not both "
-                          "(remove one)")
-    if m.speculative and m.pipeline == "stateful":
-        yield (f"{at}.{'draft_model' if m.draft_model else 'prompt_lookup'}: speculative decoding needs "
-                          "pipeline: continuous_batching (the stateful pipeline has no draft)")
-    if m.num_assistant_tokens is not None and not 1 <= m.num_assistant_tokens <= MAX_ASSISTANT_TOKENS:
-        yield (f"{at}.num_assistant_tokens: expected 1 to {MAX_ASSISTANT_TOKENS}")
-    if m.max_ngram_size is not None and not 1 <= m.max_ngram_size <= MAX_NGRAM_SIZE:
-        yield (f"{at}.max_ngram_size: expected 1 to {MAX_NGRAM_SIZE}")
-    threshold = m.assistant_confidence_threshold
-    if threshold is not None:
-        if not 0 < threshold < 1:
-            yield (f"{at}.assistant_confidence_threshold: expected a number between 0 and 1")
-        if m.num_assistant_tokens is not None:
-            yield (f"{at}.assistant_confidence_threshold: set it or num_assistant_tokens, not both")
-        if m.prompt_lookup:
-            yield (f"{at}.assistant_confidence_threshold: applies to a draft_model (prompt lookup "
-                              "proposes num_assistant_tokens)")
-    if m.max_ngram_size is not None and not m.prompt_lookup:
-        yield (f"{at}.max_ngram_size: applies with prompt_lookup: true only")
-    if m.draft_model:
-        d = m.draft_model
-        if d.device is not None and DEVICE_PATTERN.match(d.device) is None:
-            yield (f"{at}.draft_model.device: expected an OpenVINO device name such as CPU, GPU, GPU.0")
-        mismatch = tokenizer_mismatch(m.path, d.path)
-        if mismatch:
-            yield (f"{at}.draft_model.path: {mismatch}")
-
-
-# What makes two tokenizers the same: the vocabulary and merges (tokenizer.json), else the converted OpenVINO
-# tokenizer's weights. Other files (tokenizer_config.json's model_max_length, a chat template) may differ.
-TOKENIZER_FILES = ("openvino_tokenizer.bin", "openvino_detokenizer.bin")
-
-
-def tokenizer_identity(model_dir: str) -> Any:
-    """A comparable account of a model directory's tokenizer, or None if there is none to read (yet)."""
-    hf = Path(model_dir) / "tokenizer.json"
-    try:
-        spec = json.loads(hf.read_text())
-        model = spec.get("model") or {}
-        return ("tokenizer.json", model.get("type"), model.get("vocab"), model.get("merges"),
-                sorted((t.get("id"), t.get("content")) for t in spec.get("added_tokens") or ()))
-    except (OSError, ValueError):
-        pass
-    import hashlib
-    digests = []
-    for name in TOKENIZER_FILES:
-        try:
-            digests.append(hashlib.sha256((Path(model_dir) / name).read_bytes()).hexdigest())
-        except OSError:
-            return None
-    return ("openvino_tokenizer", *digests)
-
-
-def tokenizer_mismatch(main_dir: str, draft_dir: str) -> str | None:
-    """Why a draft cannot serve a main model (their tokenizers differ), or None. Directories that hold no readable
-    tokenizer (not there yet) are not judged here; the worker's load judges them again."""
-    main, draft = tokenizer_identity(main_dir), tokenizer_identity(draft_dir)
-    if main is None or draft is None or main == draft:
-        return None
-    how = "vocabularies" if main[0] == draft[0] == "tokenizer.json" else "tokenizers"
-    return (f"the draft model {draft_dir!r} and the main model {main_dir!r} have different {how}; a draft must share "
-            "its main model's tokenizer (e.g. Qwen2.5-0.5B-Instruct for Qwen2.5-7B-Instruct)")
-
-
-# A check of one model beyond its keys' values (its files, its device): (key, what was expected) or None.
-ModelCheck = Callable[[ModelConfig], "tuple[str, str] | None"]
-
-
-def path_check(model: ModelConfig) -> tuple[str, str] | None:
-    """check-config's: the model's directory exists, holds the IR files of its kind, and is readable by this user
-    and, run as root, by the service user."""
-    return served_path_check(model, model_files.SERVICE_USER)
-
-
-def served_path_check(model: ModelConfig, user_name: str | None = None) -> tuple[str, str] | None:
-    """The serving process's: the same, for the user it runs as (its workers read the files as that user), unless
-    `user_name` names another to check for too."""
-    problem = model_files.path_problem(model.path, model.kind, user_name=user_name)
-    if problem is None and model.draft_model:  # the draft loads in the same worker: its files count too
-        problem = model_files.path_problem(model.draft_model.path, "llm", user_name=user_name)
-        return ("draft_model.path", problem) if problem else None
-    if problem is None and model.voices:  # read by the worker on a request for the voice: a 400 then, named here
-        for name, file in model_files.voice_files(model.path, model.voices).items():
-            if not os.access(file, os.R_OK):
-                return f"voices.{name}", f"expected a voice file this user can read; cannot read {file!r}"
-    return ("path", problem) if problem else None
-
-
-def model_problems(models: list[ModelConfig | None], checks: list[ModelCheck]) -> list[str]:
-    """Every check's problem with every model, one line each naming the key and the model."""
-    lines = []
-    for i, model in enumerate(models):
-        for check in checks if model is not None else ():
-            found = check(model)
-            if found:
-                lines.append(f"models[{i}].{found[0]}: {found[1]} (model {model.name!r})")
-    return lines
-
-
 def parse_config(data: Any, source: str, checks: list[ModelCheck] = ()) -> Config:
     """The config in `data`, or a ConfigError naming every problem (with `checks`: of each model too)."""
     if data is None:
@@ -931,8 +379,8 @@ def parse_config(data: Any, source: str, checks: list[ModelCheck] = ()) -> Confi
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: top level: expected a mapping with 'server' and 'models'")
     problems = Problems()
-    config = _build(Config, data, "", problems)
-    _check_ranges(config, data.get("models") if isinstance(data.get("models"), list) else [], problems)
+    config = build(Config, data, "", problems)
+    check_rules(config, data.get("models") if isinstance(data.get("models"), list) else [], problems)
     problems.extend(model_problems(config.models, list(checks)))
     if problems:
         raise ConfigError("\n".join(f"{source}: {problem}" for problem in problems))
@@ -966,29 +414,3 @@ def demo_config(**server: Any) -> Config:
     embedding = ModelConfig(name="demo-embedding", path="", kind="embedding", device="CPU", max_context=512,
                             restart=dataclasses.replace(restart))
     return Config(server=ServerConfig(**server), models=[chat, embedding])
-
-
-# Keys of one kind (config.KIND_ONLY_KEYS) that only the front reads: its workers get every other key of their kind.
-FRONT_ONLY_KIND_KEYS = frozenset({"max_audio_seconds", "max_upload_bytes", "max_image_bytes", "max_image_pixels",
-                                  "image_formats"})
-
-
-def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
-    """What a worker needs to know, as JSON on its command line: the keys of every kind, and those of its own."""
-    spec = {"name": model.name, "kind": model.kind, "path": model.path, "device": model.device,
-            "properties": model.ov_properties(config.ov_cache_dir()), "max_context": model.max_context,
-            "log_level": config.server.log_level}
-    spec.update({key: getattr(model, key) for key, kinds in KIND_ONLY_KEYS.items()
-                 if model.kind in _kinds(kinds) and key not in FRONT_ONLY_KIND_KEYS})
-    if model.draft_model:
-        d = model.draft_model
-        # The draft compiles with the main model's first-class options (cache dir, GPU weightless) on its own device,
-        # and its own runtime_config.
-        as_model = dataclasses.replace(model, device=d.device or model.device, runtime_config=d.runtime_config)
-        spec["draft_model"] = {"path": d.path, "device": as_model.device,
-                               "properties": as_model.ov_properties(config.ov_cache_dir())}
-    if model.kind == "llm":
-        spec["speculative"] = model.speculative_defaults()
-    if "scheduler_config" in spec:
-        spec["scheduler_config"] = model.scheduler_settings()
-    return spec

@@ -22,7 +22,9 @@ from typing import Any
 import yaml
 
 from appliance import model_files
-from appliance.config import MODEL_NAME, ConfigError, available_devices, parse_config
+from appliance.config import ConfigError, parse_config
+from appliance.config_rules import MODEL_NAME
+from appliance.devices import available_devices
 
 MODELS_DIR = Path("/var/lib/openarc/models")
 

@@ -32,7 +32,12 @@ SHARED = {"__init__", "__main__", "chat_formats", "cli", "config", "ipc", "logs"
           # what a model directory is (kind, IR files): the config's check, the front's start and `openarc pull`
           "model_files",
           # `openarc pull`: downloads through huggingface_hub; the CLI's alone, neither process imports it
-          "pull"}
+          "pull",
+          # the config's parts (split out of config.py), read by the CLI, the front and the worker (the spec it is
+          # launched with, a draft's tokenizer check)
+          "config_rules", "config_validator", "devices", "launch_spec", "model_checks", "model_kinds",
+          # what systemd hands the service (cache and state directories, credentials): the config, the front, demo
+          "systemd_env"}
 ROOMS = {"front", "worker", "demo", "host"}
 
 

@@ -13,7 +13,7 @@ import asyncio
 from typing import Any, AsyncIterator, Callable
 
 from appliance import ipc
-from appliance.config import GENERATIVE_KINDS, Config, ModelConfig, worker_spec
+from appliance.config import Config, ModelConfig
 from appliance.front.lifecycle import Exit, ExitReason, ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.request import Event, Request
@@ -21,6 +21,8 @@ from appliance.front.routing import REQUEST_OPS, RequestRouter
 from appliance.front.worker_life import WorkerLife
 from appliance.host import telemetry
 from appliance.ipc import ProtocolError
+from appliance.launch_spec import worker_spec
+from appliance.model_kinds import GENERATIVE_KINDS
 
 
 # States in which no worker serves: the model's KV cache is empty.

@@ -18,13 +18,14 @@ import logging
 import time
 
 from appliance.host import telemetry
-from appliance.config import Config, ModelConfig, worker_spec
+from appliance.config import Config, ModelConfig
 from appliance.front import residency
 from appliance.front.lifecycle import Changes, ModelState
 from appliance.front.request import RequestFailed
 from appliance.front.metrics import Metrics
 from appliance.front.model_supervisor import ModelSupervisor
 from appliance.front.placement import STANDING, Placement
+from appliance.launch_spec import worker_spec
 
 log = logging.getLogger("openarc.supervisor")
 

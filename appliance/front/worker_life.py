@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from appliance.config import ModelConfig, served_path_check
+from appliance.config import ModelConfig
 from appliance.front.device_faults import DeviceFaults
 from appliance.front.lifecycle import (CRASH_REASONS, Exit, ExitReason, Lifecycle, ModelState, RestartBudget, describe,
                                        describe_exit)
@@ -29,6 +29,7 @@ from appliance.front.routing import RequestRouter
 from appliance.front.worker_process import SHUTDOWN_GRACE_S, WorkerProcess
 from appliance.host import faults, telemetry
 from appliance.ipc import ProtocolError
+from appliance.model_checks import served_path_check
 
 log = logging.getLogger("openarc.supervisor")  # the same name as appliance.front.supervisor: one source in the log
 

@@ -15,7 +15,6 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.config import GENERATIVE_KINDS
 from appliance.front.api import messages
 from appliance.front.api.fields import json_body
 from appliance.front.api.results import one_result
@@ -23,6 +22,7 @@ from appliance.front.api.route import Call, route
 from appliance.front.decoder_process import DecoderFailed, DecoderProcess
 from appliance.front.device_faults import CLIENT_ERROR_KINDS
 from appliance.front.request import RequestFailed
+from appliance.model_kinds import GENERATIVE_KINDS
 
 COUNTER_MODULE = "appliance.worker.token_counter"
 # Starting the process (OpenVINO's import) and loading a tokenizer take a few seconds on a slow host; a count,

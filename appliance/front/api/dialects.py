@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from appliance.config import GENERATIVE_KINDS
 from appliance.front.api import messages, responses, sse
 from appliance.front.api.answer_items import Events
 from appliance.front.api.count_tokens import CountTokensRoute
@@ -26,6 +25,7 @@ from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.route import Call, route
 from appliance.front.api.tools import lark_grammars
 from appliance.front.request import Event, RequestFailed
+from appliance.model_kinds import GENERATIVE_KINDS
 
 
 @dataclass

@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 
 from appliance import model_files
-from appliance.config import Config, ConfigError, budget_device, load_config
+from appliance.config import Config, ConfigError, load_config
+from appliance.devices import budget_device
 from appliance.host.doctor import Check, fail, ok, skip, warn
 from appliance.host.doctor.box import Box, User
 from appliance.host.doctor.cards import GiB, CardFacts

@@ -1,0 +1,41 @@
+"""What a model's worker is told, as JSON on its command line: the front-worker contract at spawn.
+
+The front builds it from the model's config and compares it to decide whether a reload must replace a worker; the
+worker (appliance.worker) loads its engine from it and never reads the YAML file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from appliance.model_kinds import KIND_ONLY_KEYS, kinds_of
+
+if TYPE_CHECKING:
+    from appliance.config import Config, ModelConfig
+
+# Keys of one kind (model_kinds.KIND_ONLY_KEYS) that only the front reads: its workers get every other key of
+# their kind.
+FRONT_ONLY_KIND_KEYS = frozenset({"max_audio_seconds", "max_upload_bytes", "max_image_bytes", "max_image_pixels",
+                                  "image_formats"})
+
+
+def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
+    """What a worker needs to know, as JSON on its command line: the keys of every kind, and those of its own."""
+    spec = {"name": model.name, "kind": model.kind, "path": model.path, "device": model.device,
+            "properties": model.ov_properties(config.ov_cache_dir()), "max_context": model.max_context,
+            "log_level": config.server.log_level}
+    spec.update({key: getattr(model, key) for key, kinds in KIND_ONLY_KEYS.items()
+                 if model.kind in kinds_of(kinds) and key not in FRONT_ONLY_KIND_KEYS})
+    if model.draft_model:
+        d = model.draft_model
+        # The draft compiles with the main model's first-class options (cache dir, GPU weightless) on its own device,
+        # and its own runtime_config.
+        as_model = dataclasses.replace(model, device=d.device or model.device, runtime_config=d.runtime_config)
+        spec["draft_model"] = {"path": d.path, "device": as_model.device,
+                               "properties": as_model.ov_properties(config.ov_cache_dir())}
+    if model.kind == "llm":
+        spec["speculative"] = model.speculative_defaults()
+    if "scheduler_config" in spec:
+        spec["scheduler_config"] = model.scheduler_settings()
+    return spec

@@ -17,10 +17,10 @@ import urllib.request
 from pathlib import Path
 
 from appliance.config import DEFAULT_CONFIG_PATH, Config, ConfigError, ModelConfig, demo_config, load_config
-from appliance.devices import available_devices, missing_devices
+from appliance.config.devices import available_devices, missing_devices
 from appliance.logs import setup_logging
-from appliance.model_checks import model_problems, path_check, served_path_check
-from appliance.model_kinds import MODEL_KINDS
+from appliance.config.model_checks import model_problems, path_check, served_path_check
+from appliance.config.kinds import MODEL_KINDS
 
 log = logging.getLogger("openarc")
 

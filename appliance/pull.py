@@ -23,8 +23,8 @@ import yaml
 
 from appliance import model_files
 from appliance.config import ConfigError, parse_config
-from appliance.config_rules import MODEL_NAME
-from appliance.devices import available_devices
+from appliance.config.rules import MODEL_NAME
+from appliance.config.devices import available_devices
 
 MODELS_DIR = Path("/var/lib/openarc/models")
 

@@ -25,20 +25,18 @@ FORBIDDEN = {
     "appliance.front": OPENVINO + ("appliance.worker", "appliance.demo"),
     "appliance.worker": ("aiohttp", "appliance.front"),
     "appliance.host": OPENVINO + ("aiohttp", "appliance.front", "appliance.worker"),
+    # the config and what it is made of, read by the CLI, the front and the worker (the spec it is launched with, a
+    # draft's tokenizer check): neither process's own code, nor OpenVINO (the host's devices are asked in a child)
+    "appliance.config": OPENVINO + ("aiohttp", "appliance.front", "appliance.worker", "appliance.demo"),
 }
 # Modules at the top are shared by both processes (or are the CLI, which starts either): what they import is
 # checked by the rooms above, and the list is closed so that a new top-level module must say why it is there.
-SHARED = {"__init__", "__main__", "chat_formats", "cli", "config", "ipc", "logs",
+SHARED = {"__init__", "__main__", "chat_formats", "cli", "ipc", "logs",
           # what a model directory is (kind, IR files): the config's check, the front's start and `openarc pull`
           "model_files",
           # `openarc pull`: downloads through huggingface_hub; the CLI's alone, neither process imports it
-          "pull",
-          # the config's parts (split out of config.py), read by the CLI, the front and the worker (the spec it is
-          # launched with, a draft's tokenizer check)
-          "config_rules", "config_validator", "devices", "launch_spec", "model_checks", "model_kinds",
-          # what systemd hands the service (cache and state directories, credentials): the config, the front, demo
-          "systemd_env"}
-ROOMS = {"front", "worker", "demo", "host"}
+          "pull"}
+ROOMS = {"front", "worker", "demo", "host", "config"}
 
 
 def module_name(path: Path) -> str:

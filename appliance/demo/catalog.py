@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from appliance.demo.llm import BUILD_FORMAT, checked_params, write_json
-from appliance.systemd_env import systemd_directory
+from appliance.config.systemd_env import systemd_directory
 
 DEMO_MODEL_NAME = "demo"
 

@@ -21,8 +21,8 @@ from appliance.front.routing import REQUEST_OPS, RequestRouter
 from appliance.front.worker_life import WorkerLife
 from appliance.host import telemetry
 from appliance.ipc import ProtocolError
-from appliance.launch_spec import worker_spec
-from appliance.model_kinds import GENERATIVE_KINDS
+from appliance.config.launch_spec import worker_spec
+from appliance.config.kinds import GENERATIVE_KINDS
 
 
 # States in which no worker serves: the model's KV cache is empty.

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from appliance.devices import budget_device
+from appliance.config.devices import budget_device
 from appliance.front import residency
 from appliance.front.lifecycle import ModelState
 from appliance.front.model_supervisor import ModelSupervisor

@@ -25,7 +25,7 @@ from appliance.front.request import RequestFailed
 from appliance.front.metrics import Metrics
 from appliance.front.model_supervisor import ModelSupervisor
 from appliance.front.placement import STANDING, Placement
-from appliance.launch_spec import worker_spec
+from appliance.config.launch_spec import worker_spec
 
 log = logging.getLogger("openarc.supervisor")
 

@@ -29,7 +29,7 @@ from appliance.front.routing import RequestRouter
 from appliance.front.worker_process import SHUTDOWN_GRACE_S, WorkerProcess
 from appliance.host import faults, telemetry
 from appliance.ipc import ProtocolError
-from appliance.model_checks import served_path_check
+from appliance.config.model_checks import served_path_check
 
 log = logging.getLogger("openarc.supervisor")  # the same name as appliance.front.supervisor: one source in the log
 

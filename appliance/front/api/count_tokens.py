@@ -22,7 +22,7 @@ from appliance.front.api.route import Call, route
 from appliance.front.decoder_process import DecoderFailed, DecoderProcess
 from appliance.front.device_faults import CLIENT_ERROR_KINDS
 from appliance.front.request import RequestFailed
-from appliance.model_kinds import GENERATIVE_KINDS
+from appliance.config.kinds import GENERATIVE_KINDS
 
 COUNTER_MODULE = "appliance.worker.token_counter"
 # Starting the process (OpenVINO's import) and loading a tokenizer take a few seconds on a slow host; a count,

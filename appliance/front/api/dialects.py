@@ -25,7 +25,7 @@ from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.route import Call, route
 from appliance.front.api.tools import lark_grammars
 from appliance.front.request import Event, RequestFailed
-from appliance.model_kinds import GENERATIVE_KINDS
+from appliance.config.kinds import GENERATIVE_KINDS
 
 
 @dataclass

@@ -25,7 +25,7 @@ from appliance.front.api.route import Call, route
 from appliance.front.api.tool_parsers import parser_for
 from appliance.front.api.tools import lark_grammars
 from appliance.front.request import Event, RequestFailed
-from appliance.model_kinds import GENERATIVE_KINDS
+from appliance.config.kinds import GENERATIVE_KINDS
 
 log = logging.getLogger("openarc.front")
 IGNORED_LOGGED: set[str] = set()  # hosted tool types already logged by this process

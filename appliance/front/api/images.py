@@ -36,7 +36,7 @@ from appliance.front.api.fields import utf8
 from appliance.front.decoder_process import DecoderFault
 from appliance.front.image_decoder import OVER_BUDGET, ImageDecoder, ImageError
 from appliance.front.request import RequestFailed
-from appliance.systemd_env import systemd_directory
+from appliance.config.systemd_env import systemd_directory
 
 IMAGE_TAG = "<ov_genai_image_{}>"
 # Tags genai reads in a prompt: text that holds one would make genai place (or miss) images the caller did not send.

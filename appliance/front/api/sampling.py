@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.config_rules import MAX_ASSISTANT_TOKENS, MAX_NGRAM_SIZE
+from appliance.config.rules import MAX_ASSISTANT_TOKENS, MAX_NGRAM_SIZE
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import flag, number
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from appliance import model_files
 from appliance.config import Config, ConfigError, load_config
-from appliance.devices import budget_device
+from appliance.config.devices import budget_device
 from appliance.host.doctor import Check, fail, ok, skip, warn
 from appliance.host.doctor.box import Box, User
 from appliance.host.doctor.cards import GiB, CardFacts

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.model_checks import tokenizer_mismatch
+from appliance.config.model_checks import tokenizer_mismatch
 
 log = logging.getLogger("openarc.worker")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from appliance.model_kinds import KIND_ONLY_KEYS, kinds_of
+from appliance.config.kinds import KIND_ONLY_KEYS, kinds_of
 
 if TYPE_CHECKING:
     from appliance.config import Config, ModelConfig

@@ -1,10 +1,10 @@
 """The config's rules beyond its types: ranges, names that must be unique or must match another key, what a model
 of a kind may set, speculative decoding's knobs together, and what has to fit max_loaded and a device's memory_budget.
 
-appliance.config_validator has checked each value's type and built the dataclasses first; these read them (a
+appliance.config.validator has checked each value's type and built the dataclasses first; these read them (a
 model or key that could not be built is None, its problems already reported) and add one line per problem, so one
 run of check-config names every mistake. A rule that needs the disk (a draft's tokenizer) asks
-appliance.model_checks.
+appliance.config.model_checks.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance.config_validator import Problems, checked, key_name, parse_size
-from appliance.devices import DEVICE_PATTERN, budget_device
-from appliance.model_checks import tokenizer_mismatch
-from appliance.model_kinds import GENERATIVE_KINDS, KIND_ONLY_KEYS, kinds_of
+from appliance.config.validator import Problems, checked, key_name, parse_size
+from appliance.config.devices import DEVICE_PATTERN, budget_device
+from appliance.config.model_checks import tokenizer_mismatch
+from appliance.config.kinds import GENERATIVE_KINDS, KIND_ONLY_KEYS, kinds_of
 
 if TYPE_CHECKING:
     from appliance.config import Config, ModelConfig, ServerConfig

@@ -4,7 +4,7 @@ Every error names the key path and what was expected, in one line, so `openarc c
 start say exactly what to fix; the validator goes on past an error, so one run names every mistake (one line each).
 A key added to a dataclass gets all of this (type checks, "did you mean", every error at once) without code of its
 own. It knows no dataclass of its own: appliance.config builds its dataclasses with `build`, and
-appliance.config_rules checks what types cannot say.
+appliance.config.rules checks what types cannot say.
 """
 
 from __future__ import annotations

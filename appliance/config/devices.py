@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 
-from appliance.config_validator import ConfigError
+from appliance.config.validator import ConfigError
 
 # OpenVINO device names are case sensitive ("cpu" is not registered): accept the plugin names and their
 # composite forms, reject anything else here rather than as a C++ exception at load time.

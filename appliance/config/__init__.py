@@ -1,8 +1,8 @@
 """The declarative YAML config: its dataclasses, and `parse_config` / `load_config` that build them from a file.
 
-The dataclasses are the schema: appliance.config_validator checks a file against their type hints (every error
+The dataclasses are the schema: appliance.config.validator checks a file against their type hints (every error
 names the file, the key path and what was expected, in one line, every mistake at once), so a key added here gets
-its checks without code of its own; appliance.config_rules checks what types cannot say (ranges, names that must
+its checks without code of its own; appliance.config.rules checks what types cannot say (ranges, names that must
 match, what fits a device's memory).
 """
 
@@ -18,19 +18,19 @@ from typing import Any, Literal
 
 import yaml
 
-from appliance.config_rules import DEFAULT_KEY_NAME, check_rules
-from appliance.config_validator import ConfigError, Problems, build, parse_size
-from appliance.devices import gpu_indices
-from appliance.model_checks import ModelCheck, model_problems
-from appliance.systemd_env import credential, systemd_directory
+from appliance.config.rules import DEFAULT_KEY_NAME, check_rules
+from appliance.config.validator import ConfigError, Problems, build, parse_size
+from appliance.config.devices import gpu_indices
+from appliance.config.model_checks import ModelCheck, model_problems
+from appliance.config.systemd_env import credential, systemd_directory
 
 # Names that moved to modules of their own, still importable from here: the tests, the bench and code written
 # before the split import them from appliance.config.
-from appliance.config_rules import MAX_ASSISTANT_TOKENS, MAX_NGRAM_SIZE, MODEL_NAME  # noqa: F401
-from appliance.devices import available_devices, budget_device, missing_devices  # noqa: F401
-from appliance.launch_spec import worker_spec  # noqa: F401
-from appliance.model_checks import path_check, served_path_check, tokenizer_mismatch  # noqa: F401
-from appliance.model_kinds import GENERATIVE_KINDS, MODEL_KINDS  # noqa: F401
+from appliance.config.rules import MAX_ASSISTANT_TOKENS, MAX_NGRAM_SIZE, MODEL_NAME  # noqa: F401
+from appliance.config.devices import available_devices, budget_device, missing_devices  # noqa: F401
+from appliance.config.launch_spec import worker_spec  # noqa: F401
+from appliance.config.model_checks import path_check, served_path_check, tokenizer_mismatch  # noqa: F401
+from appliance.config.kinds import GENERATIVE_KINDS, MODEL_KINDS  # noqa: F401
 
 DEFAULT_CONFIG_PATH = Path("/etc/openarc/openarc.yaml")
 

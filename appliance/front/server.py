@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from aiohttp import web
 
@@ -30,7 +30,6 @@ from appliance.config import Config, ConfigError
 from appliance.front.lifecycle import ModelState
 from appliance.front.metrics import Metrics
 from appliance.host.notify import LoopHealth, Notifier, watchdog_loop
-from appliance.front.request import RequestFailed, shutting_down
 from appliance.front.supervisor import Supervisor
 
 log = logging.getLogger("openarc.server")
@@ -184,54 +183,6 @@ class Appliance:
                  "kind": sup.model.kind} for name, sup in self.supervisor.models.items()
                 if key is None or key.may_use(name)]
         return web.json_response({"object": "list", "data": data})
-
-    # --- shared by the route families -----------------------------------------------------------------
-
-    def model_label(self, body: Any) -> str:
-        """The metrics label of a request: a configured model's name, else "" (client input never mints labels)."""
-        model = body.get("model") if isinstance(body, dict) else None
-        return self.model_named(model) or "" if isinstance(model, str) else ""
-
-    def model_named(self, name: str) -> str | None:
-        """The configured model a request's name reaches: its own, else through server.model_aliases."""
-        return name if name in self.supervisor.models else self.config.server.alias_target(name)
-
-    async def model_for(self, name: str, call, kinds: tuple[str, ...]):
-        """The supervisor of the model a request names (or reaches through an alias), if it exists for the
-        request's key, is of a kind the route serves, the key's limits admit the request and the server is not
-        draining, once the model is ready (Supervisor.ready_model waits out a load, a restart or a replacement, up
-        to the model's ready_wait_s); else the RequestFailed the client gets. A
-        background chat request for a model with a task_model goes to that. The answer keeps the name the client
-        asked for. `call`: the request as the route wrapper counts it (appliance.front.api.route.Call)."""
-        sup = self.model_served(name, call, kinds)
-        name = sup.model.name
-        if call.is_background and sup.model.task_model and self.supervisor.get(sup.model.task_model):
-            name = sup.model.task_model
-        call.admit()  # the key's limits: a 429 before the request takes any queue place
-        ready = await self.supervisor.ready_model(name)
-        if ready is None:  # removed by a reload while the request waited
-            raise self.not_found(name, call.api_key)
-        return ready
-
-    def model_served(self, name: str, call, kinds: tuple[str, ...]):
-        """The supervisor of the model a request names (or reaches through an alias), loaded or not, if the
-        request's key may use it, it is of a kind the route serves and the server is not draining."""
-        name = self.model_named(name) or name
-        sup = self.supervisor.get(name) if call.may_use(name) else None
-        if sup is None:
-            raise self.not_found(name, call.api_key)
-        if sup.model.kind not in kinds:
-            raise RequestFailed(400, "invalid_request", f"the model '{name}' is of kind {sup.model.kind}; /v1/{call.endpoint} "
-                                                        f"needs a model of kind {' or '.join(kinds)}", "wrong_model_kind")
-        if self.draining:
-            raise shutting_down()
-        return sup
-
-    def not_found(self, name: str, key=None) -> RequestFailed:
-        """A 404 for a model that does not exist, or that the request's key may not use (the same answer, so a
-        key learns no names beyond its own models)."""
-        have = [model for model in self.supervisor.models if key is None or key.may_use(model)]
-        return RequestFailed(404, "model_not_found", f"the model '{name}' does not exist (have: {', '.join(have)})")
 
     # --- lifecycle -----------------------------------------------------------------------------------------
 

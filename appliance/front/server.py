@@ -1,6 +1,10 @@
-"""The front process's lifecycle: setup, start, serve until SIGTERM/SIGINT, drain, cleanup, as aiohttp's web_runner
-steps them. What it serves is appliance.front.app (the middlewares and the route families of appliance.front.api).
-The front never imports OpenVINO.
+"""The front process's lifecycle owner, the Appliance: setup, start, serve until SIGTERM/SIGINT, reload on SIGHUP
+(or when a GPU mitigation turns on), drain, cleanup, as aiohttp's web_runner steps them; every signal and every
+state the process reports (draining, healthy, the status line systemd shows) lives here.
+
+What it serves is elsewhere: the app (appliance.front.app: the middlewares, the route families of
+appliance.front.api, which look models up through appliance.front.api.lookup), and the kernel log's watch
+(appliance.front.gpu_watch). The front never imports OpenVINO.
 """
 
 from __future__ import annotations
@@ -8,32 +12,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
 import time
 from typing import Callable
 
 from aiohttp import web
 
+from appliance.config import Config, ConfigError
 from appliance.front import listen
 from appliance.front.app import make_app
-from appliance.front.device_faults import sole_card
-from appliance.front.gpu_sentinel import GpuSentinel
+from appliance.front.gpu_watch import GpuWatch
 from appliance.front.keys import KeyRing
-from appliance.host import oom, telemetry
-from appliance.config import Config, ConfigError
 from appliance.front.lifecycle import ModelState
 from appliance.front.metrics import Metrics
-from appliance.host.notify import LoopHealth, Notifier, watchdog_loop
 from appliance.front.supervisor import Supervisor
+from appliance.host import oom
+from appliance.host.notify import LoopHealth, Notifier, watchdog_loop
 
 log = logging.getLogger("openarc.server")
 
-KMSG_POLL_INTERVAL_S = 1.0
-# Test knob: read kernel log records from this file or FIFO instead of /dev/kmsg. Never set in production.
-KMSG_PATH_ENV = "OPENARC_DEBUG_KMSG_PATH"
 LOAD_EXTEND_EVERY_S = 20.0  # well inside notify.LOAD_EXTEND_USEC
-
 
 
 class Appliance:
@@ -45,11 +43,9 @@ class Appliance:
         self.reload_config = reload_config  # reads the config again on SIGHUP (None: reload not supported)
         self.reloading = asyncio.Lock()
         self.metrics = Metrics()
-        # GPU resets and OOM kills, for the metrics and for classifying a worker's failure
-        self.sentinel = GpuSentinel()  # card-level mitigations (SDPA off after repeated hangs)
-        self.kernel_log = telemetry.KernelLog(os.environ.get(KMSG_PATH_ENV, "/dev/kmsg"), on_reset=self.on_gpu_reset,
-                                              on_event=self.on_gpu_event)
-        self.supervisor = Supervisor(config, self.metrics, self.kernel_log)
+        # a mitigation the GPU sentinel turns on restarts models: queued like a reload
+        self.gpu = GpuWatch(self.metrics, on_mitigation=lambda: self.request_reload(self.apply_mitigations()))
+        self.supervisor = Supervisor(config, self.metrics, self.gpu.kernel_log)
         self.notifier = Notifier()
         self.loop_health = LoopHealth(self.metrics.event_loop_lag.set)
         self.keys = KeyRing(config, config.key_secrets())  # a ConfigError names an unset or empty variable
@@ -58,8 +54,6 @@ class Appliance:
         self.background: list[asyncio.Task] = []
         self.reloads: set[asyncio.Task] = set()  # SIGHUP reloads in progress or queued: shutdown awaits them
         self.sites: list[web.BaseSite] = []
-
-    # --- lifecycle -----------------------------------------------------------------------------------------
 
     def status_line(self) -> str:
         parts = []
@@ -91,37 +85,6 @@ class Appliance:
             return "a model's supervising task died (see the log)"
         return None
 
-    def on_gpu_reset(self, event: telemetry.GpuEvent) -> None:
-        log.error("GPU %s on %s: %s", event.kind, event.bdf or "?", event.text)
-        self.metrics.gpu_resets.labels(device=event.bdf or "unknown").inc()
-
-    def on_gpu_event(self, event: telemetry.GpuEvent) -> None:
-        """A hang line of the kernel log: the sentinel counts it per card; a mitigation it turns on restarts that
-        card's workers (gpu_sentinel)."""
-        for mitigation in self.sentinel.observe(event):
-            log.warning("GPU mitigation %s on %s: %s; restarting its models with sdpa_optimization: false",
-                        mitigation.mitigation, mitigation.card, mitigation.reason)
-            self.metrics.gpu_mitigations.labels(card=mitigation.card, mitigation=mitigation.mitigation).inc()
-            self.request_reload(self.apply_mitigations())
-
-    def model_cards(self) -> dict[str, str | None]:
-        """The card each model's worker runs on: its ready frame's PCI address, else the box's only card."""
-        only = sole_card()
-        return {name: sup.life.device_faults.card or only for name, sup in self.supervisor.models.items()}
-
-    async def apply_mitigations(self) -> None:
-        async with self.reloading:
-            if self.draining:
-                return
-            self.config = self.sentinel.apply(self.config, self.model_cards())
-            changed = await self.supervisor.apply(self.config)
-            log.warning("GPU mitigation: %s restarted", ", ".join(changed) or "no model")
-
-    async def watch_kernel_log(self) -> None:
-        while True:
-            self.kernel_log.update()
-            await asyncio.sleep(KMSG_POLL_INTERVAL_S)
-
     async def await_first_loads(self) -> None:
         """Until every model has loaded (or failed), keep systemd's start timeout from firing."""
         last_extend = 0.0
@@ -149,7 +112,7 @@ class Appliance:
         self.background = [asyncio.create_task(c) for c in (
             self.loop_health.run(),
             watchdog_loop(self.notifier, self.healthy, self.trigger_reason, self.status_line),
-            self.watch_kernel_log())]
+            self.gpu.watch())]
         loads = asyncio.create_task(self.await_first_loads())
         await asyncio.wait([loads, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         status = 0
@@ -197,11 +160,20 @@ class Appliance:
             log.warning("reload: a new listen address takes a restart; keeping %s:%d",
                         self.config.server.host, self.config.server.port)
         self.keys = keys
-        config = self.sentinel.apply(config, self.model_cards())  # mitigations in force outlive a reload
+        config = self.gpu.mitigated(config, self.supervisor)  # mitigations in force outlive a reload
         changed = await self.supervisor.apply(config)
         self.config = dataclasses.replace(config, server=dataclasses.replace(
             config.server, host=self.config.server.host, port=self.config.server.port))
         log.info("reloaded %s: %s", config.source, ", ".join(changed) + " (re)started" if changed else "no model changed")
+
+    async def apply_mitigations(self) -> None:
+        """A mitigation the GPU sentinel turned on: its models restart under it, queued like a reload."""
+        async with self.reloading:
+            if self.draining:
+                return
+            self.config = self.gpu.mitigated(self.config, self.supervisor)
+            changed = await self.supervisor.apply(self.config)
+            log.warning("GPU mitigation: %s restarted", ", ".join(changed) or "no model")
 
     async def shutdown(self, runner: web.AppRunner) -> None:
         log.info("stopping: draining requests for up to %gs", self.config.server.drain_timeout_s)
@@ -217,5 +189,5 @@ class Appliance:
         for task in self.background:
             task.cancel()
         await runner.cleanup()
-        self.kernel_log.close()
+        self.gpu.close()
         log.info("stopped")

@@ -52,7 +52,7 @@ class HealthRoutes:
                                  status=200 if ready else 503)
 
     async def status(self, request: web.Request) -> web.Response:
-        appliance, sup, sentinel = self.appliance, self.appliance.supervisor, self.appliance.sentinel
+        appliance, sup, sentinel = self.appliance, self.appliance.supervisor, self.appliance.gpu.sentinel
         if self.card_facts is None:  # the same facts `openarc doctor` judges (sysfs, the kernel's boot lines)
             machine = box.Box(os.environ.get(SYSTEM_ROOT_ENV, "/"))
             self.card_facts = await asyncio.get_running_loop().run_in_executor(None, cards.card_facts, machine)

@@ -19,7 +19,8 @@ from appliance.front.api.errors import error_response
 
 log = logging.getLogger("openarc.server")  # the name these lines always had in the log
 
-OPEN_ROUTES = {"/health", "/ready"}
+OPEN_ROUTES = {"/health", "/ready"}  # no key asked (probes carry none), nor on /metrics unless the config says so
+
 
 class Middlewares:
     """Both middlewares of one appliance (appliance.front.server.Appliance): each reads its current config and keys,
@@ -54,9 +55,8 @@ class Middlewares:
     async def auth(self, request: web.Request, handler) -> web.StreamResponse:
         """The key a request presents (request["api_key"], for the route wrapper), or a 401. Anthropic's clients
         send x-api-key, OpenAI's Authorization: Bearer; the presented key is never logged."""
-        keys, server = self.appliance.keys, self.appliance.config.server
-        if keys and not open_route(request.path, server.metrics_require_key):
-            key = keys.identify(request.headers.get("Authorization", ""), request.headers.get("x-api-key", ""))
+        if self.appliance.keys and not open_route(request.path, self.appliance.config.server.metrics_require_key):
+            key = self.appliance.keys.identify(request.headers.get("Authorization", ""), request.headers.get("x-api-key", ""))
             if key is None:
                 return error_shape(request)(401, "invalid or missing API key (Authorization: Bearer ... or "
                                                  "x-api-key: ...)", "invalid_api_key")
@@ -84,5 +84,4 @@ def error_shape(request: web.Request) -> Callable[..., web.Response]:
 
 
 def open_route(path: str, metrics_require_key: bool) -> bool:
-    """The routes that take no key: health and readiness, and /metrics unless the config says it needs one."""
     return path in OPEN_ROUTES or (path == "/metrics" and not metrics_require_key)

@@ -167,7 +167,6 @@ class Appliance:
         log.info("reloaded %s: %s", config.source, ", ".join(changed) + " (re)started" if changed else "no model changed")
 
     async def apply_mitigations(self) -> None:
-        """A mitigation the GPU sentinel turned on: its models restart under it, queued like a reload."""
         async with self.reloading:
             if self.draining:
                 return

@@ -231,6 +231,7 @@ def test_an_exception_after_a_stream_opened_ends_it_and_never_answers_twice():
     from appliance.config import demo_config
     from appliance.front.api import messages, sse
     from appliance.front.api.route import route
+    from appliance.front.app import make_app
     from appliance.front.server import Appliance
     from conftest import free_port
 
@@ -250,7 +251,7 @@ def test_an_exception_after_a_stream_opened_ends_it_and_never_answers_twice():
 
     async def scenario() -> dict[str, tuple[int, str]]:
         appliance = Appliance(demo_config())
-        app = appliance.make_app()
+        app = make_app(appliance)
         app.router.add_post("/test/openai", route(appliance, "test", raising(True)))
         app.router.add_post("/test/anthropic", route(appliance, "test", raising(False), messages.ANTHROPIC))
         app.router.add_post("/test/bare", raising(False))

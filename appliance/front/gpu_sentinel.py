@@ -6,7 +6,8 @@ for one user, none on the B580 beside it; GPU_ENABLE_SDPA_OPTIMIZATION=false sto
 (or GPU_ENABLE_SDPA_OPTIMIZATION in runtime_config) keeps it.
 
 The decision (`decide`) and the config it leads to (`mitigated_config`) are pure functions; `GpuSentinel` keeps the
-events and what is in force, and the server carries a new config out through Supervisor.apply, as a reload does.
+events and what is in force; appliance.front.gpu_watch feeds it the kernel log's lines, and the Appliance carries
+a new config out through Supervisor.apply, as a reload does.
 """
 
 from __future__ import annotations

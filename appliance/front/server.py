@@ -1,65 +1,51 @@
-"""The aiohttp front: the app, health and status, metrics, and the process lifecycle.
+"""The front process's lifecycle owner, the Appliance: setup, start, serve until SIGTERM/SIGINT, reload on SIGHUP
+(or when a GPU mitigation turns on), drain, cleanup, as aiohttp's web_runner steps them; every signal and every
+state the process reports (draining, healthy, the status line systemd shows) lives here.
 
-The front never imports OpenVINO. Each API route family lives in appliance.front.api and hands requests to a model's
-supervisor. Lifecycle follows aiohttp's web_runner: setup, start, serve until SIGTERM/SIGINT, drain, cleanup.
+What it serves is elsewhere: the app (appliance.front.app: the middlewares, the route families of
+appliance.front.api, which look models up through appliance.front.api.lookup), and the kernel log's watch
+(appliance.front.gpu_watch). The front never imports OpenVINO.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import os
 import signal
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from aiohttp import web
 
-from appliance import __version__
-from appliance.front import listen
-from appliance.front.device_faults import sole_card
-from appliance.front.gpu_sentinel import GpuSentinel
-from appliance.host.doctor import box, cards
-from appliance.front.keys import KeyRing
-from appliance.host import oom, telemetry
-from appliance.front.api import audio, dialects, embeddings, generate, messages, models, rerank, speech, sse
-from appliance.front.api.errors import error_response
 from appliance.config import Config, ConfigError
+from appliance.front import listen
+from appliance.front.app import make_app
+from appliance.front.gpu_watch import GpuWatch
+from appliance.front.keys import KeyRing
 from appliance.front.lifecycle import ModelState
 from appliance.front.metrics import Metrics
-from appliance.host.notify import LoopHealth, Notifier, watchdog_loop
-from appliance.front.request import RequestFailed, shutting_down
 from appliance.front.supervisor import Supervisor
+from appliance.host import oom
+from appliance.host.notify import LoopHealth, Notifier, watchdog_loop
 
 log = logging.getLogger("openarc.server")
 
-OPEN_ROUTES = {"/health", "/ready"}
-KMSG_POLL_INTERVAL_S = 1.0
-# Test knob: read kernel log records from this file or FIFO instead of /dev/kmsg. Never set in production.
-KMSG_PATH_ENV = "OPENARC_DEBUG_KMSG_PATH"
-# Test knob: read the machine's files (sysfs, the kernel's boot log) for /openarc/status's cards under this root, as
-# `openarc doctor --root` does. Never set in production.
-SYSTEM_ROOT_ENV = "OPENARC_DEBUG_SYSTEM_ROOT"
 LOAD_EXTEND_EVERY_S = 20.0  # well inside notify.LOAD_EXTEND_USEC
 
 
-
 class Appliance:
-    """The front process's state: config, supervisor, metrics and notifier, and the HTTP handlers."""
+    """The front process's state (config, keys, supervisor, metrics, notifier, draining) and its lifecycle; the
+    routes read the state, only the lifecycle changes it."""
 
     def __init__(self, config: Config, reload_config: Callable[[], Config] | None = None):
         self.config = config
         self.reload_config = reload_config  # reads the config again on SIGHUP (None: reload not supported)
         self.reloading = asyncio.Lock()
         self.metrics = Metrics()
-        # GPU resets and OOM kills, for the metrics and for classifying a worker's failure
-        self.sentinel = GpuSentinel()  # card-level mitigations (SDPA off after repeated hangs)
-        self.kernel_log = telemetry.KernelLog(os.environ.get(KMSG_PATH_ENV, "/dev/kmsg"), on_reset=self.on_gpu_reset,
-                                              on_event=self.on_gpu_event)
-        self.card_facts: list[cards.CardFacts] | None = None  # what doctor checks per card, read once
-        self.supervisor = Supervisor(config, self.metrics, self.kernel_log)
+        # a mitigation the GPU sentinel turns on restarts models: queued like a reload
+        self.gpu = GpuWatch(self.metrics, on_mitigation=lambda: self.request_reload(self.apply_mitigations()))
+        self.supervisor = Supervisor(config, self.metrics, self.gpu.kernel_log)
         self.notifier = Notifier()
         self.loop_health = LoopHealth(self.metrics.event_loop_lag.set)
         self.keys = KeyRing(config, config.key_secrets())  # a ConfigError names an unset or empty variable
@@ -68,172 +54,6 @@ class Appliance:
         self.background: list[asyncio.Task] = []
         self.reloads: set[asyncio.Task] = set()  # SIGHUP reloads in progress or queued: shutdown awaits them
         self.sites: list[web.BaseSite] = []
-
-    # --- app -----------------------------------------------------------------------------------------
-
-    def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.server.max_body_bytes,
-                              middlewares=[self.errors_middleware, self.auth_middleware])
-        app.on_response_prepare.append(sse.record_prepared)  # a request whose answer began is never answered again
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/ready", self.ready)
-        app.router.add_get("/metrics", self.metrics_route)
-        app.router.add_get("/openarc/status", self.status)
-        app.router.add_get("/v1/models", self.list_models)
-        generate.add_routes(app, self)
-        dialects.add_routes(app, self)
-        embeddings.add_routes(app, self)
-        rerank.add_routes(app, self)
-        audio.add_routes(app, self)
-        speech.add_routes(app, self)
-        models.add_routes(app, self)
-        return app
-
-    @web.middleware
-    async def errors_middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        """Every error leaves as an error body in the route's dialect; no traceback ever reaches a client. A request
-        whose answer began (its headers went out, on any route) is never answered again: an event stream is ended
-        (the route wrapper sent the error event), any other body cut short."""
-        sse.watch(request)
-        try:
-            return await handler(request)
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception as exc:
-            stream, response = sse.opened(request), sse.prepared(request)
-            if response is None:
-                return self.error_answer(request, exc)
-            log.error("%s after the answer of %s %s began", type(exc).__name__, request.method, request.path,
-                      exc_info=exc)
-            if stream is not None:
-                with contextlib.suppress(Exception):  # a stream that cannot even end: its connection does
-                    return await stream.close()
-            sse.cut(request)  # a body of another kind (chunked audio) is cut short
-            return response
-
-    def error_answer(self, request: web.Request, exc: Exception) -> web.StreamResponse:
-        """The error body of a request that raised before its answer began."""
-        if not isinstance(exc, web.HTTPException):
-            log.error("unhandled error in %s %s", request.method, request.path, exc_info=exc)
-            return self.error_shape(request)(500, "internal server error", code="internal_error")
-        if exc.status < 400:
-            raise exc
-        message = {404: f"no route {request.method} {request.path}",
-                   405: f"method {request.method} is not allowed on {request.path}",
-                   413: f"request body exceeds the limit of {self.config.server.max_body_bytes} bytes"}
-        return self.error_shape(request)(exc.status, message.get(exc.status, exc.reason),
-                                         code=exc.reason.lower().replace(" ", "_"))
-
-    @staticmethod
-    def error_shape(request: web.Request) -> Callable[..., web.Response]:
-        """Anthropic's error body on its routes, OpenAI's everywhere else."""
-        return messages.error_response if request.path.startswith("/v1/messages") else error_response
-
-    @web.middleware
-    async def auth_middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        """The key a request presents (request["api_key"], for the route wrapper), or a 401. Anthropic's clients
-        send x-api-key, OpenAI's Authorization: Bearer; the presented key is never logged."""
-        if self.keys and not self._open_route(request.path):
-            key = self.keys.identify(request.headers.get("Authorization", ""), request.headers.get("x-api-key", ""))
-            if key is None:
-                return self.error_shape(request)(401, "invalid or missing API key (Authorization: Bearer ... or "
-                                                      "x-api-key: ...)", "invalid_api_key")
-            request["api_key"] = key
-        return await handler(request)
-
-    def _open_route(self, path: str) -> bool:
-        return path in OPEN_ROUTES or (path == "/metrics" and not self.config.server.metrics_require_key)
-
-    # --- health, status, metrics -----------------------------------------------------------------------
-
-    async def health(self, request: web.Request) -> web.Response:
-        """Liveness, meaning what the systemd watchdog means: 503 once this service can no longer serve (every
-        model failed, a supervising task dead, the event loop wedged), so a kubelet or podman restarts it as
-        systemd would; a worker that crashes and restarts is the front's business and keeps it 200."""
-        reason = self.unhealthy_reason()
-        if reason:
-            return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
-        return web.json_response({"status": "ok"})
-
-    async def ready(self, request: web.Request) -> web.Response:
-        ready = self.supervisor.all_ready() and not self.draining
-        models = {name: m.state.value for name, m in self.supervisor.models.items()}
-        return web.json_response({"ready": ready, "draining": self.draining, "models": models},
-                                 status=200 if ready else 503)
-
-    async def status(self, request: web.Request) -> web.Response:
-        sup = self.supervisor
-        if self.card_facts is None:  # the same facts `openarc doctor` judges (sysfs, the kernel's boot lines)
-            machine = box.Box(os.environ.get(SYSTEM_ROOT_ENV, "/"))
-            self.card_facts = await asyncio.get_running_loop().run_in_executor(None, cards.card_facts, machine)
-        return web.json_response({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
-                                  "draining": self.draining, "residency": sup.placement.summary(),
-                                  "keys": [key.status() for key in self.keys.keys],
-                                  "cards": cards.status_view(self.card_facts, self.sentinel.in_force),
-                                  "gpu_mitigations": self.sentinel.status(),
-                                  "models": [{**m.status(), **sup.placement.status(m.name)}
-                                             for m in sup.models.values()]})
-
-    async def metrics_route(self, request: web.Request) -> web.Response:
-        body, content_type = self.metrics.exposition()
-        return web.Response(body=body, headers={"Content-Type": content_type})
-
-    async def list_models(self, request: web.Request) -> web.Response:
-        key = request.get("api_key")  # a key sees the models it may use
-        data = [{"id": name, "object": "model", "created": int(self.started), "owned_by": "openarc",
-                 "kind": sup.model.kind} for name, sup in self.supervisor.models.items()
-                if key is None or key.may_use(name)]
-        return web.json_response({"object": "list", "data": data})
-
-    # --- shared by the route families -----------------------------------------------------------------
-
-    def model_label(self, body: Any) -> str:
-        """The metrics label of a request: a configured model's name, else "" (client input never mints labels)."""
-        model = body.get("model") if isinstance(body, dict) else None
-        return self.model_named(model) or "" if isinstance(model, str) else ""
-
-    def model_named(self, name: str) -> str | None:
-        """The configured model a request's name reaches: its own, else through server.model_aliases."""
-        return name if name in self.supervisor.models else self.config.server.alias_target(name)
-
-    async def model_for(self, name: str, call, kinds: tuple[str, ...]):
-        """The supervisor of the model a request names (or reaches through an alias), if it exists for the
-        request's key, is of a kind the route serves, the key's limits admit the request and the server is not
-        draining, once the model is ready (Supervisor.ready_model waits out a load, a restart or a replacement, up
-        to the model's ready_wait_s); else the RequestFailed the client gets. A
-        background chat request for a model with a task_model goes to that. The answer keeps the name the client
-        asked for. `call`: the request as the route wrapper counts it (appliance.front.api.route.Call)."""
-        sup = self.model_served(name, call, kinds)
-        name = sup.model.name
-        if call.is_background and sup.model.task_model and self.supervisor.get(sup.model.task_model):
-            name = sup.model.task_model
-        call.admit()  # the key's limits: a 429 before the request takes any queue place
-        ready = await self.supervisor.ready_model(name)
-        if ready is None:  # removed by a reload while the request waited
-            raise self.not_found(name, call.api_key)
-        return ready
-
-    def model_served(self, name: str, call, kinds: tuple[str, ...]):
-        """The supervisor of the model a request names (or reaches through an alias), loaded or not, if the
-        request's key may use it, it is of a kind the route serves and the server is not draining."""
-        name = self.model_named(name) or name
-        sup = self.supervisor.get(name) if call.may_use(name) else None
-        if sup is None:
-            raise self.not_found(name, call.api_key)
-        if sup.model.kind not in kinds:
-            raise RequestFailed(400, "invalid_request", f"the model '{name}' is of kind {sup.model.kind}; /v1/{call.endpoint} "
-                                                        f"needs a model of kind {' or '.join(kinds)}", "wrong_model_kind")
-        if self.draining:
-            raise shutting_down()
-        return sup
-
-    def not_found(self, name: str, key=None) -> RequestFailed:
-        """A 404 for a model that does not exist, or that the request's key may not use (the same answer, so a
-        key learns no names beyond its own models)."""
-        have = [model for model in self.supervisor.models if key is None or key.may_use(model)]
-        return RequestFailed(404, "model_not_found", f"the model '{name}' does not exist (have: {', '.join(have)})")
-
-    # --- lifecycle -----------------------------------------------------------------------------------------
 
     def status_line(self) -> str:
         parts = []
@@ -265,37 +85,6 @@ class Appliance:
             return "a model's supervising task died (see the log)"
         return None
 
-    def on_gpu_reset(self, event: telemetry.GpuEvent) -> None:
-        log.error("GPU %s on %s: %s", event.kind, event.bdf or "?", event.text)
-        self.metrics.gpu_resets.labels(device=event.bdf or "unknown").inc()
-
-    def on_gpu_event(self, event: telemetry.GpuEvent) -> None:
-        """A hang line of the kernel log: the sentinel counts it per card; a mitigation it turns on restarts that
-        card's workers (gpu_sentinel)."""
-        for mitigation in self.sentinel.observe(event):
-            log.warning("GPU mitigation %s on %s: %s; restarting its models with sdpa_optimization: false",
-                        mitigation.mitigation, mitigation.card, mitigation.reason)
-            self.metrics.gpu_mitigations.labels(card=mitigation.card, mitigation=mitigation.mitigation).inc()
-            self.request_reload(self.apply_mitigations())
-
-    def model_cards(self) -> dict[str, str | None]:
-        """The card each model's worker runs on: its ready frame's PCI address, else the box's only card."""
-        only = sole_card()
-        return {name: sup.life.device_faults.card or only for name, sup in self.supervisor.models.items()}
-
-    async def apply_mitigations(self) -> None:
-        async with self.reloading:
-            if self.draining:
-                return
-            self.config = self.sentinel.apply(self.config, self.model_cards())
-            changed = await self.supervisor.apply(self.config)
-            log.warning("GPU mitigation: %s restarted", ", ".join(changed) or "no model")
-
-    async def watch_kernel_log(self) -> None:
-        while True:
-            self.kernel_log.update()
-            await asyncio.sleep(KMSG_POLL_INTERVAL_S)
-
     async def await_first_loads(self) -> None:
         """Until every model has loaded (or failed), keep systemd's start timeout from firing."""
         last_extend = 0.0
@@ -315,7 +104,7 @@ class Appliance:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
-        runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(make_app(self), handler_cancellation=True, access_log=None)
         await runner.setup()
         self.sites = await listen.start_sites(runner, host, port, also_bind)
         oom.set_oom_score_adj(oom.FRONT_OOM_SCORE_ADJ)  # before the workers: they raise theirs from here
@@ -323,7 +112,7 @@ class Appliance:
         self.background = [asyncio.create_task(c) for c in (
             self.loop_health.run(),
             watchdog_loop(self.notifier, self.healthy, self.trigger_reason, self.status_line),
-            self.watch_kernel_log())]
+            self.gpu.watch())]
         loads = asyncio.create_task(self.await_first_loads())
         await asyncio.wait([loads, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         status = 0
@@ -371,11 +160,19 @@ class Appliance:
             log.warning("reload: a new listen address takes a restart; keeping %s:%d",
                         self.config.server.host, self.config.server.port)
         self.keys = keys
-        config = self.sentinel.apply(config, self.model_cards())  # mitigations in force outlive a reload
+        config = self.gpu.mitigated(config, self.supervisor)  # mitigations in force outlive a reload
         changed = await self.supervisor.apply(config)
         self.config = dataclasses.replace(config, server=dataclasses.replace(
             config.server, host=self.config.server.host, port=self.config.server.port))
         log.info("reloaded %s: %s", config.source, ", ".join(changed) + " (re)started" if changed else "no model changed")
+
+    async def apply_mitigations(self) -> None:
+        async with self.reloading:
+            if self.draining:
+                return
+            self.config = self.gpu.mitigated(self.config, self.supervisor)
+            changed = await self.supervisor.apply(self.config)
+            log.warning("GPU mitigation: %s restarted", ", ".join(changed) or "no model")
 
     async def shutdown(self, runner: web.AppRunner) -> None:
         log.info("stopping: draining requests for up to %gs", self.config.server.drain_timeout_s)
@@ -391,5 +188,5 @@ class Appliance:
         for task in self.background:
             task.cancel()
         await runner.cleanup()
-        self.kernel_log.close()
+        self.gpu.close()
         log.info("stopped")

@@ -1,1 +1,1 @@
-"""The HTTP API, one module per route family; appliance.front.server assembles them into one aiohttp app."""
+"""The HTTP API, one module per route family; appliance.front.app assembles them into one aiohttp app."""

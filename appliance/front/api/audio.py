@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import http_exceptions, web
 
-from appliance.front.api import sse
+from appliance.front.api import lookup, sse
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import QueuePlace, one_result
 from appliance.front.api.route import Call, ErrorShape, route
@@ -183,7 +183,7 @@ class Upload:
     async def admit(self, name: str):
         """The model's supervisor, with a place reserved in its queue (RequestFailed if there is none)."""
         if self.sup is None:
-            sup = await self.routes.appliance.model_for(name, self.call, (KIND,))
+            sup = await lookup.model_for(self.routes.appliance, name, self.call, (KIND,))
             self.place = QueuePlace(sup)
             self.sup = sup
         return self.sup

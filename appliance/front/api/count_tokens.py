@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.front.api import messages
+from appliance.front.api import lookup, messages
 from appliance.front.api.fields import json_body
 from appliance.front.api.results import one_result
 from appliance.front.api.route import Call, route
@@ -44,7 +44,7 @@ class CountTokensRoute:
         body = await json_body(request)
         call.label(body)
         name, count_body = messages.count_frame(body)
-        sup = self.appliance.model_served(name, call, GENERATIVE_KINDS)
+        sup = lookup.model_served(self.appliance, name, call, GENERATIVE_KINDS)
         call.admit()  # the key's limits
         if sup.life.admits():
             event = await one_result(sup, {"kind": sup.model.kind, "body": count_body})

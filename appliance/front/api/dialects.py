@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from appliance.front.api import messages, responses, sse
+from appliance.front.api import lookup, messages, responses, sse
 from appliance.front.api.answer_items import Events
 from appliance.front.api.count_tokens import CountTokensRoute
 from appliance.front.api.fields import json_body
@@ -68,7 +68,7 @@ class DialectRoute:
         await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = self.dialect.parse(body)
         gen = req.gen
-        sup = await self.appliance.model_for(gen.model, call, GENERATIVE_KINDS)
+        sup = await lookup.model_for(self.appliance, gen.model, call, GENERATIVE_KINDS)
         answer = answer_parser(sup, gen)
         note_constraint(call, self.appliance.metrics, gen)
         handle = sup.open(gen.frame())

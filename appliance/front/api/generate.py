@@ -15,7 +15,7 @@ from aiohttp import web
 
 from appliance.front.api.answer import AnswerParser
 from appliance.front.api.completions import GenerationRequest, ResponseShaper, parse_chat, parse_completion
-from appliance.front.api import sse
+from appliance.front.api import lookup, sse
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_body, parse_json
 from appliance.front.api.images import MAX_IMAGE_REQUESTS_IN_FLIGHT, MAX_IMAGES, ImageResolver, body_limit, spool_base
@@ -82,7 +82,7 @@ class GenerationRoutes:
                 return parse_json(bytes(data))
             body = await asyncio.to_thread(parse_json, bytes(data))
         model = body.get("model") if isinstance(body, dict) else None
-        model = self.appliance.model_named(model) if isinstance(model, str) else None  # an alias reaches a VLM too
+        model = lookup.model_named(self.appliance, model) if isinstance(model, str) else None  # an alias reaches a VLM too
         if not any(m.name == model and m.kind == "vlm" for m in config.models):
             raise RequestFailed(413, "invalid_request", f"the request body exceeds the limit of {normal} bytes "
                                 "(server.max_body_bytes); only a request to a vision model (kind vlm) may be larger",
@@ -93,7 +93,7 @@ class GenerationRoutes:
         call.label(body)
         await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = parse(body)
-        sup = await self.appliance.model_for(req.model, call, GENERATIVE_KINDS)
+        sup = await lookup.model_for(self.appliance, req.model, call, GENERATIVE_KINDS)
         # A request with images holds its place in the queue before they are fetched and decoded: a busy model
         # refuses it now (429), not after megabytes of pixels were spooled for it.
         place = QueuePlace(sup) if req.content.images and sup.model.kind == "vlm" else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from appliance.front.api import lookup
 from appliance.front.api.route import Call, route
 from appliance.front.request import shutting_down
 
@@ -17,20 +18,20 @@ def add_routes(app: web.Application, appliance) -> None:
             raise shutting_down()
         sup = await appliance.supervisor.ready_model(name, reason="api")
         if sup is None:  # removed by a reload while it waited
-            raise appliance.not_found(name, call.api_key)
+            raise lookup.not_found(appliance, name, call.api_key)
         return web.json_response({"model": name, "state": sup.state.value, "pid": sup.life.pid,
                                   "load_seconds": sup.life.load_seconds})
 
     async def unload(request: web.Request, call: Call) -> web.Response:
         name = model_named(request, call)
         if not await appliance.supervisor.unload(name, "api"):
-            raise appliance.not_found(name, call.api_key)
+            raise lookup.not_found(appliance, name, call.api_key)
         return web.json_response({"model": name, "state": appliance.supervisor.get(name).state.value})
 
     def model_named(request: web.Request, call: Call) -> str:
         name = request.match_info["name"]
         if not call.may_use(name):  # a key loads and unloads its own models only, and learns no other names
-            raise appliance.not_found(name, call.api_key)
+            raise lookup.not_found(appliance, name, call.api_key)
         call.label({"model": name})
         return name
 

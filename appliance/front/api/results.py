@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from appliance.front.api import lookup
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_body
 from appliance.front.api.route import Call
@@ -44,7 +45,7 @@ class ResultRoute:
         body = await json_body(request)
         call.label(body)
         req = self.parse(body)
-        sup = await self.appliance.model_for(req.model, call, self.kinds)
+        sup = await lookup.model_for(self.appliance, req.model, call, self.kinds)
         if req.inputs > sup.model.max_inputs:
             raise InvalidRequest(f"{req.inputs} inputs exceed this model's max_inputs={sup.model.max_inputs}",
                                  code="too_many_inputs")
@@ -77,7 +78,7 @@ class QueuePlace:
         model's next load (waited for up to its ready_wait_s) with a new place in its queue."""
         if not self.sup.life.admits(self.held):
             self.release()
-            sup = await appliance.model_for(name, call, kinds)
+            sup = await lookup.model_for(appliance, name, call, kinds)
             sup.reserve()
             self.sup, self.held = sup, True
         return self.sup

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from appliance.front import keys
-from appliance.front.api import sse
+from appliance.front.api import lookup, sse
 from appliance.front.api.errors import ERROR_TYPES, InvalidRequest, error_body, json_error
 from appliance.front.limits import Limited
 from appliance.front.priority import BACKGROUND, HEADER, INTERACTIVE, BadPriority, request_class
@@ -86,7 +86,7 @@ class Call:
 
     def label(self, body: Any) -> None:
         """The model label, and the class the body and the X-OpenArc-Priority header make the request."""
-        self.model = self.appliance.model_label(body)
+        self.model = lookup.model_label(self.appliance, body)
         try:
             self.priority = request_class(self.priority, self.header, body)
         except BadPriority as exc:

@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from appliance.front.api import fields, sse
+from appliance.front.api import fields, lookup, sse
 from appliance.front.api.audio import TRANSCRIPT_ERRORS
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import one_result
@@ -120,7 +120,7 @@ class SpeechRoutes(HelperUser):
         body = await fields.json_body(request)
         call.label(body)
         req = parse(body)
-        sup = await self.appliance.model_for(req.model, call, (KIND,))
+        sup = await lookup.model_for(self.appliance, req.model, call, (KIND,))
         voice = choose_voice(req.voice, voice_files(sup.model.path, sup.model.voices), sup.model.default_voice,
                              req.model)
         speech = Speech(self, sup, req, voice, f"{os.getpid()}-{next(self.serial)}")

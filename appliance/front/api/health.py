@@ -1,0 +1,76 @@
+"""The service's own routes, beside the model API: /health (liveness), /ready, /openarc/status, /metrics and
+/v1/models.
+
+A route family like the others (`add_routes(app, appliance)`), so that the Appliance only owns the states these
+report (draining, the supervisor, the reasons it is unhealthy) and not how each one is shown. /health and /ready take
+no API key (appliance.front.middleware.OPEN_ROUTES); /metrics takes one if server.metrics_require_key says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from aiohttp import web
+
+from appliance import __version__
+from appliance.host.doctor import box, cards
+
+# Test knob: read the machine's files (sysfs, the kernel's boot log) for /openarc/status's cards under this root, as
+# `openarc doctor --root` does. Never set in production.
+SYSTEM_ROOT_ENV = "OPENARC_DEBUG_SYSTEM_ROOT"
+
+
+def add_routes(app: web.Application, appliance) -> None:
+    routes = HealthRoutes(appliance)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/ready", routes.ready)
+    app.router.add_get("/metrics", routes.metrics)
+    app.router.add_get("/openarc/status", routes.status)
+    app.router.add_get("/v1/models", routes.list_models)
+
+
+class HealthRoutes:
+    def __init__(self, appliance):
+        self.appliance = appliance  # appliance.front.server.Appliance: supervisor, keys, metrics, draining, health
+        self.card_facts: list[cards.CardFacts] | None = None  # what doctor checks per card, read once
+
+    async def health(self, request: web.Request) -> web.Response:
+        """Liveness, meaning what the systemd watchdog means: 503 once this service can no longer serve (every
+        model failed, a supervising task dead, the event loop wedged), so a kubelet or podman restarts it as
+        systemd would; a worker that crashes and restarts is the front's business and keeps it 200."""
+        reason = self.appliance.unhealthy_reason()
+        if reason:
+            return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        ready = self.appliance.supervisor.all_ready() and not self.appliance.draining
+        models = {name: m.state.value for name, m in self.appliance.supervisor.models.items()}
+        return web.json_response({"ready": ready, "draining": self.appliance.draining, "models": models},
+                                 status=200 if ready else 503)
+
+    async def status(self, request: web.Request) -> web.Response:
+        appliance, sup, sentinel = self.appliance, self.appliance.supervisor, self.appliance.gpu.sentinel
+        if self.card_facts is None:  # the same facts `openarc doctor` judges (sysfs, the kernel's boot lines)
+            machine = box.Box(os.environ.get(SYSTEM_ROOT_ENV, "/"))
+            self.card_facts = await asyncio.get_running_loop().run_in_executor(None, cards.card_facts, machine)
+        return web.json_response({"version": __version__, "uptime_s": round(time.time() - appliance.started, 3),
+                                  "draining": appliance.draining, "residency": sup.placement.summary(),
+                                  "keys": [key.status() for key in appliance.keys.keys],
+                                  "cards": cards.status_view(self.card_facts, sentinel.in_force),
+                                  "gpu_mitigations": sentinel.status(),
+                                  "models": [{**m.status(), **sup.placement.status(m.name)}
+                                             for m in sup.models.values()]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body, content_type = self.appliance.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        key = request.get("api_key")  # a key sees the models it may use
+        data = [{"id": name, "object": "model", "created": int(self.appliance.started), "owned_by": "openarc",
+                 "kind": sup.model.kind} for name, sup in self.appliance.supervisor.models.items()
+                if key is None or key.may_use(name)]
+        return web.json_response({"object": "list", "data": data})

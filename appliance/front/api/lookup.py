@@ -1,0 +1,64 @@
+"""The model a request names, for every route family: its metrics label, the configured model an alias reaches, the
+model's supervisor once it is ready, and the one 404 a client gets for a model it may not see.
+
+A module of its own because every route family asks the same questions the same way (a key learns no model names
+beyond its own, a wrong kind is a 400 naming both, a draining server refuses); `appliance` in each function is
+appliance.front.server.Appliance, read for its supervisor, its current config (aliases) and whether it drains.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from appliance.front.request import RequestFailed, shutting_down
+
+
+def model_label(appliance, body: Any) -> str:
+    """The metrics label of a request: a configured model's name, else "" (client input never mints labels)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model_named(appliance, model) or "" if isinstance(model, str) else ""
+
+
+def model_named(appliance, name: str) -> str | None:
+    """The configured model a request's name reaches: its own, else through server.model_aliases."""
+    return name if name in appliance.supervisor.models else appliance.config.server.alias_target(name)
+
+
+async def model_for(appliance, name: str, call, kinds: tuple[str, ...]):
+    """The supervisor of the model a request names (or reaches through an alias), if it exists for the
+    request's key, is of a kind the route serves, the key's limits admit the request and the server is not
+    draining, once the model is ready (Supervisor.ready_model waits out a load, a restart or a replacement, up
+    to the model's ready_wait_s); else the RequestFailed the client gets. A
+    background chat request for a model with a task_model goes to that. The answer keeps the name the client
+    asked for. `call`: the request as the route wrapper counts it (appliance.front.api.route.Call)."""
+    sup = model_served(appliance, name, call, kinds)
+    name = sup.model.name
+    if call.is_background and sup.model.task_model and appliance.supervisor.get(sup.model.task_model):
+        name = sup.model.task_model
+    call.admit()  # the key's limits: a 429 before the request takes any queue place
+    ready = await appliance.supervisor.ready_model(name)
+    if ready is None:  # removed by a reload while the request waited
+        raise not_found(appliance, name, call.api_key)
+    return ready
+
+
+def model_served(appliance, name: str, call, kinds: tuple[str, ...]):
+    """The supervisor of the model a request names (or reaches through an alias), loaded or not, if the
+    request's key may use it, it is of a kind the route serves and the server is not draining."""
+    name = model_named(appliance, name) or name
+    sup = appliance.supervisor.get(name) if call.may_use(name) else None
+    if sup is None:
+        raise not_found(appliance, name, call.api_key)
+    if sup.model.kind not in kinds:
+        raise RequestFailed(400, "invalid_request", f"the model '{name}' is of kind {sup.model.kind}; /v1/{call.endpoint} "
+                                                    f"needs a model of kind {' or '.join(kinds)}", "wrong_model_kind")
+    if appliance.draining:
+        raise shutting_down()
+    return sup
+
+
+def not_found(appliance, name: str, key=None) -> RequestFailed:
+    """A 404 for a model that does not exist, or that the request's key may not use (the same answer, so a
+    key learns no names beyond its own models)."""
+    have = [model for model in appliance.supervisor.models if key is None or key.may_use(model)]
+    return RequestFailed(404, "model_not_found", f"the model '{name}' does not exist (have: {', '.join(have)})")

@@ -1,0 +1,87 @@
+"""The two middlewares every request passes through: errors (no traceback ever reaches a client, and a request whose
+answer began is never answered again) and auth (the API key a request presents, or a 401).
+
+A module of its own because both are one policy for every route, whichever family it belongs to; appliance.front.app
+puts them in front of all of them. Each reads the appliance's current config and keys, which a reload replaces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Callable
+
+from aiohttp import web
+
+from appliance.front.api import messages, sse
+from appliance.front.api.errors import error_response
+
+log = logging.getLogger("openarc.server")  # the name these lines always had in the log
+
+OPEN_ROUTES = {"/health", "/ready"}  # no key asked (probes carry none), nor on /metrics unless the config says so
+
+
+class Middlewares:
+    """Both middlewares of one appliance (appliance.front.server.Appliance): each reads its current config and keys,
+    which a reload replaces."""
+
+    def __init__(self, appliance):
+        self.appliance = appliance
+
+    @web.middleware
+    async def errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every error leaves as an error body in the route's dialect; no traceback ever reaches a client. A request
+        whose answer began (its headers went out, on any route) is never answered again: an event stream is ended
+        (the route wrapper sent the error event), any other body cut short."""
+        sse.watch(request)
+        try:
+            return await handler(request)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as exc:
+            stream, response = sse.opened(request), sse.prepared(request)
+            if response is None:
+                return error_answer(request, exc, self.appliance.config.server.max_body_bytes)
+            log.error("%s after the answer of %s %s began", type(exc).__name__, request.method, request.path,
+                      exc_info=exc)
+            if stream is not None:
+                with contextlib.suppress(Exception):  # a stream that cannot even end: its connection does
+                    return await stream.close()
+            sse.cut(request)  # a body of another kind (chunked audio) is cut short
+            return response
+
+    @web.middleware
+    async def auth(self, request: web.Request, handler) -> web.StreamResponse:
+        """The key a request presents (request["api_key"], for the route wrapper), or a 401. Anthropic's clients
+        send x-api-key, OpenAI's Authorization: Bearer; the presented key is never logged."""
+        if self.appliance.keys and not open_route(request.path, self.appliance.config.server.metrics_require_key):
+            key = self.appliance.keys.identify(request.headers.get("Authorization", ""), request.headers.get("x-api-key", ""))
+            if key is None:
+                return error_shape(request)(401, "invalid or missing API key (Authorization: Bearer ... or "
+                                                 "x-api-key: ...)", "invalid_api_key")
+            request["api_key"] = key
+        return await handler(request)
+
+
+def error_answer(request: web.Request, exc: Exception, max_body_bytes: int) -> web.StreamResponse:
+    """The error body of a request that raised before its answer began."""
+    if not isinstance(exc, web.HTTPException):
+        log.error("unhandled error in %s %s", request.method, request.path, exc_info=exc)
+        return error_shape(request)(500, "internal server error", code="internal_error")
+    if exc.status < 400:
+        raise exc
+    message = {404: f"no route {request.method} {request.path}",
+               405: f"method {request.method} is not allowed on {request.path}",
+               413: f"request body exceeds the limit of {max_body_bytes} bytes"}
+    return error_shape(request)(exc.status, message.get(exc.status, exc.reason),
+                                code=exc.reason.lower().replace(" ", "_"))
+
+
+def error_shape(request: web.Request) -> Callable[..., web.Response]:
+    """Anthropic's error body on its routes, OpenAI's everywhere else."""
+    return messages.error_response if request.path.startswith("/v1/messages") else error_response
+
+
+def open_route(path: str, metrics_require_key: bool) -> bool:
+    return path in OPEN_ROUTES or (path == "/metrics" and not metrics_require_key)

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 
 from appliance.host.telemetry import process_rss_bytes
-from bench import client, figures, phases, report, sidebyside, speculative, workload
+from bench import client, figures, phases, report, sessions, sidebyside, speculative, workload
 from bench.launcher import FAULT_MODEL, PERF_MODEL, RESTART, STALL_TIMEOUT_S, OwnAppliance
 from bench.phases import CpuWatch, Server, process_tree
 
@@ -45,6 +45,9 @@ NOTES = [
     "Speculative decoding rows: bench.speculative's, on the demo pair (a 12-layer main model, 1-layer drafts sharing "
     "its tokenizer), one client, the same prompts for every model, speed-up against the plain model in the same "
     "run; the acceptance ratio is the server's own (/openarc/status).",
+    "Warm sessions row: bench.sessions' headline, on its own appliance serving a demo model twice (default config, "
+    "and prefix caching off), multi-turn conversations of a system prompt, tools and a growing history interleaved "
+    "turn by turn; its full table (turn 1, the in-process floor, the spread) is `python -m bench.sessions`.",
 ]
 PEER_NOTE = ("Side by side: the servers take turns, block by block (the order reversed every other block), with the "
              "same requests; each cell is that server's own figure, 'median / p99' for latencies. Memory and CPU "
@@ -267,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec_dir = Path(tmp) / "speculative"
                 spec_dir.mkdir()
                 found += asyncio.run(speculative.measure(spec_dir, args.quick, args.properties, args.demo_cache))[1]
+                found += [f for f in asyncio.run(sessions.measure(args.quick))[1] if f.name == sessions.HEADLINE]
     names = ", ".join(f"{s.name} ({s.base})" for s in run.servers[1:])
     meta = {"date": report.now(), "mode": plan_name, "duration_s": time.monotonic() - started,
             "target": target + (f", alongside {names}" if names else ""), "primary": run.servers[0].name,

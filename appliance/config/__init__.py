@@ -244,9 +244,6 @@ class ImageFetch:
     timeout_s: float = 10.0
 
 
-PRIORITIES = ("interactive", "background")
-
-
 @dataclass
 class ApiKeyConfig:
     """One named API key (docs/sharing.md): the secret is in the environment variable key_env, never in the file.

@@ -332,6 +332,39 @@ def test_worker_abort_mid_stream_ends_it_with_an_error(appliance_factory, demo_t
     assert speak(app, "again", response_format="pcm")
 
 
+def test_a_full_queue_never_cuts_an_admitted_speech_short(appliance_factory, demo_tts):
+    """One place on the model (max_running 1, max_queue 0) and a client asking for it again and again: a streamed
+    speech, once admitted, holds the place of its next sentence while each one is spoken, so every sentence is
+    spoken and the stream ends done; the other client is told 429 meanwhile and is served once the speech ends."""
+    app = appliance_factory({"models": [model_entry("speech", demo_tts, kind="tts", max_running=1, max_queue=0)]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.3"})
+    body = {"model": "speech", "input": " ".join(SENTENCES), "voice": "alloy", "response_format": "pcm"}
+    done = threading.Event()
+    statuses: list[int] = []
+
+    def other_client() -> None:
+        while not done.is_set():
+            statuses.append(post_speech(app, {**body, "input": "Hi."})[0])
+
+    hammer = threading.Thread(target=other_client)
+    connection = HTTPConnection("127.0.0.1", app.port, timeout=60)
+    connection.request("POST", "/v1/audio/speech", json.dumps({**body, "stream_format": "sse"}),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")  # admitted, first sentence spoken
+    hammer.start()
+    try:
+        rest = response.read().decode()
+    finally:
+        done.set()
+        hammer.join(60)
+    events = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done", events[-1]  # no 429 (or any error) halfway
+    assert 429 in statuses and set(statuses) <= {200, 429}, statuses
+    assert post_speech(app, {**body, "input": "Hi."})[0] == 200  # the held places were all given back
+    assert app.model_status("speech")["requests_waiting"] == 0
+
+
 def test_a_stalled_worker_mid_synthesis_is_a_504_within_the_stall_bound(appliance_factory, demo_tts):
     stall = 1.0
     app = appliance_factory({"models": [model_entry("speech", demo_tts, kind="tts", stall_timeout_s=stall)]},

@@ -93,11 +93,11 @@ class ModelSupervisor:
 
     # --- requests, as the routes see them -----------------------------------------------------------------
 
-    def reserve(self) -> None:
+    def reserve(self, continuing: bool = False) -> None:
         """Hold a queue place for a request whose body is yet to be read, or refuse it now (503, 429)."""
         if not self.life.admits():
             raise self.life.unavailable()
-        self.router.reserve()
+        self.router.reserve(continuing)
 
     def open(self, frame: dict[str, Any], op: str = "generate", reserved: bool = False) -> Request:
         """Admit a request or refuse it at once: nothing waits on a model that cannot serve it.

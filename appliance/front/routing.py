@@ -63,10 +63,13 @@ class RequestRouter:
 
     # --- requests, as the routes use them -------------------------------------------------------------------
 
-    def reserve(self) -> None:
+    def reserve(self, continuing: bool = False) -> None:
         """Hold a place for a request whose body is still to be read (an audio upload), or refuse it with 429 now,
-        before the body is read. open(reserved=True) takes the place; unreserve() gives it back."""
-        self._check_room()
+        before the body is read. open(reserved=True) takes the place; unreserve() gives it back. `continuing`: the
+        place is for the next part of a request already admitted (a speech request's next sentence), held whatever
+        the queue's length, so that an admitted request is never refused halfway."""
+        if not continuing:
+            self._check_room()
         self.reserved += 1
         self.publish_queue()
         self._note_idle()

@@ -87,7 +87,11 @@ class QueuePlace:
 async def one_result(sup, frame: dict[str, Any], reserved: bool = False) -> Event:
     """Hand one `request` frame to the model's worker (in its reserved place, if it has one) and wait for its one
     result."""
-    handle = sup.open(frame, op="request", reserved=reserved)
+    return await result_of(sup, sup.open(frame, op="request", reserved=reserved))
+
+
+async def result_of(sup, handle) -> Event:
+    """The one result of a request opened on the model; the request is closed whatever happens."""
     try:
         async for event in sup.events(handle):
             if event.op == "result":

@@ -31,11 +31,11 @@ from aiohttp import web
 from appliance.front.api import fields, lookup, sse
 from appliance.front.api.audio import TRANSCRIPT_ERRORS
 from appliance.front.api.errors import InvalidRequest
-from appliance.front.api.results import one_result
+from appliance.front.api.results import result_of
 from appliance.front.api.route import Call, route
 from appliance.front.api.sentences import split_sentences
 from appliance.front.decoder_process import HelperUser
-from appliance.front.request import RequestFailed
+from appliance.front.request import Request, RequestFailed
 from appliance.front.speech_encoder import CONTENT_TYPES, RESPONSE_FORMATS, EncoderFault, SpeechEncoder
 from appliance.model_files import OPENAI_VOICES, voice_files
 
@@ -190,6 +190,7 @@ class Speech:
         self.first_audio = False
         self.finished = False
         self.files: list[str] = []
+        self.next_place = False  # a queue place held for the next sentence (ModelSupervisor.reserve(continuing))
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The encoded audio: a chunk per piece and a last one when streamed, one chunk otherwise."""
@@ -197,8 +198,8 @@ class Speech:
         for i, text in enumerate(self.pieces):
             path = self._spool(f"{i}.f32")
             self.files.append(path)
-            event = await one_result(self.sup, {"kind": KIND, "body": {"text": text, "voice_path": self.voice,
-                                                                       "speed": self.req.speed, "out": path}})
+            event = await result_of(self.sup, self._open(i, {"kind": KIND, "body": {
+                "text": text, "voice_path": self.voice, "speed": self.req.speed, "out": path}}))
             self.rate = event.result["sample_rate"]
             speed = 1.0 if event.result["speed_applied"] else self.req.speed
             if self.streamed:
@@ -207,6 +208,17 @@ class Speech:
         chunk = await self._encode([] if self.streamed else self.files, speed, final=True, continued=self.streamed)
         self.finished = True
         yield self._first(chunk)
+
+    def _open(self, i: int, frame: dict) -> Request:
+        """Sentence i's request on the model: the first one is admitted as any request is (or refused with 429
+        before any audio); each later one takes the place the one before it held for it, so a full queue never
+        cuts an admitted speech short."""
+        held, self.next_place = self.next_place, False  # open() takes the place, admitted or not
+        handle = self.sup.open(frame, op="request", reserved=held)
+        self.next_place = i + 1 < len(self.pieces)
+        if self.next_place:  # in the step that opened sentence i: the model admits it still
+            self.sup.reserve(continuing=True)
+        return handle
 
     def _first(self, chunk: bytes) -> bytes:
         if chunk and not self.first_audio:
@@ -235,6 +247,9 @@ class Speech:
             os.unlink(path)
 
     async def close(self) -> None:
+        if self.next_place:  # the speech ended before its next sentence (a failure, a client gone)
+            self.next_place = False
+            self.sup.router.unreserve()
         for path in self.files:
             self._unlink(path)
         if self.streamed and not self.finished:

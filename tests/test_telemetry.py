@@ -1,4 +1,5 @@
-"""appliance.host.telemetry readers for fdinfo, OpenVINO statistics, sysfs and RSS.
+"""The readers of appliance.host.device_memory (fdinfo, OpenVINO statistics), appliance.host.telemetry (RSS) and
+sysfs.
 
 Fake /proc and /sys trees are built under tmp_path from the recorded samples in
 tests/fixtures/gpu (see its README); a few tests read this machine's real /proc.
@@ -11,19 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from appliance.host.telemetry import (
+from appliance.host.device_memory import (
     DrmClient,
-    GpuInfo,
     device_memory_regions,
     device_memory_used,
-    list_gpus,
     parse_fdinfo,
     parse_gpu_memory_statistics,
     parse_size,
-    parse_uevent,
-    process_rss_bytes,
     read_drm_clients,
 )
+from appliance.host.telemetry import GpuInfo, list_gpus, parse_uevent, process_rss_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 KiB, MiB = 1 << 10, 1 << 20

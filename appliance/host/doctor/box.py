@@ -11,7 +11,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.host import telemetry
+from appliance.host import device_memory, telemetry
 
 # A recorded root may hold what `openarc doctor` learned from OpenVINO's child process on the box it was recorded
 # on (the child's JSON output), since a recorded root has no GPU to ask.
@@ -90,7 +90,7 @@ class Box:
 
     def current_user(self) -> User:
         """Whoever runs doctor: uid and groups from /proc/self/status (Uid:, Gid:, Groups:)."""
-        fields = telemetry.parse_fdinfo(self.read("/proc/self/status") or "")
+        fields = device_memory.parse_fdinfo(self.read("/proc/self/status") or "")
         uid = int(fields.get("Uid", "0").split()[0])
         gids = {int(fields.get("Gid", "0").split()[0]), *map(int, fields.get("Groups", "").split())}
         name = next((row[0] for row in self._colon_file("/etc/passwd") if row[2] == str(uid)), str(uid))

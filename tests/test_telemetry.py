@@ -1,5 +1,5 @@
-"""The readers of appliance.host.device_memory (fdinfo, OpenVINO statistics), appliance.host.telemetry (RSS) and
-sysfs.
+"""The readers of appliance.host.device_memory (fdinfo, OpenVINO statistics), appliance.host.gpus (sysfs) and
+appliance.host.telemetry (RSS).
 
 Fake /proc and /sys trees are built under tmp_path from the recorded samples in
 tests/fixtures/gpu (see its README); a few tests read this machine's real /proc.
@@ -21,7 +21,8 @@ from appliance.host.device_memory import (
     parse_size,
     read_drm_clients,
 )
-from appliance.host.telemetry import GpuInfo, list_gpus, parse_uevent, process_rss_bytes
+from appliance.host.gpus import GpuInfo, list_gpus, parse_uevent
+from appliance.host.telemetry import process_rss_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 KiB, MiB = 1 << 10, 1 << 20
@@ -217,7 +218,7 @@ def test_list_gpus_identifies_arc_cards(sys_root, caplog):
     (b580 / "tile0/physical_vram_size_bytes").write_text("12226592768\n")  # xe_tile_sysfs.c
     make_card(sys_root, 2, fixture("sysfs/virtio-gpu.uevent"))
     make_card(sys_root, 10, fixture("sysfs/intel-unknown-dg2-range.uevent"))
-    with caplog.at_level(logging.WARNING, logger="appliance.host.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="appliance.host.gpus"):
         gpus = list_gpus(sys_root)
     assert gpus == [
         GpuInfo("card0", "0000:03:00.0", 0x8086, 0x56A0, "i915", "renderD128", "DG2", "DG2-G10", "Intel Arc A770",

@@ -10,7 +10,7 @@ from typing import Any
 from appliance.config import ModelConfig
 from appliance.front.lifecycle import Exit, ExitReason
 from appliance.front.request import RequestFailed
-from appliance.host import faults, telemetry
+from appliance.host import faults, gpus, telemetry
 
 # Worker error kinds that are the request's fault: HTTP 400.
 CLIENT_ERROR_KINDS = ("invalid_request", "invalid_grammar")
@@ -63,13 +63,13 @@ class DeviceFaults:
 
 def sole_card() -> str | None:
     """The PCI address of the machine's only GPU card, if it has exactly one (then every GPU.N is it)."""
-    cards = [gpu.bdf for gpu in telemetry.list_gpus() if gpu.bdf]
+    cards = [gpu.bdf for gpu in gpus.list_gpus() if gpu.bdf]
     return cards[0] if len(cards) == 1 else None
 
 
 def gpu_family(event: telemetry.GpuEvent) -> str | None:
     """The family ("DG2", "BMG") of the card a kernel GPU event names, for its known-issue hint."""
-    return next((gpu.family for gpu in telemetry.list_gpus() if gpu.bdf == event.bdf), None)
+    return next((gpu.family for gpu in gpus.list_gpus() if gpu.bdf == event.bdf), None)
 
 
 def describe_gpu_trouble(event: telemetry.GpuEvent) -> str:

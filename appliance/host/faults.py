@@ -108,7 +108,7 @@ def classify_error(
     """Classify an error message.
 
     `device` is the configured OpenVINO device (used in hints), `pci_family` the card's
-    family from telemetry.list_gpus ("DG2", "BMG", "other"). Set `gpu_reset_seen` when the
+    family from gpus.list_gpus ("DG2", "BMG", "other"). Set `gpu_reset_seen` when the
     kernel log reported a hang/reset of that card around the failure: a kernel that hung
     also ends in CL_OUT_OF_RESOURCES, so the error is then the reset, not an out-of-memory.
     """

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from appliance.host import device_memory, faults, oom, telemetry
+from appliance.host import device_memory, faults, gpus, oom, telemetry
 from appliance.worker.engines import load_engine
 from appliance.worker.engines.base import Engine
 from appliance.ipc import BlockingChannel, frame
@@ -73,7 +73,7 @@ class DeviceProbe:
             self.total = int(self._core.get_property(self.device, "GPU_DEVICE_TOTAL_MEM_SIZE"))
         except Exception as exc:
             log.info("VRAM size of %s unknown to OpenVINO: %s", self.device, exc)
-        card = next((gpu for gpu in telemetry.list_gpus() if gpu.bdf == self.label), None)
+        card = next((gpu for gpu in gpus.list_gpus() if gpu.bdf == self.label), None)
         self.family = card.family if card else None
         if self.total is None and card:  # where OpenVINO cannot tell, the driver's sysfs may
             self.total = card.memory_total_bytes

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.host import telemetry
+from appliance.host import gpus, telemetry
 from appliance.host.doctor import Check, fail, ok, skip, warn
 from appliance.host.doctor.box import Box, kernel_version
 
@@ -144,15 +144,15 @@ def card_facts(box: Box, listing: dict[str, Any] | None = None) -> list[CardFact
     records, unreadable = box.kernel_log()
     facts = []
     for device in _pci_dirs(box):
-        vendor, device_id = telemetry.read_hex(device / "vendor"), telemetry.read_hex(device / "device")
+        vendor, device_id = gpus.read_hex(device / "vendor"), gpus.read_hex(device / "device")
         if vendor is None or device_id is None:
             continue
-        family, variant, name, _warning = telemetry.gpu_identity(vendor, device_id)
+        family, variant, name, _warning = gpus.gpu_identity(vendor, device_id)
         driver_link = device / "driver"
         driver = os.path.basename(os.readlink(driver_link)) if driver_link.is_symlink() else None
         renders = sorted(path.name for path in device.glob("drm/renderD*"))
         card_dirs = sorted(device.glob("drm/card*"))
-        vram = telemetry.probe_memory_total(card_dirs[0]) if card_dirs else None
+        vram = gpus.probe_memory_total(card_dirs[0]) if card_dirs else None
         bdf = device.name
         openvino = _openvino_device(listing, bdf)
         facts.append(CardFacts(

@@ -11,6 +11,7 @@ from appliance.config import ModelConfig
 from appliance.front.lifecycle import Exit, ExitReason
 from appliance.front.request import RequestFailed
 from appliance.host import faults, gpus, telemetry
+from appliance.host.kernel_log import KernelLog
 
 # Worker error kinds that are the request's fault: HTTP 400.
 CLIENT_ERROR_KINDS = ("invalid_request", "invalid_grammar")
@@ -19,7 +20,7 @@ CLIENT_ERROR_KINDS = ("invalid_request", "invalid_grammar")
 class DeviceFaults:
     """One model's view of the kernel log (None: not read, as in tests without one)."""
 
-    def __init__(self, model: ModelConfig, kernel_log: telemetry.KernelLog | None):
+    def __init__(self, model: ModelConfig, kernel_log: KernelLog | None):
         self.model = model
         self.kernel_log = kernel_log
         # The PCI address of the worker's card, as its device probe resolved `GPU.N` (the ready frame's

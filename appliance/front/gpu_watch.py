@@ -18,6 +18,7 @@ from appliance.front.device_faults import sole_card
 from appliance.front.gpu_sentinel import GpuSentinel
 from appliance.front.metrics import Metrics
 from appliance.host import telemetry
+from appliance.host.kernel_log import KernelLog
 
 log = logging.getLogger("openarc.server")  # the name these lines always had in the log
 
@@ -35,7 +36,7 @@ class GpuWatch:
         self.on_mitigation = on_mitigation
         self.sentinel = GpuSentinel()  # card-level mitigations (SDPA off after repeated hangs)
         # GPU resets and OOM kills, for the metrics and for classifying a worker's failure
-        self.kernel_log = telemetry.KernelLog(os.environ.get(KMSG_PATH_ENV, "/dev/kmsg"), on_reset=self.on_reset,
+        self.kernel_log = KernelLog(os.environ.get(KMSG_PATH_ENV, "/dev/kmsg"), on_reset=self.on_reset,
                                               on_event=self.on_event)
 
     def on_reset(self, event: telemetry.GpuEvent) -> None:

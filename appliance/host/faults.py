@@ -165,7 +165,7 @@ def classify_exit(returncode: int, *, during_load: bool = False, oom_killed: boo
     """Classify a worker death (Popen.returncode: negative = killed by that signal).
 
     `oom_killed`: appliance.host.oom said the kernel OOM killer chose it; `gpu_reset_seen`: the kernel
-    log reported a GPU hang/reset shortly before (appliance.host.telemetry.KernelLog.gpu_trouble), of a
+    log reported a GPU hang/reset shortly before (appliance.host.kernel_log.KernelLog.gpu_trouble), of a
     card of `pci_family` where known (for its family's hint).
     """
     observed = (signal_name(returncode), during_load, oom_killed, gpu_reset_seen)

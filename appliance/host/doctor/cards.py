@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.host import gpus, telemetry
+from appliance.host.kernel_log import KmsgRecord
 from appliance.host.doctor import Check, fail, ok, skip, warn
 from appliance.host.doctor.box import Box, kernel_version
 
@@ -115,7 +116,7 @@ def _openvino_device(listing: dict[str, Any] | None, bdf: str) -> dict[str, Any]
     return next((device for device in (listing or {}).get("devices", []) if device.get("pci") == bdf), {})
 
 
-def firmware_from_log(records: list[telemetry.KmsgRecord], bdf: str) -> dict[str, str]:
+def firmware_from_log(records: list[KmsgRecord], bdf: str) -> dict[str, str]:
     """What the kernel log says of the card's GuC/HuC firmware: a version, or why it did not load (latest wins)."""
     firmware: dict[str, str] = {}
     for record in records:

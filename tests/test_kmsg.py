@@ -1,5 +1,5 @@
 """The kernel log: kmsg records, KmsgWatcher and KernelLog (appliance.host.kernel_log) on regular files, FIFOs and
-the real /dev/kmsg; i915/xe hang lines and reset counting (appliance.host.telemetry)."""
+the real /dev/kmsg; i915/xe hang lines and reset counting (appliance.host.gpu_events)."""
 
 import errno
 import logging
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from appliance.host.kernel_log import GPU_TROUBLE_RECENT_S, KernelLog, KmsgWatcher, oom_killed_pid, parse_kmsg_record
-from appliance.host.telemetry import RESET_WINDOW_US, ResetDeduper, detect_gpu_event
+from appliance.host.gpu_events import RESET_WINDOW_US, ResetDeduper, detect_gpu_event
 from conftest import run_as_nobody
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
@@ -312,7 +312,7 @@ def test_real_dev_kmsg_refused_to_an_unprivileged_user():
         "watcher = KmsgWatcher()\n"
         "print(watcher.poll(), watcher.poll(), watcher.unavailable)\n"
     )
-    result = run_as_nobody(code, "host/kernel_log", "host/telemetry")
+    result = run_as_nobody(code, "host/kernel_log", "host/gpu_events", "host/telemetry")
     restricted = Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() == "1"
     assert result.returncode == 0, result.stderr
     if restricted:

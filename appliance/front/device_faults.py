@@ -10,7 +10,8 @@ from typing import Any
 from appliance.config import ModelConfig
 from appliance.front.lifecycle import Exit, ExitReason
 from appliance.front.request import RequestFailed
-from appliance.host import faults, gpus, telemetry
+from appliance.host import faults, gpus
+from appliance.host.gpu_events import GpuEvent
 from appliance.host.kernel_log import KernelLog
 
 # Worker error kinds that are the request's fault: HTTP 400.
@@ -27,7 +28,7 @@ class DeviceFaults:
         # device_bdf); None until a worker said it.
         self.card: str | None = None
 
-    def trouble(self) -> telemetry.GpuEvent | None:
+    def trouble(self) -> GpuEvent | None:
         """The GPU hang or reset the kernel logged lately on this model's card, for a model on a GPU: a reset
         of another card is not this worker's. Where the card is unknown, a reset of any card."""
         if self.kernel_log is None or "GPU" not in self.model.device.upper():
@@ -68,10 +69,10 @@ def sole_card() -> str | None:
     return cards[0] if len(cards) == 1 else None
 
 
-def gpu_family(event: telemetry.GpuEvent) -> str | None:
+def gpu_family(event: GpuEvent) -> str | None:
     """The family ("DG2", "BMG") of the card a kernel GPU event names, for its known-issue hint."""
     return next((gpu.family for gpu in gpus.list_gpus() if gpu.bdf == event.bdf), None)
 
 
-def describe_gpu_trouble(event: telemetry.GpuEvent) -> str:
+def describe_gpu_trouble(event: GpuEvent) -> str:
     return f"GPU {event.kind} on {event.bdf or 'an unnamed card'} in the kernel log: {event.text}"

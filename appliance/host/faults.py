@@ -77,7 +77,7 @@ _ERROR_RULES = tuple(
         (r"(?<!\d)18790481(?:93|98)(?!\d)|[ZU][ER]_RESULT_ERROR_DEVICE_(?:LOST|REQUIRES_RESET)", _DEVICE_LOST),
         # ze_api.h OUT_OF_DEVICE_MEMORY 0x70000003.
         (r"(?<!\d)1879048195(?!\d)|[ZU][ER]_RESULT_ERROR_OUT_OF_DEVICE_MEMORY", _DEVICE_OOM),
-        # Kernel hang/reset lines (i915 / xe, see appliance/host/telemetry.py) quoted in a message.
+        # Kernel hang/reset lines (i915 / xe, see appliance/host/gpu_events.py) quoted in a message.
         (r"GPU HANG: ecode|Fence expiration time out|context reset due to GPU hang"
          r"|Resetting chip for|declared device \S+ as wedged|device wedged", _DEVICE_LOST),
         # openvino.genai continuous_batching: the scheduler could not fit the request in the KV cache.

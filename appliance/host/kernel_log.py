@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.host.telemetry import RESET_WINDOW_US, GpuEvent, ResetDeduper, detect_gpu_event
+from appliance.host.gpu_events import RESET_WINDOW_US, GpuEvent, ResetDeduper, detect_gpu_event
 
 log = logging.getLogger(__name__)
 

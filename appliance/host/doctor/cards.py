@@ -5,7 +5,7 @@ minimum, Resizable BAR (the VRAM BAR's size against the VRAM), GuC/HuC firmware.
 
 Sources: sysfs PCI attributes (Documentation/ABI/testing/sysfs-bus-pci; `resource` is pci-sysfs.c resource_show,
 one "0x%016llx 0x%016llx 0x%016llx" line of start, end and flags per resource), the PCI id table of
-appliance.host.telemetry, the firmware lines of i915 intel_uc_fw.c / intel_uc.c and xe xe_uc_fw.c / xe_guc.c.
+appliance.host.gpus, the firmware lines of i915 intel_uc_fw.c / intel_uc.c and xe xe_uc_fw.c / xe_guc.c.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.host import gpus, telemetry
+from appliance.host import gpu_events, gpus, telemetry
 from appliance.host.kernel_log import KmsgRecord
 from appliance.host.doctor import Check, fail, ok, skip, warn
 from appliance.host.doctor.box import Box, kernel_version
@@ -120,7 +120,7 @@ def firmware_from_log(records: list[KmsgRecord], bdf: str) -> dict[str, str]:
     """What the kernel log says of the card's GuC/HuC firmware: a version, or why it did not load (latest wins)."""
     firmware: dict[str, str] = {}
     for record in records:
-        parsed = telemetry.drm_message(record.text)
+        parsed = gpu_events.drm_message(record.text)
         if not parsed or parsed[1] != bdf:
             continue
         message = parsed[2]

@@ -92,7 +92,7 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
 
 
 def run_as_nobody(code: str, *modules: str) -> subprocess.CompletedProcess:
-    """Run Python `code` as user nobody with copies of the named appliance modules importable ("host/telemetry",
+    """Run Python `code` as user nobody with copies of the named appliance modules importable ("host/kernel_log",
     "host/oom"): the checkout and pytest's tmp dirs may be private to root. Needs root."""
     root = Path(tempfile.mkdtemp(prefix="openarc-modules-"))
     try:

@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from appliance.host.telemetry import parse_uevent
+from appliance.host.gpus import parse_uevent
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DOCTOR = FIXTURES / "doctor"

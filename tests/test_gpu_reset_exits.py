@@ -22,7 +22,7 @@ from appliance.front.lifecycle import Exit, ExitReason, ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.model_supervisor import ModelSupervisor
 from appliance.front.request import Request, RequestFailed
-from appliance.host.telemetry import KernelLog
+from appliance.host.kernel_log import KernelLog
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 OCL_OUT_OF_RESOURCES = (FIXTURES / "errors/ocl-5-clflush-openvino35528.txt").read_text()

@@ -17,7 +17,7 @@ import yaml
 from appliance.config import load_config, worker_spec
 from appliance.front.gpu_sentinel import (INCIDENT_GAP_S, MITIGATION_WINDOW_S, SDPA_OFF, CardEvent, GpuSentinel,
                                           decide)
-from appliance.host.telemetry import KernelLog
+from appliance.host.kernel_log import KernelLog
 from conftest import http, model_entry, wait_until
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"

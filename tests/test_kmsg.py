@@ -1,5 +1,5 @@
-"""Kernel-log side of appliance.host.telemetry: kmsg records, i915/xe hang lines, reset counting
-and KmsgWatcher on regular files, FIFOs and the real /dev/kmsg."""
+"""The kernel log: kmsg records, KmsgWatcher and KernelLog (appliance.host.kernel_log) on regular files, FIFOs and
+the real /dev/kmsg; i915/xe hang lines and reset counting (appliance.host.gpu_events)."""
 
 import errno
 import logging
@@ -9,16 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.host.telemetry import (
-    GPU_TROUBLE_RECENT_S,
-    RESET_WINDOW_US,
-    KernelLog,
-    KmsgWatcher,
-    ResetDeduper,
-    detect_gpu_event,
-    oom_killed_pid,
-    parse_kmsg_record,
-)
+from appliance.host.kernel_log import GPU_TROUBLE_RECENT_S, KernelLog, KmsgWatcher, oom_killed_pid, parse_kmsg_record
+from appliance.host.gpu_events import RESET_WINDOW_US, ResetDeduper, detect_gpu_event
 from conftest import run_as_nobody
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
@@ -297,7 +289,7 @@ def test_fifo_with_records_split_across_writes(tmp_path):
 
 
 def test_missing_source_is_reported_once(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="appliance.host.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="appliance.host.kernel_log"):
         watcher = KmsgWatcher(tmp_path / "no-such-kmsg")
         assert [watcher.poll(), watcher.poll(), watcher.poll_records()] == [[], [], []]
     assert "No such file or directory" in watcher.unavailable
@@ -305,7 +297,7 @@ def test_missing_source_is_reported_once(tmp_path, caplog):
 
 
 def test_unreadable_source_is_reported_once(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="appliance.host.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="appliance.host.kernel_log"):
         watcher = KmsgWatcher(tmp_path)  # a directory opens, but read() fails (EISDIR or EINVAL)
         assert [watcher.poll(), watcher.poll()] == [[], []]
     assert watcher.unavailable.startswith(f"cannot read {tmp_path}: ")
@@ -316,11 +308,11 @@ def test_unreadable_source_is_reported_once(tmp_path, caplog):
 def test_real_dev_kmsg_refused_to_an_unprivileged_user():
     # kernel.dmesg_restrict=1 (or no CAP_SYSLOG) makes open(/dev/kmsg) fail with EPERM.
     code = (
-        "from appliance.host.telemetry import KmsgWatcher\n"
+        "from appliance.host.kernel_log import KmsgWatcher\n"
         "watcher = KmsgWatcher()\n"
         "print(watcher.poll(), watcher.poll(), watcher.unavailable)\n"
     )
-    result = run_as_nobody(code, "host/telemetry")
+    result = run_as_nobody(code, "host/kernel_log", "host/gpu_events", "host/telemetry")
     restricted = Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() == "1"
     assert result.returncode == 0, result.stderr
     if restricted:
@@ -347,7 +339,7 @@ def test_overrun_is_counted_and_reading_goes_on(tmp_path, monkeypatch, caplog):
     with KmsgWatcher(source) as watcher:
         append(source, fixture("kmsg/i915-a770-guc-hang.kmsg"))
         monkeypatch.setattr(os, "read", read_after_an_overrun)
-        with caplog.at_level(logging.WARNING, logger="appliance.host.telemetry"):
+        with caplog.at_level(logging.WARNING, logger="appliance.host.kernel_log"):
             events = watcher.poll()
     assert watcher.overruns == 1 and watcher.unavailable is None
     assert sum(event.counts_as_reset for event in events) == 1

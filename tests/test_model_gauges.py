@@ -66,7 +66,7 @@ def test_only_the_serving_worker_writes_the_models_gauges(tmp_path, demo_model):
 
 
 def test_a_gpu_workers_buffers_by_region_become_the_models_device_memory_gauge(tmp_path, demo_model):
-    """The telemetry a GPU worker sends from its DRM fdinfo (appliance.host.telemetry.device_memory_regions, tested
+    """The telemetry a GPU worker sends from its DRM fdinfo (appliance.host.device_memory.device_memory_regions, tested
     on recorded xe and i915 files in test_telemetry.py) as openarc_model_device_memory_bytes{model,region}."""
     config = one_model_config(tmp_path, demo_model)
 

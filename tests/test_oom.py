@@ -19,7 +19,7 @@ import pytest
 from appliance.host import oom
 from appliance.host.faults import LOAD_OOM_KILL_HINT, OOM_KILL_HINT
 from appliance.host.oom import OomCounter, OomWatch, memory_cgroup_counter
-from appliance.host.telemetry import KernelLog, KmsgWatcher, oom_killed_pid
+from appliance.host.kernel_log import KernelLog, KmsgWatcher, oom_killed_pid
 from appliance.worker.main import LOAD_HOG_ENV
 from conftest import model_entry, pid_alive, run_as_nobody, wait_until
 from memcg import MemoryCgroup

@@ -1,4 +1,5 @@
-"""appliance.host.telemetry readers for fdinfo, OpenVINO statistics, sysfs and RSS.
+"""The readers of appliance.host.device_memory (fdinfo, OpenVINO statistics), appliance.host.gpus (sysfs) and
+appliance.host.telemetry (RSS).
 
 Fake /proc and /sys trees are built under tmp_path from the recorded samples in
 tests/fixtures/gpu (see its README); a few tests read this machine's real /proc.
@@ -11,19 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from appliance.host.telemetry import (
+from appliance.host.device_memory import (
     DrmClient,
-    GpuInfo,
     device_memory_regions,
     device_memory_used,
-    list_gpus,
     parse_fdinfo,
     parse_gpu_memory_statistics,
     parse_size,
-    parse_uevent,
-    process_rss_bytes,
     read_drm_clients,
 )
+from appliance.host.gpus import GpuInfo, list_gpus, parse_uevent
+from appliance.host.telemetry import process_rss_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 KiB, MiB = 1 << 10, 1 << 20
@@ -219,7 +218,7 @@ def test_list_gpus_identifies_arc_cards(sys_root, caplog):
     (b580 / "tile0/physical_vram_size_bytes").write_text("12226592768\n")  # xe_tile_sysfs.c
     make_card(sys_root, 2, fixture("sysfs/virtio-gpu.uevent"))
     make_card(sys_root, 10, fixture("sysfs/intel-unknown-dg2-range.uevent"))
-    with caplog.at_level(logging.WARNING, logger="appliance.host.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="appliance.host.gpus"):
         gpus = list_gpus(sys_root)
     assert gpus == [
         GpuInfo("card0", "0000:03:00.0", 0x8086, 0x56A0, "i915", "renderD128", "DG2", "DG2-G10", "Intel Arc A770",

@@ -10,7 +10,9 @@ from typing import Any
 from appliance.config import ModelConfig
 from appliance.front.lifecycle import Exit, ExitReason
 from appliance.front.request import RequestFailed
-from appliance.host import faults, telemetry
+from appliance.host import faults, gpus
+from appliance.host.gpu_events import GpuEvent
+from appliance.host.kernel_log import KernelLog
 
 # Worker error kinds that are the request's fault: HTTP 400.
 CLIENT_ERROR_KINDS = ("invalid_request", "invalid_grammar")
@@ -19,14 +21,14 @@ CLIENT_ERROR_KINDS = ("invalid_request", "invalid_grammar")
 class DeviceFaults:
     """One model's view of the kernel log (None: not read, as in tests without one)."""
 
-    def __init__(self, model: ModelConfig, kernel_log: telemetry.KernelLog | None):
+    def __init__(self, model: ModelConfig, kernel_log: KernelLog | None):
         self.model = model
         self.kernel_log = kernel_log
         # The PCI address of the worker's card, as its device probe resolved `GPU.N` (the ready frame's
         # device_bdf); None until a worker said it.
         self.card: str | None = None
 
-    def trouble(self) -> telemetry.GpuEvent | None:
+    def trouble(self) -> GpuEvent | None:
         """The GPU hang or reset the kernel logged lately on this model's card, for a model on a GPU: a reset
         of another card is not this worker's. Where the card is unknown, a reset of any card."""
         if self.kernel_log is None or "GPU" not in self.model.device.upper():
@@ -63,14 +65,14 @@ class DeviceFaults:
 
 def sole_card() -> str | None:
     """The PCI address of the machine's only GPU card, if it has exactly one (then every GPU.N is it)."""
-    cards = [gpu.bdf for gpu in telemetry.list_gpus() if gpu.bdf]
+    cards = [gpu.bdf for gpu in gpus.list_gpus() if gpu.bdf]
     return cards[0] if len(cards) == 1 else None
 
 
-def gpu_family(event: telemetry.GpuEvent) -> str | None:
+def gpu_family(event: GpuEvent) -> str | None:
     """The family ("DG2", "BMG") of the card a kernel GPU event names, for its known-issue hint."""
-    return next((gpu.family for gpu in telemetry.list_gpus() if gpu.bdf == event.bdf), None)
+    return next((gpu.family for gpu in gpus.list_gpus() if gpu.bdf == event.bdf), None)
 
 
-def describe_gpu_trouble(event: telemetry.GpuEvent) -> str:
+def describe_gpu_trouble(event: GpuEvent) -> str:
     return f"GPU {event.kind} on {event.bdf or 'an unnamed card'} in the kernel log: {event.text}"

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from appliance.config import Config, ModelConfig
-from appliance.host import telemetry
+from appliance.host import gpu_events
 
 SDPA_OFF = "sdpa_off"
 SDPA_PROPERTY = "GPU_ENABLE_SDPA_OPTIMIZATION"
@@ -28,8 +28,8 @@ MITIGATION_EVENTS = 3
 MITIGATION_WINDOW_S = 3600.0
 # Kernel lines of one incident (fence timeout, GPU HANG, guilty context, reset; xe: timed-out job, engine reset,
 # GT reset) arrive within seconds: lines on a card closer than this to the incident's first are the same incident
-# (the kernel log's reset window, telemetry.RESET_WINDOW_US).
-INCIDENT_GAP_S = telemetry.RESET_WINDOW_US / 1e6
+# (the kernel log's reset window, gpu_events.RESET_WINDOW_US).
+INCIDENT_GAP_S = gpu_events.RESET_WINDOW_US / 1e6
 # The kernel log's kinds that are a hang of the card (context lines such as dumps are not).
 HANG_KINDS = ("fence_timeout", "hang", "reset", "wedged")
 
@@ -104,7 +104,7 @@ class GpuSentinel:
         self.reasons: dict[tuple[str, str], str] = {}  # (card, mitigation) -> why it was turned on
         self.mitigated: dict[str, str | None] = {}  # model -> its card: restarted under a mitigation, kept on reloads
 
-    def observe(self, event: telemetry.GpuEvent) -> list[Mitigation]:
+    def observe(self, event: gpu_events.GpuEvent) -> list[Mitigation]:
         """A GPU line of the kernel log; the mitigations it turns on (each once per card)."""
         if event.kind not in HANG_KINDS or not event.bdf:
             return []

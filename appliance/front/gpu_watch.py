@@ -17,7 +17,8 @@ from appliance.config import Config
 from appliance.front.device_faults import sole_card
 from appliance.front.gpu_sentinel import GpuSentinel
 from appliance.front.metrics import Metrics
-from appliance.host import telemetry
+from appliance.host.gpu_events import GpuEvent
+from appliance.host.kernel_log import KernelLog
 
 log = logging.getLogger("openarc.server")  # the name these lines always had in the log
 
@@ -35,14 +36,14 @@ class GpuWatch:
         self.on_mitigation = on_mitigation
         self.sentinel = GpuSentinel()  # card-level mitigations (SDPA off after repeated hangs)
         # GPU resets and OOM kills, for the metrics and for classifying a worker's failure
-        self.kernel_log = telemetry.KernelLog(os.environ.get(KMSG_PATH_ENV, "/dev/kmsg"), on_reset=self.on_reset,
+        self.kernel_log = KernelLog(os.environ.get(KMSG_PATH_ENV, "/dev/kmsg"), on_reset=self.on_reset,
                                               on_event=self.on_event)
 
-    def on_reset(self, event: telemetry.GpuEvent) -> None:
+    def on_reset(self, event: GpuEvent) -> None:
         log.error("GPU %s on %s: %s", event.kind, event.bdf or "?", event.text)
         self.metrics.gpu_resets.labels(device=event.bdf or "unknown").inc()
 
-    def on_event(self, event: telemetry.GpuEvent) -> None:
+    def on_event(self, event: GpuEvent) -> None:
         """A hang line of the kernel log: the sentinel counts it per card; a mitigation it turns on restarts that
         card's workers (gpu_sentinel)."""
         for mitigation in self.sentinel.observe(event):

@@ -19,7 +19,7 @@ from appliance.front.metrics import Metrics
 from appliance.front.request import Event, Request
 from appliance.front.routing import REQUEST_OPS, RequestRouter
 from appliance.front.worker_life import WorkerLife
-from appliance.host import telemetry
+from appliance.host.kernel_log import KernelLog
 from appliance.ipc import ProtocolError
 from appliance.config.launch_spec import worker_spec
 from appliance.config.kinds import GENERATIVE_KINDS
@@ -33,7 +33,7 @@ class ModelSupervisor:
     """One model: its worker's life, and the requests routed to it."""
 
     def __init__(self, model: ModelConfig, config: Config, metrics: Metrics, load_gate: asyncio.Semaphore,
-                 on_change: Callable[[], None] = lambda: None, kernel_log: telemetry.KernelLog | None = None):
+                 on_change: Callable[[], None] = lambda: None, kernel_log: KernelLog | None = None):
         self.model = model
         self.name = model.name
         self.metrics = metrics

@@ -30,7 +30,7 @@ from appliance.front import residency
 from appliance.front.lifecycle import ModelState
 from appliance.front.model_supervisor import ModelSupervisor
 from appliance.front.request import RequestFailed
-from appliance.host import telemetry
+from appliance.host import device_memory, telemetry
 
 if TYPE_CHECKING:
     from appliance.front.supervisor import Supervisor
@@ -356,5 +356,5 @@ def measure_footprint(sup: ModelSupervisor) -> int | None:
     if sup.life.pid is None:
         return None
     if budget_device(sup.model.device).startswith("GPU"):
-        return sum(telemetry.device_memory_used([sup.life.pid]).values()) or None
+        return sum(device_memory.device_memory_used([sup.life.pid]).values()) or None
     return telemetry.process_rss_bytes(sup.life.pid) or None

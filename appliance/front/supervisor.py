@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 
-from appliance.host import telemetry
+from appliance.host.kernel_log import KernelLog
 from appliance.config import Config, ModelConfig
 from appliance.front import residency
 from appliance.front.lifecycle import Changes, ModelState
@@ -33,7 +33,7 @@ log = logging.getLogger("openarc.supervisor")
 class Supervisor:
     """All models of this process; the front's only door to them."""
 
-    def __init__(self, config: Config, metrics: Metrics, kernel_log: telemetry.KernelLog | None = None):
+    def __init__(self, config: Config, metrics: Metrics, kernel_log: KernelLog | None = None):
         self.config = config
         self.metrics = metrics
         self.kernel_log = kernel_log

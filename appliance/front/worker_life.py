@@ -27,7 +27,8 @@ from appliance.front.metrics import Metrics, ModelMetrics
 from appliance.front.request import RequestFailed, shutting_down
 from appliance.front.routing import RequestRouter
 from appliance.front.worker_process import SHUTDOWN_GRACE_S, WorkerProcess
-from appliance.host import faults, telemetry
+from appliance.host import faults
+from appliance.host.kernel_log import KernelLog
 from appliance.ipc import ProtocolError
 from appliance.config.model_checks import served_path_check
 
@@ -53,7 +54,7 @@ class WorkerLife:
                  load_gate: asyncio.Semaphore, router: RequestRouter,
                  on_frame: Callable[[dict[str, Any]], None],
                  on_state: Callable[[ModelState, ModelState], None],
-                 kernel_log: telemetry.KernelLog | None = None):
+                 kernel_log: KernelLog | None = None):
         self.model, self.name, self.spec = model, model.name, spec
         self.metrics, self.series = metrics, series
         self.load_gate = load_gate

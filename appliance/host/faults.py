@@ -77,7 +77,7 @@ _ERROR_RULES = tuple(
         (r"(?<!\d)18790481(?:93|98)(?!\d)|[ZU][ER]_RESULT_ERROR_DEVICE_(?:LOST|REQUIRES_RESET)", _DEVICE_LOST),
         # ze_api.h OUT_OF_DEVICE_MEMORY 0x70000003.
         (r"(?<!\d)1879048195(?!\d)|[ZU][ER]_RESULT_ERROR_OUT_OF_DEVICE_MEMORY", _DEVICE_OOM),
-        # Kernel hang/reset lines (i915 / xe, see appliance/host/telemetry.py) quoted in a message.
+        # Kernel hang/reset lines (i915 / xe, see appliance/host/gpu_events.py) quoted in a message.
         (r"GPU HANG: ecode|Fence expiration time out|context reset due to GPU hang"
          r"|Resetting chip for|declared device \S+ as wedged|device wedged", _DEVICE_LOST),
         # openvino.genai continuous_batching: the scheduler could not fit the request in the KV cache.
@@ -108,7 +108,7 @@ def classify_error(
     """Classify an error message.
 
     `device` is the configured OpenVINO device (used in hints), `pci_family` the card's
-    family from telemetry.list_gpus ("DG2", "BMG", "other"). Set `gpu_reset_seen` when the
+    family from gpus.list_gpus ("DG2", "BMG", "other"). Set `gpu_reset_seen` when the
     kernel log reported a hang/reset of that card around the failure: a kernel that hung
     also ends in CL_OUT_OF_RESOURCES, so the error is then the reset, not an out-of-memory.
     """
@@ -165,7 +165,7 @@ def classify_exit(returncode: int, *, during_load: bool = False, oom_killed: boo
     """Classify a worker death (Popen.returncode: negative = killed by that signal).
 
     `oom_killed`: appliance.host.oom said the kernel OOM killer chose it; `gpu_reset_seen`: the kernel
-    log reported a GPU hang/reset shortly before (appliance.host.telemetry.KernelLog.gpu_trouble), of a
+    log reported a GPU hang/reset shortly before (appliance.host.kernel_log.KernelLog.gpu_trouble), of a
     card of `pci_family` where known (for its family's hint).
     """
     observed = (signal_name(returncode), during_load, oom_killed, gpu_reset_seen)

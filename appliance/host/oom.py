@@ -5,7 +5,7 @@ A worker the OOM killer chose dies of SIGKILL, like one killed by anyone else. W
     `memory.oom_control` on cgroup v1 (mm/memcontrol.c). The kernel raises it before it sends the SIGKILL
     (oom_kill.c __oom_kill_process: "Raise event before sending signal: task reaper must see this"), so it is
     already up when the front reaps the worker;
-  - the kernel log's "Killed process PID" line (appliance.host.telemetry.KernelLog), where the log is readable.
+  - the kernel log's "Killed process PID" line (appliance.host.kernel_log.KernelLog), where the log is readable.
     It is printed just after the SIGKILL, so the front may reap the worker a moment before the line arrives.
 
 An `OomWatch` is taken when a worker is spawned (which counter, its value then) and asked once the worker is
@@ -112,7 +112,7 @@ def memory_cgroup_counter(pid: int | str, proc_root: str | Path = "/proc") -> Oo
 
 
 class OomKillLog(Protocol):
-    """What the kernel log says about OOM kills (appliance.host.telemetry.KernelLog)."""
+    """What the kernel log says about OOM kills (appliance.host.kernel_log.KernelLog)."""
 
     def oom_killed(self, pid: int) -> bool: ...
 

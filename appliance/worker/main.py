@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from appliance.host import faults, oom, telemetry
+from appliance.host import device_memory, faults, gpus, oom, telemetry
 from appliance.worker.engines import load_engine
 from appliance.worker.engines.base import Engine
 from appliance.ipc import BlockingChannel, frame
@@ -73,23 +73,23 @@ class DeviceProbe:
             self.total = int(self._core.get_property(self.device, "GPU_DEVICE_TOTAL_MEM_SIZE"))
         except Exception as exc:
             log.info("VRAM size of %s unknown to OpenVINO: %s", self.device, exc)
-        card = next((gpu for gpu in telemetry.list_gpus() if gpu.bdf == self.label), None)
+        card = next((gpu for gpu in gpus.list_gpus() if gpu.bdf == self.label), None)
         self.family = card.family if card else None
         if self.total is None and card:  # where OpenVINO cannot tell, the driver's sysfs may
             self.total = card.memory_total_bytes
 
     def regions(self, pid: int) -> dict[str, int]:
         """Where this worker's GPU buffers are resident ({vram, system} bytes; {} off the GPU): the eviction cliff."""
-        return telemetry.device_memory_regions([pid]) if self.label is not None else {}
+        return device_memory.device_memory_regions([pid]) if self.label is not None else {}
 
     def memory(self, pid: int) -> tuple[dict[str, int], dict[str, int]]:
         """(used, total) VRAM by device label."""
         if self.label is None:
             return {}, {}
-        used = telemetry.device_memory_used([pid])
+        used = device_memory.device_memory_used([pid])
         if not used:
             stats = self._core.get_property(self.device, "GPU_MEMORY_STATISTICS")
-            used = {self.label: telemetry.parse_gpu_memory_statistics(stats)}
+            used = {self.label: device_memory.parse_gpu_memory_statistics(stats)}
         return used, ({self.label: self.total} if self.total else {})
 
 

@@ -13,14 +13,9 @@ import openvino as ov
 import pytest
 
 from appliance.host.faults import classify_error
-from appliance.host.telemetry import (
-    BDF,
-    INTEL_VENDOR_ID,
-    device_memory_used,
-    list_gpus,
-    parse_gpu_memory_statistics,
-    read_drm_clients,
-)
+from appliance.host.device_memory import device_memory_used, parse_gpu_memory_statistics, read_drm_clients
+from appliance.host.gpus import INTEL_VENDOR_ID, list_gpus
+from appliance.host.telemetry import BDF
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20

@@ -11,7 +11,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.host import telemetry
+from appliance.host import device_memory
+from appliance.host.kernel_log import KmsgRecord, KmsgWatcher
 
 # A recorded root may hold what `openarc doctor` learned from OpenVINO's child process on the box it was recorded
 # on (the child's JSON output), since a recorded root has no GPU to ask.
@@ -35,7 +36,7 @@ class Box:
     def __init__(self, root: str | Path = "/"):
         self.root = Path(root)
         self.recorded = self.root.resolve() != Path("/")
-        self._kmsg: list[telemetry.KmsgRecord] | None = None
+        self._kmsg: list[KmsgRecord] | None = None
 
     def path(self, absolute: str | Path) -> Path:
         """Where `absolute` (a path on the box) lies under the root."""
@@ -54,11 +55,11 @@ class Box:
         text = self.read("/proc/sys/kernel/osrelease")
         return text.strip() if text else None
 
-    def kernel_log(self) -> tuple[list[telemetry.KmsgRecord], str | None]:
+    def kernel_log(self) -> tuple[list[KmsgRecord], str | None]:
         """Every record in the kernel's ring buffer (from boot, while it still holds it), and why not, if it cannot
         be read (kernel.dmesg_restrict without CAP_SYSLOG). A recorded root holds it as a kmsg-format file."""
         if self._kmsg is None:
-            watcher = telemetry.KmsgWatcher(self.path("/dev/kmsg"), from_start=True)
+            watcher = KmsgWatcher(self.path("/dev/kmsg"), from_start=True)
             self._kmsg = [] if watcher.unavailable else watcher.poll_records()
             self._kmsg_unavailable = watcher.unavailable
             watcher.close()
@@ -90,7 +91,7 @@ class Box:
 
     def current_user(self) -> User:
         """Whoever runs doctor: uid and groups from /proc/self/status (Uid:, Gid:, Groups:)."""
-        fields = telemetry.parse_fdinfo(self.read("/proc/self/status") or "")
+        fields = device_memory.parse_fdinfo(self.read("/proc/self/status") or "")
         uid = int(fields.get("Uid", "0").split()[0])
         gids = {int(fields.get("Gid", "0").split()[0]), *map(int, fields.get("Groups", "").split())}
         name = next((row[0] for row in self._colon_file("/etc/passwd") if row[2] == str(uid)), str(uid))

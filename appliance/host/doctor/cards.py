@@ -5,7 +5,7 @@ minimum, Resizable BAR (the VRAM BAR's size against the VRAM), GuC/HuC firmware.
 
 Sources: sysfs PCI attributes (Documentation/ABI/testing/sysfs-bus-pci; `resource` is pci-sysfs.c resource_show,
 one "0x%016llx 0x%016llx 0x%016llx" line of start, end and flags per resource), the PCI id table of
-appliance.host.telemetry, the firmware lines of i915 intel_uc_fw.c / intel_uc.c and xe xe_uc_fw.c / xe_guc.c.
+appliance.host.gpus, the firmware lines of i915 intel_uc_fw.c / intel_uc.c and xe xe_uc_fw.c / xe_guc.c.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.host import telemetry
+from appliance.host import gpu_events, gpus, telemetry
+from appliance.host.kernel_log import KmsgRecord
 from appliance.host.doctor import Check, fail, ok, skip, warn
 from appliance.host.doctor.box import Box, kernel_version
 
@@ -115,11 +116,11 @@ def _openvino_device(listing: dict[str, Any] | None, bdf: str) -> dict[str, Any]
     return next((device for device in (listing or {}).get("devices", []) if device.get("pci") == bdf), {})
 
 
-def firmware_from_log(records: list[telemetry.KmsgRecord], bdf: str) -> dict[str, str]:
+def firmware_from_log(records: list[KmsgRecord], bdf: str) -> dict[str, str]:
     """What the kernel log says of the card's GuC/HuC firmware: a version, or why it did not load (latest wins)."""
     firmware: dict[str, str] = {}
     for record in records:
-        parsed = telemetry.drm_message(record.text)
+        parsed = gpu_events.drm_message(record.text)
         if not parsed or parsed[1] != bdf:
             continue
         message = parsed[2]
@@ -144,15 +145,15 @@ def card_facts(box: Box, listing: dict[str, Any] | None = None) -> list[CardFact
     records, unreadable = box.kernel_log()
     facts = []
     for device in _pci_dirs(box):
-        vendor, device_id = telemetry.read_hex(device / "vendor"), telemetry.read_hex(device / "device")
+        vendor, device_id = gpus.read_hex(device / "vendor"), gpus.read_hex(device / "device")
         if vendor is None or device_id is None:
             continue
-        family, variant, name, _warning = telemetry.gpu_identity(vendor, device_id)
+        family, variant, name, _warning = gpus.gpu_identity(vendor, device_id)
         driver_link = device / "driver"
         driver = os.path.basename(os.readlink(driver_link)) if driver_link.is_symlink() else None
         renders = sorted(path.name for path in device.glob("drm/renderD*"))
         card_dirs = sorted(device.glob("drm/card*"))
-        vram = telemetry.probe_memory_total(card_dirs[0]) if card_dirs else None
+        vram = gpus.probe_memory_total(card_dirs[0]) if card_dirs else None
         bdf = device.name
         openvino = _openvino_device(listing, bdf)
         facts.append(CardFacts(

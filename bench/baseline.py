@@ -28,7 +28,7 @@ class InProcess:
     def __init__(self, model_path: str, device: str = "CPU", properties: dict | None = None):
         import openvino_genai
         from appliance.config import ModelConfig
-        from appliance.worker.engines.llm import scheduler_config
+        from appliance.worker.engines.batching import scheduler_config
         self.og = openvino_genai
         started = time.monotonic()
         # the scheduler the server's worker runs (prefix caching, openarc's prefill chunk): the same on both sides

@@ -58,7 +58,7 @@ class InProcessGenai:
 
     def __init__(self, path: Path, settings: dict):
         import openvino_genai
-        from appliance.worker.engines.llm import scheduler_config
+        from appliance.worker.engines.batching import scheduler_config
         self.genai = openvino_genai
         self.pipe = openvino_genai.ContinuousBatchingPipeline(str(path), scheduler_config(settings), "CPU", {})
         self.tokenizer = self.pipe.get_tokenizer()

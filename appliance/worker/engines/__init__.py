@@ -28,6 +28,7 @@ def load_engine(spec: dict[str, Any], channel) -> Engine:
         return (SequentialVLMEngine if spec["pipeline"] == "stateful" else BatchingVLMEngine)(spec, channel)
     if kind != "llm":
         raise ValueError(f"this openarc has no worker for kind {kind!r}")
-    from appliance.worker.engines.llm import BatchingEngine, SequentialEngine
+    from appliance.worker.engines.batching import BatchingEngine
+    from appliance.worker.engines.stateful import SequentialEngine
     engine_cls = SequentialEngine if spec["pipeline"] == "stateful" else BatchingEngine
     return engine_cls(spec, channel)

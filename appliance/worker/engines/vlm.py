@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 
 from appliance.host import faults
-from appliance.worker.engines.llm import BatchingEngine, Request, SequentialEngine
+from appliance.worker.engines.batching import BatchingEngine
+from appliance.worker.engines.llm import Request
+from appliance.worker.engines.stateful import SequentialEngine
 from appliance.worker.prompt import INVALID_REQUEST, Refused
 
 INVALID_IMAGE = faults.Fault("invalid_request", "invalid_image", None, False)

@@ -326,6 +326,7 @@ ALONE_FILES = {"test_bench.py", "test_bench_constrained.py"}
 MACHINE_LOCKS = Path(tempfile.gettempdir()) / "openarc-tests-machine"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = XDIST_GROUPS.get(item.path.name)
@@ -343,6 +344,13 @@ def machine_share(request):
         yield
         return
     alone = request.node.get_closest_marker("alone") is not None
+    # Under `--dist loadgroup` a grouped test's id ends in `@group`: that is how xdist keeps a group on one worker.
+    # pytest 9.2 moved where a test keeps its id, and pytest-xdist 3.8 then renames a field nothing reads: every
+    # test was scheduled alone and the groups silently ran side by side (three podman builds into one storage).
+    if getattr(request.config.option, "loadgroup", False) and XDIST_GROUPS.get(request.node.path.name) \
+            and "@" not in request.node.nodeid:
+        pytest.fail("--dist loadgroup is not in effect: this pytest / pytest-xdist pair does not keep xdist groups "
+                    "together (pyproject.toml holds pytest below 9.2)", pytrace=False)
     MACHINE_LOCKS.mkdir(exist_ok=True)
     with open(MACHINE_LOCKS / "turnstile", "a") as turnstile, open(MACHINE_LOCKS / "machine", "a") as machine:
         fcntl.flock(turnstile, fcntl.LOCK_EX)

@@ -132,10 +132,15 @@ async def measure(quick: bool, peer: str | None = None, peer_model: str | None =
     return meta, figures(times, hit_ratio) + [headline(times, hit_ratio, quick)]
 
 
+def later_turns(per_turn: dict[int, list[float]]) -> list[float]:
+    """One side's times to first token of every turn after the first."""
+    return [x for turn, xs in per_turn.items() if turn > 1 for x in xs]
+
+
 def figures(times: dict[str, dict[int, list[float]]], hit_ratio: float) -> list[report.Figure]:
     out = []
     for side, per_turn in times.items():
-        first, later = per_turn[1], [x for turn, xs in per_turn.items() if turn > 1 for x in xs]
+        first, later = per_turn[1], later_turns(per_turn)
         for what, samples in (("turn 1", first), ("later turns", later)):
             median = statistics.median(samples) * 1000
             out.append(report.Figure(f"TTFT {what}, {side} (median; lowest-highest)",
@@ -152,8 +157,7 @@ HEADLINE = "Warm sessions, later turns: time to first token, prefix cache on (de
 def headline(times: dict[str, dict[int, list[float]]], hit_ratio: float, quick: bool) -> report.Figure:
     """The main bench's row: the median time to first token of later turns with the default config against the same
     turns with prefix caching off, and the share of prompt tokens the cache served."""
-    warm, cold = (statistics.median(x for t, xs in times[side].items() if t > 1 for x in xs) * 1000
-                  for side in ("warm", "cold"))
+    warm, cold = (statistics.median(later_turns(times[side])) * 1000 for side in ("warm", "cold"))
     return report.Figure(HEADLINE, f"{warm:,.1f} ms / {cold:,.1f} ms (off / on: {cold / warm:.2f}x); "
                                    f"{hit_ratio:.0%} of prompt tokens served from the cache",
                          cold / warm, "x", f"{SESSIONS[quick]} sessions of {TURNS[quick]} turns interleaved, "

@@ -215,9 +215,8 @@ class RequestRouter:
         req.last_token = now
         self.series.tokens(req.ticket.key, req.ticket.priority).generation.inc(message["n"])
         req.ticket.count_tokens(message["n"])
-        if message.get("prompt_tokens") and not req.prompt_counted:  # tokens_per_minute counts the prompt now
-            req.ticket.count_tokens(message["prompt_tokens"])
-            req.prompt_counted = True
+        if message.get("prompt_tokens"):  # tokens_per_minute counts the prompt now
+            self._charge_prompt(req, message["prompt_tokens"])
         req.events.put_nowait(Event("tokens", text=message["text"], n=message["n"], logprobs=message.get("logprobs"),
                                     prompt_tokens=message.get("prompt_tokens", 0),
                                     cached_tokens=message.get("cached_tokens", 0)))
@@ -228,6 +227,11 @@ class RequestRouter:
         series = self.series.tokens(req.ticket.key, req.ticket.priority)
         series.prompt.inc(prompt_tokens - cached_tokens)
         series.cached_prompt.inc(cached_tokens)
+        self._charge_prompt(req, prompt_tokens)
+
+    @staticmethod
+    def _charge_prompt(req: Request, prompt_tokens: int) -> None:
+        """The request's prompt tokens against its key's tokens_per_minute, once (its first tokens, else its end)."""
         if not req.prompt_counted:
             req.ticket.count_tokens(prompt_tokens)
             req.prompt_counted = True

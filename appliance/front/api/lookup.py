@@ -28,8 +28,8 @@ async def model_for(appliance, name: str, call, kinds: tuple[str, ...]):
     """The supervisor of the model a request names (or reaches through an alias), if it exists for the
     request's key, is of a kind the route serves, the key's limits admit the request and the server is not
     draining, once the model is ready (Supervisor.ready_model waits out a load, a restart or a replacement, up
-    to the model's ready_wait_s); else the RequestFailed the client gets. A
-    background chat request for a model with a task_model goes to that. The answer keeps the name the client
+    to the model's ready_wait_s); else the RequestFailed the client gets. A background chat request for a model
+    with a task_model goes to that. The answer keeps the name the client
     asked for. `call`: the request as the route wrapper counts it (appliance.front.api.route.Call)."""
     sup = model_served(appliance, name, call, kinds)
     name = sup.model.name

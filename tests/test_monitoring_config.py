@@ -52,6 +52,7 @@ OPENARC_METRICS = {
     "openarc_tool_calls_total": ("counter", ("model",)),
     "openarc_structured_requests_total": ("counter", ("model", "kind")),
     "openarc_ignored_tools_total": ("counter", ("type",)),
+    "openarc_ignored_inputs_total": ("counter", ("endpoint", "type")),
     "openarc_embedding_inputs_total": ("counter", ("model",)),
     "openarc_audio_seconds_total": ("counter", ("model",)),
     "openarc_speech_audio_seconds_total": ("counter", ("model",)),

@@ -92,8 +92,13 @@ class Metrics:
         self.request_errors = Counter("openarc_request_errors", "Requests that ended in an error, by kind",
                                       ["model", "kind", "endpoint"], registry=r)
         self.tool_calls = Counter("openarc_tool_calls", "Tool calls returned to clients", ["model"], registry=r)
-        self.ignored_tools = Counter("openarc_ignored_tools", "Hosted tools (web_search, file_search, ...) a request "
-                                     "listed and the server left out, by tool type", ["type"], registry=r)
+        self.ignored_tools = Counter("openarc_ignored_tools", "Tools a request listed whose type the server cannot "
+                                     "run (hosted tools: web_search, file_search, ...; Anthropic's server tools) and "
+                                     "left out of the prompt, by tool type", ["type"], registry=r)
+        self.ignored_inputs = Counter("openarc_ignored_inputs", "Input items and content blocks of a type the model "
+                                      "does not need (a hosted tool's call, a server tool's result) that a request "
+                                      "carried and the server skipped, by endpoint and type", ["endpoint", "type"],
+                                      registry=r)
         self.structured_requests = Counter("openarc_structured_requests",
                                            "Requests whose output was constrained, by constraint kind",
                                            ["model", "kind"], registry=r)

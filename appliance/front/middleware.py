@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from aiohttp import web
 
 from appliance.front.api import messages, sse
 from appliance.front.api.errors import error_response
+from appliance.front.api.route import REFUSAL
 
 log = logging.getLogger("openarc.server")  # the name these lines always had in the log
 
-OPEN_ROUTES = {"/health", "/ready"}  # no key asked (probes carry none), nor on /metrics unless the config says so
+OPEN_ROUTES = {"/", "/health", "/ready"}  # no key asked (probes carry none), nor on /metrics unless the config says so
 
 
 class Middlewares:
@@ -36,13 +38,13 @@ class Middlewares:
         (the route wrapper sent the error event), any other body cut short."""
         sse.watch(request)
         try:
-            return await handler(request)
+            return refusal_logged(request, await handler(request))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as exc:
             stream, response = sse.opened(request), sse.prepared(request)
             if response is None:
-                return error_answer(request, exc, self.appliance.config.server.max_body_bytes)
+                return refusal_logged(request, error_answer(request, exc, self.appliance.config.server.max_body_bytes))
             log.error("%s after the answer of %s %s began", type(exc).__name__, request.method, request.path,
                       exc_info=exc)
             if stream is not None:
@@ -62,6 +64,32 @@ class Middlewares:
                                                  "x-api-key: ...)", "invalid_api_key")
             request["api_key"] = key
         return await handler(request)
+
+
+def refusal_logged(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """Every 4xx and 5xx a client is answered with leaves one line at info: the route, the status, the error's code
+    and param, the model and the key's name; never the body. The route wrapper notes what it knows (REFUSAL); an
+    error answered elsewhere (auth, no such route) is read from its own error body."""
+    if response.status < 400:
+        return response
+    noted = request.get(REFUSAL) or _error_fields(response)
+    key = request.get("api_key")
+    log.info("refused %s %s: %d code=%s param=%s model=%s key=%s", request.method, request.path, response.status,
+             noted.get("code") or "-", noted.get("param") or "-", noted.get("model") or "-",
+             key.name if key is not None else "-")
+    return response
+
+
+def _error_fields(response: web.StreamResponse) -> dict[str, Any]:
+    """The code and param of an error body in OpenAI's shape, or Anthropic's type ({} for anything else)."""
+    body = getattr(response, "body", None)
+    try:
+        error = json.loads(body).get("error") if isinstance(body, bytes) else None
+    except ValueError:
+        return {}
+    if not isinstance(error, dict):
+        return {}
+    return {"code": error.get("code") or error.get("type"), "param": error.get("param")}
 
 
 def error_answer(request: web.Request, exc: Exception, max_body_bytes: int) -> web.StreamResponse:

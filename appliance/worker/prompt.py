@@ -15,7 +15,7 @@ from typing import Any, Callable
 from appliance import chat_formats
 from appliance.host import faults
 from appliance.ipc import frame
-from appliance.worker import agent_noise
+from appliance.worker import agent_noise, system_turns
 from appliance.worker.engines.constraints import genai_message
 
 log = logging.getLogger("openarc.worker")
@@ -46,6 +46,10 @@ class Prompts:
                                                      chat_formats.detect_reasoning_parser(template)),
         }
         self.noise_logged = False  # the first agent-noise drop is logged, the rest are not
+        # how this template takes a system message in mid-conversation (appliance.worker.system_turns)
+        self.system_form = system_turns.placement(lambda messages: self.apply(messages))
+        log.info("model %s: a system message in mid-conversation is rendered as %s", spec.get("name"),
+                 system_turns.DESCRIPTIONS[self.system_form])
 
     def template_text(self) -> str:
         try:
@@ -89,11 +93,14 @@ class Prompts:
 
     def render(self, message: dict[str, Any]) -> str:
         """The chat prompt: messages (tool calls and results included), the tools, chat_template_kwargs."""
+        messages = system_turns.placed(self.canonical(message["messages"]), self.system_form)
+        return self.apply(messages, message.get("tools"), message.get("template_kwargs"))
+
+    def apply(self, messages: list[dict[str, Any]], tools: list | None = None, kwargs: dict | None = None) -> str:
+        """The template's text for these messages, as they are."""
         import openvino_genai
-        history = openvino_genai.ChatHistory(self.canonical(message["messages"]))
-        return self.tokenizer.apply_chat_template(history, add_generation_prompt=True,
-                                                  tools=message.get("tools") or None,
-                                                  extra_context=message.get("template_kwargs") or None)
+        return self.tokenizer.apply_chat_template(openvino_genai.ChatHistory(messages), add_generation_prompt=True,
+                                                  tools=tools or None, extra_context=kwargs or None)
 
     def canonical(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The messages without known agent noise (models[].canonicalize_agent_noise), so prefixes stay stable."""

@@ -38,6 +38,7 @@ class GenerationRequest:
     n: int = 1
     content: Content = field(default_factory=Content)  # the messages' image parts (appliance.front.api.images)
     images: list[dict[str, Any]] = field(default_factory=list)  # their pixel files, once resolved for the model
+    ignored_inputs: list[str] = field(default_factory=list)  # types of the input items / blocks skipped (counted)
 
     def frames(self) -> list[dict[str, Any]]:
         """One generate frame per choice: `n` choices are `n` requests batched together (genai's

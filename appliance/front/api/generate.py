@@ -248,13 +248,16 @@ def answer_parser(sup, req: GenerationRequest) -> AnswerParser | None:
 
 def note_constraint(call: Call, metrics, req: GenerationRequest) -> None:
     """A constrained request is counted, and a constraint genai cannot compile names the field it came from.
-    Hosted tools left out are counted, and logged once per type."""
+    Tools of a type the server cannot run, left out, are counted and logged once per type; input items and blocks
+    skipped are counted."""
     for kind in req.tools.ignored:
         metrics.ignored_tools.labels(type=kind).inc()
         if kind not in IGNORED_LOGGED:
             IGNORED_LOGGED.add(kind)
-            log.info("left out tools of type %s: the server cannot run hosted tools (counted in "
+            log.info("left out tools of type %s: the server cannot run tools of this type (counted in "
                      "openarc_ignored_tools_total, logged once per type)", kind)
+    for kind in req.ignored_inputs:
+        metrics.ignored_inputs.labels(endpoint=call.endpoint, type=kind).inc()
     if req.constraint:
         call.params["invalid_grammar"] = req.constraint["param"]
         metrics.structured_requests.labels(model=call.model, kind=req.constraint["kind"]).inc()

@@ -1,5 +1,5 @@
-"""The service's own routes, beside the model API: /health (liveness), /ready, /openarc/status, /metrics and
-/v1/models.
+"""The service's own routes, beside the model API: / (what this server is), /health (liveness), /ready,
+/openarc/status, /metrics and /v1/models.
 
 A route family like the others (`add_routes(app, appliance)`), so that the Appliance only owns the states these
 report (draining, the supervisor, the reasons it is unhealthy) and not how each one is shown. /health and /ready take
@@ -24,6 +24,7 @@ SYSTEM_ROOT_ENV = "OPENARC_DEBUG_SYSTEM_ROOT"
 
 def add_routes(app: web.Application, appliance) -> None:
     routes = HealthRoutes(appliance)
+    app.router.add_get("/", routes.root)  # and HEAD /, which Claude Code sends before a session
     app.router.add_get("/health", routes.health)
     app.router.add_get("/ready", routes.ready)
     app.router.add_get("/metrics", routes.metrics)
@@ -35,6 +36,11 @@ class HealthRoutes:
     def __init__(self, appliance):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, keys, metrics, draining, health
         self.card_facts: list[cards.CardFacts] | None = None  # what doctor checks per card, read once
+
+    async def root(self, request: web.Request) -> web.Response:
+        """What answers here: a client probing the root (Claude Code's `HEAD /`) or a person with a browser."""
+        return web.json_response({"name": "openarc", "version": __version__, "api": "/v1",
+                                  "models": "/v1/models", "health": "/health"})
 
     async def health(self, request: web.Request) -> web.Response:
         """Liveness, meaning what the systemd watchdog means: 503 once this service can no longer serve (every

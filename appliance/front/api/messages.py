@@ -5,11 +5,21 @@ Content blocks become chat turns the model's template renders: an assistant's `t
 a user's `tool_result` blocks tool results (before the user's text, as they answer the turn before), `thinking`
 blocks the assistant turn's reasoning_content. `thinking: {"type": "enabled"}` switches a template's
 `enable_thinking` on (off otherwise, as Claude does not think unless asked); what the model writes inside its think
-block comes back as `thinking` blocks either way.
+block comes back as `thinking` blocks either way (empty, with `thinking.display: "omitted"`).
+
+A `system` message inside `messages` (Anthropic's mid-conversation system messages) stays at its place: the worker
+renders it in the form the model's template takes there (appliance.worker.system_turns), never in the top system
+prompt, whose text would then change every turn. `output_config.effort` is accepted (a local model has one effort);
+`output_config.format` constrains the answer to its JSON schema. Tools with `defer_loading` are served like the
+others: their definitions go into the prompt. Tool types the server cannot run (Anthropic's server tools) are left
+out and counted, as the Responses route does with hosted tools; content block types that carry nothing the model
+reads (a server tool's result, a container upload) are skipped and counted; an image or a document, which the model
+would need, is a 400.
 """
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,11 +31,17 @@ from appliance.front.api.completions import GenerationRequest
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.route import ErrorShape
 from appliance.front.api.fields import flag, json_object, model_name, number, text, text_parts
+from appliance.front.api.structured import constraint as output_constraint
 from appliance.front.api.tools import ToolRequest, name_tool_results, parse_tools
 from appliance.front.request import Event, RequestFailed
 
 MAX_STOP_SEQUENCES = 8
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
+# Content blocks the model would need and this route cannot give it: a 400 rather than an answer without them.
+NEEDED_BLOCKS = ("image", "document", "search_result")
+CLIENT_TOOL = "custom"  # Anthropic's client tools (name, description, input_schema); every other type is a server's
+# The worker's too-long message (appliance.worker.engines.llm), read back for Anthropic's wording of it.
+TOO_LONG = re.compile(r"maximum context length is (\d+) tokens; the prompt has (\d+) tokens")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
@@ -42,10 +58,19 @@ class AnthropicErrors(ErrorShape):
     event_name = "error"
 
     def body(self, failure: RequestFailed, param: str | None) -> dict[str, Any]:
-        return error_body(failure.status, f"{failure.message} ({failure.hint})" if failure.hint else failure.message)
+        return error_body(failure.status, anthropic_message(failure))
 
 
 ANTHROPIC = AnthropicErrors()
+
+
+def anthropic_message(failure: RequestFailed) -> str:
+    """The error's message; a prompt over the window in Anthropic's documented words, which agent clients match to
+    compact the conversation and retry."""
+    too_long = TOO_LONG.search(failure.message) if failure.code == "context_length_exceeded" else None
+    if too_long:
+        return f"prompt is too long: {too_long[2]} tokens > {too_long[1]} maximum"
+    return f"{failure.message} ({failure.hint})" if failure.hint else failure.message
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
@@ -57,20 +82,35 @@ def error_response(status: int, message: str, code: str | None = None, param: st
 @dataclass
 class MessagesRequest:
     gen: GenerationRequest
+    thinking_omitted: bool = False  # thinking.display: omitted: thinking blocks come back empty
 
 
-def parse_conversation(body: Any) -> tuple[str, list[dict[str, Any]], ToolRequest, dict[str, Any]]:
-    """What a message and a token count share: the model, the chat turns (system first), the tools and the
-    template's keyword arguments."""
+@dataclass
+class Conversation:
+    """What a message and a token count share: the model, the chat turns (system first), the tools, the
+    template's keyword arguments and the content block types skipped (counted by the route)."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    tools: ToolRequest
+    template_kwargs: dict[str, Any]
+    skipped: list[str]
+
+
+def parse_conversation(body: Any) -> Conversation:
     model = model_name(body)
-    messages = _system(body.get("system")) + _messages(body.get("messages"))
+    skipped: list[str] = []
+    messages = _system(body.get("system")) + _messages(body.get("messages"), skipped)
     name_tool_results(messages)
-    tools = parse_tools(_chat_tools(body))
-    return model, messages, tools, {"enable_thinking": _thinking(body)}
+    tools = parse_tools(*_chat_tools(body))
+    _output_config(body.get("output_config"), "output_config")
+    return Conversation(model, messages, tools, {"enable_thinking": _thinking(body)}, skipped)
 
 
 def parse_messages(body: Any) -> MessagesRequest:
-    model, messages, tools, kwargs = parse_conversation(body)
+    conversation = parse_conversation(body)
+    model, messages, tools, kwargs = (conversation.model, conversation.messages, conversation.tools,
+                                      conversation.template_kwargs)
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         raise InvalidRequest("'max_tokens' is required", "max_tokens")
@@ -84,15 +124,21 @@ def parse_messages(body: Any) -> MessagesRequest:
         raise InvalidRequest("'thinking.budget_tokens' must be less than 'max_tokens'", "thinking.budget_tokens")
     if body.get("metadata") is not None:
         json_object(body["metadata"], "metadata")
+    tool_constraint, format_constraint = tools.constraint(), _format_constraint(body.get("output_config"))
+    if tool_constraint and format_constraint:
+        raise InvalidRequest("a forced tool call cannot be combined with 'output_config.format'",
+                             "output_config.format")
     gen = GenerationRequest(model, "chat", flag(body, "stream"), False, params, messages=messages, tools=tools,
-                            constraint=tools.constraint(), template_kwargs=kwargs)
-    return MessagesRequest(gen)
+                            constraint=tool_constraint or format_constraint, template_kwargs=kwargs,
+                            ignored_inputs=conversation.skipped)
+    return MessagesRequest(gen, _thinking_omitted(body))
 
 
 def count_frame(body: Any) -> tuple[str, dict[str, Any]]:
     """/v1/messages/count_tokens: the model, and the body of the worker's `request` frame that counts the prompt."""
-    model, messages, tools, kwargs = parse_conversation(body)
-    return model, {"messages": messages, "tools": tools.tools if tools.active else [], "template_kwargs": kwargs}
+    c = parse_conversation(body)
+    return c.model, {"messages": c.messages, "tools": c.tools.tools if c.tools.active else [],
+                     "template_kwargs": c.template_kwargs}
 
 
 def _system(system: Any) -> list[dict[str, Any]]:
@@ -107,37 +153,46 @@ def _blocks_text(content: Any, where: str) -> str:
     return text_parts(content, where, ("text",), "\n" if where == "system" else "")
 
 
-def _messages(messages: Any) -> list[dict[str, Any]]:
+def _messages(messages: Any, skipped: list[str]) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", "messages")
     turns: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise InvalidRequest(f"'{where}' must be an object with role user or assistant", f"{where}.role")
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise InvalidRequest(f"'{where}' must be an object with role user, assistant or system", f"{where}.role")
+        _output_config(message.get("output_config"), f"{where}.output_config")
         content = message.get("content")
+        if message["role"] == "system":  # at its place (see the module's docstring)
+            turns.append({"role": "system", "content": _blocks_text(content, f"{where}.content")})
+            continue
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise InvalidRequest(f"'{where}.content' must be a string or a list of content blocks", f"{where}.content")
-        turns += (_assistant(blocks, f"{where}.content") if message["role"] == "assistant"
-                  else _user(blocks, f"{where}.content"))
+        turns += (_assistant(blocks, f"{where}.content", skipped) if message["role"] == "assistant"
+                  else _user(blocks, f"{where}.content", skipped))
     return turns
 
 
-def _block(block: Any, where: str, allowed: tuple[str, ...]) -> str:
+def _block(block: Any, where: str, allowed: tuple[str, ...], skipped: list[str]) -> str | None:
+    """The block's type, or None for a type the model does not need (skipped, and noted in `skipped`)."""
     kind = block.get("type") if isinstance(block, dict) else None
-    if kind not in allowed:
+    if kind in allowed:
+        return kind
+    if not isinstance(kind, str) or kind in NEEDED_BLOCKS:
         raise InvalidRequest(f"'{where}.type' must be one of {', '.join(allowed)} (got {kind!r})", f"{where}.type")
-    return kind
+    skipped.append(kind)
+    return None
 
 
-def _user(blocks: list, where: str) -> list[dict[str, Any]]:
+def _user(blocks: list, where: str, skipped: list[str]) -> list[dict[str, Any]]:
     results, texts = [], []
     for j, block in enumerate(blocks):
         at = f"{where}[{j}]"
-        if _block(block, at, ("text", "tool_result")) == "text":
+        kind = _block(block, at, ("text", "tool_result"), skipped)
+        if kind == "text":
             texts.append(text(block.get("text"), f"{at}.text", empty=True))
-        else:
+        elif kind == "tool_result":
             content = block.get("content", "")
             result = _blocks_text(content, f"{at}.content")
             if flag(block, "is_error"):
@@ -147,11 +202,11 @@ def _user(blocks: list, where: str) -> list[dict[str, Any]]:
     return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
 
 
-def _assistant(blocks: list, where: str) -> list[dict[str, Any]]:
+def _assistant(blocks: list, where: str, skipped: list[str]) -> list[dict[str, Any]]:
     turn: dict[str, Any] = {"role": "assistant", "content": ""}
     for j, block in enumerate(blocks):
         at = f"{where}[{j}]"
-        kind = _block(block, at, ("text", "thinking", "redacted_thinking", "tool_use"))
+        kind = _block(block, at, ("text", "thinking", "redacted_thinking", "tool_use"), skipped)
         if kind == "text":
             turn["content"] += text(block.get("text"), f"{at}.text", empty=True)
         elif kind == "thinking":
@@ -165,14 +220,21 @@ def _assistant(blocks: list, where: str) -> list[dict[str, Any]]:
     return [turn]
 
 
-def _chat_tools(body: dict) -> dict[str, Any]:
-    """tools and tool_choice as chat completions spells them (checked there)."""
+def _chat_tools(body: dict) -> tuple[dict[str, Any], list[str]]:
+    """tools and tool_choice as chat completions spells them (checked there), and the types of the tools left out
+    (server tools: a tool_choice that forces one is a 400)."""
     chat: dict[str, Any] = {}
     tools = body.get("tools")
+    left_out: dict[str, str] = {}  # name -> type
     if tools is not None:
         if not isinstance(tools, list):
             raise InvalidRequest("'tools' must be a list", "tools")
-        chat["tools"] = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+        chat["tools"] = []
+        for i, tool in enumerate(tools):
+            if isinstance(tool, dict) and tool.get("type", CLIENT_TOOL) != CLIENT_TOOL:
+                left_out[str(tool.get("name"))] = str(tool["type"])
+            else:
+                chat["tools"].append(_chat_tool(tool, f"tools[{i}]"))
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") in ("auto", "none") and not tools:
         choice = None  # Anthropic accepts these without tools; chat completions' check would refuse them
@@ -180,16 +242,22 @@ def _chat_tools(body: dict) -> dict[str, Any]:
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
             raise InvalidRequest("'tool_choice.type' must be auto, any, tool or none", "tool_choice")
         if choice["type"] == "tool":
-            chat["tool_choice"] = {"type": "function", "function": {"name": text(choice.get("name"),
-                                                                                 "tool_choice.name")}}
+            name = text(choice.get("name"), "tool_choice.name")
+            if name in left_out:
+                raise InvalidRequest(f"'tool_choice' forces the tool {name!r} of type {left_out[name]!r}, a server "
+                                     f"tool this server cannot run: only client tools (name, description, "
+                                     f"input_schema) can be called here", "tool_choice")
+            chat["tool_choice"] = {"type": "function", "function": {"name": name}}
         else:
             chat["tool_choice"] = {"any": "required"}.get(choice["type"], choice["type"])
         chat["parallel_tool_calls"] = not flag(choice, "disable_parallel_tool_use")
-    return chat
+    return chat, list(left_out.values())
 
 
 def _chat_tool(tool: Any, where: str) -> dict[str, Any]:
-    if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+    """A client tool as chat completions spells it; `defer_loading` (load on demand, Anthropic's tool search) and
+    `cache_control` need nothing here: its definition goes into the prompt like any other's."""
+    if not isinstance(tool, dict):
         raise InvalidRequest(f"'{where}': only client tools (name, description, input_schema) are supported", where)
     schema = tool.get("input_schema")
     function = {"name": tool.get("name"), "parameters": json_object(schema, f"{where}.input_schema")}
@@ -212,6 +280,36 @@ def _thinking(body: dict) -> bool:
             raise InvalidRequest("'thinking.budget_tokens' is required when thinking is enabled",
                                  "thinking.budget_tokens")
     return thinking["type"] != "disabled"
+
+
+def _thinking_omitted(body: dict) -> bool:
+    display = (body.get("thinking") or {}).get("display")
+    if display is not None and display not in ("summarized", "omitted"):
+        raise InvalidRequest("'thinking.display' must be summarized or omitted", "thinking.display")
+    return display == "omitted"
+
+
+def _output_config(config: Any, where: str) -> None:
+    """output_config is an object; its `effort` one of Anthropic's levels (each the same here: a local model has one
+    effort); its `format` is read by _format_constraint."""
+    if config is None:
+        return
+    json_object(config, where)
+    if config.get("effort") is not None and not isinstance(config["effort"], str):
+        raise InvalidRequest(f"'{where}.effort' must be a string (low, medium, high, ...)", f"{where}.effort")
+
+
+def _format_constraint(config: Any) -> dict[str, Any] | None:
+    """output_config.format ({"type": "json_schema", "schema": ...}) as the worker's output constraint."""
+    fmt = config.get("format") if isinstance(config, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise InvalidRequest("'output_config.format.type' must be json_schema", "output_config.format")
+    found = output_constraint({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "output", "schema": json_object(fmt.get("schema"), "output_config.format.schema")}}})
+    found["param"] = "output_config.format"
+    return found
 
 
 def _stop_sequences(body: dict) -> list[str]:
@@ -278,7 +376,8 @@ class MessageStream(ItemStream):
         if item.kind == TEXT_ITEM:
             return {"type": "text", "text": "" if start else item.text}
         if item.kind == REASONING_ITEM:
-            return {"type": "thinking", "thinking": "" if start else item.text, "signature": ""}
+            omitted = start or self.req.thinking_omitted
+            return {"type": "thinking", "thinking": "" if omitted else item.text, "signature": ""}
         return {"type": "tool_use", "id": item.call_id, "name": item.name, "input": {} if start else item.arguments()}
 
     def opened(self, item: Item) -> Events:
@@ -286,6 +385,8 @@ class MessageStream(ItemStream):
                                          "content_block": self.block(item, start=True)})]
 
     def extended(self, item: Item, text_: str) -> Events:
+        if item.kind == REASONING_ITEM and self.req.thinking_omitted:
+            return []
         delta = {TEXT_ITEM: {"type": "text_delta", "text": text_},
                  REASONING_ITEM: {"type": "thinking_delta", "thinking": text_},
                  CALL_ITEM: {"type": "input_json_delta", "partial_json": text_}}[item.kind]

@@ -9,7 +9,9 @@ and `custom_tool_call_output` items tool results, `reasoning` items the next ass
 
 Reasoning items go out with an `encrypted_content` when `include` asks for it (Codex, with `store: false`, keeps
 no state here and sends its previous output items back each turn): it is the reasoning text, encoded, not secret,
-and read back as that text when it returns. Hosted tool types are left out (appliance.front.api.tools).
+and read back as that text when it returns. Tool types beyond function and custom (namespace, tool_search, hosted
+and unknown ones) are appliance.front.api.response_tools'. Input items of a type the server cannot represent (a
+hosted tool's call, a type it does not know) are skipped and counted, never refused.
 """
 
 from __future__ import annotations
@@ -27,15 +29,16 @@ from appliance.front.api.completions import GenerationRequest
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import flag, json_object, model_name, number, text, text_parts
 from appliance.front.api.response_store import ResponseStore
+from appliance.front.api.response_tools import TOOL_SEARCH, FlatTools, ToolNames, joined_name
 from appliance.front.api.route import ErrorShape
 from appliance.front.api.structured import constraint
-from appliance.front.api.tools import (CUSTOM_INPUT, HOSTED_TOOL_TYPES, assistant_tool_calls, name_tool_results,
-                                      parse_tools)
+from appliance.front.api.tools import CUSTOM_INPUT, assistant_tool_calls, name_tool_results, parse_tools
 from appliance.front.request import Event, RequestFailed
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 ITEM_PREFIXES = {REASONING_ITEM: "rs_", TEXT_ITEM: "msg_", CALL_ITEM: "fc_", CUSTOM_CALL_ITEM: "ctc_"}
+TOOL_SEARCH_PREFIX = "tsc_"  # a call to the client tool_search: a tool_search_call item
 # chat completions' names of the fields the Responses API spells otherwise, for the errors the shared checks raise
 RENAMES = (("response_format.json_schema.schema", "text.format.schema"),
            ("response_format.json_schema.name", "text.format.name"),
@@ -45,10 +48,6 @@ RENAMES = (("response_format.json_schema.schema", "text.format.schema"),
 INCLUDABLE = ("reasoning.encrypted_content", "message.output_text.logprobs", "file_search_call.results",
               "web_search_call.results", "web_search_call.action.sources", "code_interpreter_call.outputs",
               "computer_call_output.output.image_url", "message.input_image.image_url")
-# Output items of hosted tools a client replays with its history: none of them is anything this server said.
-HOSTED_CALL_ITEMS = ("web_search_call", "file_search_call", "code_interpreter_call", "image_generation_call",
-                     "computer_call", "computer_call_output", "local_shell_call", "local_shell_call_output",
-                     "mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response")
 ENCRYPTED_PREFIX = "openarc:v1:"  # our encrypted_content; another server's opaque reasoning is left out
 
 
@@ -72,6 +71,7 @@ class ResponsesRequest:
     store: bool = True
     previous: str | None = None
     encrypted_reasoning: bool = False  # reasoning items carry encrypted_content
+    names: ToolNames = field(default_factory=ToolNames)  # namespaced tools and tool_search: how calls go out
 
 
 def parse_responses(body: Any, store: ResponseStore) -> ResponsesRequest:
@@ -82,13 +82,14 @@ def parse_responses(body: Any, store: ResponseStore) -> ResponsesRequest:
     history = []
     if previous is not None:
         history = store.history(text(previous, "previous_response_id"))
-    history = history + _input(body.get("input"))
+    flat = FlatTools()
+    history = history + _input(body.get("input"), flat)
     instructions = body.get("instructions")
     system = [{"role": "system", "content": text(instructions, "instructions", empty=True)}] if instructions else []
     messages = _one_system_turn(system + history)
     name_tool_results(messages)
-    chat = _chat_shaped(body)
-    tools = _renamed(parse_tools, chat)
+    chat = _chat_shaped(body, flat)
+    tools = _renamed(lambda shaped: parse_tools(shaped, list(flat.left_out.values())), chat)
     tool_constraint, output_constraint = tools.constraint(), _renamed(constraint, chat)
     if output_constraint:  # a schema genai cannot compile is refused naming this field
         output_constraint["param"] = _rename(output_constraint["param"])
@@ -104,14 +105,15 @@ def parse_responses(body: Any, store: ResponseStore) -> ResponsesRequest:
     if body.get("metadata") is not None:
         json_object(body["metadata"], "metadata")
     gen = GenerationRequest(model, "chat", stream, False, params, messages=messages, tools=tools,
-                            constraint=tool_constraint or output_constraint)
+                            constraint=tool_constraint or output_constraint, ignored_inputs=flat.skipped)
     echo = {"instructions": instructions, "max_output_tokens": params["max_tokens"],
             "temperature": params["temperature"], "top_p": params["top_p"], "parallel_tool_calls": tools.parallel,
-            "tool_choice": body.get("tool_choice") or "auto", "tools": [_response_tool(t, body.get("tools")) for t in tools.tools],
+            "tool_choice": body.get("tool_choice") or "auto", "tools": [_response_tool(t) for t in flat.echo],
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": (reasoning or {}).get("summary")},
             "metadata": body.get("metadata") or {}, "store": keep, "previous_response_id": previous}
-    return ResponsesRequest(gen, echo, history, keep, previous, "reasoning.encrypted_content" in include)
+    return ResponsesRequest(gen, echo, history, keep, previous, "reasoning.encrypted_content" in include,
+                            flat.names)
 
 
 def _include(include: Any) -> list[str]:
@@ -148,15 +150,18 @@ def _rename(words: str) -> str:
     return words
 
 
-def _chat_shaped(body: dict) -> dict[str, Any]:
-    """tools, tool_choice, parallel_tool_calls and text.format as chat completions spells them."""
+def _chat_shaped(body: dict, flat: FlatTools) -> dict[str, Any]:
+    """tools, tool_choice, parallel_tool_calls and text.format as chat completions spells them; `flat` holds the
+    tools the input's tool_search_output items loaded, and takes the request's own."""
     chat: dict[str, Any] = {"parallel_tool_calls": body.get("parallel_tool_calls")}
     tools = body.get("tools")
     if isinstance(tools, list):
-        chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(tools)]
+        flat.add(tools, "tools")
     elif tools is not None:
         chat["tools"] = tools
-    choice = body.get("tool_choice")
+    if flat.all or flat.left_out:
+        chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(flat.all)]
+    choice = flat.choice(body.get("tool_choice"))
     if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         choice = {"type": choice["type"], choice["type"]: {"name": choice.get("name")}}
     if choice is not None:
@@ -174,7 +179,7 @@ def _chat_shaped(body: dict) -> dict[str, Any]:
 
 
 def _chat_tool(tool: Any, i: int) -> Any:
-    if not isinstance(tool, dict) or tool.get("type") in HOSTED_TOOL_TYPES:
+    if not isinstance(tool, dict):
         return tool
     if tool.get("type") == "custom":
         custom = {k: tool[k] for k in ("name", "description") if k in tool}
@@ -185,8 +190,8 @@ def _chat_tool(tool: Any, i: int) -> Any:
             custom["format"] = fmt
         return {"type": "custom", "custom": custom}
     if tool.get("type") != "function":
-        raise InvalidRequest(f"'tools[{i}].type' must be function, custom or a hosted tool type "
-                             f"({', '.join(HOSTED_TOOL_TYPES)}), got {tool.get('type')!r}", f"tools[{i}].type")
+        raise InvalidRequest(f"'tools[{i}].type' must be a string (function, custom, namespace, tool_search or a "
+                             f"hosted tool type), got {tool.get('type')!r}", f"tools[{i}].type")
     function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
     function.setdefault("strict", True)  # the Responses API's default, unlike chat completions'
     if function["strict"] is None:
@@ -194,18 +199,21 @@ def _chat_tool(tool: Any, i: int) -> Any:
     return {"type": "function", "function": function}
 
 
-def _response_tool(tool: dict[str, Any], body_tools: Any) -> dict[str, Any]:
-    function = tool["function"]
-    for asked in body_tools if isinstance(body_tools, list) else ():
-        if isinstance(asked, dict) and asked.get("type") == "custom" and asked.get("name") == function["name"]:
-            return {"type": "custom", "name": function["name"], "description": function.get("description"),
-                    "format": asked.get("format") or {"type": "text"}}
-    return {"type": "function", "name": function["name"], "description": function.get("description"),
-            "parameters": function.get("parameters"), "strict": function.get("strict", True)}
+def _response_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A served tool as the response object repeats it (a namespace or tool_search as it was sent)."""
+    if tool.get("type") == "custom":
+        return {"type": "custom", "name": tool.get("name"), "description": tool.get("description"),
+                "format": tool.get("format") or {"type": "text"}}
+    if tool.get("type") == "function":
+        strict = tool.get("strict")
+        return {"type": "function", "name": tool.get("name"), "description": tool.get("description"),
+                "parameters": tool.get("parameters"), "strict": True if strict is None else strict}
+    return tool
 
 
-def _input(value: Any) -> list[dict[str, Any]]:
-    """The `input` as chat turns."""
+def _input(value: Any, flat: FlatTools) -> list[dict[str, Any]]:
+    """The `input` as chat turns; `flat` takes the tools of tool_search_output items and the types of the items
+    skipped."""
     if isinstance(value, str):
         return [{"role": "user", "content": text(value, "input", empty=True)}]
     if not isinstance(value, list) or not value:
@@ -223,25 +231,49 @@ def _input(value: Any) -> list[dict[str, Any]]:
                 _assistant(turns, reasoning)["content"] += turn["content"]
             else:
                 turns.append(turn)
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
-            _assistant(turns, reasoning).setdefault("tool_calls", []).extend(assistant_tool_calls([call], where))
-        elif kind == "custom_tool_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"),
-                                 "arguments": {CUSTOM_INPUT: text(item.get("input"), f"{where}.input", empty=True)}}}
-            _assistant(turns, reasoning).setdefault("tool_calls", []).extend(assistant_tool_calls([call], where))
+        elif kind in ("function_call", "custom_tool_call") or (kind == "tool_search_call" and _client(item)):
+            _assistant(turns, reasoning).setdefault("tool_calls", []).extend(
+                assistant_tool_calls([_replayed_call(item, kind, where)], where))
         elif kind in ("function_call_output", "custom_tool_call_output"):
             turns.append({"role": "tool", "tool_call_id": text(item.get("call_id"), f"{where}.call_id"),
                           "content": _content(item.get("output"), f"{where}.output")})
+        elif kind == "tool_search_output" and _client(item):
+            turns.append(_loaded_tools(item, where, flat))
         elif kind == "reasoning":
             reasoning.append(_reasoning_text(item, where))
-        elif kind not in HOSTED_CALL_ITEMS:
-            raise InvalidRequest(f"'{where}.type' must be message, function_call, function_call_output, "
-                                 f"custom_tool_call, custom_tool_call_output or reasoning, got {kind!r}",
-                                 f"{where}.type")
+        else:  # a hosted tool's item, or a type this server cannot represent: nothing the model said here
+            flat.skipped.append(str(kind))
     return turns
+
+
+def _client(item: dict) -> bool:
+    """A tool_search item the client ran (a server-run search is a hosted tool's item)."""
+    return item.get("execution", "client") == "client"
+
+
+def _replayed_call(item: dict, kind: str, where: str) -> dict[str, Any]:
+    """A call item of an earlier answer as the assistant's tool call, under the name the model sees."""
+    if kind == "tool_search_call":
+        arguments = item.get("arguments") if item.get("arguments") is not None else {}
+        return {"id": item.get("call_id"), "type": "function",
+                "function": {"name": TOOL_SEARCH, "arguments": arguments}}
+    name = joined_name(item.get("namespace"), item.get("name"))
+    if kind == "custom_tool_call":
+        arguments: Any = {CUSTOM_INPUT: text(item.get("input"), f"{where}.input", empty=True)}
+    else:
+        arguments = item.get("arguments", "{}")
+    return {"id": item.get("call_id"), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _loaded_tools(item: dict, where: str, flat: FlatTools) -> dict[str, Any]:
+    """A tool_search_output: its tools join the request's, and the tool result names them."""
+    tools = item.get("tools")
+    if not isinstance(tools, list):
+        raise InvalidRequest(f"'{where}.tools' must be a list of tools", f"{where}.tools")
+    names = [tool.get("name") for tool in flat.add(tools, f"{where}.tools", loaded=True) if isinstance(tool, dict)]
+    loaded = ", ".join(str(name) for name in names) if names else "none"
+    return {"role": "tool", "tool_call_id": text(item.get("call_id"), f"{where}.call_id"),
+            "content": f"Tools loaded: {loaded}"}
 
 
 def _assistant(turns: list[dict[str, Any]], reasoning: list[str]) -> dict[str, Any]:
@@ -361,11 +393,16 @@ class ResponseStream(ItemStream):
             if self.req.encrypted_reasoning:
                 out["encrypted_content"] = encrypted_reasoning(item.text if status != "in_progress" else "")
             return out
+        if self.req.names.is_tool_search(item.name):
+            return {"id": item_id, "type": "tool_search_call", "call_id": item.call_id, "execution": "client",
+                    "arguments": item.arguments() if status != "in_progress" else {}, "status": status}
         if item.kind == CUSTOM_CALL_ITEM:
             return {"id": item_id, "type": "custom_tool_call", "call_id": item.call_id, "name": item.name,
-                    "input": item.text if status != "in_progress" else "", "status": status}
+                    "input": item.text if status != "in_progress" else "", "status": status,
+                    **self.req.names.call_item(item.name)}
         return {"id": item_id, "type": "function_call", "call_id": item.call_id, "name": item.name,
-                "arguments": item.text if status != "in_progress" else "", "status": status}
+                "arguments": item.text if status != "in_progress" else "", "status": status,
+                **self.req.names.call_item(item.name)}
 
     @staticmethod
     def part(item: Item, text_: str | None = None) -> dict[str, Any]:
@@ -378,7 +415,8 @@ class ResponseStream(ItemStream):
         return {"item_id": item.extra["id"], "output_index": item.index}
 
     def opened(self, item: Item) -> Events:
-        item.extra["id"] = ITEM_PREFIXES[item.kind] + uuid.uuid4().hex
+        prefix = TOOL_SEARCH_PREFIX if self._searching(item) else ITEM_PREFIXES[item.kind]
+        item.extra["id"] = prefix + uuid.uuid4().hex
         events = [self.event("response.output_item.added", output_index=item.index,
                              item=self.item(item, "in_progress"))]
         if item.kind not in (CALL_ITEM, CUSTOM_CALL_ITEM):
@@ -387,6 +425,8 @@ class ResponseStream(ItemStream):
         return events
 
     def extended(self, item: Item, text_: str) -> Events:
+        if self._searching(item):
+            return []  # a tool_search_call has no argument deltas: its arguments come whole with the item
         if item.kind == CUSTOM_CALL_ITEM:
             return [self.event("response.custom_tool_call_input.delta", **self.where(item), delta=text_)]
         if item.kind == CALL_ITEM:
@@ -396,11 +436,17 @@ class ResponseStream(ItemStream):
         return [self.event("response.output_text.delta", **self.where(item), content_index=0, delta=text_,
                            logprobs=[])]
 
+    def _searching(self, item: Item) -> bool:
+        return item.kind == CALL_ITEM and self.req.names.is_tool_search(item.name)
+
     def closed(self, item: Item) -> Events:
-        if item.kind == CUSTOM_CALL_ITEM:
+        if self._searching(item):
+            events = []
+        elif item.kind == CUSTOM_CALL_ITEM:
             events = [self.event("response.custom_tool_call_input.done", **self.where(item), input=item.text)]
         elif item.kind == CALL_ITEM:
-            events = [self.event("response.function_call_arguments.done", **self.where(item), name=item.name,
+            events = [self.event("response.function_call_arguments.done", **self.where(item),
+                                 name=self.req.names.call_item(item.name).get("name", item.name),
                                  arguments=item.text)]
         else:
             done = "response.reasoning_text.done" if item.kind == REASONING_ITEM else "response.output_text.done"

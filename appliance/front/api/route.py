@@ -34,6 +34,9 @@ CLIENT_CLOSED = "499"
 # A handler that raised something else: the errors middleware answers 500 and logs the traceback.
 UNHANDLED = "500"
 
+# The request's key under which the wrapper notes a refusal's code, param and model for the errors middleware's line.
+REFUSAL = "openarc.refusal"
+
 # Error kinds counted under a broader one in openarc_request_errors_total.
 ERROR_KIND_GROUPS = {"model_not_found": "invalid_request", "context_length_exceeded": "invalid_request"}
 
@@ -78,6 +81,7 @@ class Call:
         self.model = ""  # the metrics label: a configured model's name, else ""
         # error kind -> the request field it came from (a constraint genai cannot compile names its field)
         self.params: dict[str, str] = {}
+        self.request = request
         self.api_key = request.get("api_key") if request is not None else None  # appliance.front.keys.ApiKey
         self.key = self.api_key.name if self.api_key else keys.NO_KEY  # the metrics label, never the secret
         self.header = request.headers.get(HEADER) if request is not None else None
@@ -126,7 +130,10 @@ class Call:
         """The error response of a request refused by its route or failed on its way through a model, counted."""
         failure, param = as_failure(exc)
         self.count_error(failure.kind)
-        return self.errors.response(failure, param or self.params.get(failure.kind))
+        param = param or self.params.get(failure.kind)
+        if self.request is not None:
+            self.request[REFUSAL] = {"code": failure.code, "param": param, "model": self.model}
+        return self.errors.response(failure, param)
 
     def stream_failed(self, failure: RequestFailed) -> dict[str, Any]:
         """The SSE payload of a failure once the stream began, counted."""

@@ -68,14 +68,16 @@ class ToolRequest:
                 "single": not self.parallel or self.named is not None}
 
 
-def parse_tools(body: dict) -> ToolRequest:
+def parse_tools(body: dict, left_out: list[str] | tuple[str, ...] = ()) -> ToolRequest:
+    """`left_out`: the types of tools a dialect already left out (types the server cannot run), counted with the
+    hosted ones."""
     tools = body.get("tools")
     if tools is None:
         tools = []
     if not isinstance(tools, list):
         raise InvalidRequest("'tools' must be a list", "tools")
     parallel = True if body.get("parallel_tool_calls") is None else flag(body, "parallel_tool_calls")
-    req = ToolRequest(parallel=parallel)
+    req = ToolRequest(parallel=parallel, ignored=list(left_out))
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind in HOSTED_TOOL_TYPES:
@@ -107,7 +109,7 @@ def parse_tools(body: dict) -> ToolRequest:
         raise InvalidRequest("'tool_choice' must be none, auto, required or "
                              "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
     if req.choice == "required" and not req.tools:
-        raise InvalidRequest(f"'tool_choice' requires a tool call, but the only tools are hosted tools this server "
+        raise InvalidRequest(f"'tool_choice' requires a tool call, but the only tools are of types this server "
                              f"cannot run ({', '.join(req.ignored)}): add a function or custom tool, or use auto",
                              "tool_choice")
     return req

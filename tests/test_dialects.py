@@ -207,7 +207,12 @@ def test_the_answer_as_a_turn_for_the_store():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": None}, "input"), ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"input": None}, "input"), ({"input": [5]}, "input[0]"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"tools": [{"type": "tool_search", "execution": "server"}], "tool_choice": {"type": "tool_search"}},
+     "tool_choice"),
+    ({"tools": [{"type": "namespace", "name": "ns"}]}, "tools[0]"),
+    ({"input": [{"type": "tool_search_output", "call_id": "s", "tools": "all"}]}, "input[0].tools"),
     ({"tools": [{"type": "function", "name": "f", "parameters": []}]}, "tools[0].parameters"),
     ({"text": {"format": {"type": "json_schema", "name": "w", "schema": 5}}}, "text.format.schema"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
@@ -315,6 +320,15 @@ def test_tool_choice_thinking_and_sampling_translate():
 @pytest.mark.parametrize("body, param", [
     ({"max_tokens": None}, "max_tokens"), ({"system": 5}, "system"),
     ({"messages": [{"role": "user", "content": [{"type": "document"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "system", "content": [{"type": "image"}]}]}, "messages[0].content[0]"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}],
+      "tool_choice": {"type": "tool", "name": "web_search"}}, "tool_choice"),
+    ({"thinking": {"type": "adaptive", "display": "loud"}}, "thinking.display"),
+    ({"output_config": "high"}, "output_config"), ({"output_config": {"effort": 3}}, "output_config.effort"),
+    ({"output_config": {"format": {"type": "xml"}}}, "output_config.format"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": []}]}]},
      "messages[0].content[0].input"),
     ({"tools": [{"name": "f"}]}, "tools[0].input_schema"), ({"tool_choice": "any"}, "tool_choice"),
@@ -325,3 +339,118 @@ def test_message_refusals_name_the_field(body, param):
     with pytest.raises(InvalidRequest) as info:
         messages_request(**body)
     assert info.value.param == param
+
+
+# --- Current agents' shapes (issue 42): Claude Code 2.1.332, Codex 0.171 ---------------------------------------
+
+def test_a_system_message_inside_messages_stays_at_its_place_and_block_types_the_model_needs_not_are_skipped():
+    req = messages_request(system="Top.", output_config={"effort": "high"},
+                           thinking={"type": "adaptive", "display": "omitted"}, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "container_upload", "file_id": "f"}]},
+        {"role": "system", "content": [{"type": "text", "text": "Mind the tests."}], "output_config": {"effort": "low"}},
+        {"role": "assistant", "content": [{"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}},
+                                          {"type": "text", "text": "Ok."}]},
+        {"role": "user", "content": "Go on."}])
+    assert req.gen.messages == [{"role": "system", "content": "Top."}, {"role": "user", "content": "Hi"},
+                                {"role": "system", "content": "Mind the tests."},
+                                {"role": "assistant", "content": "Ok."}, {"role": "user", "content": "Go on."}]
+    assert req.gen.ignored_inputs == ["container_upload", "server_tool_use"]
+    assert req.gen.template_kwargs == {"enable_thinking": True} and req.thinking_omitted
+
+
+def test_omitted_thinking_comes_back_as_empty_thinking_blocks():
+    stream = MessageStream(messages_request(thinking={"type": "adaptive", "display": "omitted"}))
+    events = run(stream)
+    assert not [data for name, data in events if name == "content_block_delta"
+                and data["delta"]["type"] == "thinking_delta"]
+    assert stream.message["content"][0] == {"type": "thinking", "thinking": "", "signature": ""}
+    assert stream.message["content"][1]["text"] == "Sure."
+
+
+def test_deferred_tools_are_served_and_server_tools_left_out():
+    tools = [{"name": "Bash", "input_schema": SCHEMA, "defer_loading": True, "cache_control": {"type": "ephemeral"}},
+             {"type": "custom", "name": "Read", "input_schema": SCHEMA},
+             {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+             {"type": "tool_search_tool_regex_20251119", "name": "tool_search_tool_regex"}]
+    req = messages_request(tools=tools, tool_choice={"type": "tool", "name": "Bash"})
+    assert [t["function"]["name"] for t in req.gen.tools.tools] == ["Bash", "Read"]
+    assert req.gen.tools.ignored == ["web_search_20250305", "tool_search_tool_regex_20251119"]
+    assert req.gen.constraint["tools"][0]["name"] == "Bash"
+
+
+def test_output_config_format_constrains_the_answer_to_its_schema():
+    req = messages_request(output_config={"effort": "max", "format": {"type": "json_schema", "schema": SCHEMA}})
+    assert req.gen.constraint["type"] == "json_schema" and json.loads(req.gen.constraint["schema"]) == SCHEMA
+    assert req.gen.constraint["param"] == "output_config.format"
+    with pytest.raises(InvalidRequest):
+        messages_request(output_config={"format": {"type": "json_schema", "schema": SCHEMA}},
+                         tools=[{"name": "f", "input_schema": SCHEMA}], tool_choice={"type": "any"})
+
+
+def test_a_prompt_over_the_window_gets_anthropic_s_words_on_messages_only():
+    from appliance.front.api.messages import ANTHROPIC
+    failure = RequestFailed(400, "invalid_request", "This model's maximum context length is 4096 tokens; the prompt "
+                            "has 5012 tokens and max_tokens is 64000.", "context_length_exceeded")
+    assert ANTHROPIC.body(failure, None) == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "prompt is too long: 5012 tokens > 4096 maximum"}}
+    assert RESPONSES.body(failure, None)["error"]["message"] == failure.message  # OpenAI's words elsewhere
+
+
+NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+    {"type": "function", "name": "spawn_agent", "description": "Start one.", "strict": False,
+     "parameters": {"type": "object", "properties": {"task": {"type": "string"}}, "required": ["task"]}}]}
+TOOL_SEARCH = {"type": "tool_search", "execution": "client", "description": "# Tool discovery",
+               "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "number"}},
+                              "required": ["query"], "additionalProperties": False}}
+
+
+def test_namespace_tools_join_the_prompt_under_a_name_the_model_writes_and_calls_come_back_bare():
+    req = responses_request(tools=[NAMESPACE, {"type": "image_generation"}, {"type": "brand_new_kind", "name": "x"}],
+                            tool_choice={"type": "function", "name": "spawn_agent", "namespace": "multi_agent_v1"},
+                            input=[{"role": "user", "content": "Go"},
+                                   {"type": "function_call", "call_id": "c0", "name": "spawn_agent",
+                                    "namespace": "multi_agent_v1", "arguments": '{"task": "a"}'},
+                                   {"type": "function_call_output", "call_id": "c0", "output": "started"}])
+    assert [t["function"]["name"] for t in req.gen.tools.tools] == ["multi_agent_v1__spawn_agent"]
+    assert req.gen.tools.ignored == ["image_generation", "brand_new_kind"]
+    assert req.gen.tools.named == "multi_agent_v1__spawn_agent"
+    assert req.gen.messages[1]["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn_agent"
+    assert req.echo["tools"] == [NAMESPACE]
+    head = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                            "function": {"name": "multi_agent_v1__spawn_agent", "arguments": '{"task": "b"}'}}]}
+    stream = ResponseStream(req)
+    events = run(stream, [head])
+    added = [data["item"] for name, data in events if name == "response.output_item.added"]
+    done = [data["item"] for name, data in events if name == "response.output_item.done"]
+    for item in (added[0], done[0], stream.response["output"][0]):
+        assert (item["type"], item["name"], item["namespace"]) == ("function_call", "spawn_agent", "multi_agent_v1")
+    assert done[0]["arguments"] == '{"task": "b"}'
+    assert stream.turn()["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn_agent"  # replays the same
+
+
+def test_a_client_tool_search_is_a_function_whose_call_is_a_tool_search_call_and_its_output_loads_tools():
+    req = responses_request(tools=[TOOL_SEARCH, {"type": "tool_search", "execution": "server"}], input=[
+        {"role": "user", "content": "Make an event"},
+        {"type": "tool_search_call", "call_id": "s1", "execution": "client", "status": "completed",
+         "arguments": {"query": "calendar"}},
+        {"type": "tool_search_output", "call_id": "s1", "execution": "client", "status": "completed",
+         "tools": [{**NAMESPACE, "name": "calendar", "tools": [{**NAMESPACE["tools"][0], "name": "create",
+                                                               "defer_loading": True}]}]},
+        {"type": "item_reference", "id": "x"}, {"type": "web_search_call", "status": "completed"}])
+    assert [t["function"]["name"] for t in req.gen.tools.tools] == ["tool_search", "calendar__create"]
+    assert req.gen.tools.ignored == ["tool_search"]  # the server-run one is a hosted tool
+    assert req.gen.ignored_inputs == ["item_reference", "web_search_call"]
+    assert req.gen.messages[1]["tool_calls"][0]["function"] == {"name": "tool_search",
+                                                                "arguments": {"query": "calendar"}}
+    assert req.gen.messages[2] == {"role": "tool", "tool_call_id": "s1", "content": "Tools loaded: calendar__create",
+                                   "name": "tool_search"}
+    assert req.echo["tools"] == [TOOL_SEARCH]  # the loaded tools are not the request's
+    head = {"tool_calls": [{"index": 0, "id": "call_9", "type": "function",
+                            "function": {"name": "tool_search", "arguments": '{"query": "mail", "limit": 2}'}}]}
+    stream = ResponseStream(req)
+    events = run(stream, [head])
+    item = stream.response["output"][0]
+    assert item["type"] == "tool_search_call" and item["id"].startswith("tsc_")
+    assert (item["call_id"], item["execution"], item["arguments"]) == ("call_9", "client", {"query": "mail", "limit": 2})
+    names = [name for name, _ in events]
+    assert "response.function_call_arguments.delta" not in names and names.count("response.output_item.done") == 1

@@ -17,20 +17,20 @@ import anthropic
 import pytest
 
 from conftest import FIXTURES, Appliance, http, model_entry
+from test_messages import QUESTION
 from test_metrics import samples, value
 
 AGENTS = FIXTURES / "agents"
 TEMPLATES = FIXTURES / "chat-templates"
 ALIASES = {"claude-*": "demo", "gpt-5*": "demo", "demo-coder": "demo"}
-QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+# a template of each form a mid-conversation system message takes (tests/test_system_turns.py): a system turn, a user turn
+FORMS = {"qwen3": "Qwen-Qwen3-0.6B.jinja", "mistral": "mistralai-Mistral-Small-3.1-24B-Instruct-2503.jinja"}
 
 
 @pytest.fixture(scope="module")
 def app(demo_model, tmp_path_factory):
-    models = [model_entry("demo", demo_model), model_entry("small", demo_model, max_context=40),
-              model_entry("qwen3", demo_model, chat_template=str(TEMPLATES / "Qwen-Qwen3-0.6B.jinja")),
-              model_entry("mistral", demo_model,
-                          chat_template=str(TEMPLATES / "mistralai-Mistral-Small-3.1-24B-Instruct-2503.jinja"))]
+    models = [model_entry("demo", demo_model), model_entry("small", demo_model, max_context=40)] + [
+        model_entry(name, demo_model, chat_template=str(TEMPLATES / template)) for name, template in FORMS.items()]
     appliance = Appliance({"server": {"model_aliases": ALIASES}, "models": models},
                           tmp_path_factory.mktemp("shapes")).start()
     yield appliance

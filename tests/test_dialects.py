@@ -454,3 +454,14 @@ def test_a_client_tool_search_is_a_function_whose_call_is_a_tool_search_call_and
     assert (item["call_id"], item["execution"], item["arguments"]) == ("call_9", "client", {"query": "mail", "limit": 2})
     names = [name for name, _ in events]
     assert "response.function_call_arguments.delta" not in names and names.count("response.output_item.done") == 1
+
+
+def test_client_named_types_are_bounded_metric_labels():
+    from appliance.front.api import generate
+    assert generate.bounded_label("web_search") == "web_search"
+    assert generate.bounded_label("evil\nrefused POST /x") == generate.OTHER_TYPE  # no client text in the log line
+    for i in range(generate.MAX_TYPE_LABELS + 5):
+        generate.bounded_label(f"type_{i}")
+    assert len(generate.TYPE_LABELS) <= generate.MAX_TYPE_LABELS
+    assert generate.bounded_label("yet_another_new_type") == generate.OTHER_TYPE
+    assert generate.bounded_label("web_search") == "web_search"  # a type seen before keeps its label

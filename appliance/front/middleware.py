@@ -84,9 +84,10 @@ def _error_fields(response: web.StreamResponse) -> dict[str, Any]:
     """The code and param of an error body in OpenAI's shape, or Anthropic's type ({} for anything else)."""
     body = getattr(response, "body", None)
     try:
-        error = json.loads(body).get("error") if isinstance(body, bytes) else None
+        parsed = json.loads(body) if isinstance(body, bytes) else None
     except ValueError:
         return {}
+    error = parsed.get("error") if isinstance(parsed, dict) else None
     if not isinstance(error, dict):
         return {}
     return {"code": error.get("code") or error.get("type"), "param": error.get("param")}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from typing import Any
 
 from aiohttp import web
@@ -28,7 +29,11 @@ from appliance.front.request import Event, RequestFailed
 from appliance.config.kinds import GENERATIVE_KINDS
 
 log = logging.getLogger("openarc.front")
-IGNORED_LOGGED: set[str] = set()  # hosted tool types already logged by this process
+IGNORED_LOGGED: set[str] = set()  # left-out tool types already logged by this process
+TYPE_LABELS: set[str] = set()  # the tool and item types counted under their own label so far
+MAX_TYPE_LABELS = 64
+OTHER_TYPE = "other"
+TYPE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 def add_routes(app: web.Application, appliance) -> None:
@@ -251,13 +256,26 @@ def note_constraint(call: Call, metrics, req: GenerationRequest) -> None:
     Tools of a type the server cannot run, left out, are counted and logged once per type; input items and blocks
     skipped are counted."""
     for kind in req.tools.ignored:
+        kind = bounded_label(kind)
         metrics.ignored_tools.labels(type=kind).inc()
         if kind not in IGNORED_LOGGED:
             IGNORED_LOGGED.add(kind)
             log.info("left out tools of type %s: the server cannot run tools of this type (counted in "
                      "openarc_ignored_tools_total, logged once per type)", kind)
     for kind in req.ignored_inputs:
-        metrics.ignored_inputs.labels(endpoint=call.endpoint, type=kind).inc()
+        metrics.ignored_inputs.labels(endpoint=call.endpoint, type=bounded_label(kind)).inc()
+
+
+def bounded_label(kind: str) -> str:
+    """A type a client named, as a metric label: clients choose these strings, so past MAX_TYPE_LABELS distinct
+    ones (and for anything not shaped like a type name) the label is OTHER_TYPE: the series stay bounded, and the
+    once-per-type log line carries no client text but a name."""
+    if kind in TYPE_LABELS:
+        return kind
+    if len(TYPE_LABELS) >= MAX_TYPE_LABELS or not TYPE_NAME.fullmatch(kind):
+        return OTHER_TYPE
+    TYPE_LABELS.add(kind)
+    return kind
     if req.constraint:
         call.params["invalid_grammar"] = req.constraint["param"]
         metrics.structured_requests.labels(model=call.model, kind=req.constraint["kind"]).inc()

@@ -231,8 +231,11 @@ def _chat_tools(body: dict) -> tuple[dict[str, Any], list[str]]:
             raise InvalidRequest("'tools' must be a list", "tools")
         chat["tools"] = []
         for i, tool in enumerate(tools):
-            if isinstance(tool, dict) and tool.get("type", CLIENT_TOOL) != CLIENT_TOOL:
-                left_out[str(tool.get("name"))] = str(tool["type"])
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind is not None and not isinstance(kind, str):
+                raise InvalidRequest(f"'tools[{i}].type' must be a string", f"tools[{i}].type")
+            if kind not in (None, CLIENT_TOOL):
+                left_out[str(tool.get("name"))] = kind
             else:
                 chat["tools"].append(_chat_tool(tool, f"tools[{i}]"))
     choice = body.get("tool_choice")

@@ -99,6 +99,8 @@ class FlatTools:
             if kind not in SERVED_TYPES:
                 self.left_out[f"{namespace}.{member.get('name') if isinstance(member, dict) else j}"] = str(kind)
                 continue
+            if not isinstance(member.get("name"), str):
+                raise InvalidRequest(f"'{where}.tools[{j}].name' must be a string", f"{where}.tools[{j}].name")
             name = joined_name(namespace, member.get("name"))
             self.names.namespaced[name] = (namespace, member.get("name"))
             target.append({**member, "name": name})

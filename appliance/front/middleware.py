@@ -21,7 +21,8 @@ from appliance.front.api.route import REFUSAL
 
 log = logging.getLogger("openarc.server")  # the name these lines always had in the log
 
-OPEN_ROUTES = {"/", "/health", "/ready"}  # no key asked (probes carry none), nor on /metrics unless the config says so
+PROBES = {"/health", "/ready"}
+OPEN_ROUTES = PROBES | {"/"}  # no key asked (probes carry none), nor on /metrics unless the config says so
 
 
 class Middlewares:
@@ -69,8 +70,9 @@ class Middlewares:
 def refusal_logged(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
     """Every 4xx and 5xx a client is answered with leaves one line at info: the route, the status, the error's code
     and param, the model and the key's name; never the body. The route wrapper notes what it knows (REFUSAL); an
-    error answered elsewhere (auth, no such route) is read from its own error body."""
-    if response.status < 400:
+    error answered elsewhere (auth, no such route) is read from its own error body. The probes' 503s (/health,
+    /ready while a model loads) are their answers, not refusals: a probe every few seconds would fill the log."""
+    if response.status < 400 or request.path in PROBES:
         return response
     noted = request.get(REFUSAL) or _error_fields(response)
     key = request.get("api_key")

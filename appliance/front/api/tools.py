@@ -22,7 +22,9 @@ from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import flag, json_object, text
 from appliance.front.api.lark_grammar import GrammarNotConvertible, lark_to_ebnf
 
-FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# OpenAI's names are 1-64 of these; 128 here, as a Responses namespace's tools are named `<namespace>__<name>`
+# (appliance.front.api.response_tools) and Codex's MCP namespaces are long.
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 TOOL_CHOICES = ("none", "auto", "required")
 # OpenAI's hosted tools: the platform runs them, this server cannot; they are left out of the prompt, never refused.
 HOSTED_TOOL_TYPES = ("web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
@@ -170,7 +172,7 @@ def _custom_format(fmt: Any, where: str) -> tuple[dict[str, str], str]:
 
 def _name(name: Any, where: str) -> str:
     if not isinstance(name, str) or not FUNCTION_NAME.match(name):
-        raise InvalidRequest(f"'{where}' must be 1-64 letters, digits, '_', '.' or '-'", where)
+        raise InvalidRequest(f"'{where}' must be 1-128 letters, digits, '_', '.' or '-'", where)
     return name
 
 

@@ -93,6 +93,9 @@ def test_the_system_message_adds_to_the_prompt_where_it_stands(app):
         kept = client.messages.count_tokens(model=model, messages=body["messages"], system=body["system"])
         bare = client.messages.count_tokens(model=model, messages=without["messages"], system=body["system"])
         assert kept.input_tokens > bare.input_tokens + 10
+    # each worker said at load which form its template takes
+    assert "model qwen3: a system message in mid-conversation is rendered as a system turn at its place" in app.logs()
+    assert "model mistral: a system message in mid-conversation is rendered as a user turn at its place" in app.logs()
 
 
 def test_deferred_tools_are_served_and_a_server_tool_is_left_out_and_counted(app):

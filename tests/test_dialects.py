@@ -347,12 +347,13 @@ def test_a_system_message_inside_messages_stays_at_its_place_and_block_types_the
     req = messages_request(system="Top.", output_config={"effort": "high"},
                            thinking={"type": "adaptive", "display": "omitted"}, messages=[
         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "container_upload", "file_id": "f"}]},
-        {"role": "system", "content": [{"type": "text", "text": "Mind the tests."}], "output_config": {"effort": "low"}},
+        {"role": "system", "content": [{"type": "text", "text": "Mind the tests."}, {"type": "text", "text": "Be brief."}],
+         "output_config": {"effort": "low"}},
         {"role": "assistant", "content": [{"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}},
                                           {"type": "text", "text": "Ok."}]},
         {"role": "user", "content": "Go on."}])
     assert req.gen.messages == [{"role": "system", "content": "Top."}, {"role": "user", "content": "Hi"},
-                                {"role": "system", "content": "Mind the tests."},
+                                {"role": "system", "content": "Mind the tests.\nBe brief."},
                                 {"role": "assistant", "content": "Ok."}, {"role": "user", "content": "Go on."}]
     assert req.gen.ignored_inputs == ["container_upload", "server_tool_use"]
     assert req.gen.template_kwargs == {"enable_thinking": True} and req.thinking_omitted

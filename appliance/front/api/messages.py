@@ -144,13 +144,13 @@ def count_frame(body: Any) -> tuple[str, dict[str, Any]]:
 def _system(system: Any) -> list[dict[str, Any]]:
     if system is None:
         return []
-    content = _blocks_text(system, "system")
+    content = _blocks_text(system, "system", "\n")
     return [{"role": "system", "content": content}] if content else []
 
 
-def _blocks_text(content: Any, where: str) -> str:
-    """A string, or text blocks joined (a tool result's content; a system prompt's, a line apart)."""
-    return text_parts(content, where, ("text",), "\n" if where == "system" else "")
+def _blocks_text(content: Any, where: str, separator: str = "") -> str:
+    """A string, or text blocks joined (a tool result's content; a system message's, a line apart)."""
+    return text_parts(content, where, ("text",), separator)
 
 
 def _messages(messages: Any, skipped: list[str]) -> list[dict[str, Any]]:
@@ -164,7 +164,7 @@ def _messages(messages: Any, skipped: list[str]) -> list[dict[str, Any]]:
         _output_config(message.get("output_config"), f"{where}.output_config")
         content = message.get("content")
         if message["role"] == "system":  # at its place (see the module's docstring)
-            turns.append({"role": "system", "content": _blocks_text(content, f"{where}.content")})
+            turns.append({"role": "system", "content": _blocks_text(content, f"{where}.content", "\n")})
             continue
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):

@@ -393,7 +393,7 @@ class ResponseStream(ItemStream):
             if self.req.encrypted_reasoning:
                 out["encrypted_content"] = encrypted_reasoning(item.text if status != "in_progress" else "")
             return out
-        if self.req.names.is_tool_search(item.name):
+        if self._searching(item):
             return {"id": item_id, "type": "tool_search_call", "call_id": item.call_id, "execution": "client",
                     "arguments": item.arguments() if status != "in_progress" else {}, "status": status}
         if item.kind == CUSTOM_CALL_ITEM:

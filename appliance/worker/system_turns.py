@@ -5,8 +5,8 @@ the model's chat template takes there.
 Clients send them to steer a long conversation without touching its start, so the prompt's prefix (and the KV
 blocks the prefix cache keeps for it) stays the same from turn to turn; moving them up into the top system prompt
 would change that prefix every turn. Templates differ: Qwen3's and Llama 3's render a system turn anywhere, DeepSeek
-R1's gathers every system message into the top prompt, Mistral's silently drops one or refuses two user turns in a
-row. So the form is decided per template, by rendering a probe conversation and looking where the system text
+R1's gathers every system message into the top prompt, Mistral Small's drops any after the first, others refuse
+one (raise_exception) or two user turns in a row. So the form is decided per template, by rendering a probe conversation and looking where the system text
 landed (`placement`), and every non-leading system turn is rewritten to that form before rendering (`placed`):
 
 - SYSTEM: left as a system turn (the template renders it at its place);

@@ -98,6 +98,21 @@ def test_the_system_message_adds_to_the_prompt_where_it_stands(app):
     assert "model mistral: a system message in mid-conversation is rendered as a user turn at its place" in app.logs()
 
 
+def test_chat_completions_and_responses_place_a_mid_conversation_system_message_the_same_way(app):
+    """The form is the worker's, so every chat route gets it: on Mistral's template, which drops a system message
+    after the first, the reminder still reaches the prompt (as a marked user turn)."""
+    reminder = "Mind the tests and keep every answer under three lines."
+    chat = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "List the files."}]
+    sizes = []
+    for messages in (chat, chat + [{"role": "system", "content": reminder}]):
+        reply = app.client().chat.completions.create(model="mistral", max_tokens=1, messages=messages)
+        sizes.append(reply.usage.prompt_tokens)
+    assert sizes[1] > sizes[0] + 10
+    response = app.client().responses.create(model="mistral", max_output_tokens=1, instructions="Be terse.", input=[
+        {"role": "user", "content": "List the files."}, {"role": "developer", "content": reminder}])
+    assert response.usage.input_tokens == sizes[1]
+
+
 def test_deferred_tools_are_served_and_a_server_tool_is_left_out_and_counted(app):
     headers, body = claude_code()
     deferred = {"name": "get_weather", "description": "Weather forecast", "defer_loading": True,

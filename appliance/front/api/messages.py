@@ -67,9 +67,13 @@ ANTHROPIC = AnthropicErrors()
 def anthropic_message(failure: RequestFailed) -> str:
     """The error's message; a prompt over the window in Anthropic's documented words, which agent clients match to
     compact the conversation and retry."""
-    too_long = TOO_LONG.search(failure.message) if failure.code == "context_length_exceeded" else None
-    if too_long:
-        return f"prompt is too long: {too_long[2]} tokens > {too_long[1]} maximum"
+    if failure.code == "context_length_exceeded":
+        figures = getattr(failure, "details", None) or {}  # the worker's figures where its error frame has them
+        if "prompt_tokens" in figures and "max_context" in figures:
+            return f"prompt is too long: {figures['prompt_tokens']} tokens > {figures['max_context']} maximum"
+        too_long = TOO_LONG.search(failure.message)  # else read back from its words
+        if too_long:
+            return f"prompt is too long: {too_long[2]} tokens > {too_long[1]} maximum"
     return f"{failure.message} ({failure.hint})" if failure.hint else failure.message
 
 

@@ -395,6 +395,8 @@ def test_a_prompt_over_the_window_gets_anthropic_s_words_on_messages_only():
     assert ANTHROPIC.body(failure, None) == {"type": "error", "error": {
         "type": "invalid_request_error", "message": "prompt is too long: 5012 tokens > 4096 maximum"}}
     assert RESPONSES.body(failure, None)["error"]["message"] == failure.message  # OpenAI's words elsewhere
+    failure.details = {"prompt_tokens": 7000, "max_context": 6000}  # the worker's own figures, where it sends them
+    assert ANTHROPIC.body(failure, None)["error"]["message"] == "prompt is too long: 7000 tokens > 6000 maximum"
 
 
 NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [

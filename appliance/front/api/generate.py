@@ -264,6 +264,9 @@ def note_constraint(call: Call, metrics, req: GenerationRequest) -> None:
                      "openarc_ignored_tools_total, logged once per type)", kind)
     for kind in req.ignored_inputs:
         metrics.ignored_inputs.labels(endpoint=call.endpoint, type=bounded_label(kind)).inc()
+    if req.constraint:
+        call.params["invalid_grammar"] = req.constraint["param"]
+        metrics.structured_requests.labels(model=call.model, kind=req.constraint["kind"]).inc()
 
 
 def bounded_label(kind: str) -> str:
@@ -276,9 +279,6 @@ def bounded_label(kind: str) -> str:
         return OTHER_TYPE
     TYPE_LABELS.add(kind)
     return kind
-    if req.constraint:
-        call.params["invalid_grammar"] = req.constraint["param"]
-        metrics.structured_requests.labels(model=call.model, kind=req.constraint["kind"]).inc()
 
 
 def finish_reason(metrics, model: str, answer: AnswerParser | None, event: Event) -> str:

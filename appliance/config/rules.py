@@ -97,7 +97,7 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
                 "an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case)")
         require(m.port is None or 0 < m.port < 65536, f"{at}.port", "a port number 1-65535")
         for key in ("max_context", "default_max_tokens", "max_running", "max_inputs"):
-            require(getattr(m, key) >= 1, f"{at}.{key}", "at least 1")
+            require(getattr(m, key) is None or getattr(m, key) >= 1, f"{at}.{key}", "at least 1")
         require(m.max_queue >= 0, f"{at}.max_queue", "a non-negative integer")
         _check_kind_keys(m, raw_models[i] if i < len(raw_models) else {}, at, problems)
         require(all(d >= 1 for d in m.matryoshka_dimensions or ()), f"{at}.matryoshka_dimensions",

@@ -271,6 +271,10 @@ class ServerConfig:
     metrics_require_key: bool = False
     max_body_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0
+    # An open event stream is never silent longer than this: a keep-alive (an SSE comment, Anthropic's ping) goes out
+    # while its request waits in the queue, for its model to load, or through a long prefill, so no proxy (nginx:
+    # 60 s) or client cuts it.
+    stream_keepalive_s: float = 15.0
     # Parallel loads of two 14B models OOM-killed a 32 GB host: load one model at a time by default.
     load_concurrency: int = 1
     cache_dir: str | None = None

@@ -78,6 +78,7 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
     require(s.max_body_bytes >= 1024, "server.max_body_bytes", "at least 1024")
     require(s.load_concurrency >= 1, "server.load_concurrency", "at least 1")
     require(s.drain_timeout_s >= 0, "server.drain_timeout_s", "a non-negative number")
+    require(s.stream_keepalive_s > 0, "server.stream_keepalive_s", "a positive number of seconds")
     f = s.image_fetch
     require(f.max_bytes >= 1024, "server.image_fetch.max_bytes", "at least 1024")
     require(f.timeout_s > 0, "server.image_fetch.timeout_s", "a positive number of seconds")

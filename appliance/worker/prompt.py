@@ -93,6 +93,16 @@ class Prompts:
             return refused.frame(request_id)
         return frame("result", id=request_id, result={"input_tokens": int(input_ids.get_shape()[1])}, counts={})
 
+    def check(self, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
+        """The reply frame to a window check (the front's, for a stream about to open its headers while its request
+        waits): the prompt's tokens and its fitted answer limit, or the refusal the worker itself would give."""
+        try:
+            prompt_tokens = self._tokens(message)
+            limit = self.answer_limit(message, prompt_tokens)[0]
+        except Refused as refused:
+            return refused.frame(request_id)
+        return frame("result", id=request_id, result={"input_tokens": prompt_tokens, "max_tokens": limit}, counts={})
+
     def answer_limit(self, message: dict[str, Any], prompt_tokens: int) -> tuple[int, str]:
         """The request's answer limit fitted to the model's window, and the bound that set it
         (appliance.config.window.answer_limit); a prompt that leaves no room is Refused, saying how much of it the

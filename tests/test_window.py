@@ -85,3 +85,81 @@ def test_the_spec_carries_the_window_and_default_max_tokens_is_unset_by_default(
     assert spec["default_max_tokens"] is None
     capped = worker_spec(config.models[1], config)  # configs that set both keep working
     assert (capped["max_context"], capped["default_max_tokens"]) == (8192, 256)
+
+
+# --- served: the window as clients see it, and answers that fill it ----------------------------------------------
+
+def open_webui_tools(count: int = 36, total_bytes: int = 24_700) -> list[dict]:
+    """`count` function tools of Open WebUI 0.12's size: 36 built-in tools, 24.7 KB in all (measured in a browser,
+    docs/coding-agents.md). Their text is made up; their size and shape are what matter to the window."""
+    words = "search the knowledge base notes memories chats web page url query results files folder".split()
+    tools = []
+    for i in range(count):
+        description = " ".join(words[(i + j) % len(words)] for j in range(20))
+        tools.append({"type": "function", "function": {
+            "name": f"builtin_tool_{i}", "description": description,
+            "parameters": {"type": "object", "required": ["query"], "properties": {
+                "query": {"type": "string", "description": "What to look for, in the user's own words"},
+                "count": {"type": "integer", "description": "How many results to return at most"},
+                "page": {"type": "integer", "description": "Which page of results, from 1"}}}}})
+    size = len(json.dumps(tools))
+    pad = (total_bytes - size) // count
+    for tool in tools:
+        tool["function"]["description"] += " " + "x" * max(0, pad - 1)
+    return tools
+
+
+@pytest.fixture(scope="module")
+def served(demo_model, tmp_path_factory):
+    from conftest import Appliance, model_entry
+    models = [model_entry("demo", demo_model), model_entry("tiny", demo_model, max_context=40),
+              model_entry("capped", demo_model, default_max_tokens=5), model_entry("narrow", demo_model, max_context=2048)]
+    appliance = Appliance({"models": models}, tmp_path_factory.mktemp("window")).start()
+    yield appliance
+    appliance.stop()
+
+
+def test_an_unset_window_is_the_models_own_and_clients_read_it(served):
+    from conftest import http
+    _, _, listing = http("GET", served.base + "/v1/models")
+    lengths = {m["id"]: (m["context_length"], m["max_model_len"]) for m in listing["data"]}
+    assert lengths["demo"] == (131072, 131072)  # the demo's config.json; its KV cache holds far more
+    assert lengths["tiny"] == (40, 40)
+    window = served.model_status("demo")["window"]
+    assert window["source"] == "trained" and window["kv_cache_tokens"] > 131072
+    assert "context window 131072 tokens (trained" in served.logs()
+
+
+def test_open_webuis_tools_fit_the_demo_window_and_name_the_cause_where_they_do_not(served):
+    from conftest import http
+    tools = open_webui_tools()
+    assert 24_000 <= len(json.dumps(tools)) <= 25_500
+    chat = {"messages": [{"role": "user", "content": "Hello"}], "tools": tools}
+    status, _, body = http("POST", served.base + "/v1/chat/completions", {"model": "demo", **chat}, timeout=300)
+    assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "tool_calls"), body
+    assert body["usage"]["prompt_tokens"] > 4096  # the old default window refused it
+    status, _, body = http("POST", served.base + "/v1/chat/completions", {"model": "narrow", **chat}, timeout=300)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    message = body["error"]["message"]
+    assert "maximum context length is 2048 tokens" in message and "request's 36 tools" in message
+    assert "built-in tools" in message
+
+
+def test_answers_cut_at_a_limit_are_counted_by_what_cut_them(served):
+    from conftest import http
+    from test_metrics import samples, value
+    question = [{"role": "user", "content": "Hi"}]
+    for model, limit, reason in (("tiny", {}, "context_window"), ("demo", {"max_tokens": 3}, "max_tokens"),
+                                 ("capped", {}, "default_max_tokens"), ("tiny", {"max_tokens": 1000}, "context_window")):
+        before = value(samples(served.metrics()), "openarc_answers_cut_total", model=model, reason=reason)
+        status, _, body = http("POST", served.base + "/v1/chat/completions",
+                               {"model": model, "messages": question, **limit})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+        if model == "tiny":
+            assert body["usage"]["total_tokens"] == 40  # the answer used all the window left
+        after = value(samples(served.metrics()), "openarc_answers_cut_total", model=model, reason=reason)
+        assert after == before + 1, (model, limit, reason)
+    # an answer that ends by itself is not counted
+    status, _, body = http("POST", served.base + "/v1/chat/completions", {"model": "demo", "messages": question})
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert value(samples(served.metrics()), "openarc_answers_cut_total", model="demo") == 1

@@ -14,6 +14,7 @@ no room at all is refused. The bound that applied is named, so an answer cut sho
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -151,6 +152,27 @@ def kv_cost(model: ModelConfig, tokens: int) -> int | None:
     """Bytes of KV cache one sequence of `tokens` takes on this model (None: its config.json lacks the shape)."""
     per_token = kv_bytes_per_token(hf_config(model.path) if model.path else {}, kv_precision(model))
     return None if per_token is None else int(per_token * tokens)
+
+
+def report(model: ModelConfig) -> tuple[str, str | None]:
+    """What check-config and doctor say of a generative model's window: one line (the window, why, and what an
+    explicit max_context costs in KV memory), and a problem with it, if any (None)."""
+    window = model_window(model)
+    line = f"model {model.name}: {describe(window.status())}"
+    if window.source != "max_context":
+        return line, None
+    if window.kv_bytes_per_token:
+        line += (f"; max_context {window.tokens} costs {window.tokens * window.kv_bytes_per_token / (1 << 20):.0f} "
+                 f"MiB of KV cache for one full sequence")
+    if window.kv_tokens is not None and window.tokens > window.kv_tokens:
+        needed = math.ceil(window.tokens * window.kv_bytes_per_token / GIB)
+        return line, (f"model {model.name}: max_context {window.tokens} is more than its KV cache holds for one "
+                      f"sequence ({window.kv_tokens} tokens): set scheduler_config.cache_size to at least "
+                      f"{needed} (GB), or lower max_context (unset, it is fitted to the cache)")
+    if window.trained is not None and window.tokens > window.trained:
+        return line, (f"model {model.name}: max_context {window.tokens} is more than the model was trained for "
+                      f"({window.trained}, its config.json): answers past that are unreliable")
+    return line, None
 
 
 class WindowExceeded(Exception):

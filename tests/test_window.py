@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from appliance.config import ModelConfig, parse_config, worker_spec
 from appliance.config.window import (BOUND_DEFAULT, BOUND_REQUEST, BOUND_WINDOW, GIB, WindowExceeded, answer_limit,
-                                     describe, kv_bytes_per_token, kv_cost, model_window, trained_window)
+                                     describe, kv_bytes_per_token, kv_cost, model_window, trained_window,
+                                     window_of)
 
 # Qwen2.5-7B-Instruct's config.json, the fields the window reads (28 layers, 4 kv heads of 128, 32k trained).
 QWEN_7B = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584,
@@ -54,6 +55,23 @@ def test_the_trained_window_and_kv_size_come_from_config_json():
     assert kv_bytes_per_token(QWEN_7B, "f16") == 2 * 28 * 4 * 128 * 2
     assert kv_bytes_per_token(QWEN_7B, "u8") == 2 * 28 * 4 * (128 + 8)
     assert kv_bytes_per_token({"max_position_embeddings": 10}, "f16") is None
+
+
+json_values = st.none() | st.booleans() | st.integers(-10, 1 << 40) | st.floats(allow_nan=False) | st.text(max_size=5)
+hf_configs = st.dictionaries(st.sampled_from(["num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                              "head_dim", "hidden_size", "max_position_embeddings", "n_positions",
+                                              "text_config"]), json_values | st.dictionaries(st.text(), json_values))
+schedulers = st.dictionaries(st.sampled_from(["cache_size", "num_kv_blocks"]), json_values, max_size=1)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])  # the machine is shared: generation time is not ours
+@given(hf=hf_configs, scheduler=schedulers, device=st.sampled_from(["CPU", "GPU.0"]))
+def test_any_config_json_gives_a_window_of_at_least_one_token(hf, scheduler, device):
+    """Whatever a model directory's config.json or a config's scheduler_config holds, the window is a positive
+    number of tokens, never more than the model's trained window or its KV cache when it has them."""
+    window = window_of(ModelConfig(name="m", path="", device=device, scheduler_config=scheduler), hf)
+    assert isinstance(window.tokens, int) and window.tokens >= 1
+    assert window.tokens <= min(n for n in (window.trained, window.kv_tokens, 1 << 62) if n)
 
 
 def test_unset_max_context_is_the_trained_window_capped_by_the_kv_cache(tmp_path):

@@ -124,16 +124,21 @@ def cache_tokens(model: ModelConfig, bytes_per_token: float) -> int | None:
     if model.pipeline == "stateful":
         return None
     settings = model.scheduler_settings()
-    if settings.get("num_kv_blocks"):
-        return int(settings["num_kv_blocks"]) * BLOCK_TOKENS["GPU" if model.is_gpu else "CPU"]
-    if settings.get("cache_size"):
-        return int(float(settings["cache_size"]) * GIB // bytes_per_token)
-    return None
+    blocks, size = settings.get("num_kv_blocks"), settings.get("cache_size")
+    if _positive(blocks):
+        return blocks * BLOCK_TOKENS["GPU" if model.is_gpu else "CPU"]
+    if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0:
+        return int(size * GIB // bytes_per_token)
+    return None  # genai's dynamic cache (or a value genai itself will refuse at load)
 
 
 def model_window(model: ModelConfig) -> Window:
     """The model's window: max_context if set, else its trained window capped by its KV cache (see the module)."""
-    hf = hf_config(model.path) if model.path else {}
+    return window_of(model, hf_config(model.path) if model.path else {})
+
+
+def window_of(model: ModelConfig, hf: dict[str, Any]) -> Window:
+    """model_window, given the model directory's config.json (`hf`)."""
     trained = trained_window(hf)
     generative = model.kind in ("llm", "vlm")
     precision = kv_precision(model) if generative else None

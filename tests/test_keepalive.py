@@ -230,3 +230,55 @@ def test_a_stream_queued_over_a_minute_passes_nginx_with_its_defaults(appliance_
     finally:
         nginx.terminate()
         nginx.wait(10)
+
+
+# --- stream_start.begin, without processes ---------------------------------------------------------------------
+
+def run_begin(first_after: float, check_after: float | None, check_refuses: bool = False, interval: float = 0.4):
+    """begin() over a first event that comes after `first_after` s and a window check answered after `check_after`
+    s (None: no check); returns (outcome, the stream opened or None, seconds until the headers or the end)."""
+    from appliance.front.api import stream_start
+    from appliance.front.request import RequestFailed
+
+    async def main():
+        opened_at = []
+
+        async def first():
+            await asyncio.sleep(first_after)
+            return "first event"
+
+        async def check():
+            await asyncio.sleep(check_after)
+            if check_refuses:
+                raise RequestFailed(400, "invalid_request", "too long", "context_length_exceeded")
+            return {"input_tokens": 1}
+
+        async def open_stream():
+            opened_at.append(time.monotonic() - started)
+            return "stream"
+
+        started = time.monotonic()
+        try:
+            outcome, stream = await stream_start.begin(first(), check if check_after is not None else None,
+                                                       open_stream, interval)
+        except RequestFailed as exc:
+            outcome, stream = exc, None
+        return outcome, stream, opened_at[0] if opened_at else time.monotonic() - started
+
+    return asyncio.run(main())
+
+
+def test_begin_waits_for_a_quick_first_event_and_opens_early_for_a_slow_one():
+    outcome, stream, _ = run_begin(first_after=0.01, check_after=0.01)
+    assert (outcome, stream) == ("first event", None)  # headers wait: a refusal would still be a status
+    outcome, stream, headers = run_begin(first_after=1.0, check_after=0.05)
+    assert (outcome, stream) == ("first event", "stream") and headers < 0.4  # checked, then opened while it waits
+    outcome, stream, headers = run_begin(first_after=1.0, check_after=5.0)
+    assert (outcome, stream) == ("first event", "stream") and headers < 0.6  # a late check never holds the headers
+    outcome, stream, headers = run_begin(first_after=1.0, check_after=None)
+    assert stream == "stream" and headers < 0.4
+
+
+def test_begin_raises_a_checks_refusal_before_the_headers():
+    outcome, stream, took = run_begin(first_after=5.0, check_after=0.05, check_refuses=True)
+    assert getattr(outcome, "status", None) == 400 and stream is None and took < 1.0

@@ -117,12 +117,21 @@ class Prompts:
                 "which leaves no room for an answer.")
         details = {"prompt_tokens": prompt_tokens, "max_context": limit}
         tools = message.get("tools") or []
-        if tools and message["kind"] == "chat":
-            details["tool_tokens"] = tool_tokens = prompt_tokens - self._tokens({**message, "tools": None})
+        tool_tokens = self._tool_tokens(message, prompt_tokens) if tools and message["kind"] == "chat" else None
+        if tool_tokens is not None:
+            details["tool_tokens"] = tool_tokens
             text += (f" {tool_tokens} of them are the definitions of the request's {len(tools)} tools: the usual "
                      "cause is a UI's built-in tools (Open WebUI attaches 36 to every message); turn off the tools "
                      "this model does not need, or use a model with a larger window.")
         raise Refused(faults.CONTEXT_LENGTH_EXCEEDED, text, details)
+
+    def _tool_tokens(self, message: dict[str, Any], prompt_tokens: int) -> int | None:
+        """How many of a prompt's tokens its tool definitions are: the prompt less the prompt without them (None if
+        the template will not render the conversation without its tools)."""
+        try:
+            return prompt_tokens - self._tokens({**message, "tools": None})
+        except Refused:
+            return None
 
     def _tokens(self, message: dict[str, Any]) -> int:
         return int(self.prompt(message)[0].get_shape()[1])

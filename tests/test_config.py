@@ -355,7 +355,7 @@ def test_check_config_and_doctor_say_what_a_window_costs(tmp_path, demo_model):
     path = write(tmp_path, data)
     done = run_cli("check-config", path)
     assert done.returncode == 0, done.stderr
-    assert "model own: context window 131072 tokens (trained; trained 131072; its KV cache holds" in done.stdout
+    assert "model own: context window 131072 tokens (the model's own; its KV cache holds" in done.stdout
     assert "model priced: context window 65536 tokens (max_context" in done.stdout
     assert "max_context 65536 costs 24 MiB of KV cache for one full sequence" in done.stdout
     assert "model untrained: max_context 300000 is more than the model was trained for (131072" in done.stderr

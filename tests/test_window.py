@@ -90,7 +90,7 @@ def test_unset_max_context_is_the_trained_window_capped_by_the_kv_cache(tmp_path
     assert kv_cost(explicit, 65536) == 65536 * 2 * 28 * 4 * (128 + 8)  # u8 on the CPU
     nothing = ModelConfig(name="m", path=str(tmp_path / "absent"))
     assert (model_window(nothing).tokens, model_window(nothing).source) == (4096, "fallback")
-    assert "context window 18724 tokens (kv_cache; trained 32768" in describe(window.status())
+    assert "context window 18724 tokens (what its KV cache holds; trained 32768" in describe(window.status())
 
 
 def test_the_spec_carries_the_window_and_default_max_tokens_is_unset_by_default(tmp_path):
@@ -145,7 +145,7 @@ def test_an_unset_window_is_the_models_own_and_clients_read_it(served):
     assert lengths["tiny"] == (40, 40)
     window = served.model_status("demo")["window"]
     assert window["source"] == "trained" and window["kv_cache_tokens"] > 131072
-    assert "context window 131072 tokens (trained" in served.logs()
+    assert "context window 131072 tokens (the model's own" in served.logs()
 
 
 def test_open_webuis_tools_fit_the_demo_window_and_name_the_cause_where_they_do_not(served):

@@ -60,13 +60,14 @@ class Window:
 
 def describe(status: dict[str, Any]) -> str:
     """A window (Window.status(), as a worker's spec carries it) in one line for the log: its size and why."""
-    line = f"context window {status['context_length']} tokens ({status['source']}"
-    if status["trained"] is not None:
-        line += f"; trained {status['trained']}"
+    why = {"max_context": "max_context", "trained": "the model's own", "kv_cache": "what its KV cache holds",
+           "fallback": "its config.json names none"}[status["source"]]
+    if status["trained"] is not None and status["source"] != "trained":
+        why += f"; trained {status['trained']}"
     if status["kv_cache_tokens"] is not None:
-        line += (f"; its KV cache holds {status['kv_cache_tokens']} at {status['kv_precision']}, "
-                 f"{status['kv_bytes_per_token']:g} bytes a token")
-    return line + ")"
+        why += (f"; its KV cache holds {status['kv_cache_tokens']} at {status['kv_precision']}, "
+                f"{status['kv_bytes_per_token']:g} bytes a token")
+    return f"context window {status['context_length']} tokens ({why})"
 
 
 def hf_config(path: str) -> dict[str, Any]:

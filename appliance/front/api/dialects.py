@@ -89,7 +89,7 @@ class DialectRoute:
             if gen.stream:
                 (answer, events, event), stream = await stream_start.begin(
                     first(), stream_start.window_check(self.appliance, served, gen.frame()), open_stream,
-                    self.appliance.config.server.stream_keepalive_s)
+                    sse.keepalive_s(request))
             else:
                 (answer, events, event), stream = await first(), None
             sse.refused_before_start(event)

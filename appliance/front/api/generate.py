@@ -195,7 +195,7 @@ class GenerationRoutes:
         try:
             (index, event), stream = await stream_start.begin(
                 first(), stream_start.window_check(self.appliance, served, req.frame()), open_stream,
-                self.appliance.config.server.stream_keepalive_s)
+                sse.keepalive_s(request))
             sse.refused_before_start(event)
             stream = stream or await open_stream()
             if req.kind == "chat":

@@ -6,9 +6,10 @@ long, a schema that does not compile) still gets a plain 4xx in the route's erro
 failure can only be an event in it. A request that waits longer (queued, its model loading, a long prefill) gets its
 headers early, after the checks a client reacts to by status (appliance.front.api.stream_start), and an open stream
 never falls silent: when nothing was sent for the server's stream_keepalive_s, a keep-alive goes out (an SSE comment
-line on the OpenAI routes, Anthropic's `ping` event on Messages), so no proxy or client takes it for a dead one. A response whose headers went out is recorded on its request (`prepared`, an
-event stream also as `opened`): whatever raises after that, the route wrapper ends an event stream with the
-dialect's error event (another kind of body is cut), and the errors middleware never writes a second response.
+line on the OpenAI routes, Anthropic's `ping` event on Messages), so no proxy or client takes it for a dead one.
+A response whose headers went out is recorded on its request (`prepared`, an event stream also as `opened`):
+whatever raises after that, the route wrapper ends an event stream with the dialect's error event (another kind of
+body is cut), and the errors middleware never writes a second response.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ PING = b'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's keep-alive even
 
 HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
            "X-Accel-Buffering": "no"}  # nginx: pass each event on as it comes, not in buffered blocks
+
+
+def keepalive_s(request: web.Request) -> float:
+    """The longest a stream of this request's app may stay silent (server.stream_keepalive_s, as a reload left it)."""
+    return request.config_dict.get(KEEPALIVE_INTERVAL, lambda: KEEPALIVE_S)()
 
 
 def refused_before_start(event: Event | RequestFailed) -> None:
@@ -112,8 +118,7 @@ class EventStream:
         self.request[OPEN_STREAM].stream = self
         await self.response.prepare(self.request)
         self.last_write = time.monotonic()
-        interval = self.request.config_dict.get(KEEPALIVE_INTERVAL, lambda: KEEPALIVE_S)()
-        self.heartbeat = asyncio.create_task(self._beat(interval))
+        self.heartbeat = asyncio.create_task(self._beat(keepalive_s(self.request)))
         return self
 
     async def send(self, payload: dict[str, Any], event: str | None = None) -> None:

@@ -9,7 +9,7 @@ PREFIX ?= /opt/openarc
 VENV := $(PREFIX)/venv
 PYTHON := $(VENV)/bin/python
 SYSTEM_PYTHON ?= /usr/bin/python3
-APT_PACKAGES := prometheus debootstrap gdb
+APT_PACKAGES := prometheus debootstrap gdb nginx-light
 PYTEST_ARGS ?=
 # Tests mostly wait on processes and sockets: three xdist workers on a 2-core machine (tests/conftest.py keeps the
 # ones that take the whole machine in one group). PYTEST_PARALLEL= runs them one by one.

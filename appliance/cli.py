@@ -20,7 +20,8 @@ from appliance.config import DEFAULT_CONFIG_PATH, Config, ConfigError, ModelConf
 from appliance.config.devices import available_devices, missing_devices
 from appliance.logs import setup_logging
 from appliance.config.model_checks import model_problems, path_check, served_path_check
-from appliance.config.kinds import MODEL_KINDS
+from appliance.config import window
+from appliance.config.kinds import GENERATIVE_KINDS, MODEL_KINDS
 
 log = logging.getLogger("openarc")
 
@@ -86,6 +87,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     names = ", ".join(f"{m.name} ({m.device}{'' if m.kind == 'llm' else ', ' + m.kind})" for m in config.models)
     names = names or "no models"
     print(f"{args.path}: OK: {names}")
+    for model in config.models:
+        if model.kind in GENERATIVE_KINDS:
+            line, problem = window.report(model)
+            print(f"openarc: {line}")
+            if problem:
+                print(f"openarc: warning: {config.source}: {problem}", file=sys.stderr)
     for warning in config.shared_gpu_warnings():
         print(f"openarc: warning: {warning}", file=sys.stderr)
     from appliance.front.listen import socket_unit_warnings

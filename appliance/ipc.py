@@ -56,15 +56,17 @@ OPS: dict[str, Op] = {
                   "new text of a request, how many tokens it took, and their [text, logprob] if asked for; the "
                   "first also the prompt's tokens and how many of them the prefix cache served"),
     "done": _op("worker", "id finish_reason prompt_tokens completion_tokens",
-                "cached_tokens reasoning_tokens draft_accepted draft_rejected stop_sequence",
+                "cached_tokens reasoning_tokens draft_accepted draft_rejected stop_sequence limit",
                 "a request finished (cached_tokens: prompt tokens the prefix cache served; reasoning_tokens on a "
                 "model with a reasoning format; draft_* on a model with a "
                 "draft or prompt lookup: proposed tokens the main model accepted and rejected; stop_sequence: the one "
-                "of the request's stop sequences that ended it)"),
+                "of the request's stop sequences that ended it; limit: with finish_reason length, the bound that cut it, "
+                "appliance.config.window.BOUND_*)"),
     "result": _op("worker", "id result", "counts",
                   "the one answer of a request op; counts add to the model's counters (supervisor.RESULT_COUNTERS)"),
-    "error": _op("worker", "id kind code message retryable", "hint",
-                 "a request failed (retryable: a retry may succeed); the worker goes on"),
+    "error": _op("worker", "id kind code message retryable", "hint prompt_tokens max_context tool_tokens",
+                 "a request failed (retryable: a retry may succeed); the worker goes on. A prompt over the window "
+                 "(context_length_exceeded) says its size, the window, and how much of it tool definitions are"),
     "progress": _op("worker", doc="generation goes on though nothing was sent (keeps the stall timer honest)"),
     "telemetry": _op("worker", "rss_bytes",
                      "device_memory_used_bytes device_memory_total_bytes device_memory_regions kv_cache_usage_ratio",

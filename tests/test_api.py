@@ -157,15 +157,18 @@ def test_body_over_the_limit_is_413(app):
     assert_openai_error(http("POST", app.base + "/v1/chat/completions", big), 413)
 
 
-def test_prompt_plus_max_tokens_over_max_context_is_400(app):
-    error = assert_openai_error(http("POST", app.base + "/v1/completions",
-                                     {"model": "demo", "prompt": "word " * 100, "max_tokens": 500}),
+def test_a_prompt_over_the_window_is_400_and_a_limit_over_it_is_fitted(app):
+    error = assert_openai_error(http("POST", app.base + "/v1/completions", {"model": "demo", "prompt": "word " * 600}),
                                 400, "context_length_exceeded")
     assert "512" in error["message"]
-    # the same limit on a streaming request is still a plain 400, not an event in a 200 stream
+    # the same refusal on a streaming request is still a plain 400, not an event in a 200 stream
     assert_openai_error(http("POST", app.base + "/v1/completions",
-                             {"model": "demo", "prompt": "word " * 100, "max_tokens": 500, "stream": True}),
+                             {"model": "demo", "prompt": "word " * 600, "stream": True}),
                         400, "context_length_exceeded")
+    # a limit larger than what the window leaves is fitted to it, not refused
+    status, _, body = http("POST", app.base + "/v1/completions",
+                           {"model": "demo", "prompt": "word " * 100, "max_tokens": 500})
+    assert status == 200 and body["usage"]["prompt_tokens"] + 500 > 512, body
 
 
 def test_unknown_route_and_wrong_method_are_openai_errors(app):

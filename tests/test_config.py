@@ -340,3 +340,27 @@ def test_model_aliases_are_globs_tried_in_order_after_exact_names(tmp_path):
     server = load_config(path).server
     assert server.alias_target("claude-haiku-4-5") == "small" and server.alias_target("claude-opus-4-1") == "big"
     assert server.alias_target("gpt-5") is None and server.alias_target("Claude-x") is None  # case counts
+
+
+def test_check_config_and_doctor_say_what_a_window_costs(tmp_path, demo_model):
+    """Unset, a window is the model's own (the demo's 131072); an explicit max_context is priced in KV memory (the
+    demo's 384 bytes a token at u8), and one past what the cache holds or the model was trained for is a warning."""
+    from appliance.config import load_config
+    from appliance.host.doctor import config_checks
+    data = {"models": [{"name": "own", "path": str(demo_model)},
+                       {"name": "priced", "path": str(demo_model), "max_context": 65536},
+                       {"name": "untrained", "path": str(demo_model), "max_context": 300000},
+                       {"name": "cramped", "path": str(demo_model), "max_context": 65536,
+                        "scheduler_config": {"num_kv_blocks": 100}}]}  # of 32 tokens on the CPU
+    path = write(tmp_path, data)
+    done = run_cli("check-config", path)
+    assert done.returncode == 0, done.stderr
+    assert "model own: context window 131072 tokens (the model's own; its KV cache holds" in done.stdout
+    assert "model priced: context window 65536 tokens (max_context" in done.stdout
+    assert "max_context 65536 costs 24 MiB of KV cache for one full sequence" in done.stdout
+    assert "model untrained: max_context 300000 is more than the model was trained for (131072" in done.stderr
+    assert ("model cramped: max_context 65536 is more than its KV cache holds for one sequence (3200 tokens): "
+            "set scheduler_config.cache_size to at least 1 (GB)") in done.stderr
+    checks = {c.detail.split(":")[0]: c for c in config_checks.window_checks(load_config(path))}
+    assert checks["model own"].status == "ok" and checks["model priced"].status == "ok"
+    assert checks["model untrained"].status == checks["model cramped"].status == "warn"

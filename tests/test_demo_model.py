@@ -73,7 +73,7 @@ def test_build_is_quick_small_and_complete(tmp_path):
             "openvino_detokenizer.xml", "openvino_detokenizer.bin", "config.json", "generation_config.json",
             "tokenizer.json", "tokenizer_config.json", MARKER_FILE} <= names
     assert sum(p.stat().st_size for p in dest.iterdir()) < 4_000_000
-    assert json.loads((dest / "config.json").read_text())["max_position_embeddings"] == 2048
+    assert json.loads((dest / "config.json").read_text())["max_position_embeddings"] == 131072
     generation = json.loads((dest / "generation_config.json").read_text())
     assert generation["max_new_tokens"] == 20 and generation["eos_token_id"] == demo.EOS_ID
     marker = json.loads((dest / MARKER_FILE).read_text())

@@ -202,11 +202,17 @@ def test_max_tokens_is_a_cap_the_context_bounds(app):
     with pytest.raises(anthropic.BadRequestError) as info:
         anthropic_client.messages.create(model="small", max_tokens=10, messages=[{"role": "user", "content": "Hi " * 60}])
     assert info.value.body["error"]["message"].startswith("prompt is too long: ")  # Anthropic's words
-    # chat completions keep OpenAI's rule: prompt plus max_tokens must fit
-    status, _, body = http("POST", app.base + "/v1/chat/completions", {"model": "small", "max_tokens": 32000,
-                                                                      "messages": QUESTION},
+    # chat completions and Responses fit a limit too, sent or not: the answer ends at the window's end
+    for limit in ({"max_tokens": 32000}, {}):
+        status, _, body = http("POST", app.base + "/v1/chat/completions", {"model": "small", "messages": QUESTION,
+                                                                          **limit}, headers={"x-api-key": KEY})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+        assert body["usage"]["total_tokens"] == 40
+    status, _, body = http("POST", app.base + "/v1/responses", {"model": "small", "input": "Hi"},
                            headers={"x-api-key": KEY})
-    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert status == 200 and body["status"] == "incomplete", body
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["usage"]["total_tokens"] == 40
 
 
 def test_a_vision_model_serves_text_messages_and_counts(appliance_factory, demo_vlm):

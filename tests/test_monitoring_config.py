@@ -50,6 +50,7 @@ OPENARC_METRICS = {
     "openarc_event_loop_lag_seconds": ("gauge", ()),
     "openarc_model_info": ("gauge", ("model", "kind")),
     "openarc_tool_calls_total": ("counter", ("model",)),
+    "openarc_answers_cut_total": ("counter", ("model", "reason")),
     "openarc_structured_requests_total": ("counter", ("model", "kind")),
     "openarc_ignored_tools_total": ("counter", ("type",)),
     "openarc_ignored_inputs_total": ("counter", ("endpoint", "type")),

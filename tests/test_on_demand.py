@@ -475,7 +475,7 @@ def test_reload_restart_of_a_loaded_on_demand_model_keeps_max_loaded_and_ready(a
             finish = chunk.choices[0].finish_reason if chunk.choices else finish
         other.join(HANG_BOUND_S)
         assert finish in ("length", "stop") and answered == ["length"]
-        code, _, body = http("POST", app.base + "/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 600},
+        code, _, body = http("POST", app.base + "/v1/completions", {"model": "a", "prompt": "word " * 350},
                              timeout=HANG_BOUND_S)
         stop.set()
         watcher.join()

@@ -41,8 +41,8 @@ def test_reload_adds_restarts_and_removes_only_what_changed(appliance_factory, d
     changed = app.wait_model("change", "ready", new_pid_not=change)
     assert changed["restarts"] == 0  # a fresh supervisor, not a crash
     assert app.worker_pid("keep") == keep
-    # the new limit is the one enforced
-    status, _, body = http("POST", app.base + "/v1/completions", {"model": "change", "prompt": "x", "max_tokens": 600})
+    # the new window is the one enforced: 702 tokens of prompt fit the old 1024, not the new 512
+    status, _, body = http("POST", app.base + "/v1/completions", {"model": "change", "prompt": "word " * 350})
     assert status == 400 and "512" in body["error"]["message"]
     assert http("POST", app.base + "/v1/completions", {"model": "drop", "prompt": "x"})[0] == 404
     assert app.client().chat.completions.create(model="new", messages=CHAT, max_tokens=3).usage.completion_tokens == 3
@@ -74,7 +74,7 @@ def test_a_model_changed_under_load_is_replaced_without_a_failed_request(applian
     print(f"reload ({mode}) of a changed model under load: {summary}")
     assert summary["failed"] == {} and summary["refused"] == 0, summary  # no 503, no 404, no cut connection
     wait_for(lambda: not pid_alive(old), "the old worker to leave")
-    status, _, body = http("POST", app.base + "/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 600})
+    status, _, body = http("POST", app.base + "/v1/completions", {"model": "demo", "prompt": "word " * 350})
     assert status == 400 and "512" in body["error"]["message"]
 
 

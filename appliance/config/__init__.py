@@ -88,10 +88,13 @@ class ModelConfig:
     gpu_mitigations: Literal["auto", "off"] = "auto"
     # ENABLE_WEIGHTLESS; None means true on GPU (9-17 GB -> ~0.2 GB host RAM per 14B load).
     enable_weightless: bool | None = None
-    # llm: prompt plus completion; embedding, rerank: tokens of one input (a longer one is a 400 unless the
-    # request says truncate: true); never more than the model's own max_position_embeddings.
-    max_context: int = 4096
-    default_max_tokens: int = 256
+    # llm, vlm: prompt plus answer; unset, the model's own trained window (config.json) capped by what its KV cache
+    # holds for one sequence (appliance.config.window). embedding, rerank: tokens of one input (a longer one is a
+    # 400 unless the request says truncate: true); never more than the model's own max_position_embeddings.
+    max_context: int | None = None
+    # The answer limit of a request that sends none (an operator's cap on unbounded answers); unset, such an
+    # answer may use what the window leaves after the prompt. Any limit is fitted to that room.
+    default_max_tokens: int | None = None
     # embedding: texts per request; rerank: documents per request.
     max_inputs: int = 2048
     # embedding: genai's TextEmbeddingPipeline pooling (None: the model's 1_Pooling/config.json, else cls),
@@ -268,6 +271,10 @@ class ServerConfig:
     metrics_require_key: bool = False
     max_body_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0
+    # An open event stream is never silent longer than this: a keep-alive (an SSE comment, Anthropic's ping) goes out
+    # while its request waits in the queue, for its model to load, or through a long prefill, so no proxy (nginx:
+    # 60 s) or client cuts it.
+    stream_keepalive_s: float = 15.0
     # Parallel loads of two 14B models OOM-killed a 32 GB host: load one model at a time by default.
     load_concurrency: int = 1
     cache_dir: str | None = None
@@ -407,7 +414,7 @@ def demo_config(**server: Any) -> Config:
     """The built-in config of `openarc serve` without a config file: the tiny chat and embedding demo models on
     the CPU.  Their paths are empty: the CLI builds (or finds in its cache) each kind's demo model."""
     restart = RestartPolicy(backoff_initial_s=0.5, backoff_max_s=10.0, max_failures=10, window_s=300.0)
-    chat = ModelConfig(name="demo", path="", device="CPU", max_context=2048, restart=restart)
+    chat = ModelConfig(name="demo", path="", device="CPU", restart=restart)  # its own window (appliance.demo.llm)
     embedding = ModelConfig(name="demo-embedding", path="", kind="embedding", device="CPU", max_context=512,
                             restart=dataclasses.replace(restart))
     return Config(server=ServerConfig(**server), models=[chat, embedding])

@@ -10,6 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from appliance.config.kinds import KIND_ONLY_KEYS, kinds_of
+from appliance.config.window import model_window
 
 if TYPE_CHECKING:
     from appliance.config import Config, ModelConfig
@@ -22,9 +23,10 @@ FRONT_ONLY_KIND_KEYS = frozenset({"max_audio_seconds", "max_upload_bytes", "max_
 
 def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
     """What a worker needs to know, as JSON on its command line: the keys of every kind, and those of its own."""
+    window = model_window(model)  # max_context as set, else the model's own fitted to its KV cache
     spec = {"name": model.name, "kind": model.kind, "path": model.path, "device": model.device,
-            "properties": model.ov_properties(config.ov_cache_dir()), "max_context": model.max_context,
-            "log_level": config.server.log_level}
+            "properties": model.ov_properties(config.ov_cache_dir()), "max_context": window.tokens,
+            "window": window.status(), "log_level": config.server.log_level}
     spec.update({key: getattr(model, key) for key, kinds in KIND_ONLY_KEYS.items()
                  if model.kind in kinds_of(kinds) and key not in FRONT_ONLY_KIND_KEYS})
     if model.draft_model:

@@ -78,6 +78,7 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
     require(s.max_body_bytes >= 1024, "server.max_body_bytes", "at least 1024")
     require(s.load_concurrency >= 1, "server.load_concurrency", "at least 1")
     require(s.drain_timeout_s >= 0, "server.drain_timeout_s", "a non-negative number")
+    require(s.stream_keepalive_s > 0, "server.stream_keepalive_s", "a positive number of seconds")
     f = s.image_fetch
     require(f.max_bytes >= 1024, "server.image_fetch.max_bytes", "at least 1024")
     require(f.timeout_s > 0, "server.image_fetch.timeout_s", "a positive number of seconds")
@@ -97,7 +98,7 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
                 "an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case)")
         require(m.port is None or 0 < m.port < 65536, f"{at}.port", "a port number 1-65535")
         for key in ("max_context", "default_max_tokens", "max_running", "max_inputs"):
-            require(getattr(m, key) >= 1, f"{at}.{key}", "at least 1")
+            require(getattr(m, key) is None or getattr(m, key) >= 1, f"{at}.{key}", "at least 1")
         require(m.max_queue >= 0, f"{at}.max_queue", "a non-negative integer")
         _check_kind_keys(m, raw_models[i] if i < len(raw_models) else {}, at, problems)
         require(all(d >= 1 for d in m.matryoshka_dimensions or ()), f"{at}.matryoshka_dimensions",

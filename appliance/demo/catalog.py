@@ -100,7 +100,7 @@ DEMO_KINDS = {
     "embedding": DemoKind("appliance.demo.encoder", "write_embedding_model", _seed_only, 2),
     "rerank": DemoKind("appliance.demo.encoder", "write_rerank_model", _seed_only, 2),
     "transcription": DemoKind("appliance.demo.whisper", "write_whisper_model", _seed_only, 1),
-    "vlm": DemoKind("appliance.demo.vlm", "write_vlm_model", checked_params, 2),
+    "vlm": DemoKind("appliance.demo.vlm", "write_vlm_model", checked_params, 3),  # 3: the chat demo's tokenizer
     "tts": DemoKind("appliance.demo.tts", "write_tts_model", _seed_only, 1),
 }
 

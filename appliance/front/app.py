@@ -19,6 +19,8 @@ def make_app(appliance) -> web.Application:
     app = web.Application(client_max_size=appliance.config.server.max_body_bytes,
                           middlewares=[middlewares.errors, middlewares.auth])
     app.on_response_prepare.append(sse.record_prepared)  # a request whose answer began is never answered again
+    app[sse.KEEPALIVE_INTERVAL] = lambda: appliance.config.server.stream_keepalive_s  # as a reload leaves it
     for family in (health, generate, dialects, embeddings, rerank, audio, speech, models):
         family.add_routes(app, appliance)
+    app.on_cleanup.append(lambda app: appliance.prompt_counter.close())
     return app

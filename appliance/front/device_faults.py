@@ -16,6 +16,8 @@ from appliance.host.kernel_log import KernelLog
 
 # Worker error kinds that are the request's fault: HTTP 400.
 CLIENT_ERROR_KINDS = ("invalid_request", "invalid_grammar")
+# The figures of a prompt over the window that an error frame may carry (appliance.worker.prompt.Refused).
+WINDOW_FIELDS = ("prompt_tokens", "max_context", "tool_tokens")
 
 
 class DeviceFaults:
@@ -60,7 +62,8 @@ class DeviceFaults:
         # A fault that a retry on this model may get past (a scheduler out-of-memory, a lost device the restart
         # replaces) tells the client when to try again.
         retry_after = max(1.0, self.model.restart.backoff_initial_s) if retryable else None
-        return RequestFailed(status, kind, message["message"], code, hint, retry_after), end
+        details = {key: message[key] for key in WINDOW_FIELDS if key in message}
+        return RequestFailed(status, kind, message["message"], code, hint, retry_after, details), end
 
 
 def sole_card() -> str | None:

@@ -12,12 +12,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from appliance.config.window import BOUND_DEFAULT, BOUND_REQUEST, BOUND_WINDOW
 from appliance.front.lifecycle import ModelState
 from appliance.front.priority import CLASSES
 
 MODEL_STATES = tuple(state.value for state in ModelState)
 LOAD_REASONS = ("start", "demand", "api", "reload")
 UNLOAD_REASONS = ("idle", "evicted", "api")
+CUT_REASONS = (BOUND_REQUEST, BOUND_DEFAULT, BOUND_WINDOW)  # what ends an answer with finish_reason "length"
 
 
 @dataclass
@@ -61,6 +63,7 @@ class ModelMetrics:
     time_to_first_audio: Any
     draft: DraftTokens  # labelled by outcome too: built apart in for_model
     queue_time: dict[str, Any]  # by priority class
+    answers_cut: dict[str, Any]  # by the limit that cut them (CUT_REASONS)
     token_series: Any  # (key, priority) -> TokenSeries, labelled once per pair
 
     def tokens(self, key: str, priority: str) -> TokenSeries:
@@ -76,7 +79,7 @@ class TokenSeries:
 
 
 # ModelMetrics fields that are not one child labelled by model alone.
-SPECIAL_SERIES = frozenset({"draft", "queue_time", "token_series", "ttft", "ttft_cached"})
+SPECIAL_SERIES = frozenset({"draft", "queue_time", "answers_cut", "token_series", "ttft", "ttft_cached"})
 
 
 class Metrics:
@@ -91,6 +94,10 @@ class Metrics:
                                     ["key", "reason"], registry=r)
         self.request_errors = Counter("openarc_request_errors", "Requests that ended in an error, by kind",
                                       ["model", "kind", "endpoint"], registry=r)
+        self.answers_cut = Counter("openarc_answers_cut", "Answers that ended at a token limit (finish_reason "
+                                   "length), by the limit: max_tokens (the request's own), default_max_tokens (the "
+                                   "model's, for a request that set none) or context_window (what the window left "
+                                   "after the prompt)", ["model", "reason"], registry=r)
         self.tool_calls = Counter("openarc_tool_calls", "Tool calls returned to clients", ["model"], registry=r)
         self.ignored_tools = Counter("openarc_ignored_tools", "Tools a request listed whose type the server cannot "
                                      "run (hosted tools: web_search, file_search, ...; Anthropic's server tools) and "
@@ -202,11 +209,13 @@ class Metrics:
         series["ttft_cached"] = self.ttft.labels(model=model, source="cache")
         draft = DraftTokens(*(self.draft_tokens.labels(model=model, outcome=o) for o in ("accepted", "rejected")))
         queue_time = {priority: self.queue_time.labels(model=model, priority=priority) for priority in CLASSES}
+        answers_cut = {reason: self.answers_cut.labels(model=model, reason=reason) for reason in CUT_REASONS}
         for reason in LOAD_REASONS:
             self.model_loads.labels(model=model, reason=reason)
         for reason in UNLOAD_REASONS:
             self.model_unloads.labels(model=model, reason=reason)
-        return ModelMetrics(**series, draft=draft, queue_time=queue_time, token_series=self._token_series(model))
+        return ModelMetrics(**series, draft=draft, queue_time=queue_time, answers_cut=answers_cut,
+                            token_series=self._token_series(model))
 
     def _token_series(self, model: str):
         labelled: dict[tuple[str, str], TokenSeries] = {}

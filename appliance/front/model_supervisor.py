@@ -79,6 +79,7 @@ class ModelSupervisor:
                 # chat formats: as the worker resolved them (configured, else detected), or as configured until then
                 "tool_parser": formats.get("tool_parser", self.model.tool_parser),
                 "reasoning_parser": formats.get("reasoning_parser", self.model.reasoning_parser),
+                **({"window": self.spec["window"]} if self.model.kind in GENERATIVE_KINDS else {}),
                 "requests_running": len(self.router.running),
                 "requests_waiting": self.router.queued(),
                 **({"speculative": self.model.speculative, **self.series.draft.status()} if self.model.kind == "llm"

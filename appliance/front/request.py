@@ -14,11 +14,14 @@ class RequestFailed(Exception):
     """A request that ends in an error; the front turns it into an OpenAI error body with `status`."""
 
     def __init__(self, status: int, kind: str, message: str, code: str | None = None,
-                 hint: str | None = None, retry_after: float | None = None):
+                 hint: str | None = None, retry_after: float | None = None, details: dict[str, int] | None = None):
         super().__init__(message)
         self.status, self.kind, self.message = status, kind, message
         self.code = code or kind
         self.hint, self.retry_after = hint, retry_after
+        # figures a dialect may word its own message from: a prompt over the window has prompt_tokens,
+        # max_context and (with tools) tool_tokens (the worker's error frame)
+        self.details = details or {}
 
 
 @dataclass

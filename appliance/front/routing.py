@@ -192,6 +192,8 @@ class RequestRouter:
             self._count_prompt(req, message["prompt_tokens"], cached)
             if "draft_accepted" in message:
                 self.series.draft.add(message["draft_accepted"], message["draft_rejected"])
+            if message["finish_reason"] == "length" and message.get("limit") in self.series.answers_cut:
+                self.series.answers_cut[message["limit"]].inc()  # silent truncation has a witness
             self.finish(req, Event("done", finish_reason=message["finish_reason"],
                                    prompt_tokens=message["prompt_tokens"], cached_tokens=cached,
                                    completion_tokens=message["completion_tokens"],

@@ -21,6 +21,7 @@ from aiohttp import web
 from appliance.config import Config, ConfigError
 from appliance.front import listen
 from appliance.front.app import make_app
+from appliance.front.api.count_tokens import PromptCounter
 from appliance.front.gpu_watch import GpuWatch
 from appliance.front.keys import KeyRing
 from appliance.front.lifecycle import ModelState
@@ -49,6 +50,8 @@ class Appliance:
         self.notifier = Notifier()
         self.loop_health = LoopHealth(self.metrics.event_loop_lag.set)
         self.keys = KeyRing(config, config.key_secrets())  # a ConfigError names an unset or empty variable
+        # counts a model's prompts without its worker (count_tokens, a waiting stream's window check); started on use
+        self.prompt_counter = PromptCounter()
         self.draining = False
         self.started = time.time()
         self.background: list[asyncio.Task] = []

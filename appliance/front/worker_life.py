@@ -31,6 +31,8 @@ from appliance.host import faults
 from appliance.host.kernel_log import KernelLog
 from appliance.ipc import ProtocolError
 from appliance.config.model_checks import served_path_check
+from appliance.config import window
+from appliance.config.kinds import GENERATIVE_KINDS
 
 log = logging.getLogger("openarc.supervisor")  # the same name as appliance.front.supervisor: one source in the log
 
@@ -194,7 +196,8 @@ class WorkerLife:
                     self.current.process = await WorkerProcess.spawn(self.spec)
                 except Exception as exc:  # EMFILE, ENOMEM, EACCES, a missing interpreter: nothing to reap
                     return Exit(ExitReason.SPAWN_ERROR, detail=f"cannot start the worker: {describe(exc)}")
-                log.info("model %s: worker %d started", self.name, self.pid)
+                log.info("model %s: worker %d started%s", self.name, self.pid,
+                         f"; {window.describe(self.spec['window'])}" if self.model.kind in GENERATIVE_KINDS else "")
                 ready = await self._await_ready(spawned)
             if ready:
                 await self._serve()

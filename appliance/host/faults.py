@@ -54,7 +54,7 @@ _DEVICE_OOM = Fault("device_oom", "device_out_of_memory", OOM_HINT, False)
 _DEVICE_LOST = Fault("device_lost", "device_lost", None, True)
 _SCHEDULER_OOM = Fault("scheduler_oom", "scheduler_out_of_memory", SCHEDULER_OOM_HINT, True)
 _RUNTIME_MISSING = Fault("runtime_missing", "gpu_runtime_missing", RUNTIME_MISSING_HINT, False)
-# Also built directly by the worker when prompt + max_tokens exceed the model's max_context.
+# Also built directly by the worker when a prompt leaves its answer no room in the window (appliance.config.window).
 CONTEXT_LENGTH_EXCEEDED = Fault("invalid_request", "context_length_exceeded", None, False)
 
 # One ordered table: (compiled pattern, fault). First match wins.

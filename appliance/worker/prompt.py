@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from appliance import chat_formats
+from appliance.config import window
 from appliance.host import faults
 from appliance.ipc import frame
 from appliance.worker import agent_noise, system_turns
@@ -24,11 +25,18 @@ INVALID_REQUEST = faults.Fault("invalid_request", "invalid_request", None, False
 
 
 class Refused(Exception):
-    """A request the worker will not run, and why (its fault): answered with an error frame."""
+    """A request the worker will not run, and why (its fault): answered with an error frame, whose optional fields
+    `details` adds (a prompt over the window: prompt_tokens, max_context, tool_tokens)."""
 
-    def __init__(self, fault: faults.Fault, message: str):
+    def __init__(self, fault: faults.Fault, message: str, details: dict[str, int] | None = None):
         super().__init__(message)
         self.fault = fault
+        self.details = details or {}
+
+    def frame(self, request_id: int) -> dict[str, Any]:
+        fault = self.fault
+        return frame("error", id=request_id, kind=fault.kind, code=fault.code, hint=fault.hint, message=str(self),
+                     retryable=fault.retryable, **self.details)
 
 
 class Prompts:
@@ -86,10 +94,51 @@ class Prompts:
         try:
             input_ids = self.prompt({**body, "kind": "chat"})[0]
         except Refused as refused:
-            fault = refused.fault
-            return frame("error", id=request_id, kind=fault.kind, code=fault.code, hint=fault.hint,
-                         message=str(refused), retryable=fault.retryable)
+            return refused.frame(request_id)
         return frame("result", id=request_id, result={"input_tokens": int(input_ids.get_shape()[1])}, counts={})
+
+    def check(self, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
+        """The reply frame to a window check (the front's, for a stream about to open its headers while its request
+        waits): the prompt's tokens and its fitted answer limit, or the refusal the worker itself would give."""
+        try:
+            prompt_tokens = self._tokens(message)
+            limit = self.answer_limit(message, prompt_tokens)[0]
+        except Refused as refused:
+            return refused.frame(request_id)
+        return frame("result", id=request_id, result={"input_tokens": prompt_tokens, "max_tokens": limit}, counts={})
+
+    def answer_limit(self, message: dict[str, Any], prompt_tokens: int) -> tuple[int, str]:
+        """The request's answer limit fitted to the model's window, and the bound that set it
+        (appliance.config.window.answer_limit); a prompt that leaves no room is Refused, saying how much of it the
+        tool definitions are (counted here, on the error path only)."""
+        limit = self.spec["max_context"]
+        try:
+            return window.answer_limit(prompt_tokens, message["params"].get("max_tokens"), limit,
+                                       self.spec.get("default_max_tokens"))
+        except window.WindowExceeded:
+            pass
+        text = (f"This model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} tokens, "
+                "which leaves no room for an answer.")
+        details = {"prompt_tokens": prompt_tokens, "max_context": limit}
+        tools = message.get("tools") or []
+        tool_tokens = self._tool_tokens(message, prompt_tokens) if tools and message["kind"] == "chat" else None
+        if tool_tokens is not None:
+            details["tool_tokens"] = tool_tokens
+            text += (f" {tool_tokens} of them are the definitions of the request's {len(tools)} tools: the usual "
+                     "cause is a UI's built-in tools (Open WebUI attaches 36 to every message); turn off the tools "
+                     "this model does not need, or use a model with a larger window.")
+        raise Refused(faults.CONTEXT_LENGTH_EXCEEDED, text, details)
+
+    def _tool_tokens(self, message: dict[str, Any], prompt_tokens: int) -> int | None:
+        """How many of a prompt's tokens its tool definitions are: the prompt less the prompt without them (None if
+        the template will not render the conversation without its tools)."""
+        try:
+            return prompt_tokens - self._tokens({**message, "tools": None})
+        except Refused:
+            return None
+
+    def _tokens(self, message: dict[str, Any]) -> int:
+        return int(self.prompt(message)[0].get_shape()[1])
 
     def render(self, message: dict[str, Any]) -> str:
         """The chat prompt: messages (tool calls and results included), the tools, chat_template_kwargs."""

@@ -8,8 +8,10 @@ files of its directory (openvino_tokenizer.xml: a few MiB on the CPU, loaded in 
 same appliance.worker.prompt.Prompts the worker renders with, so the count equals the usage its message reports.
 
 Protocol (appliance.ipc.serve_requests, one request at a time): {"spec": the model's worker spec, "body": the
-count frame's body} -> the worker's own reply frame (`result` {"input_tokens": n}, or `error`). The tokenizers of
-the last few models counted are kept.
+count frame's body} -> the worker's own reply frame (`result` {"input_tokens": n}, or `error`). With "check": true
+the body is a generate frame's prompt and params, and the reply also has the answer's fitted limit, or the window's
+refusal exactly as the worker words it (Prompts.check): a stream that waits is checked before its headers go out.
+The tokenizers of the last few models counted are kept.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class Counter:
                          message=f"the tokenizer of model {spec['name']} cannot be loaded from {spec['path']}: "
                                  f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}",
                          retryable=True)
+        if request.get("check"):  # a generate frame's window check (appliance.front.api.stream_start)
+            return prompts.check(0, request["body"])
         return prompts.count(0, request["body"])
 
     def model(self, spec: dict[str, Any]) -> Prompts:

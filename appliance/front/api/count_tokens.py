@@ -20,7 +20,7 @@ from appliance.front.api.fields import json_body
 from appliance.front.api.results import one_result
 from appliance.front.api.route import Call, route
 from appliance.front.decoder_process import DecoderFailed, DecoderProcess
-from appliance.front.device_faults import CLIENT_ERROR_KINDS
+from appliance.front.device_faults import CLIENT_ERROR_KINDS, WINDOW_FIELDS
 from appliance.front.request import RequestFailed
 from appliance.config.kinds import GENERATIVE_KINDS
 
@@ -28,17 +28,53 @@ COUNTER_MODULE = "appliance.worker.token_counter"
 # Starting the process (OpenVINO's import) and loading a tokenizer take a few seconds on a slow host; a count,
 # milliseconds. Past this the process is taken for hung, killed and replaced.
 COUNT_TIMEOUT_S = 60.0
+# What a window check reads of a generate frame: the prompt (messages or text), its tools and template arguments, and
+# the request's limit.
+CHECKED_FIELDS = ("kind", "messages", "prompt", "tools", "template_kwargs", "params")
+
+
+class PromptCounter:
+    """The token counter process, one for the server: counts for /v1/messages/count_tokens, and the window check
+    of a stream whose request waits (appliance.front.api.stream_start), neither of which may wait for a load."""
+
+    def __init__(self):
+        self.process = DecoderProcess(COUNTER_MODULE, COUNT_TIMEOUT_S, "token counter")
+
+    async def count(self, spec: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+        """The count of a conversation (a count frame's body), as the model's worker would count it."""
+        return await self._ask({"spec": spec, "body": body})
+
+    async def check(self, spec: dict[str, Any], frame: dict[str, Any]) -> dict[str, Any]:
+        """A generate frame's prompt tokens and fitted answer limit; its refusal (a prompt over the window) raised
+        as the worker's would be."""
+        body = {key: frame[key] for key in CHECKED_FIELDS if key in frame}
+        return await self._ask({"spec": spec, "body": body, "check": True})
+
+    async def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        spec = request["spec"]
+        try:
+            reply = await self.process.ask(request, b"")
+        except DecoderFailed as exc:  # it died twice (a fresh process too) or hung: ours, not the conversation's
+            raise RequestFailed(503, "model_unavailable", f"the tokens of model {spec['name']} cannot be counted "
+                                f"now: the token counter process {exc.how}; try again", retry_after=1) from None
+        if reply["op"] == "error":
+            status = 400 if reply["kind"] in CLIENT_ERROR_KINDS else 503
+            details = {key: reply[key] for key in WINDOW_FIELDS if key in reply}
+            raise RequestFailed(status, reply["kind"], reply["message"], reply["code"], reply.get("hint"),
+                                retry_after=None if status == 400 else 1, details=details)
+        return reply["result"]
+
+    async def close(self) -> None:
+        await self.process.close()
 
 
 class CountTokensRoute:
     def __init__(self, appliance):
         self.appliance = appliance  # appliance.front.server.Appliance: its models, supervisors, draining
-        self.counter = DecoderProcess(COUNTER_MODULE, COUNT_TIMEOUT_S, "token counter")
 
     def mount(self, app: web.Application) -> None:
         app.router.add_post("/v1/messages/count_tokens",
                             route(self.appliance, "messages/count_tokens", self.handler, messages.ANTHROPIC))
-        app.on_cleanup.append(lambda app: self.counter.close())
 
     async def handler(self, request: web.Request, call: Call) -> web.Response:
         body = await json_body(request)
@@ -49,17 +85,4 @@ class CountTokensRoute:
         if sup.life.admits():
             event = await one_result(sup, {"kind": sup.model.kind, "body": count_body})
             return web.json_response(event.result)
-        return web.json_response(await self.count_unloaded(sup.spec, count_body))
-
-    async def count_unloaded(self, spec: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
-        """The count of a model without a ready worker, from the token counter process."""
-        try:
-            reply = await self.counter.ask({"spec": spec, "body": body}, b"")
-        except DecoderFailed as exc:  # it died twice (a fresh process too) or hung: ours, not the conversation's
-            raise RequestFailed(503, "model_unavailable", f"the tokens of model {spec['name']} cannot be counted "
-                                f"now: the token counter process {exc.how}; try again", retry_after=1) from None
-        if reply["op"] == "error":
-            status = 400 if reply["kind"] in CLIENT_ERROR_KINDS else 503
-            raise RequestFailed(status, reply["kind"], reply["message"], reply["code"], reply.get("hint"),
-                                retry_after=None if status == 400 else 1)
-        return reply["result"]
+        return web.json_response(await self.appliance.prompt_counter.count(sup.spec, count_body))

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from appliance.front.api import lookup, messages, responses, sse
+from appliance.front.api import lookup, messages, responses, sse, stream_start
 from appliance.front.api.answer_items import Events
 from appliance.front.api.count_tokens import CountTokensRoute
 from appliance.front.api.fields import json_body
@@ -34,6 +34,7 @@ class Dialect:
     stream: Callable[[Any], Any]             # request -> its item stream (start, feed, finish, fail)
     whole: Callable[[Any], dict[str, Any]]   # the finished item stream -> the whole object
     finished: Callable[[Any, Any], None] = lambda req, stream: None  # after the answer's end (storing it)
+    keepalive: bytes = sse.COMMENT  # what a silent stream sends (appliance.front.api.sse.EventStream)
 
 
 def add_routes(app: web.Application, appliance) -> None:
@@ -48,7 +49,8 @@ def add_routes(app: web.Application, appliance) -> None:
                                                       responses.ResponseStream, lambda s: s.response, keep)).handler,
                       responses.RESPONSES),
         "messages": (DialectRoute(appliance, Dialect(messages.parse_messages, messages.MessageStream,
-                                                     lambda s: s.message)).handler, messages.ANTHROPIC),
+                                                     lambda s: s.message, keepalive=sse.PING)).handler,
+                     messages.ANTHROPIC),
     }
     for endpoint, (handler, errors) in routes.items():
         app.router.add_post(f"/v1/{endpoint}", route(appliance, endpoint, handler, errors))
@@ -68,22 +70,41 @@ class DialectRoute:
         await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = self.dialect.parse(body)
         gen = req.gen
-        sup = await lookup.model_for(self.appliance, gen.model, call, GENERATIVE_KINDS)
-        answer = answer_parser(sup, gen)
-        note_constraint(call, self.appliance.metrics, gen)
-        handle = sup.open(gen.frame())
-        try:
-            return await self._answer(request, call, sup.events(handle), req, answer)
-        finally:
-            sup.close(handle)
+        served = lookup.model_served(self.appliance, gen.model, call, GENERATIVE_KINDS)
+        opened: list = []  # (its model, the request's handle) once it is admitted
 
-    async def _answer(self, request: web.Request, call: Call, events, req, answer) -> web.StreamResponse:
-        """The chat path's events as the dialect's: a stream, or one whole object at the end."""
-        items, stream = self.dialect.stream(req), None
-        event = await sse.next_event(events)
-        sse.refused_before_start(event)
-        if req.gen.stream:
-            stream = await sse.EventStream(request).open()
+        async def first():
+            """The model (waited for), the answer's parser, the request's events and its first."""
+            sup = await lookup.model_for(self.appliance, gen.model, call, GENERATIVE_KINDS)
+            answer = answer_parser(sup, gen)
+            note_constraint(call, self.appliance.metrics, gen)
+            opened.append((sup, sup.open(gen.frame())))
+            events = sup.events(opened[0][1])
+            return answer, events, await sse.next_event(events)
+
+        def open_stream():
+            return sse.EventStream(request, keepalive=self.dialect.keepalive).open()
+
+        try:
+            if gen.stream:
+                (answer, events, event), stream = await stream_start.begin(
+                    first(), stream_start.window_check(self.appliance, served, gen.frame()), open_stream,
+                    sse.keepalive_s(request))
+            else:
+                (answer, events, event), stream = await first(), None
+            sse.refused_before_start(event)
+            if gen.stream and stream is None:
+                stream = await open_stream()
+            return await self._answer(call, events, event, stream, req, answer)
+        finally:
+            for sup, handle in opened:
+                sup.close(handle)
+
+    async def _answer(self, call: Call, events, event, stream: sse.EventStream | None, req,
+                      answer) -> web.StreamResponse:
+        """The chat path's events as the dialect's: a stream (open), or one whole object at the end."""
+        items = self.dialect.stream(req)
+        if stream is not None:
             await send(stream, items.start(event))
         while True:
             if isinstance(event, RequestFailed):

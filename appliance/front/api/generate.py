@@ -16,7 +16,7 @@ from aiohttp import web
 
 from appliance.front.api.answer import AnswerParser
 from appliance.front.api.completions import GenerationRequest, ResponseShaper, parse_chat, parse_completion
-from appliance.front.api import lookup, sse
+from appliance.front.api import lookup, sse, stream_start
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_body, parse_json
 from appliance.front.api.images import MAX_IMAGE_REQUESTS_IN_FLIGHT, MAX_IMAGES, ImageResolver, body_limit, spool_base
@@ -98,6 +98,8 @@ class GenerationRoutes:
         call.label(body)
         await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = parse(body)
+        if req.stream and not req.content.images:  # its model is looked up as its stream begins (stream_start)
+            return await self._stream(request, call, req)
         sup = await lookup.model_for(self.appliance, req.model, call, GENERATIVE_KINDS)
         # A request with images holds its place in the queue before they are fetched and decoded: a busy model
         # refuses it now (429), not after megabytes of pixels were spooled for it.
@@ -106,10 +108,11 @@ class GenerationRoutes:
             req.images = await self.images.resolve(req.content, sup.model)
             if place is not None:
                 sup = await place.follow(self.appliance, req.model, call, GENERATIVE_KINDS)
+            if req.stream:
+                return await self._stream(request, call, req, sup, place)
             answers = [answer_parser(sup, req) for _ in range(req.n)]
             note_constraint(call, self.appliance.metrics, req)
-            return await (self._stream(request, call, sup, req, answers, place) if req.stream
-                          else self._whole(sup, req, answers, place))
+            return await self._whole(sup, req, answers, place)
         finally:  # the worker has read the image files by the time the request is over
             if place is not None:
                 place.release()
@@ -169,16 +172,37 @@ class GenerationRoutes:
                 logprobs.extend(event.logprobs or ())
         raise AssertionError("event stream ended without done")
 
-    async def _stream(self, request: web.Request, call: Call, sup, req: GenerationRequest,
-                      answers: list[AnswerParser | None], place: QueuePlace | None) -> web.StreamResponse:
-        handles = self._open(sup, req, place)
+    async def _stream(self, request: web.Request, call: Call, req: GenerationRequest, sup=None,
+                      place: QueuePlace | None = None) -> web.StreamResponse:
+        """A streamed answer; `sup`: its model, ready (with `place`, the queue place its images held), or None: it
+        is looked up (and waited for) as the stream begins, keep-alives going out once the request waits."""
         shaper = ResponseShaper(req)
         merged: asyncio.Queue = asyncio.Queue()  # (choice index, Event or RequestFailed) of every choice
-        pumps = [asyncio.create_task(self._pump(sup, handle, index, merged)) for index, handle in enumerate(handles)]
+        handles: list = []
+        pumps: list[asyncio.Task] = []
+        answers: list[AnswerParser | None] = []
+        served = sup or lookup.model_served(self.appliance, req.model, call, GENERATIVE_KINDS)
+
+        async def first() -> tuple[int, Event | RequestFailed]:
+            nonlocal sup
+            if sup is None:
+                sup = await lookup.model_for(self.appliance, req.model, call, GENERATIVE_KINDS)
+            answers.extend(answer_parser(sup, req) for _ in range(req.n))
+            note_constraint(call, self.appliance.metrics, req)
+            handles.extend(self._open(sup, req, place))
+            pumps.extend(asyncio.create_task(self._pump(sup, handle, index, merged))
+                         for index, handle in enumerate(handles))
+            return await merged.get()
+
+        def open_stream():
+            return sse.EventStream(request, done_marker=True).open()
+
         try:
-            index, event = await merged.get()
+            (index, event), stream = await stream_start.begin(
+                first(), stream_start.window_check(self.appliance, served, req.frame()), open_stream,
+                sse.keepalive_s(request))
             sse.refused_before_start(event)
-            stream = await sse.EventStream(request, done_marker=True).open()
+            stream = stream or await open_stream()
             if req.kind == "chat":
                 for choice in range(req.n):
                     await stream.send(shaper.chunk(first=True, index=choice))

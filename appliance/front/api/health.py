@@ -15,6 +15,7 @@ import time
 from aiohttp import web
 
 from appliance import __version__
+from appliance.config.kinds import GENERATIVE_KINDS
 from appliance.host.doctor import box, cards
 
 # Test knob: read the machine's files (sysfs, the kernel's boot log) for /openarc/status's cards under this root, as
@@ -77,6 +78,14 @@ class HealthRoutes:
     async def list_models(self, request: web.Request) -> web.Response:
         key = request.get("api_key")  # a key sees the models it may use
         data = [{"id": name, "object": "model", "created": int(self.appliance.started), "owned_by": "openarc",
-                 "kind": sup.model.kind} for name, sup in self.appliance.supervisor.models.items()
-                if key is None or key.may_use(name)]
+                 "kind": sup.model.kind, **window_fields(sup.spec)}
+                for name, sup in self.appliance.supervisor.models.items() if key is None or key.may_use(name)]
         return web.json_response({"object": "list", "data": data})
+
+
+def window_fields(spec: dict) -> dict[str, int]:
+    """A generative model's window as clients read it from /v1/models: `context_length` (OpenRouter's, LM Studio's
+    and Open WebUI's name) and `max_model_len` (vLLM's)."""
+    if spec["kind"] not in GENERATIVE_KINDS:
+        return {}
+    return {"context_length": spec["max_context"], "max_model_len": spec["max_context"]}

@@ -121,7 +121,7 @@ def parse_messages(body: Any) -> MessagesRequest:
     params = {"max_tokens": number(body, "max_tokens", 1, 1 << 20, integer=True),
               "temperature": number(body, "temperature", 0, 1), "top_p": number(body, "top_p", 0, 1),
               "top_k": number(body, "top_k", 1, 1 << 31, integer=True), "stop": _stop_sequences(body),
-              "logprobs": False, "fit_context": True}  # the worker fits max_tokens into the context
+              "logprobs": False}
     # only an enabled block has a budget (_thinking checked it is an integer); adaptive's is not read
     if kwargs["enable_thinking"] and body["thinking"]["type"] == "enabled" \
             and body["thinking"]["budget_tokens"] >= params["max_tokens"]:

@@ -66,6 +66,7 @@ def diagnose(root: str | Path = "/", config_path: str | None = None, unit: str |
         checks += problems
         if config is not None:
             checks += config_checks.memory_checks(config, card_facts)
+            checks += config_checks.window_checks(config)
             checks += config_checks.model_dir_checks(machine, config, user)
     checks += disk.checks(machine, config)
     return checks

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from appliance import model_files
 from appliance.config import Config, ConfigError, load_config
+from appliance.config import window
 from appliance.config.devices import budget_device
+from appliance.config.kinds import GENERATIVE_KINDS
 from appliance.host.doctor import Check, fail, ok, skip, warn
 from appliance.host.doctor.box import Box, User
 from appliance.host.doctor.cards import GiB, CardFacts
@@ -110,3 +112,15 @@ def model_dir_checks(box: Box, config: Config, user: User) -> list[Check]:
         else:
             found.append(ok(name, f"{model.path}: OpenVINO IR ({model.kind}), readable by {user.name}"))
     return found
+
+
+def window_checks(config: Config) -> list[Check]:
+    """Each generative model's window and what an explicit max_context costs in KV memory (appliance.config.window);
+    a warning where it passes what the KV cache holds for one sequence or what the model was trained for."""
+    checks = []
+    for model in config.models:
+        if model.kind in GENERATIVE_KINDS:
+            line, problem = window.report(model)
+            checks.append(warn("window", problem, "lower max_context, or leave it unset: the model's own window "
+                                                  "fitted to its KV cache") if problem else ok("window", line))
+    return checks

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance import chat_formats
+from appliance.config import window
 from appliance.host import faults
 from appliance.worker.detokenize import make_detokenizer
 from appliance.worker.engines import speculative
@@ -46,6 +47,7 @@ class Request:
     prompt_tokens: int
     max_tokens: int
     params: dict[str, Any]
+    bound: str = window.BOUND_REQUEST  # what set max_tokens (appliance.config.window): an answer cut there says so
     generated: list[int] = field(default_factory=list)
     prefix_offset: int = 0  # detokenizer state (appliance.worker.detokenize)
     read_offset: int = 0
@@ -213,7 +215,7 @@ class LLMEngine(Engine):
             return None
         prepared = message["prepared"]
         if isinstance(prepared, Refused):
-            self.fail(message["id"], prepared.fault, str(prepared))
+            self.post(prepared.frame(message["id"]))
             return None
         return prepared
 
@@ -221,20 +223,11 @@ class LLMEngine(Engine):
         params = message["params"]
         input_ids, prefix, thinking, text = self.prompts.prompt(message)
         prompt_tokens = int(input_ids.get_shape()[1])
-        max_tokens = params.get("max_tokens") or self.spec["default_max_tokens"]
-        limit = self.spec["max_context"]
-        if params.get("fit_context") and prompt_tokens < limit:
-            # Anthropic's max_tokens is a cap (Claude Code asks for 32000 whatever the context): the answer gets
-            # what is left of the context, and ends with "length" when it fills it.
-            max_tokens = min(max_tokens, limit - prompt_tokens)
-        if prompt_tokens + max_tokens > limit:
-            raise Refused(faults.CONTEXT_LENGTH_EXCEEDED,
-                          f"This model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} "
-                          f"tokens and max_tokens is {max_tokens}.")
+        max_tokens, bound = self.prompts.answer_limit(message, prompt_tokens)
         if params.get("logprobs") and not self.reports_logprobs:
             raise Refused(INVALID_REQUEST, "'logprobs' is not available with pipeline: stateful "
                                            "(genai's LLMPipeline streams token ids only)")
-        req = Request(message["id"], input_ids, prompt_tokens, max_tokens, params,
+        req = Request(message["id"], input_ids, prompt_tokens, max_tokens, params, bound=bound,
                       stream=message.get("stream", True), structured=self._structured(message, thinking, opened=bool(prefix)),
                       prefix=prefix,
                       template_opened=bool(prefix), logprobs=[] if params.get("logprobs") else None,
@@ -340,6 +333,8 @@ class LLMEngine(Engine):
             extra.update(req.tally.frame_fields())
         if req.stop_sequence is not None:
             extra["stop_sequence"] = req.stop_sequence
+        if finish_reason == "length":
+            extra["limit"] = req.bound  # the bound that cut it: counted in openarc_answers_cut_total
         self.post(frame("done", id=req.id, finish_reason=finish_reason, prompt_tokens=req.prompt_tokens,
                         cached_tokens=req.cached_tokens, completion_tokens=len(req.generated), **extra))
 

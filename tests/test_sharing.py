@@ -240,6 +240,8 @@ def test_metrics_carry_key_names_and_no_secret_appears_anywhere(keyed):
     keys = {key["name"]: key for key in app.status()["keys"]}
     assert keys["cron"]["priority"] == "background" and keys["cron"]["requests_last_minute"] == 1
     assert keys["sipper"]["tokens_last_minute"] == 0 and keys["default"]["running"] == 0
+    # a key without limits has its use counted too (docs/sharing.md: status shows what every key uses)
+    assert keys["default"]["requests_last_minute"] == 1 and keys["default"]["tokens_last_minute"] > 0
     status = json.dumps(app.status())
     for secret in SECRETS.values():
         assert secret not in text and secret not in app.logs() and secret not in status

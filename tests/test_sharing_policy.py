@@ -112,8 +112,17 @@ def test_sliding_window_frees_in():
 @pytest.mark.parametrize("task", sorted(OPEN_WEBUI["requests"]))
 def test_open_webui_task_prompts_are_background(task):
     body = OPEN_WEBUI["requests"][task]
-    assert housekeeping_task(body) == task
+    assert housekeeping_task(body) == task.partition("@")[0]  # follow_ups@0.12: the same task, newer wording
     assert request_class(INTERACTIVE, None, body) == BACKGROUND
+
+
+@pytest.mark.parametrize("name", sorted(OPEN_WEBUI["interactive_requests"]))
+def test_open_webui_rag_prompt_is_a_persons_question(name):
+    """Open WebUI's RAG template starts `### Task:` too, but is the person's own question with their documents."""
+    body = OPEN_WEBUI["interactive_requests"][name]
+    assert body["messages"][-1]["content"].startswith("### Task:")
+    assert housekeeping_task(body) is None
+    assert request_class(INTERACTIVE, None, body) == INTERACTIVE
 
 
 @pytest.mark.parametrize("content", [

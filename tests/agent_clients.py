@@ -25,9 +25,12 @@ def client_path(binary: str) -> Path:
 
 def agent_env(home: Path, **extra: str) -> dict[str, str]:
     """An environment for an agent run: a fresh HOME (no user config of the machine leaks in), the clients' bin
-    directory on PATH, the agents' own variables that would point them elsewhere removed."""
+    directory on PATH, the agents' own variables that would point them elsewhere removed, nothing fetched beyond
+    loopback."""
     drop = ("CODEX_HOME", "CLAUDE_CONFIG_DIR", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "OPENAI_API_KEY",
             "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "OPENCODE_CONFIG")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(HOME=str(home), PATH=f"{CLIENTS_BIN}{os.pathsep}{env.get('PATH', '')}", **extra)
+    # loopback only: opencode's model list from models.dev and its update check would wait on the network
+    env.update(OPENCODE_DISABLE_MODELS_FETCH="1", OPENCODE_DISABLE_AUTOUPDATE="1")
     return env

@@ -177,6 +177,29 @@ def test_any_users_json_comes_back_byte_for_byte(tmp_path, user, indent):
     assert not path.with_name("opencode.json.openarc-backup").exists()
 
 
+toml_values = st.recursive(st.booleans() | st.integers(-5, 5) | st.text("abc ", max_size=5),
+                           lambda inner: st.dictionaries(st.sampled_from(["name", "openarc", "x", "y"]), inner,
+                                                         max_size=3), max_leaves=6)
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(user=st.dictionaries(st.sampled_from(["model", "model_provider", "model_providers", "approval_policy",
+                                             "model_catalog_json", "tui"]), toml_values, max_size=4))
+def test_any_users_toml_comes_back_byte_for_byte(tmp_path, user):
+    import tomlkit
+    homes = Homes(codex=tmp_path / "codex", claude=tmp_path, opencode=tmp_path)
+    homes.codex.mkdir(exist_ok=True)
+    path = homes.codex / "openarc.config.toml"
+    original = "# the user's own\n" + tomlkit.dumps(user)
+    path.write_text(original)
+    files.apply(codex(target(), homes), tmp_path / "state")
+    merged = tomllib.loads(path.read_text())
+    assert merged["model"] == "coder" and merged["model_providers"]["openarc"]["wire_api"] == "responses"
+    files.restore("codex", tmp_path / "state")
+    assert path.read_text() == original
+    assert sorted(p.name for p in homes.codex.iterdir()) == ["openarc.config.toml"]
+
+
 # --- the CLI ------------------------------------------------------------------------------------------------------
 
 def write_config(tmp_path: Path, models: list[dict], **server) -> Path:

@@ -259,9 +259,10 @@ def test_the_layout_check_sees_a_new_module_and_a_removed_one(tmp_path):
 # What a page says must be what the code does: every route the front registers is named in docs/api.md, every
 # metric in docs/monitoring.md, every subcommand in the README, every doctor check in before-first-request.md;
 # every YAML config a page shows passes check-config (its paths pointed at demo models of the same kind), every
-# curl command and every self-contained Python example runs against served demo models and finishes (an answer
-# cut by its token limit is a failure: the reader gets no JSON). A block that cannot run here says so in the page,
-# on the line before it: `<!-- docs-test: not run here: WHY -->`; no block is skipped silently.
+# curl command and every Python example runs against served demo models and finishes (an answer cut by its token
+# limit is a failure: the reader gets no JSON). A block that cannot run here (any other command: installs, systemd,
+# the hub, a GPU) says so in the page, on the line before it: `<!-- docs-test: not run here: WHY -->`; no block is
+# skipped silently.
 
 NOT_RUN = re.compile(r"^\s*<!--\s*docs-test:\s*not run here:\s*(.+?)\s*-->\s*$")
 FENCE_OPEN = re.compile(r"^ {0,3}(```|~~~)\s*(\w*)")
@@ -514,6 +515,14 @@ def runnable(block: dict) -> bool:
     if block["lang"] in ("sh", "bash", ""):
         return bool(re.search(r"^\s*curl ", block["text"], re.M))
     return block["lang"] == "python"
+
+
+def test_every_command_block_runs_here_or_says_why_not():
+    """A shell block runs when it is curl against the server; any other command (installs, systemd, the hub, a
+    GPU) cannot run in the tests and must carry the marker saying why. Plain blocks (output) are not commands."""
+    unmarked = [f"{b['page']}:{b['line']}" for b in all_blocks() if b["lang"] in ("sh", "bash", "console")
+                and not b["not_run"] and not runnable(b)]
+    assert not unmarked, f"command blocks neither run nor marked `<!-- docs-test: not run here: WHY -->`: {unmarked}"
 
 
 def test_every_curl_and_python_example_runs_on_the_demo_models(docs_server, tmp_path):

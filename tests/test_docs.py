@@ -320,6 +320,12 @@ def test_every_route_the_front_registers_is_in_the_api_pages_table_and_every_kin
     assert [kind for kind in MODEL_KINDS if f"`{kind}`" not in models_section] == []
 
 
+def test_every_kind_has_a_row_in_the_model_kinds_table():
+    from appliance.config.kinds import MODEL_KINDS
+    rows = set(re.findall(r"^\| `(\w+)`", (DOCS / "model-kinds.md").read_text(), re.M))
+    assert [kind for kind in MODEL_KINDS if kind not in rows] == []
+
+
 def test_every_metric_the_code_defines_is_named_in_the_monitoring_page():
     _, metrics = served_app()
     text = (DOCS / "monitoring.md").read_text()

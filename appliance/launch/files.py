@@ -120,16 +120,14 @@ def render(edit: FileEdit) -> str:
 
 def apply(setup: Setup, manifests: Path) -> list[str]:
     """Merge the setup's files; returns a line per file saying what was done. Every file is read and checked
-    before any is written."""
+    before any is written, and the manifest is written before them, so that --restore knows of every change."""
     manifest_path = manifests / f"{setup.client}.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"files": {}}
-    planned = []
+    writes = []
     for edit in setup.files:
         existed = edit.path.exists()
         text = edit.path.read_text() if existed else ""
-        planned.append((edit, existed, text, parse(edit.path, edit.format, text)))
-    lines = []
-    for edit, existed, text, doc in planned:
+        doc = parse(edit.path, edit.format, text)
         record = manifest["files"].setdefault(str(edit.path), {"existed": existed, "format": edit.format,
                                                                "backup": None, "keys": {}})
         for keys, value in edit.values.items():
@@ -138,15 +136,19 @@ def apply(setup: Setup, manifests: Path) -> list[str]:
             entry["written"] = value
             put(doc, keys, value, edit.format)
         new = dump(doc, edit.format)
-        kept = ""
+        backup = None
         if existed and record["backup"] is None and new != text:
             backup = edit.path.with_name(edit.path.name + BACKUP_SUFFIX)
-            shutil.copy2(edit.path, backup)
             record["backup"] = str(backup)
-            kept = f" (the previous file kept as {backup})"
-        write_atomically(edit.path, new)
-        lines.append(f"{'merged into' if existed else 'wrote'} {edit.path}{kept}")
+        writes.append((edit.path, new, existed, backup))
     write_atomically(manifest_path, json.dumps(manifest, indent=2) + "\n")
+    lines = []
+    for path, new, existed, backup in writes:
+        if backup:
+            shutil.copy2(path, backup)
+        write_atomically(path, new)
+        kept = f" (the previous file kept as {backup})" if backup else ""
+        lines.append(f"{'merged into' if existed else 'wrote'} {path}{kept}")
     return lines
 
 

@@ -17,7 +17,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent_clients import CLIENTS_BIN, agent_env, client_path
+from agent_clients import agent_env, client_path
 from appliance.launch import files
 from appliance.launch.clients import CLAUDE_MIN_WINDOW, NO_KEY, Homes, claude, codex, opencode
 from appliance.launch.served import LaunchError, ServedModel, Target, choose, from_listing

@@ -262,6 +262,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         else:
             args.url = args.url or os.environ.get("OPENARC_URL", "http://127.0.0.1:8000")
             status, body = call_server(args, "GET", "/v1/models")
+            if status == 0:  # nothing answers there
+                body["error"]["hint"] = ("start the server, or pass its config (--config FILE) or its address "
+                                         "(--url URL)")
             if status != 200:
                 return _error_exit(status, body)
             served, where, base_url = from_listing(body, args.url), args.url, args.url

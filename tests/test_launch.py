@@ -239,6 +239,14 @@ def test_several_chat_models_and_no_model_named_is_a_list_to_pick_from(tmp_path)
     assert "Claude Code needs 65536 or more" in done.stderr
 
 
+def test_no_server_and_no_config_says_what_to_pass(tmp_path):
+    from conftest import free_port
+    done = openarc("opencode", "--url", f"http://127.0.0.1:{free_port()}", "--config-only",
+                   env=agent_env(tmp_path / "home"))
+    assert done.returncode == 1 and "Connection refused" in done.stderr
+    assert "--config FILE" in done.stderr and "--url URL" in done.stderr
+
+
 # --- the real agents, with what --config-only wrote -------------------------------------------------------------
 
 AGENT_WINDOW = 131072  # the demo model's: real agents' prompts are 2-3 times longer in its tokens

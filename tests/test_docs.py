@@ -497,9 +497,11 @@ def docs_server(demo_paths, tmp_path_factory):
                                            if kind in names and name not in names.values()}},
               "models": [model_entry(name, Path(demo_paths[kind]), kind=kind, max_context=8192)
                          for kind, name in names.items()]}
-    app = Appliance(config, tmp_path_factory.mktemp("docs-server")).start()
-    yield app
-    app.stop()
+    app = Appliance(config, tmp_path_factory.mktemp("docs-server"))
+    try:
+        yield app.start()
+    finally:  # a start that failed leaves its process too
+        app.stop()
 
 
 def run_block(block: dict, app, tmp_path: Path) -> str | None:

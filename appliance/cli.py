@@ -1,5 +1,5 @@
-"""`openarc`: serve, check-config, doctor, pull, demo-model, health, keys, and models / load / unload against a
-running server."""
+"""`openarc`: serve, check-config, doctor, pull, demo-model, health, keys, models / load / unload against a
+running server, and launch (a coding agent set up for a served model)."""
 
 from __future__ import annotations
 
@@ -253,6 +253,36 @@ def cmd_load_unload(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    """Set a coding agent up for one served chat model (appliance.launch), from a config or a running server."""
+    from appliance.launch import command
+    from appliance.launch.served import LaunchError, from_config, from_listing, server_root
+    environ, home = dict(os.environ), Path.home()
+    if args.restore:
+        return command.restore(args.client, environ, home)
+    try:
+        if args.url is None and (args.config or os.access(DEFAULT_CONFIG_PATH, os.R_OK)):
+            config = load_config(args.config or DEFAULT_CONFIG_PATH)
+            keys = config.api_keys()
+            served, where, base_url = from_config(config), config.source, server_root(config)
+            key_env = keys[0].key_env if keys else None
+        else:
+            args.url = args.url or os.environ.get("OPENARC_URL", "http://127.0.0.1:8000")
+            status, body = call_server(args, "GET", "/v1/models")
+            if status == 0:  # nothing answers there
+                body["error"]["hint"] = ("start the server, or pass its config (--config FILE) or its address "
+                                         "(--url URL)")
+            if status != 200:
+                return _error_exit(status, body)
+            served, where, base_url = from_listing(body, args.url), args.url, args.url
+            key_env = "OPENARC_API_KEY" if os.environ.get("OPENARC_API_KEY") else None
+        return command.launch(args.client, served, where, base_url, key_env, args.model, args.config_only,
+                              args.client_args, environ, home)
+    except LaunchError as exc:
+        print(f"openarc launch: {exc}", file=sys.stderr)
+        return 2
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openarc", description="OpenAI-compatible LLM appliance for Intel GPUs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -320,11 +350,32 @@ def parser() -> argparse.ArgumentParser:
                                               f"{DEFAULT_CONFIG_PATH} if readable; else OPENARC_API_KEY holds the key)")
         command.add_argument("--timeout", type=float, default=900.0)
         command.set_defaults(func=cmd_models if name == "models" else cmd_load_unload)
+    launch = sub.add_parser("launch", help="set a coding agent up for a served chat model (its window, key, "
+                                           "tools) and run it: claude, codex or opencode")
+    launch.add_argument("client", choices=("claude", "codex", "opencode"))
+    where = launch.add_mutually_exclusive_group()
+    where.add_argument("--config", help=f"the server's config (default {DEFAULT_CONFIG_PATH} if readable)")
+    where.add_argument("--url", help="ask a running server instead (its /v1/models; default $OPENARC_URL, else "
+                                     "http://127.0.0.1:8000; the key from OPENARC_API_KEY)")
+    launch.add_argument("--model", help="the served chat model (default: the only one)")
+    launch.add_argument("--config-only", action="store_true",
+                        help="write the agent's files and print the command; do not run it (without the agent "
+                             "installed: print the files, write nothing)")
+    launch.add_argument("--restore", action="store_true", help="take out what launch wrote for this agent")
+    launch.add_argument("--timeout", type=float, default=30.0, help=argparse.SUPPRESS)
+    launch.add_argument("client_args", nargs="*", metavar="-- CLIENT ARGS", help="passed to the agent")
+    launch.set_defaults(func=cmd_launch)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    client_args: list[str] = []
+    if argv[:1] == ["launch"] and "--" in argv:  # the agent's own arguments: argparse's subparsers mangle `--`
+        argv, client_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = parser().parse_args(argv)
+    if client_args:
+        args.client_args = [*args.client_args, *client_args]
     try:
         return args.func(args)
     except ConfigError as exc:

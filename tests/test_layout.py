@@ -28,6 +28,8 @@ FORBIDDEN = {
     # the config and what it is made of, read by the CLI, the front and the worker (the spec it is launched with, a
     # draft's tokenizer check): neither process's own code, nor OpenVINO (the host's devices are asked in a child)
     "appliance.config": OPENVINO + ("aiohttp", "appliance.front", "appliance.worker", "appliance.demo"),
+    # `openarc launch`: the CLI's alone; it reads a config or a server's answer and writes an agent's files
+    "appliance.launch": OPENVINO + ("aiohttp", "appliance.front", "appliance.worker", "appliance.demo"),
 }
 # Modules at the top are shared by both processes (or are the CLI, which starts either): what they import is
 # checked by the rooms above, and the list is closed so that a new top-level module must say why it is there.
@@ -36,7 +38,7 @@ SHARED = {"__init__", "__main__", "chat_formats", "cli", "ipc", "logs",
           "model_files",
           # `openarc pull`: downloads through huggingface_hub; the CLI's alone, neither process imports it
           "pull"}
-ROOMS = {"front", "worker", "demo", "host", "config"}
+ROOMS = {"front", "worker", "demo", "host", "config", "launch"}
 
 
 def module_name(path: Path) -> str:

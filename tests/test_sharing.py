@@ -240,6 +240,8 @@ def test_metrics_carry_key_names_and_no_secret_appears_anywhere(keyed):
     keys = {key["name"]: key for key in app.status()["keys"]}
     assert keys["cron"]["priority"] == "background" and keys["cron"]["requests_last_minute"] == 1
     assert keys["sipper"]["tokens_last_minute"] == 0 and keys["default"]["running"] == 0
+    # a key without limits has its use counted too (docs/sharing.md: status shows what every key uses)
+    assert keys["default"]["requests_last_minute"] == 1 and keys["default"]["tokens_last_minute"] > 0
     status = json.dumps(app.status())
     for secret in SECRETS.values():
         assert secret not in text and secret not in app.logs() and secret not in status
@@ -253,11 +255,16 @@ def test_task_model_answers_open_webui_housekeeping(appliance_factory, demo_mode
         assert status == 200, (task, answer)
     status, _, answer = chat(app, model="big", max_tokens=3)  # a person's message stays on the big model
     assert status == 200, answer
+    for name, body in OPEN_WEBUI["interactive_requests"].items():  # so does its RAG prompt (### Task:, no history)
+        status, _, answer = http("POST", app.base + "/v1/chat/completions",
+                                 {**body, "model": "big", "max_tokens": 3, "stream": False})
+        assert status == 200, (name, answer)
     scrape = samples(app.metrics())
     tasks = len(OPEN_WEBUI["requests"])
     assert value(scrape, "openarc_generation_tokens_total", model="small", priority="background") == 3 * tasks
     assert value(scrape, "openarc_generation_tokens_total", model="big", priority="background") == 0
-    assert value(scrape, "openarc_generation_tokens_total", model="big", priority="interactive") == 3
+    people = 1 + len(OPEN_WEBUI["interactive_requests"])
+    assert value(scrape, "openarc_generation_tokens_total", model="big", priority="interactive") == 3 * people
 
 
 # --- keys from the environment: refused when unset or empty, picked up by a reload -------------------------------

@@ -37,6 +37,23 @@ def test_concurrency_limit_frees_a_slot_on_release():
     limits.admit()
 
 
+def test_a_key_without_limits_is_never_refused_and_its_use_is_counted():
+    clock = Clock()
+    limits = KeyLimits("household", clock=clock)
+    for _ in range(50):
+        limits.admit()
+        limits.add_tokens(1000)
+    assert limits.usage() == {"running": 50, "requests_last_minute": 50, "tokens_last_minute": 50_000}
+    clock.now += 61
+    for _ in range(50):
+        limits.release()
+    assert limits.usage() == {"running": 0, "requests_last_minute": 0, "tokens_last_minute": 0}
+    limits.configure(None, 1, None)  # a reload that adds a limit keeps the minute's count
+    limits.admit()
+    with pytest.raises(Limited):
+        limits.admit()
+
+
 def test_requests_per_minute_is_a_sliding_window_and_says_when_it_frees():
     clock = Clock()
     limits = KeyLimits("indexer", requests_per_minute=3, clock=clock)
@@ -95,8 +112,17 @@ def test_sliding_window_frees_in():
 @pytest.mark.parametrize("task", sorted(OPEN_WEBUI["requests"]))
 def test_open_webui_task_prompts_are_background(task):
     body = OPEN_WEBUI["requests"][task]
-    assert housekeeping_task(body) == task
+    assert housekeeping_task(body) == task.partition("@")[0]  # follow_ups@0.12: the same task, newer wording
     assert request_class(INTERACTIVE, None, body) == BACKGROUND
+
+
+@pytest.mark.parametrize("name", sorted(OPEN_WEBUI["interactive_requests"]))
+def test_open_webui_rag_prompt_is_a_persons_question(name):
+    """Open WebUI's RAG template starts `### Task:` too, but is the person's own question with their documents."""
+    body = OPEN_WEBUI["interactive_requests"][name]
+    assert body["messages"][-1]["content"].startswith("### Task:")
+    assert housekeeping_task(body) is None
+    assert request_class(INTERACTIVE, None, body) == INTERACTIVE
 
 
 @pytest.mark.parametrize("content", [

@@ -25,9 +25,9 @@ class Limited(Exception):
 
 
 class SlidingWindow:
-    """Amounts added over the last `window_s` seconds, against a limit."""
+    """Amounts added over the last `window_s` seconds, against a limit (None: counted, never full)."""
 
-    def __init__(self, limit: int, window_s: float = WINDOW_S):
+    def __init__(self, limit: int | None, window_s: float = WINDOW_S):
         self.limit, self.window_s = limit, window_s
         self.entries: collections.deque[tuple[float, int]] = collections.deque()
         self.total = 0
@@ -46,12 +46,12 @@ class SlidingWindow:
             self.total += amount
 
     def full(self, now: float) -> bool:
-        return self.used(now) >= self.limit
+        return self.limit is not None and self.used(now) >= self.limit
 
     def frees_in(self, now: float) -> float:
         """Seconds until the window is under its limit again (0 if it is now)."""
         total = self.used(now)
-        if total < self.limit:
+        if not self.full(now):
             return 0.0
         for at, amount in self.entries:  # oldest first: each leaves the window at `at + window_s`
             total -= amount
@@ -61,23 +61,24 @@ class SlidingWindow:
 
 
 class KeyLimits:
-    """One key's limits and what it uses of them; a limit of None is no limit."""
+    """One key's limits and what it uses of them; a limit of None is no limit. Use is counted for every key,
+    limited or not: /openarc/status shows each key's requests and tokens of the last minute."""
 
     def __init__(self, name: str, max_concurrent: int | None = None, requests_per_minute: int | None = None,
                  tokens_per_minute: int | None = None, clock: Callable[[], float] = time.monotonic):
         self.name = name
         self.clock = clock
         self.running = 0
-        self.requests: SlidingWindow | None = None
-        self.tokens: SlidingWindow | None = None
+        self.requests = SlidingWindow(None)
+        self.tokens = SlidingWindow(None)
         self.configure(max_concurrent, requests_per_minute, tokens_per_minute)
 
     def configure(self, max_concurrent: int | None, requests_per_minute: int | None,
                   tokens_per_minute: int | None) -> None:
         """New limits (a reload), keeping what the key uses: its running requests and its last minute."""
         self.max_concurrent = max_concurrent
-        self.requests = _resized(self.requests, requests_per_minute)
-        self.tokens = _resized(self.tokens, tokens_per_minute)
+        self.requests.limit = requests_per_minute or None
+        self.tokens.limit = tokens_per_minute or None
 
     def admit(self) -> None:
         """Take a concurrency slot and count a request, or raise Limited (nothing taken)."""
@@ -86,38 +87,26 @@ class KeyLimits:
             # A running request's end cannot be foreseen: retry in a second.
             raise Limited("concurrency", 1, f"API key '{self.name}' has {self.running} requests running "
                                             f"(max_concurrent={self.max_concurrent}); retry when one ends")
-        if self.requests is not None and self.requests.full(now):
+        if self.requests.full(now):
             raise Limited("requests", self.requests.frees_in(now),
                           f"API key '{self.name}' made {self.requests.limit} requests in the last minute "
                           f"(requests_per_minute={self.requests.limit})")
-        if self.tokens is not None and self.tokens.full(now):
+        if self.tokens.full(now):
             raise Limited("tokens", self.tokens.frees_in(now),
                           f"API key '{self.name}' used {self.tokens.used(now)} tokens in the last minute "
                           f"(tokens_per_minute={self.tokens.limit})")
         self.running += 1
-        if self.requests is not None:
-            self.requests.add(now, 1)
+        self.requests.add(now, 1)
 
     def release(self) -> None:
         self.running -= 1
 
-    def usage(self) -> dict[str, int | None]:
-        """What the key uses now, for /openarc/status (None: no such limit)."""
+    def usage(self) -> dict[str, int]:
+        """What the key uses now, for /openarc/status, whether or not it has limits."""
         now = self.clock()
-        return {"running": self.running,
-                "requests_last_minute": self.requests.used(now) if self.requests else None,
-                "tokens_last_minute": self.tokens.used(now) if self.tokens else None}
+        return {"running": self.running, "requests_last_minute": self.requests.used(now),
+                "tokens_last_minute": self.tokens.used(now)}
 
     def add_tokens(self, n: int) -> None:
         """Prompt or completion tokens of a running request, counted as they are produced."""
-        if self.tokens is not None:
-            self.tokens.add(self.clock(), n)
-
-
-def _resized(window: SlidingWindow | None, limit: int | None) -> SlidingWindow | None:
-    if not limit:
-        return None
-    if window is None:
-        return SlidingWindow(limit)
-    window.limit = limit
-    return window
+        self.tokens.add(self.clock(), n)

@@ -1,20 +1,17 @@
 """The chat models a server serves, each with its context window, as `openarc launch` reads them: from a running
-server's `/v1/models` (`context_length`, else vLLM's `max_model_len`) or from its config (`max_context`, else the
-model's own trained window from its config.json, an upper bound the server may fit lower to its KV cache).
+server's `/v1/models` (`context_length`, else vLLM's `max_model_len`) or from its config (the window the server
+computes from it: `max_context`, else the model's trained window fitted to its KV cache).
 Pure functions: the CLI fetches and reads, these decide."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from appliance.config import Config, ModelConfig
+from appliance.config.window import model_window
 
 # The kinds an agent can talk to: text in, text (and tool calls) out.
 CHAT_KINDS = ("llm", "vlm")
-# config.json keys naming a model's trained window, most trusted first.
-TRAINED_WINDOW_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
 
 
 class LaunchError(Exception):
@@ -56,30 +53,18 @@ def from_listing(body: dict, url: str) -> list[ServedModel]:
     return found
 
 
-def trained_window(path: str) -> int | None:
-    """The model's own window from its config.json (its text config for a VLM), None if it names none."""
-    try:
-        hf = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    for config in (hf.get("text_config") or {}, hf):
-        for key in TRAINED_WINDOW_KEYS:
-            if isinstance(config.get(key), int) and config[key] > 0:
-                return config[key]
-    return None
-
-
 def config_window(model: ModelConfig, source: str) -> tuple[int, str]:
-    """A configured model's window: its max_context, else its trained window (an upper bound: a server with
-    max_context unset may fit it lower to what its KV cache holds; --url reads the window it really serves)."""
-    if model.max_context:
-        return model.max_context, f"max_context in {source}"
-    trained = trained_window(model.path)
-    if trained is None:
+    """A configured model's window as the server computes it (appliance.config.window: max_context, else the
+    trained window fitted to the KV cache), and where it comes from."""
+    window = model_window(model)
+    where = {"max_context": f"max_context in {source}",
+             "trained": f"the model's trained window ({model.path}/config.json)",
+             "kv_cache": f"what the model's KV cache holds for one sequence (its trained window is {window.trained})",
+             }.get(window.source)
+    if where is None:
         raise LaunchError(f"{source}: models[{model.name}]: no max_context, and {model.path}/config.json names no "
                           f"trained window; set max_context, or run `openarc launch --url URL` against the server")
-    return trained, (f"the model's trained window ({model.path}/config.json; the server may fit it lower to its "
-                     f"KV cache: --url reads the window it serves)")
+    return window.tokens, where
 
 
 def from_config(config: Config) -> list[ServedModel]:

@@ -74,7 +74,7 @@ def _file(part: dict, where: str) -> str:
             raise InvalidRequest(f"'{where}.file_url': files are not fetched from URLs here; send the file's "
                                  "content in file_data (base64) or as a data: URL", f"{where}.file_url",
                                  "unsupported_file")
-    if not isinstance(data, str) or not data:
+    if not isinstance(data, str):  # "" is an empty file
         raise InvalidRequest(f"'{where}' needs file_data: the file's content in base64", f"{where}.file_data")
     name = part.get("filename")
     name = text(name, f"{where}.filename") if name is not None else "file"

@@ -70,7 +70,9 @@ class ResponsesSockets:
         app.on_shutdown.append(self.close_all)
 
     async def handler(self, request: web.Request) -> web.StreamResponse:
-        ws = web.WebSocketResponse(max_msg_size=body_limit(self.appliance.config))
+        # no permessage-deflate: the events are small and many, and deflating each (in a thread, past a few KB) costs
+        # a turn more time than it saves on loopback or a LAN
+        ws = web.WebSocketResponse(max_msg_size=body_limit(self.appliance.config), compress=False)
         if not ws.can_prepare(request).ok:
             return error_response(400, "GET /v1/responses is WebSocket mode: connect with a WebSocket upgrade "
                                        "(POST /v1/responses creates a response over HTTP)", "websocket_required")

@@ -340,3 +340,42 @@ def test_sockets_are_bounded_per_key_and_count_responses_like_http(app):
 def test_a_get_without_an_upgrade_says_what_the_route_is(app):
     status, _, reply = http("GET", app.base + "/v1/responses")
     assert status == 400 and reply["error"]["code"] == "websocket_required"
+
+
+def test_a_socket_presents_its_key_and_each_response_meets_its_limits(appliance_factory, demo_model):
+    secret = "bob-s3cret-ws"
+    app = appliance_factory({"server": {"api_keys": [{"name": "bob", "key_env": "KEY_BOB", "requests_per_minute": 2,
+                                                      "models": ["demo"]}]},
+                             "models": [model_entry("demo", demo_model)]}, env={"KEY_BOB": secret})
+
+    async def connect(headers):
+        async with aiohttp.ClientSession() as session:
+            try:
+                async with session.ws_connect(socket_url(app.base), headers=headers) as ws:
+                    return [await socket_turn(ws, {"model": "demo", "input": "Hi", "max_output_tokens": 2})
+                            for _ in range(3)]
+            except aiohttp.WSServerHandshakeError as exc:
+                return exc.status
+    assert asyncio.run(connect({})) == 401
+    assert asyncio.run(connect({"Authorization": "Bearer wrong"})) == 401
+    first, second, third = asyncio.run(connect({"Authorization": f"Bearer {secret}"}))
+    assert final(first)["status"] == final(second)["status"] == "incomplete"
+    assert third[-1]["status"] == 429 and third[-1]["error"]["type"] == "rate_limit_error", third[-1]
+    scrape = samples(app.metrics())
+    assert value(scrape, "openarc_requests_total", endpoint="responses", key="bob", status="200") == 2
+    assert value(scrape, "openarc_requests_total", endpoint="responses", key="bob", status="429") == 1
+
+
+def test_a_stopping_server_closes_its_sockets_going_away(appliance_factory, demo_model):
+    app = appliance_factory({"models": [model_entry("demo", demo_model)]})
+
+    async def run():
+        async with aiohttp.ClientSession() as session, session.ws_connect(socket_url(app.base)) as ws:
+            final(await socket_turn(ws, {"model": "demo", "input": "Hi", "max_output_tokens": 2}))
+            started = time.monotonic()
+            stopping = asyncio.get_running_loop().run_in_executor(None, app.stop)
+            message = await asyncio.wait_for(ws.receive(), 30)
+            await stopping
+            return message.type, ws.close_code, time.monotonic() - started
+    kind, code, took = asyncio.run(run())
+    assert kind == aiohttp.WSMsgType.CLOSE and code == 1001 and took < 15, (kind, code, took)

@@ -234,6 +234,25 @@ def test_a_socket_continues_its_store_false_responses_and_refuses_unknown_ids(ap
     assert status == 400 and reply["error"]["code"] == "previous_response_not_found"
 
 
+def test_the_official_sdk_s_websocket_client_chains_and_reads_errors(app):
+    """openai's own WebSocket client (client.responses.connect(), on the `websockets` package), unmodified."""
+    client = app.client()
+    with client.responses.connect() as connection:
+        def turn(**body):
+            connection.response.create(model="demo", **body)
+            for event in connection:
+                if event.type in ("response.completed", "response.incomplete", "error"):
+                    return event
+        first = turn(input="My name is Alice.", store=False)
+        second = turn(input="What is my name?", store=False, previous_response_id=first.response.id)
+        unknown = turn(input="Hi", previous_response_id="resp_nobody")
+    assert first.type == second.type == "response.completed"
+    assert second.response.previous_response_id == first.response.id
+    assert second.response.usage.input_tokens > first.response.usage.input_tokens
+    assert unknown.type == "error" and unknown.error.code == "previous_response_not_found"
+    assert unknown.error.param == "previous_response_id"
+
+
 def test_a_failed_continuation_evicts_the_id_it_used(app):
     async def run():
         async with aiohttp.ClientSession() as session, session.ws_connect(socket_url(app.base)) as ws:

@@ -269,6 +269,34 @@ def test_a_failed_continuation_evicts_the_id_it_used(app):
     assert fresh["status"] == "completed"  # the connection goes on
 
 
+def test_a_socket_runs_its_responses_in_order_and_bounds_those_waiting(app):
+    """One running, MAX_PENDING waiting: a message past them is refused at once, and the others all complete, in
+    the order they were sent."""
+    from appliance.front.api.responses_ws import MAX_PENDING
+    endless = {"type": "json_schema", "name": "list", "schema": {"type": "array", "minItems": 10000,
+                                                                   "items": {"type": "string", "maxLength": 12}}}
+
+    async def run():
+        async with aiohttp.ClientSession() as session, session.ws_connect(socket_url(app.base)) as ws:
+            for i in range(MAX_PENDING + 3):  # the first runs for 400 tokens while the others are sent at once
+                await ws.send_json({"type": "response.create", "model": "demo", "input": f"turn {i}",
+                                    "max_output_tokens": 400 if i == 0 else 2, "text": {"format": endless},
+                                    "metadata": {"turn": str(i)}})
+                while i == 0 and (await asyncio.wait_for(ws.receive_json(), 60))["type"] != "response.created":
+                    pass
+            refused, done = 0, []
+            while len(done) + refused < MAX_PENDING + 3:
+                event = await asyncio.wait_for(ws.receive_json(), 60)
+                if event["type"] == "error":
+                    assert check("WebSocketErrorEvent", event)["error"]["code"] == "too_many_pending_responses"
+                    refused += 1
+                elif event["type"] in ("response.completed", "response.incomplete"):
+                    done.append(int(event["response"]["metadata"]["turn"]))
+            return refused, done
+    refused, done = asyncio.run(run())
+    assert refused == 2 and done == list(range(MAX_PENDING + 1)), (refused, done)
+
+
 def test_a_warm_up_generates_nothing_and_is_continued(app):
     async def run():
         async with aiohttp.ClientSession() as session, session.ws_connect(socket_url(app.base)) as ws:

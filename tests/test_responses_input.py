@@ -72,3 +72,51 @@ def test_a_compaction_item_comes_back_as_its_summary_in_one_user_turn(summary):
     messages = parse([{"type": "compaction", "encrypted_content": encrypted_reasoning(summary)},
                       {"type": "message", "role": "user", "content": "Next?"}]).gen.messages
     assert messages == [{"role": "user", "content": COMPACTION_PREFIX + summary + "\n\nNext?"}]
+
+
+def test_a_fault_of_ours_mid_stream_ends_it_with_the_spec_s_error_and_failed_events():
+    """A bug while translating an answer (here: the item stream raising on the second delta) ends a streamed
+    response with its dialect's own failure, numbered like the rest, never a bare event or a cut stream."""
+    import asyncio
+    import types
+
+    from appliance.front.api.answer import AnswerParser
+    from appliance.front.api.dialects import Dialect, DialectRoute
+    from appliance.front.api.responses import RESPONSES, ResponseStream
+    from appliance.front.api.route import Call
+    from appliance.front.request import Event
+    from openresponses_spec import final
+
+    class Faulty(ResponseStream):
+        def extended(self, item, text_):
+            if item.text != text_:
+                raise KeyError("a bug")
+            return super().extended(item, text_)
+
+    class Sink:
+        sent: list = []
+
+        async def open(self):
+            pass
+
+        async def send(self, events):
+            self.sent += [data for _, data in events]
+
+        async def close(self):
+            return "closed"
+
+    async def events():
+        for text_ in ("Hello", " world", "!"):
+            yield Event("tokens", text=text_, prompt_tokens=3)
+
+    counted = types.SimpleNamespace(labels=lambda **labels: types.SimpleNamespace(inc=lambda: None))
+    appliance = types.SimpleNamespace(metrics=types.SimpleNamespace(request_errors=counted))
+    route = DialectRoute(appliance, None, Dialect(None, Faulty, None))
+    req = parse([{"type": "message", "role": "user", "content": "Hi"}])
+    req.gen.stream = True
+    sink = Sink()
+    assert asyncio.run(route._answer(Call(appliance, "responses", RESPONSES), events(), req,
+                                     AnswerParser(False, None), sink)) == "closed"
+    response = final(sink.sent)
+    assert sink.sent[-2]["type"] == "error" and sink.sent[-2]["error"]["code"] == "internal_error"
+    assert response["status"] == "failed" and response["error"]["message"] == "internal server error"

@@ -10,6 +10,7 @@ a failure mid-stream the dialect's error event, then the end.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,6 +27,8 @@ from appliance.front.api.route import Call, route
 from appliance.front.api.tools import lark_grammars
 from appliance.front.request import Event, RequestFailed
 from appliance.config.kinds import GENERATIVE_KINDS
+
+log = logging.getLogger("openarc.front")
 
 
 @dataclass
@@ -109,7 +112,14 @@ class DialectRoute:
                     raise event
                 await sink.send(items.fail(event, call.stream_failed(event)))
                 return await sink.close()
-            out = self._translate(req, answer, items, event, call.model)
+            try:
+                out = self._translate(req, answer, items, event, call.model)
+            except Exception as exc:  # noqa: BLE001 - a fault of ours mid-stream ends it with the dialect's failure
+                if not req.gen.stream:
+                    raise
+                log.error("unhandled error in a stream of /v1/%s", call.endpoint, exc_info=exc)
+                event = RequestFailed(500, "internal_error", "internal server error", "internal_error")
+                continue
             if req.gen.stream:
                 await sink.send(out)
             if event.op == "done":

@@ -314,6 +314,7 @@ def test_a_warm_up_generates_nothing_and_is_continued(app):
     ('{"type": "response.create", "model": "demo", "input": "Hi", "stream": true}', "stream"),
     ('{"type": "response.create", "model": "demo", "input": "Hi", "background": false}', "background"),
     ('{"type": "response.create", "model": "nope", "input": "Hi"}', None),
+    ('{"type": "response.create", "model": "demo", "input": "Hi", "generate": "no"}', "generate"),
 ])
 def test_malformed_messages_get_an_error_and_the_socket_goes_on(app, sent, param):
     async def run():

@@ -38,6 +38,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from appliance.front import keys
 from appliance.front.api import lookup
 from appliance.front.api.errors import InvalidRequest, error_response
+from appliance.front.api.fields import flag
 from appliance.front.api.images import body_limit
 from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.responses import RESPONSES, ResponseStream, parse_responses
@@ -157,7 +158,9 @@ class Connection:
         try:
             try:
                 call.label(body)
-                if body.pop("generate", True) is False:
+                generate = True if body.get("generate") is None else flag(body, "generate")
+                body.pop("generate", None)
+                if not generate:
                     await self.warm_up(call, body, sink)
                 else:
                     await self.route.answer(call, self.parse, body, sink)

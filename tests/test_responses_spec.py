@@ -202,6 +202,13 @@ def test_compact_returns_a_compaction_that_responses_take_back(app):
     assert status == 200 and check("CompactResource", again)["output"][0]["type"] == "compaction"
 
 
+def test_compacting_a_conversation_longer_than_the_context_is_a_400_saying_so(app):
+    conversation = [message("user", "Rename every photo by its EXIF date and keep a dry-run flag. " * 40)] * 12
+    status, _, reply = http("POST", app.base + "/v1/responses/compact", {"model": "demo", "input": conversation})
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    assert whole(app.base, {"model": "demo", "input": "Hi"})["status"] == "completed"
+
+
 @pytest.mark.parametrize("body, param", [({"input": "Hi"}, "model"), ({"model": "demo"}, "input")])
 def test_compact_without_a_model_or_a_conversation_is_a_400(app, body, param):
     status, _, reply = http("POST", app.base + "/v1/responses/compact", body)

@@ -52,9 +52,10 @@ OPS: dict[str, Op] = {
                  "the card)"),
     "fatal": _op("worker", "kind message", "hint",
                  "the worker cannot go on (a load error, or an internal error after loading) and exits"),
-    "tokens": _op("worker", "id text n", "logprobs prompt_tokens cached_tokens",
+    "tokens": _op("worker", "id text n", "logprobs prompt_tokens cached_tokens max_tokens",
                   "new text of a request, how many tokens it took, and their [text, logprob] if asked for; the "
-                  "first also the prompt's tokens and how many of them the prefix cache served"),
+                  "first also the prompt's tokens, how many of them the prefix cache served, and the answer's "
+                  "limit as fitted to the window"),
     "done": _op("worker", "id finish_reason prompt_tokens completion_tokens",
                 "cached_tokens reasoning_tokens draft_accepted draft_rejected stop_sequence limit",
                 "a request finished (cached_tokens: prompt tokens the prefix cache served; reasoning_tokens on a "

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from conftest import http, model_entry, pid_alive, wait_until
+from openresponses_spec import check_event
 
 HANG_BOUND_S = 3.0  # a client waiting longer than this after a fault is a hang, not a slow error
 SLOW_STEPS = {"OPENARC_DEBUG_STEP_DELAY_S": "0.005"}  # ~200 tokens/s, so faults land mid-generation
@@ -165,7 +166,7 @@ def dialect_stream_until_fault(app, dialect: str, fault) -> tuple[list, float]:
             if sum("delta" in e.type for e in events) == 5 and faulted_at is None:
                 fault()
                 faulted_at = time.monotonic()
-    except anthropic.APIStatusError as exc:
+    except (anthropic.APIStatusError, openai.APIError) as exc:  # the openai SDK raises an event holding `error`
         events.append(exc)
     assert faulted_at is not None, "the stream ended before the fault"
     return events, time.monotonic() - faulted_at
@@ -178,11 +179,12 @@ def test_worker_abort_mid_stream_ends_each_dialects_stream_with_its_error_event(
     events, waited = dialect_stream_until_fault(app, dialect, lambda: os.kill(pid, signal.SIGABRT))
     assert waited < HANG_BOUND_S
     if dialect == "responses":
-        error, failed = events[-2:]
-        assert error.type == "error" and error.code == "worker_crash" and "died" in error.message
-        assert failed.type == "response.failed" and failed.response.status == "failed"
-        assert failed.response.error.message == error.message
-        assert [e.sequence_number for e in events] == list(range(len(events)))
+        # the spec's error event holds an `error` object, which the openai SDK raises as an APIError (the raw
+        # events, response.failed after it, are checked in test_a_worker_failing_before_the_first_token_...)
+        error = events[-1]
+        assert isinstance(error, openai.APIError) and error.body["code"] == "worker_crash", events[-3:]
+        assert "died" in error.message
+        assert [e.sequence_number for e in events[:-1]] == list(range(len(events) - 1))
     else:
         error = events[-1]
         assert isinstance(error, anthropic.APIStatusError), events[-3:]
@@ -240,6 +242,8 @@ def assert_ends_with_the_error_event(path: str, status: int, text: str, code: st
     elif path == "/v1/responses":
         (error, data), (failed, _) = events[-2:]
         assert error == "error" and json.loads(data)["code"] == code and failed == "response.failed", events
+        for _, event in events:  # the error event and the failed response in the Open Responses spec's shape too
+            check_event(json.loads(event))
     else:
         name, data = events[-1]
         assert name == "error" and json.loads(data)["type"] == "error", events

@@ -37,6 +37,7 @@ class Event:
     reasoning_tokens: int | None = None  # done, on a model with a reasoning format
     stop_sequence: str | None = None  # done: the stop sequence that ended the answer, if one did
     result: dict[str, Any] | None = None  # result: the one answer of a one-answer kind
+    max_tokens: int | None = None  # first tokens: the answer's limit, as the worker fitted it to the window
 
 
 @dataclass

@@ -127,7 +127,8 @@ class RequestRouter:
                     logprobs = (item.logprobs or []) + (following.logprobs or []) if item.logprobs is not None else None
                     item = Event("tokens", text=item.text + following.text, n=item.n + following.n, logprobs=logprobs,
                                  prompt_tokens=item.prompt_tokens or following.prompt_tokens,
-                                 cached_tokens=item.cached_tokens or following.cached_tokens)
+                                 cached_tokens=item.cached_tokens or following.cached_tokens,
+                                 max_tokens=item.max_tokens or following.max_tokens)
                 else:
                     pending = following
                     break
@@ -221,7 +222,8 @@ class RequestRouter:
             self._charge_prompt(req, message["prompt_tokens"])
         req.events.put_nowait(Event("tokens", text=message["text"], n=message["n"], logprobs=message.get("logprobs"),
                                     prompt_tokens=message.get("prompt_tokens", 0),
-                                    cached_tokens=message.get("cached_tokens", 0)))
+                                    cached_tokens=message.get("cached_tokens", 0),
+                                    max_tokens=message.get("max_tokens")))
 
     def _count_prompt(self, req: Request, prompt_tokens: int, cached_tokens: int = 0) -> None:
         """A finished request's prompt tokens in the metrics (`cached_tokens` of them served by the prefix cache),

@@ -10,22 +10,25 @@ a failure mid-stream the dialect's error event, then the end.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from aiohttp import web
 
-from appliance.front.api import lookup, messages, responses, sse, stream_start
+from appliance.front.api import compaction, lookup, messages, responses, sse, stream_start
 from appliance.front.api.answer_items import Events
 from appliance.front.api.count_tokens import CountTokensRoute
-from appliance.front.api.fields import json_body
-from appliance.front.api.generate import answer_parser, finish_reason, note_constraint
+from appliance.front.api.generate import GENERATION, answer_parser, finish_reason, note_constraint
 from appliance.front.api.lark_grammar import convert_off_loop
 from appliance.front.api.response_store import ResponseStore
+from appliance.front.api.responses_ws import ResponsesSockets
 from appliance.front.api.route import Call, route
 from appliance.front.api.tools import lark_grammars
 from appliance.front.request import Event, RequestFailed
 from appliance.config.kinds import GENERATIVE_KINDS
+
+log = logging.getLogger("openarc.front")
 
 
 @dataclass
@@ -39,84 +42,111 @@ class Dialect:
 
 def add_routes(app: web.Application, appliance) -> None:
     store = ResponseStore(appliance.config.server.stored_responses)
+    generation = app[GENERATION]
 
     def keep(req: responses.ResponsesRequest, stream: responses.ResponseStream) -> None:
         if req.store:
-            store.keep(req.gen.model, stream.id, req.history + [stream.turn()])
+            store.keep(req.gen.model, stream.id, stream.stored())
 
+    responses_route = DialectRoute(appliance, generation, Dialect(
+        lambda body: responses.parse_responses(body, store), responses.ResponseStream, lambda s: s.response, keep))
     routes = {
-        "responses": (DialectRoute(appliance, Dialect(lambda body: responses.parse_responses(body, store),
-                                                      responses.ResponseStream, lambda s: s.response, keep)).handler,
-                      responses.RESPONSES),
-        "messages": (DialectRoute(appliance, Dialect(messages.parse_messages, messages.MessageStream,
-                                                     lambda s: s.message, keepalive=sse.PING)).handler,
+        "responses": (responses_route.handler, responses.RESPONSES),
+        "responses/compact": (DialectRoute(appliance, generation, Dialect(
+            lambda body: compaction.parse_compact(body, store), compaction.CompactionStream,
+            lambda s: s.compaction())).handler, responses.RESPONSES),
+        "messages": (DialectRoute(appliance, generation, Dialect(messages.parse_messages, messages.MessageStream,
+                                                                 lambda s: s.message, keepalive=sse.PING)).handler,
                      messages.ANTHROPIC),
     }
     for endpoint, (handler, errors) in routes.items():
         app.router.add_post(f"/v1/{endpoint}", route(appliance, endpoint, handler, errors))
+    ResponsesSockets(appliance, responses_route, store).mount(app)
     CountTokensRoute(appliance).mount(app)
 
 
 class DialectRoute:
-    """One dialect's generation route; `handler` runs in the route wrapper."""
+    """One dialect's generation route; `handler` runs in the route wrapper. `answer` runs one request whose events
+    go to a sink: the HTTP stream here, a WebSocket's messages in appliance.front.api.responses_ws."""
 
-    def __init__(self, appliance, dialect: Dialect):
+    def __init__(self, appliance, generation, dialect: Dialect):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
+        self.generation = generation  # appliance.front.api.generate.GenerationRoutes: images, large bodies
         self.dialect = dialect
 
     async def handler(self, request: web.Request, call: Call) -> web.StreamResponse:
-        body = await json_body(request)
+        body = await self.generation.chat_body(request)
         call.label(body)
+        return await self.answer(call, self.dialect.parse, body, SseSink(request, self.dialect.keepalive))
+
+    async def answer(self, call: Call, parse, body: Any, sink) -> Any:
+        """One request (`call.label(body)` done): the sink's end for a stream, else the whole object's response."""
         await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
-        req = self.dialect.parse(body)
+        req = parse(body)
         gen = req.gen
-        served = lookup.model_served(self.appliance, gen.model, call, GENERATIVE_KINDS)
+        if not gen.content.images:  # its model is looked up as its stream begins (stream_start)
+            return await self._run(call, req, sink)
+        sup = await lookup.model_for(self.appliance, gen.model, call, GENERATIVE_KINDS)
+        async with self.generation.with_images(gen, sup, call) as (sup, place):
+            return await self._run(call, req, sink, sup, place)
+
+    async def _run(self, call: Call, req, sink, sup=None, place=None) -> Any:
+        """`req` answered into `sink` (a stream) or as one whole object; `sup`: its model, ready (with `place`, the
+        queue place its images held), or None: it is looked up (and waited for) as the answer begins, keep-alives
+        going out once a stream waits (appliance.front.api.stream_start)."""
+        gen = req.gen
+        served = sup or lookup.model_served(self.appliance, gen.model, call, GENERATIVE_KINDS)
         opened: list = []  # (its model, the request's handle) once it is admitted
 
         async def first():
             """The model (waited for), the answer's parser, the request's events and its first."""
-            sup = await lookup.model_for(self.appliance, gen.model, call, GENERATIVE_KINDS)
-            answer = answer_parser(sup, gen)
+            model = sup or await lookup.model_for(self.appliance, gen.model, call, GENERATIVE_KINDS)
+            answer = answer_parser(model, gen)
             note_constraint(call, self.appliance.metrics, gen)
-            opened.append((sup, sup.open(gen.frame())))
-            events = sup.events(opened[0][1])
+            opened.append((model, model.open(gen.frame(), reserved=place is not None and place.hand_over())))
+            events = model.events(opened[0][1])
             return answer, events, await sse.next_event(events)
 
-        def open_stream():
-            return sse.EventStream(request, keepalive=self.dialect.keepalive).open()
-
         try:
+            opened_early = None  # the sink, if the stream's headers went out while the request waited
             if gen.stream:
-                (answer, events, event), stream = await stream_start.begin(
-                    first(), stream_start.window_check(self.appliance, served, gen.frame()), open_stream,
-                    sse.keepalive_s(request))
+                (answer, events, event), opened_early = await stream_start.begin(
+                    first(), stream_start.window_check(self.appliance, served, gen.frame()), sink.open,
+                    sink.keepalive_s())
             else:
-                (answer, events, event), stream = await first(), None
+                answer, events, event = await first()
             sse.refused_before_start(event)
-            if gen.stream and stream is None:
-                stream = await open_stream()
-            return await self._answer(call, events, event, stream, req, answer)
+            if gen.stream and opened_early is None:
+                await sink.open()
+            return await self._answer(call, events, event, req, answer, sink)
         finally:
-            for sup, handle in opened:
-                sup.close(handle)
+            for model, handle in opened:
+                model.close(handle)
 
-    async def _answer(self, call: Call, events, event, stream: sse.EventStream | None, req,
-                      answer) -> web.StreamResponse:
+    async def _answer(self, call: Call, events, event, req, answer, sink) -> Any:
         """The chat path's events as the dialect's: a stream (open), or one whole object at the end."""
         items = self.dialect.stream(req)
-        if stream is not None:
-            await send(stream, items.start(event))
+        started = items.start(event)  # also what the whole object repeats from the first event (its limit)
+        if req.gen.stream:
+            await sink.send(started)
         while True:
             if isinstance(event, RequestFailed):
-                if stream is None:
+                if not req.gen.stream:
                     raise event
-                await send(stream, items.fail(event, call.stream_failed(event)))
-                return await stream.close()
-            out = self._translate(req, answer, items, event, call.model)
-            if stream is not None:
-                await send(stream, out)
+                await sink.send(items.fail(event, call.stream_failed(event)))
+                return await sink.close()
+            try:
+                out = self._translate(req, answer, items, event, call.model)
+            except Exception as exc:  # noqa: BLE001 - a fault of ours mid-stream ends it with the dialect's failure
+                if not req.gen.stream:
+                    raise
+                log.error("unhandled error in a stream of /v1/%s", call.endpoint, exc_info=exc)
+                event = RequestFailed(500, "internal_error", "internal server error", "internal_error")
+                continue
+            if req.gen.stream:
+                await sink.send(out)
             if event.op == "done":
-                return await stream.close() if stream is not None else web.json_response(self.dialect.whole(items))
+                return await sink.close() if req.gen.stream else web.json_response(self.dialect.whole(items))
             event = await sse.next_event(events)
 
     def _translate(self, req, answer, items, event: Event, model: str) -> Events:
@@ -129,7 +159,25 @@ class DialectRoute:
         return out
 
 
-async def send(stream: sse.EventStream, events: Events) -> None:
-    """Named events (Anthropic's SDK reads the name; OpenAI's the data's type)."""
-    for name, data in events:
-        await stream.send(data, name)
+class SseSink:
+    """A dialect's events as named SSE events (Anthropic's SDK reads the name; OpenAI's the data's type), with the
+    dialect's keep-alive while the stream is silent."""
+
+    def __init__(self, request: web.Request, keepalive: bytes = sse.COMMENT):
+        self.request = request
+        self.keepalive = keepalive
+        self.stream: sse.EventStream | None = None
+
+    def keepalive_s(self) -> float:
+        return sse.keepalive_s(self.request)
+
+    async def open(self) -> SseSink:
+        self.stream = await sse.EventStream(self.request, keepalive=self.keepalive).open()
+        return self
+
+    async def send(self, events: Events) -> None:
+        for name, data in events:
+            await self.stream.send(data, name)
+
+    async def close(self) -> web.StreamResponse:
+        return await self.stream.close()

@@ -36,8 +36,14 @@ OTHER_TYPE = "other"
 TYPE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
+# The generation routes, for the other dialects' routes (appliance.front.api.dialects), which take images and large
+# bodies through the same resolver, spool and slots.
+GENERATION = web.AppKey("generation", object)
+
+
 def add_routes(app: web.Application, appliance) -> None:
     routes = GenerationRoutes(appliance)
+    app[GENERATION] = routes
     app.router.add_post("/v1/chat/completions", route(appliance, "chat/completions", routes.chat_completions))
     app.router.add_post("/v1/completions", route(appliance, "completions", routes.completions))
     app.on_startup.append(routes.start)
@@ -59,12 +65,12 @@ class GenerationRoutes:
         await self.images.close()
 
     async def chat_completions(self, request: web.Request, call: Call) -> web.StreamResponse:
-        return await self._generate(request, call, parse_chat, await self._chat_body(request))
+        return await self._generate(request, call, parse_chat, await self.chat_body(request))
 
     async def completions(self, request: web.Request, call: Call) -> web.StreamResponse:
         return await self._generate(request, call, parse_completion, await json_body(request))
 
-    async def _chat_body(self, request: web.Request) -> Any:
+    async def chat_body(self, request: web.Request) -> Any:
         """A chat body. Images come base64 in it, so on a server with a vision model a body may pass
         max_body_bytes (up to body_limit()) if it names a vision model: a larger one is read holding one of
         MAX_IMAGE_REQUESTS_IN_FLIGHT large-body slots (the others wait, unread), parsed off the event loop, and
@@ -101,18 +107,25 @@ class GenerationRoutes:
         if req.stream and not req.content.images:  # its model is looked up as its stream begins (stream_start)
             return await self._stream(request, call, req)
         sup = await lookup.model_for(self.appliance, req.model, call, GENERATIVE_KINDS)
-        # A request with images holds its place in the queue before they are fetched and decoded: a busy model
-        # refuses it now (429), not after megabytes of pixels were spooled for it.
-        place = QueuePlace(sup) if req.content.images and sup.model.kind == "vlm" else None
-        try:
-            req.images = await self.images.resolve(req.content, sup.model)
-            if place is not None:
-                sup = await place.follow(self.appliance, req.model, call, GENERATIVE_KINDS)
+        async with self.with_images(req, sup, call) as (sup, place):
             if req.stream:
                 return await self._stream(request, call, req, sup, place)
             answers = [answer_parser(sup, req) for _ in range(req.n)]
             note_constraint(call, self.appliance.metrics, req)
             return await self._whole(sup, req, answers, place)
+
+    @contextlib.asynccontextmanager
+    async def with_images(self, req: GenerationRequest, sup, call: Call):
+        """(the model's supervisor, the queue place held for the request or None) once the request's images are
+        pixel files (req.images); they are removed when the request is over, by which time the worker read them.
+        A request with images holds its place in the queue before they are fetched and decoded: a busy model
+        refuses it now (429), not after megabytes of pixels were spooled for it."""
+        place = QueuePlace(sup) if req.content.images and sup.model.kind == "vlm" else None
+        try:
+            req.images = await self.images.resolve(req.content, sup.model)
+            if place is not None:
+                sup = await place.follow(self.appliance, req.model, call, GENERATIVE_KINDS)
+            yield sup, place
         finally:  # the worker has read the image files by the time the request is over
             if place is not None:
                 place.release()

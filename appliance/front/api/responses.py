@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from appliance.front.api.answer_items import (CALL_ITEM, CUSTOM_CALL_ITEM, REASONING_ITEM, TEXT_ITEM, Events, Item,
                                               ItemStream)
 from appliance.front.api.completions import GenerationRequest
 from appliance.front.api.errors import InvalidRequest
-from appliance.front.api.fields import flag, json_object, model_name, number, text, text_parts
+from appliance.front.api.fields import flag, json_object, model_name, number, text
+from appliance.front.api.images import Content, content_text
+from appliance.front.api.input_parts import chat_parts
 from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.response_tools import TOOL_SEARCH, FlatTools, ToolNames, joined_name
 from appliance.front.api.route import ErrorShape
@@ -35,8 +38,11 @@ from appliance.front.api.structured import constraint
 from appliance.front.api.tools import CUSTOM_INPUT, assistant_tool_calls, name_tool_results, parse_tools
 from appliance.front.request import Event, RequestFailed
 
+IMAGE_TAGS = re.compile(r"<ov_genai_image_\d+>")
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-TEXT_PARTS = ("input_text", "output_text", "text")
+# Marks on a chat turn while the input is read: the item a tool result came from, a compaction's turn.
+WHERE, COMPACTED = "_where", "_compacted"
+COMPACTION_PREFIX = "A summary of our conversation so far, for you to continue from:\n\n"
 ITEM_PREFIXES = {REASONING_ITEM: "rs_", TEXT_ITEM: "msg_", CALL_ITEM: "fc_", CUSTOM_CALL_ITEM: "ctc_"}
 TOOL_SEARCH_PREFIX = "tsc_"  # a call to the client tool_search: a tool_search_call item
 # chat completions' names of the fields the Responses API spells otherwise, for the errors the shared checks raise
@@ -49,15 +55,20 @@ INCLUDABLE = ("reasoning.encrypted_content", "message.output_text.logprobs", "fi
               "web_search_call.results", "web_search_call.action.sources", "code_interpreter_call.outputs",
               "computer_call_output.output.image_url", "message.input_image.image_url")
 ENCRYPTED_PREFIX = "openarc:v1:"  # our encrypted_content; another server's opaque reasoning is left out
+SERVICE_TIERS = ("auto", "default", "flex", "priority")  # accepted; every request is served by the one tier, "default"
 
 
 class ResponsesErrors(ErrorShape):
-    """OpenAI's error bodies before a stream; in a Responses stream, its typed `error` event."""
+    """OpenAI's error bodies before a stream; in a Responses stream, its typed `error` event: the spec's `error`
+    object (type, code, message, param), and the same code, message and param at the top, where the OpenAI SDK's
+    ResponseErrorEvent reads them today."""
 
     event_name = "error"
 
     def stream_event(self, failure: RequestFailed) -> dict[str, Any]:
-        return {"type": "error", "code": failure.code, "message": failure.message, "param": None}
+        error = self.body(failure, None)["error"]
+        return {"type": "error", "code": failure.code, "message": failure.message, "param": None,
+                "error": {key: error[key] for key in ("type", "code", "message", "param")}}
 
 
 RESPONSES = ResponsesErrors()
@@ -74,20 +85,33 @@ class ResponsesRequest:
     names: ToolNames = field(default_factory=ToolNames)  # namespaced tools and tool_search: how calls go out
 
 
-def parse_responses(body: Any, store: ResponseStore) -> ResponsesRequest:
+def conversation(body: Any, history: list[dict[str, Any]], flat: FlatTools) -> tuple[
+        list[dict[str, Any]], list[dict[str, Any]], Content]:
+    """The body's `instructions` and `input` after `history` (a stored response's turns): the chat messages, the
+    history they extend (without instructions), and the image parts the messages hold; `flat` takes the tools of
+    tool_search_output items and the types of items skipped."""
+    found = Content()
+    if body.get("input") is not None or not history:  # previous_response_id alone continues as it is
+        history = history + _input(body.get("input"), flat, found)
+    check_call_outputs(history)
+    instructions = body.get("instructions")
+    system = [{"role": "system", "content": text(instructions, "instructions", empty=True)}] if instructions else []
+    messages = _one_system_turn(system + history)
+    name_tool_results(messages)
+    return messages, history, found
+
+
+def parse_responses(body: Any, store: ResponseStore, stored: Callable[[str], list] | None = None) -> ResponsesRequest:
+    """`stored`: where previous_response_id is looked up first (a WebSocket's own responses), then `store`."""
     model = model_name(body)
     stream = flag(body, "stream")
     keep = True if body.get("store") is None else flag(body, "store")
     previous = body.get("previous_response_id")
     history = []
     if previous is not None:
-        history = store.history(text(previous, "previous_response_id"))
+        history = (stored or store.history)(text(previous, "previous_response_id"))
     flat = FlatTools()
-    history = history + _input(body.get("input"), flat)
-    instructions = body.get("instructions")
-    system = [{"role": "system", "content": text(instructions, "instructions", empty=True)}] if instructions else []
-    messages = _one_system_turn(system + history)
-    name_tool_results(messages)
+    messages, history, found = conversation(body, history, flat)
     chat = _chat_shaped(body, flat)
     tools = _renamed(lambda shaped: parse_tools(shaped, list(flat.left_out.values())), chat)
     tool_constraint, output_constraint = tools.constraint(), _renamed(constraint, chat)
@@ -97,6 +121,8 @@ def parse_responses(body: Any, store: ResponseStore) -> ResponsesRequest:
         raise InvalidRequest("a required or strict function call cannot be combined with 'text.format'", "text.format")
     params = {"max_tokens": number(body, "max_output_tokens", 1, 1 << 20, integer=True),
               "temperature": number(body, "temperature", 0, 2), "top_p": number(body, "top_p", 0, 1),
+              "presence_penalty": number(body, "presence_penalty", -2, 2),
+              "frequency_penalty": number(body, "frequency_penalty", -2, 2),
               "top_k": None, "stop": [], "logprobs": False}
     reasoning = body.get("reasoning")
     if reasoning is not None:
@@ -105,15 +131,43 @@ def parse_responses(body: Any, store: ResponseStore) -> ResponsesRequest:
     if body.get("metadata") is not None:
         json_object(body["metadata"], "metadata")
     gen = GenerationRequest(model, "chat", stream, False, params, messages=messages, tools=tools,
-                            constraint=tool_constraint or output_constraint, ignored_inputs=flat.skipped)
-    echo = {"instructions": instructions, "max_output_tokens": params["max_tokens"],
-            "temperature": params["temperature"], "top_p": params["top_p"], "parallel_tool_calls": tools.parallel,
+                            constraint=tool_constraint or output_constraint, ignored_inputs=flat.skipped,
+                            content=found)
+    echo = {"instructions": body.get("instructions"), "max_output_tokens": params["max_tokens"],
+            **sampling_echo(body, params), "parallel_tool_calls": tools.parallel,
             "tool_choice": body.get("tool_choice") or "auto", "tools": [_response_tool(t) for t in flat.echo],
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": (reasoning or {}).get("summary")},
             "metadata": body.get("metadata") or {}, "store": keep, "previous_response_id": previous}
     return ResponsesRequest(gen, echo, history, keep, previous, "reasoning.encrypted_content" in include,
                             flat.names)
+
+
+def sampling_echo(body: dict, params: dict[str, Any]) -> dict[str, Any]:
+    """The response object's settings as this server used them. An unset temperature is greedy decoding (the
+    worker samples only with a temperature above 0), so it is repeated as 0; top_p as asked, else 1 (no nucleus
+    cut); the penalties as asked, else 0. top_logprobs is 0 (logprobs are not returned here: asking for them is
+    refused), max_tool_calls as asked (no built-in tool runs here, so the bound always holds), background false
+    (refused), service_tier "default" (one tier)."""
+    if number(body, "top_logprobs", 0, 20, integer=True):
+        raise InvalidRequest("'top_logprobs' is not supported on /v1/responses (no log probabilities are returned "
+                             "here; /v1/chat/completions has logprobs)", "top_logprobs")
+    if body.get("background") is not None and flag(body, "background"):
+        raise InvalidRequest("'background' mode is not supported: responses are not kept to be fetched later; "
+                             "use stream: true for a long answer", "background")
+    tier = body.get("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise InvalidRequest(f"'service_tier' must be one of {', '.join(SERVICE_TIERS)}", "service_tier")
+    echo = {"temperature": params["temperature"] or 0, "top_p": 1 if params["top_p"] is None else params["top_p"],
+            "presence_penalty": params["presence_penalty"] or 0, "frequency_penalty": params["frequency_penalty"] or 0,
+            "top_logprobs": 0, "max_tool_calls": number(body, "max_tool_calls", 1, 1 << 20, integer=True),
+            "background": False, "service_tier": "default"}
+    for key in ("safety_identifier", "prompt_cache_key"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, str) or len(value) > 64):
+            raise InvalidRequest(f"'{key}' must be a string of at most 64 characters", key)
+        echo[key] = value
+    return echo
 
 
 def _include(include: Any) -> list[str]:
@@ -211,9 +265,9 @@ def _response_tool(tool: dict[str, Any]) -> dict[str, Any]:
     return tool
 
 
-def _input(value: Any, flat: FlatTools) -> list[dict[str, Any]]:
+def _input(value: Any, flat: FlatTools, found: Content) -> list[dict[str, Any]]:
     """The `input` as chat turns; `flat` takes the tools of tool_search_output items and the types of the items
-    skipped."""
+    skipped; the image parts its messages hold are added to `found`."""
     if isinstance(value, str):
         return [{"role": "user", "content": text(value, "input", empty=True)}]
     if not isinstance(value, list) or not value:
@@ -226,9 +280,11 @@ def _input(value: Any, flat: FlatTools) -> list[dict[str, Any]]:
             raise InvalidRequest(f"'{where}' must be an object", where)
         kind = item.get("type", "message")
         if kind == "message":
-            turn = _message(item, where)
+            turn = _message(item, where, found)
             if turn["role"] == "assistant":
                 _assistant(turns, reasoning)["content"] += turn["content"]
+            elif turn["role"] == "user" and turns and turns[-1].get(COMPACTED):
+                turns[-1]["content"] += "\n\n" + turn["content"]  # one user turn: templates alternate roles
             else:
                 turns.append(turn)
         elif kind in ("function_call", "custom_tool_call") or (kind == "tool_search_call" and _client(item)):
@@ -236,11 +292,13 @@ def _input(value: Any, flat: FlatTools) -> list[dict[str, Any]]:
                 assistant_tool_calls([_replayed_call(item, kind, where)], where))
         elif kind in ("function_call_output", "custom_tool_call_output"):
             turns.append({"role": "tool", "tool_call_id": text(item.get("call_id"), f"{where}.call_id"),
-                          "content": _content(item.get("output"), f"{where}.output")})
+                          "content": _content(item.get("output"), f"{where}.output", found), WHERE: where})
         elif kind == "tool_search_output" and _client(item):
             turns.append(_loaded_tools(item, where, flat))
         elif kind == "reasoning":
             reasoning.append(_reasoning_text(item, where))
+        elif kind == "compaction":
+            turns.append(compacted_turn(item, where))
         else:  # a hosted tool's item, or a type this server cannot represent: nothing the model said here
             flat.skipped.append(str(kind))
     return turns
@@ -276,6 +334,31 @@ def _loaded_tools(item: dict, where: str, flat: FlatTools) -> dict[str, Any]:
             "content": f"Tools loaded: {loaded}"}
 
 
+def check_call_outputs(turns: list[dict[str, Any]]) -> None:
+    """Every tool result answers a call made before it (in the input, or in the stored response it chains): one
+    whose call_id matches none would reach the model as an answer to a question nobody asked. The turns lose the
+    mark of where each result came from."""
+    calls: set[str] = set()
+    for turn in turns:
+        calls.update(call["id"] for call in turn.get("tool_calls") or ())
+        where = turn.pop(WHERE, None)
+        turn.pop(COMPACTED, None)
+        if turn["role"] == "tool" and where is not None and turn["tool_call_id"] not in calls:
+            raise InvalidRequest(f"'{where}.call_id': no function_call with call_id '{turn['tool_call_id']}' comes "
+                                 "before this output (in the input or the previous response)", f"{where}.call_id",
+                                 "unknown_call_id")
+
+
+def compacted_turn(item: dict, where: str) -> dict[str, Any]:
+    """A compaction item (POST /v1/responses/compact made it) as the user turn that hands its summary on."""
+    summary = decrypted_reasoning(text(item.get("encrypted_content"), f"{where}.encrypted_content"))
+    if summary is None:
+        raise InvalidRequest(f"'{where}.encrypted_content' was not made by this server's /v1/responses/compact "
+                             "(another server's compaction cannot be read here)", f"{where}.encrypted_content",
+                             "invalid_compaction")
+    return {"role": "user", "content": COMPACTION_PREFIX + summary, COMPACTED: True}
+
+
 def _assistant(turns: list[dict[str, Any]], reasoning: list[str]) -> dict[str, Any]:
     """The assistant turn an assistant item belongs to: the last turn if it is the assistant's and no tool result
     followed it, else a new one (taking the reasoning items before it)."""
@@ -287,15 +370,16 @@ def _assistant(turns: list[dict[str, Any]], reasoning: list[str]) -> dict[str, A
     return turns[-1]
 
 
-def _message(item: dict, where: str) -> dict[str, Any]:
+def _message(item: dict, where: str, found: Content) -> dict[str, Any]:
     role = item.get("role")
     if role not in ROLES:
         raise InvalidRequest(f"'{where}.role' must be one of {', '.join(ROLES)}", f"{where}.role")
-    return {"role": ROLES[role], "content": _content(item.get("content"), f"{where}.content")}
+    return {"role": ROLES[role], "content": _content(item.get("content"), f"{where}.content", found)}
 
 
-def _content(content: Any, where: str) -> str:
-    return text_parts(content, where, TEXT_PARTS)
+def _content(content: Any, where: str, found: Content) -> str:
+    """Content parts as the text the template renders; an image is its tag there (appliance.front.api.images)."""
+    return content_text(chat_parts(content, where), where, found)
 
 
 def _reasoning_text(item: dict, where: str) -> str:
@@ -351,7 +435,7 @@ class ResponseStream(ItemStream):
         out = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                "model": self.req.gen.model, "output": [self.item(i) for i in self.items if i.done],
                "error": None, "incomplete_details": None, "usage": None, "truncation": "disabled",
-               "user": None, **self.req.echo}
+               "user": None, "completed_at": None, **self.req.echo}
         out.update(fields)
         return out
 
@@ -360,6 +444,8 @@ class ResponseStream(ItemStream):
         return type_, {"type": type_, "sequence_number": self.sequence - 1, **data}
 
     def start(self, first: Event) -> Events:
+        if first is not None and first.max_tokens is not None:  # the limit the worker fitted to the window is the one the answer has
+            self.req.echo["max_output_tokens"] = first.max_tokens
         return [self.event("response.created", response=self.envelope("in_progress")),
                 self.event("response.in_progress", response=self.envelope("in_progress"))]
 
@@ -369,13 +455,13 @@ class ResponseStream(ItemStream):
             self.current.extra["status"] = "incomplete"
         events = self.close_all()
         status = "incomplete" if cut else "completed"
-        self.response = self.envelope(status, usage=usage(done), completed_at=int(time.time()),
+        self.response = self.envelope(status, usage=usage(done), completed_at=None if cut else int(time.time()),
                                       incomplete_details={"reason": "max_output_tokens"} if cut else None)
         return events + [self.event(f"response.{status}", response=self.response)]
 
     def fail(self, exc: RequestFailed, payload: dict[str, Any]) -> Events:
         """The route's `error` event (`payload`: ResponsesErrors.stream_event), then response.failed."""
-        self.response = self.envelope("failed", error={"code": "server_error", "message": exc.message})
+        self.response = self.envelope("failed", error={"code": exc.code or "server_error", "message": exc.message})
         return [self.event("error", **{key: value for key, value in payload.items() if key != "type"}),
                 self.event("response.failed", response=self.response)]
 
@@ -455,6 +541,16 @@ class ResponseStream(ItemStream):
                       self.event("response.content_part.done", **self.where(item), content_index=0,
                                  part=self.part(item))]
         return events + [self.event("response.output_item.done", output_index=item.index, item=self.item(item))]
+
+    def stored(self) -> list[dict[str, Any]]:
+        """The conversation this response ended, as a later request's previous_response_id continues it: its
+        images' tags become words (their pixels are gone once it ends; a tag without its image would fail)."""
+        history = [dict(turn) for turn in self.req.history] + [self.turn()]
+        if self.req.gen.content.images:
+            for turn in history:
+                if isinstance(turn.get("content"), str):
+                    turn["content"] = IMAGE_TAGS.sub("[image]", turn["content"])
+        return history
 
     def turn(self) -> dict[str, Any]:
         """The answer as the assistant's chat turn, for a later request's previous_response_id."""

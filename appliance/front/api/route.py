@@ -192,10 +192,16 @@ def route(appliance, endpoint: str, handler: Handler, errors: ErrorShape = OPENA
             status = CLIENT_CLOSED  # the client hung up: aiohttp cancelled the handler, or a write found it gone
             raise
         finally:
-            call.release()
-            metrics = appliance.metrics
-            metrics.requests.labels(model=call.model, endpoint=endpoint, status=status, key=call.key,
-                                    priority=call.priority).inc()
-            metrics.request_duration.labels(model=call.model, endpoint=endpoint).observe(time.monotonic() - started)
+            counted(call, status, started)
 
     return wrapped
+
+
+def counted(call: Call, status: str, started: float) -> None:
+    """A request's end, however it ended (a route's, or a WebSocket's response in appliance.front.api.responses_ws):
+    its key's slot given back, it and its duration counted."""
+    call.release()
+    metrics = call.appliance.metrics
+    metrics.requests.labels(model=call.model, endpoint=call.endpoint, status=status, key=call.key,
+                            priority=call.priority).inc()
+    metrics.request_duration.labels(model=call.model, endpoint=call.endpoint).observe(time.monotonic() - started)

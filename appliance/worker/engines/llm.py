@@ -292,6 +292,7 @@ class LLMEngine(Engine):
         if not req.reported:  # the first: the prompt's size is known from here on (Anthropic's message_start has it)
             tokens["prompt_tokens"] = req.prompt_tokens
             tokens["cached_tokens"] = req.cached_tokens
+            tokens["max_tokens"] = req.max_tokens  # the limit fitted to the window (the Responses object repeats it)
         if req.logprobs is not None:
             new = range(req.reported, min(len(req.generated), len(req.logprobs)))
             tokens["logprobs"] = [[self.tokenizer.decode([req.generated[i]]), req.logprobs[i]] for i in new]

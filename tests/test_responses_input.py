@@ -115,8 +115,13 @@ def test_a_fault_of_ours_mid_stream_ends_it_with_the_spec_s_error_and_failed_eve
     req = parse([{"type": "message", "role": "user", "content": "Hi"}])
     req.gen.stream = True
     sink = Sink()
-    assert asyncio.run(route._answer(Call(appliance, "responses", RESPONSES), events(), req,
-                                     AnswerParser(False, None), sink)) == "closed"
+    async def answer():
+        stream = events()
+        first = await stream.__anext__()  # the route reads the first event before the stream begins
+        return await route._answer(Call(appliance, "responses", RESPONSES), stream, first, req,
+                                   AnswerParser(False, None), sink)
+
+    assert asyncio.run(answer()) == "closed"
     response = final(sink.sent)
     assert sink.sent[-2]["type"] == "error" and sink.sent[-2]["error"]["code"] == "internal_error"
     assert response["status"] == "failed" and response["error"]["message"] == "internal server error"

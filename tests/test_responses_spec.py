@@ -206,7 +206,8 @@ def test_compact_returns_a_compaction_that_responses_take_back(app):
 
 
 def test_compacting_a_conversation_longer_than_the_context_is_a_400_saying_so(app):
-    conversation = [message("user", "Rename every photo by its EXIF date and keep a dry-run flag. " * 40)] * 12
+    # about 150k demo tokens: past the demo's 128k window (its own, max_context unset)
+    conversation = [message("user", "Rename every photo by its EXIF date and keep a dry-run flag. " * 320)] * 12
     status, _, reply = http("POST", app.base + "/v1/responses/compact", {"model": "demo", "input": conversation})
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
     assert whole(app.base, {"model": "demo", "input": "Hi"})["status"] == "completed"

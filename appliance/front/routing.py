@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -21,6 +22,8 @@ from appliance.front.metrics import ModelMetrics
 from appliance.front.priority import BACKGROUND
 from appliance.front.request import Event, Request, RequestFailed
 from appliance.ipc import AsyncChannel, ProtocolError
+
+log = logging.getLogger(__name__)
 
 # What a result frame's "counts" may add to the model's counters (ModelMetrics fields).
 # (prompt_tokens goes to the token counters of the request's key and class: RequestRouter._count_prompt.)
@@ -75,9 +78,18 @@ class RequestRouter:
         self._note_idle()
 
     def unreserve(self) -> None:
-        self.reserved -= 1
+        self._give_back_place()
         self.publish_queue()
         self._note_idle()
+
+    def _give_back_place(self) -> None:
+        """One reserved place less. A place given back that was never held is a bug in its holder: it is logged and
+        the count kept at zero, since a count below zero would keep the model from ever looking idle (its drain
+        would then wait out the whole drain_timeout_s)."""
+        if self.reserved <= 0:
+            log.error("model %s: a reserved queue place was given back that was not held", self.model.name)
+            return
+        self.reserved -= 1
 
     def open(self, frame: dict[str, Any], op: str = "generate", reserved: bool = False) -> Request:
         """Queue a request, or refuse it with 429 when the queue is full (unless its place was `reserved`: then the
@@ -89,7 +101,8 @@ class RequestRouter:
         req = Request(next(self.ids), frame, op, ticket=keys.CURRENT.get())
         req.frame["id"] = req.id
         self.waiting.push(req, req.ticket.priority, req.submitted)
-        self.reserved -= reserved
+        if reserved:
+            self._give_back_place()
         self._dispatch()
         return req
 

@@ -215,9 +215,13 @@ class Speech:
         cuts an admitted speech short."""
         held, self.next_place = self.next_place, False  # open() takes the place, admitted or not
         handle = self.sup.open(frame, op="request", reserved=held)
-        self.next_place = i + 1 < len(self.pieces)
-        if self.next_place:  # in the step that opened sentence i: the model admits it still
-            self.sup.reserve(continuing=True)
+        if i + 1 < len(self.pieces):
+            try:  # in the step that opened sentence i, so a draining model still takes it (until drained)
+                self.sup.reserve(continuing=True)
+            except RequestFailed:
+                self.sup.close(handle)  # nobody would read its result, nor remove its spool file
+                raise
+            self.next_place = True  # only once held: close() gives back what was reserved, never more
         return handle
 
     def _first(self, chunk: bytes) -> bytes:

@@ -150,6 +150,18 @@ def test_interactive_first_fifo_within_a_class():
     assert drain(queue, now=5, slots=10) == ["i2", "i4", "b0", "b1", "b3"]
 
 
+def test_ages_at_is_the_earliest_moment_a_waiting_background_request_changes_class():
+    queue = AdmissionQueue(max_wait_s=30)
+    assert queue.ages_at(0) is None
+    queue.push("i0", INTERACTIVE, 0)
+    assert queue.ages_at(0) is None  # interactive requests never change class
+    queue.push("b1", BACKGROUND, 5)
+    queue.push("b2", BACKGROUND, 7)
+    assert queue.ages_at(10) == 35
+    assert queue.ages_at(35) == 37  # b1 has aged: the next is b2's
+    assert queue.ages_at(37) is None
+
+
 def test_background_slots_keep_room_for_people():
     queue = AdmissionQueue(max_wait_s=30)
     queue.push("b0", BACKGROUND, 0)

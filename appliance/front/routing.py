@@ -49,6 +49,7 @@ class RequestRouter:
         self.on_idle: Callable[[], None] = lambda: None  # the Supervisor's residency bookkeeping: replan, last used
         self.last_progress = time.monotonic()  # the stall timer's reference (WorkerLife._monitor)
         self.channel: AsyncChannel | None = None  # the ready worker's, while it serves
+        self.aging: asyncio.TimerHandle | None = None  # a dispatch at the queue's next aging (_watch_aging)
         # False while the model's supervisor does not serve its name (a replacement not switched to yet, or one
         # replaced): only the serving one writes the model's gauges.
         self.reports = True
@@ -166,8 +167,21 @@ class RequestRouter:
                 self.channel.send(ipc.frame(req.op, **req.frame))
             except (ValueError, ProtocolError) as exc:  # a frame that cannot be sent must not hold a slot forever
                 self.finish(req, RequestFailed(500, "internal", f"cannot pass the request to its worker: {exc}"))
+        self._watch_aging()
         self.publish_queue()
         self._note_idle()
+
+    def _watch_aging(self) -> None:
+        """One timer for the queue's earliest aging deadline (AdmissionQueue.ages_at), replaced at every dispatch:
+        a background request held back by the background slots ages with no request opening or ending, and must
+        then take a free slot at once rather than at the next request's arrival or end."""
+        if self.aging is not None:
+            self.aging.cancel()
+            self.aging = None
+        now = time.monotonic()
+        at = self.waiting.ages_at(now) if self.channel else None
+        if at is not None:  # the loop's clock is time.monotonic (asyncio's default)
+            self.aging = asyncio.get_running_loop().call_later(max(0.0, at - now), self._dispatch)
 
     def _note_idle(self) -> None:
         """A reserved place is work as a queued request is: the model is idle only when it has none of them."""

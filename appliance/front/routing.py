@@ -99,7 +99,7 @@ class RequestRouter:
         if not reserved:
             self._check_room()
         # the key and class the route wrapper admitted this request with (appliance.front.keys.CURRENT)
-        req = Request(next(self.ids), frame, op, ticket=keys.CURRENT.get())
+        req = Request(next(self.ids), frame, op, ticket=keys.current_ticket())
         req.frame["id"] = req.id
         self.waiting.push(req, req.ticket.priority, req.submitted)
         if reserved:
@@ -161,6 +161,7 @@ class RequestRouter:
             if not self.running:
                 self.last_progress = time.monotonic()  # an idle worker's stall clock starts now
             req.dispatched = time.monotonic()
+            req.ticket.dispatched = True  # its prompt's work begins: it is charged whatever the client does
             self.running[req.id] = req
             self.series.queue_time[req.ticket.priority].observe(req.dispatched - req.submitted)
             try:
@@ -243,25 +244,22 @@ class RequestRouter:
         self.series.tokens(req.ticket.key, req.ticket.priority).generation.inc(message["n"])
         req.ticket.count_tokens(message["n"])
         if message.get("prompt_tokens"):  # tokens_per_minute counts the prompt now
-            self._charge_prompt(req, message["prompt_tokens"])
+            req.ticket.charge_prompt(message["prompt_tokens"])
         req.events.put_nowait(Event("tokens", text=message["text"], n=message["n"], logprobs=message.get("logprobs"),
                                     prompt_tokens=message.get("prompt_tokens", 0),
                                     cached_tokens=message.get("cached_tokens", 0)))
 
     def _count_prompt(self, req: Request, prompt_tokens: int, cached_tokens: int = 0) -> None:
-        """A finished request's prompt tokens in the metrics (`cached_tokens` of them served by the prefix cache),
-        and all of them against its key unless its first tokens did."""
-        series = self.series.tokens(req.ticket.key, req.ticket.priority)
-        series.prompt.inc(prompt_tokens - cached_tokens)
-        series.cached_prompt.inc(cached_tokens)
-        self._charge_prompt(req, prompt_tokens)
-
-    @staticmethod
-    def _charge_prompt(req: Request, prompt_tokens: int) -> None:
-        """The request's prompt tokens against its key's tokens_per_minute, once (its first tokens, else its end)."""
-        if not req.prompt_counted:
-            req.ticket.count_tokens(prompt_tokens)
-            req.prompt_counted = True
+        """A finished generation's prompt tokens in the metrics (`cached_tokens` of them served by the prefix
+        cache) and against its key, once per HTTP request however many choices (`n`) share its ticket, as its
+        `usage` counts them."""
+        ticket = req.ticket
+        if not ticket.prompt_metered:
+            ticket.prompt_metered = True
+            series = self.series.tokens(ticket.key, ticket.priority)
+            series.prompt.inc(prompt_tokens - cached_tokens)
+            series.cached_prompt.inc(cached_tokens)
+        ticket.charge_prompt(prompt_tokens)
 
     def finish(self, req: Request, outcome: Event | RequestFailed) -> None:
         self.running.pop(req.id, None)

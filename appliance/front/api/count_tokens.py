@@ -11,6 +11,7 @@ is using. The front itself has neither tokenizer nor template (it never imports 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -28,12 +29,16 @@ COUNTER_MODULE = "appliance.worker.token_counter"
 # Starting the process (OpenVINO's import) and loading a tokenizer take a few seconds on a slow host; a count,
 # milliseconds. Past this the process is taken for hung, killed and replaced.
 COUNT_TIMEOUT_S = 60.0
+# Counts the token counter holds at once (one answered, the rest waiting their turn); past this a count is a 429
+# with Retry-After: a burst of them must not queue unbounded behind one process (Claude Code sends one per turn).
+MAX_PENDING_COUNTS = 8
 
 
 class CountTokensRoute:
     def __init__(self, appliance):
         self.appliance = appliance  # appliance.front.server.Appliance: its models, supervisors, draining
         self.counter = DecoderProcess(COUNTER_MODULE, COUNT_TIMEOUT_S, "token counter")
+        self.pending = 0  # counts handed to the counter and not yet answered (their clients may have left)
 
     def mount(self, app: web.Application) -> None:
         app.router.add_post("/v1/messages/count_tokens",
@@ -52,9 +57,17 @@ class CountTokensRoute:
         return web.json_response(await self.count_unloaded(sup.spec, count_body))
 
     async def count_unloaded(self, spec: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
-        """The count of a model without a ready worker, from the token counter process."""
+        """The count of a model without a ready worker, from the token counter process. The exchange is shielded,
+        as the speech encoder's is: a client that hangs up (Claude Code cancels counts routinely) must not cancel
+        it, whose cancellation kills the process so that its stale reply reaches no other count."""
+        if self.pending >= MAX_PENDING_COUNTS:
+            raise RequestFailed(429, "overloaded", f"{self.pending} token counts are waiting for the token counter "
+                                                   f"(at most {MAX_PENDING_COUNTS}); retry shortly", retry_after=1)
+        self.pending += 1
+        exchange = asyncio.ensure_future(self.counter.ask({"spec": spec, "body": body}, b""))
+        exchange.add_done_callback(self._count_done)
         try:
-            reply = await self.counter.ask({"spec": spec, "body": body}, b"")
+            reply = await asyncio.shield(exchange)
         except DecoderFailed as exc:  # it died twice (a fresh process too) or hung: ours, not the conversation's
             raise RequestFailed(503, "model_unavailable", f"the tokens of model {spec['name']} cannot be counted "
                                 f"now: the token counter process {exc.how}; try again", retry_after=1) from None
@@ -63,3 +76,6 @@ class CountTokensRoute:
             raise RequestFailed(status, reply["kind"], reply["message"], reply["code"], reply.get("hint"),
                                 retry_after=None if status == 400 else 1)
         return reply["result"]
+
+    def _count_done(self, _: asyncio.Future) -> None:
+        self.pending -= 1

@@ -30,7 +30,7 @@ from appliance.config.kinds import GENERATIVE_KINDS
 
 @dataclass
 class Dialect:
-    parse: Callable[[Any], Any]              # body -> the dialect's request (with .gen, the chat request)
+    parse: Callable[[Any, str], Any]         # body, key name -> the dialect's request (.gen: the chat request)
     stream: Callable[[Any], Any]             # request -> its item stream (start, feed, finish, fail)
     whole: Callable[[Any], dict[str, Any]]   # the finished item stream -> the whole object
     finished: Callable[[Any, Any], None] = lambda req, stream: None  # after the answer's end (storing it)
@@ -41,13 +41,13 @@ def add_routes(app: web.Application, appliance) -> None:
 
     def keep(req: responses.ResponsesRequest, stream: responses.ResponseStream) -> None:
         if req.store:
-            store.keep(req.gen.model, stream.id, req.history + [stream.turn()])
+            store.keep(req.key, req.gen.model, stream.id, req.history + [stream.turn()])
 
     routes = {
-        "responses": (DialectRoute(appliance, Dialect(lambda body: responses.parse_responses(body, store),
+        "responses": (DialectRoute(appliance, Dialect(lambda body, key: responses.parse_responses(body, store, key),
                                                       responses.ResponseStream, lambda s: s.response, keep)).handler,
                       responses.RESPONSES),
-        "messages": (DialectRoute(appliance, Dialect(messages.parse_messages, messages.MessageStream,
+        "messages": (DialectRoute(appliance, Dialect(lambda body, key: messages.parse_messages(body), messages.MessageStream,
                                                      lambda s: s.message)).handler, messages.ANTHROPIC),
     }
     for endpoint, (handler, errors) in routes.items():
@@ -66,7 +66,7 @@ class DialectRoute:
         body = await json_body(request)
         call.label(body)
         await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
-        req = self.dialect.parse(body)
+        req = self.dialect.parse(body, call.key)
         gen = req.gen
         sup = await lookup.model_for(self.appliance, gen.model, call, GENERATIVE_KINDS)
         answer = answer_parser(sup, gen)

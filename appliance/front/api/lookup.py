@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from appliance.front.api.token_budget import budget_of
 from appliance.front.request import RequestFailed, shutting_down
 
 
@@ -33,9 +34,10 @@ async def model_for(appliance, name: str, call, kinds: tuple[str, ...]):
     asked for. `call`: the request as the route wrapper counts it (appliance.front.api.route.Call)."""
     sup = model_served(appliance, name, call, kinds)
     name = sup.model.name
-    if call.is_background and sup.model.task_model and appliance.supervisor.get(sup.model.task_model):
-        name = sup.model.task_model
-    call.admit()  # the key's limits: a 429 before the request takes any queue place
+    task_model = sup.model.task_model
+    if call.is_background and task_model and appliance.supervisor.get(task_model) and call.may_use(task_model):
+        name = task_model  # (a key kept off the task model is answered by the model it named)
+    call.admit(budget_of(call.body, sup.model.kind))  # the key's limits: a 429 before any queue place is taken
     ready = await appliance.supervisor.ready_model(name)
     if ready is None:  # removed by a reload while the request waited
         raise not_found(appliance, name, call.api_key)

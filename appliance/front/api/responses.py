@@ -72,16 +72,18 @@ class ResponsesRequest:
     store: bool = True
     previous: str | None = None
     encrypted_reasoning: bool = False  # reasoning items carry encrypted_content
+    key: str = ""  # the name of the API key it came with: its stored response is that key's alone
 
 
-def parse_responses(body: Any, store: ResponseStore) -> ResponsesRequest:
+def parse_responses(body: Any, store: ResponseStore, key: str) -> ResponsesRequest:
+    """The request, its previous_response_id looked up among the responses stored for the same API `key`."""
     model = model_name(body)
     stream = flag(body, "stream")
     keep = True if body.get("store") is None else flag(body, "store")
     previous = body.get("previous_response_id")
     history = []
     if previous is not None:
-        history = store.history(text(previous, "previous_response_id"))
+        history = store.history(key, text(previous, "previous_response_id"))
     history = history + _input(body.get("input"))
     instructions = body.get("instructions")
     system = [{"role": "system", "content": text(instructions, "instructions", empty=True)}] if instructions else []
@@ -111,7 +113,7 @@ def parse_responses(body: Any, store: ResponseStore) -> ResponsesRequest:
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": (reasoning or {}).get("summary")},
             "metadata": body.get("metadata") or {}, "store": keep, "previous_response_id": previous}
-    return ResponsesRequest(gen, echo, history, keep, previous, "reasoning.encrypted_content" in include)
+    return ResponsesRequest(gen, echo, history, keep, previous, "reasoning.encrypted_content" in include, key)
 
 
 def _include(include: Any) -> list[str]:

@@ -29,8 +29,8 @@ from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import QueuePlace, one_result
 from appliance.front.api.route import Call, ErrorShape, route
 from appliance.front.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESPONSE_FORMATS, Transcript
-from appliance.front.audio_decoder import AudioDecoder, AudioError, DecoderFault
-from appliance.front.decoder_process import HelperUser
+from appliance.front.audio_decoder import AudioDecoder, AudioError, HelperFault
+from appliance.front.helper_process import HelperUser
 from appliance.front.request import Event, RequestFailed
 
 KIND = "transcription"
@@ -106,7 +106,7 @@ class AudioRoutes(HelperUser):
             except AudioError as exc:
                 status = 413 if exc.kind == "too_long" else 400
                 raise RequestFailed(status, "invalid_request", str(exc), f"audio_{exc.kind}") from None
-            except DecoderFault as exc:
+            except HelperFault as exc:
                 raise exc.failure() from None
             form.file = req.file = b""  # decoded into the spool file: the upload's memory is free for the next
             upload.release_slot()

@@ -20,7 +20,7 @@ from appliance.front.api import lookup, messages
 from appliance.front.api.fields import json_body
 from appliance.front.api.results import one_result
 from appliance.front.api.route import Call, route
-from appliance.front.decoder_process import DecoderFailed, DecoderProcess
+from appliance.front.helper_process import HelperFailed, HelperProcess
 from appliance.front.device_faults import CLIENT_ERROR_KINDS
 from appliance.front.request import RequestFailed
 from appliance.config.kinds import GENERATIVE_KINDS
@@ -37,7 +37,7 @@ MAX_PENDING_COUNTS = 8
 class CountTokensRoute:
     def __init__(self, appliance):
         self.appliance = appliance  # appliance.front.server.Appliance: its models, supervisors, draining
-        self.counter = DecoderProcess(COUNTER_MODULE, COUNT_TIMEOUT_S, "token counter")
+        self.counter = HelperProcess(COUNTER_MODULE, COUNT_TIMEOUT_S, "token counter")
         self.pending = 0  # counts handed to the counter and not yet answered (their clients may have left)
 
     def mount(self, app: web.Application) -> None:
@@ -68,7 +68,7 @@ class CountTokensRoute:
         exchange.add_done_callback(self._count_done)
         try:
             reply = await asyncio.shield(exchange)
-        except DecoderFailed as exc:  # it died twice (a fresh process too) or hung: ours, not the conversation's
+        except HelperFailed as exc:  # it died twice (a fresh process too) or hung: ours, not the conversation's
             raise RequestFailed(503, "model_unavailable", f"the tokens of model {spec['name']} cannot be counted "
                                 f"now: the token counter process {exc.how}; try again", retry_after=1) from None
         if reply["op"] == "error":

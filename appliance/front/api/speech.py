@@ -34,7 +34,7 @@ from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import result_of
 from appliance.front.api.route import Call, route
 from appliance.front.api.sentences import split_sentences
-from appliance.front.decoder_process import HelperUser
+from appliance.front.helper_process import HelperUser
 from appliance.front.request import Request, RequestFailed
 from appliance.front.speech_encoder import CONTENT_TYPES, RESPONSE_FORMATS, EncoderFault, SpeechEncoder
 from appliance.model_files import OPENAI_VOICES, voice_files

@@ -47,8 +47,9 @@ def add_routes(app: web.Application, appliance) -> None:
         "responses": (DialectRoute(appliance, Dialect(lambda body, key: responses.parse_responses(body, store, key),
                                                       responses.ResponseStream, lambda s: s.response, keep)).handler,
                       responses.RESPONSES),
-        "messages": (DialectRoute(appliance, Dialect(lambda body, key: messages.parse_messages(body), messages.MessageStream,
-                                                     lambda s: s.message)).handler, messages.ANTHROPIC),
+        "messages": (DialectRoute(appliance, Dialect(lambda body, key: messages.parse_messages(body),
+                                                     messages.MessageStream, lambda s: s.message)).handler,
+                     messages.ANTHROPIC),
     }
     for endpoint, (handler, errors) in routes.items():
         app.router.add_post(f"/v1/{endpoint}", route(appliance, endpoint, handler, errors))

@@ -82,7 +82,8 @@ class GenerationRoutes:
                 return parse_json(bytes(data))
             body = await asyncio.to_thread(parse_json, bytes(data))
         model = body.get("model") if isinstance(body, dict) else None
-        model = lookup.model_named(self.appliance, model) if isinstance(model, str) else None  # an alias reaches a VLM too
+        # an alias reaches a VLM too
+        model = lookup.configured_name(self.appliance, model) if isinstance(model, str) else None
         if not any(m.name == model and m.kind == "vlm" for m in config.models):
             raise RequestFailed(413, "invalid_request", f"the request body exceeds the limit of {normal} bytes "
                                 "(server.max_body_bytes); only a request to a vision model (kind vlm) may be larger",

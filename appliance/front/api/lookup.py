@@ -17,10 +17,10 @@ from appliance.front.request import RequestFailed, shutting_down
 def model_label(appliance, body: Any) -> str:
     """The metrics label of a request: a configured model's name, else "" (client input never mints labels)."""
     model = body.get("model") if isinstance(body, dict) else None
-    return model_named(appliance, model) or "" if isinstance(model, str) else ""
+    return configured_name(appliance, model) or "" if isinstance(model, str) else ""
 
 
-def model_named(appliance, name: str) -> str | None:
+def configured_name(appliance, name: str) -> str | None:
     """The configured model a request's name reaches: its own, else through server.model_aliases."""
     return name if name in appliance.supervisor.models else appliance.config.server.alias_target(name)
 
@@ -47,7 +47,7 @@ async def model_for(appliance, name: str, call, kinds: tuple[str, ...]):
 def model_served(appliance, name: str, call, kinds: tuple[str, ...]):
     """The supervisor of the model a request names (or reaches through an alias), loaded or not, if the
     request's key may use it, it is of a kind the route serves and the server is not draining."""
-    name = model_named(appliance, name) or name
+    name = configured_name(appliance, name) or name
     sup = appliance.supervisor.get(name) if call.may_use(name) else None
     if sup is None:
         raise not_found(appliance, name, call.api_key)

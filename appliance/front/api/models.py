@@ -14,7 +14,7 @@ from appliance.front.request import shutting_down
 
 def add_routes(app: web.Application, appliance) -> None:
     async def load(request: web.Request, call: Call) -> web.Response:
-        name = model_named(request, call)
+        name = admitted_model(request, call)
         if appliance.draining:
             raise shutting_down()
         sup = await appliance.supervisor.ready_model(name, reason="api")
@@ -24,12 +24,12 @@ def add_routes(app: web.Application, appliance) -> None:
                                   "load_seconds": sup.life.load_seconds})
 
     async def unload(request: web.Request, call: Call) -> web.Response:
-        name = model_named(request, call)
+        name = admitted_model(request, call)
         if not await appliance.supervisor.unload(name, "api"):
             raise lookup.not_found(appliance, name, call.api_key)
         return web.json_response({"model": name, "state": appliance.supervisor.get(name).state.value})
 
-    def model_named(request: web.Request, call: Call) -> str:
+    def admitted_model(request: web.Request, call: Call) -> str:
         """The model a load or unload names, once the key may use it (a key loads and unloads its own models only,
         and learns no other names) and its limits admit the call as any request (so a limited key cannot force
         loads, evictions and drains without bound)."""

@@ -14,6 +14,7 @@ from typing import Callable
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import messages, sse
 from appliance.front.api.errors import error_response
 
@@ -26,7 +27,7 @@ class Middlewares:
     """Both middlewares of one appliance (appliance.front.server.Appliance): each reads its current config and keys,
     which a reload replaces."""
 
-    def __init__(self, appliance):
+    def __init__(self, appliance: ServerView):
         self.appliance = appliance
 
     @web.middleware

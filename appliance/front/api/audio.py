@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import http_exceptions, web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import lookup, sse
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import QueuePlace, one_result
@@ -43,7 +44,7 @@ GRANULARITIES = ("segment", "word")
 BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
-def add_routes(app: web.Application, appliance) -> None:
+def add_routes(app: web.Application, appliance: ServerView) -> None:
     audio = AudioRoutes(appliance)
     app.router.add_post("/v1/audio/transcriptions",
                         route(appliance, "audio/transcriptions", audio.transcriptions, TRANSCRIPT_ERRORS))
@@ -79,7 +80,7 @@ class AudioRequest:
 
 
 class AudioRoutes(HelperUser):
-    def __init__(self, appliance):
+    def __init__(self, appliance: ServerView):
         self.decoder = AudioDecoder()
         super().__init__(appliance, KIND, self.decoder, "openarc-audio-")
         self.serial = 0

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import lookup, messages
 from appliance.front.api.fields import json_body
 from appliance.front.api.results import one_result
@@ -35,7 +36,7 @@ MAX_PENDING_COUNTS = 8
 
 
 class CountTokensRoute:
-    def __init__(self, appliance):
+    def __init__(self, appliance: ServerView):
         self.appliance = appliance  # appliance.front.server.Appliance: its models, supervisors, draining
         self.counter = HelperProcess(COUNTER_MODULE, COUNT_TIMEOUT_S, "token counter")
         self.pending = 0  # counts handed to the counter and not yet answered (their clients may have left)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import lookup, messages, responses, sse
 from appliance.front.api.answer_items import Events
 from appliance.front.api.count_tokens import CountTokensRoute
@@ -36,7 +37,7 @@ class Dialect:
     finished: Callable[[Any, Any], None] = lambda req, stream: None  # after the answer's end (storing it)
 
 
-def add_routes(app: web.Application, appliance) -> None:
+def add_routes(app: web.Application, appliance: ServerView) -> None:
     store = ResponseStore(appliance.config.server.stored_responses)
 
     def keep(req: responses.ResponsesRequest, stream: responses.ResponseStream) -> None:
@@ -59,7 +60,7 @@ def add_routes(app: web.Application, appliance) -> None:
 class DialectRoute:
     """One dialect's generation route; `handler` runs in the route wrapper."""
 
-    def __init__(self, appliance, dialect: Dialect):
+    def __init__(self, appliance: ServerView, dialect: Dialect):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
         self.dialect = dialect
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api.answer import AnswerParser
 from appliance.front.api.completions import GenerationRequest, ResponseShaper, parse_chat, parse_completion
 from appliance.front.api import lookup, sse
@@ -31,7 +32,7 @@ log = logging.getLogger("openarc.front")
 IGNORED_LOGGED: set[str] = set()  # hosted tool types already logged by this process
 
 
-def add_routes(app: web.Application, appliance) -> None:
+def add_routes(app: web.Application, appliance: ServerView) -> None:
     routes = GenerationRoutes(appliance)
     app.router.add_post("/v1/chat/completions", route(appliance, "chat/completions", routes.chat_completions))
     app.router.add_post("/v1/completions", route(appliance, "completions", routes.completions))
@@ -40,7 +41,7 @@ def add_routes(app: web.Application, appliance) -> None:
 
 
 class GenerationRoutes:
-    def __init__(self, appliance):
+    def __init__(self, appliance: ServerView):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
         self.images = ImageResolver(appliance.config.server.image_fetch, appliance.metrics, spool_base())
         self.large_bodies = asyncio.Semaphore(MAX_IMAGE_REQUESTS_IN_FLIGHT)  # chat bodies past max_body_bytes

@@ -14,6 +14,7 @@ import time
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance import __version__
 from appliance.host.doctor import box, cards
 
@@ -22,7 +23,7 @@ from appliance.host.doctor import box, cards
 SYSTEM_ROOT_ENV = "OPENARC_DEBUG_SYSTEM_ROOT"
 
 
-def add_routes(app: web.Application, appliance) -> None:
+def add_routes(app: web.Application, appliance: ServerView) -> None:
     routes = HealthRoutes(appliance)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/ready", routes.ready)
@@ -32,7 +33,7 @@ def add_routes(app: web.Application, appliance) -> None:
 
 
 class HealthRoutes:
-    def __init__(self, appliance):
+    def __init__(self, appliance: ServerView):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, keys, metrics, draining, health
         self.card_facts: list[cards.CardFacts] | None = None  # what doctor checks per card, read once
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import lookup
 from appliance.front.api.route import Call, route
 from appliance.front.request import shutting_down
 
 
-def add_routes(app: web.Application, appliance) -> None:
+def add_routes(app: web.Application, appliance: ServerView) -> None:
     async def load(request: web.Request, call: Call) -> web.Response:
         name = admitted_model(request, call)
         if appliance.draining:

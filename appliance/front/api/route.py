@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front import keys
 from appliance.front.api import lookup, sse
 from appliance.front.api.errors import ERROR_TYPES, InvalidRequest, error_body, json_error
@@ -72,7 +73,7 @@ class Call:
     """One request as the wrapper counts it: its endpoint, its model label, its API key and priority class, and
     error kinds that name a parameter."""
 
-    def __init__(self, appliance, endpoint: str, errors: ErrorShape, request: web.Request | None = None):
+    def __init__(self, appliance: ServerView, endpoint: str, errors: ErrorShape, request: web.Request | None = None):
         self.appliance = appliance  # appliance.front.server.Appliance
         self.endpoint = endpoint
         self.errors = errors
@@ -171,7 +172,7 @@ class Call:
 Handler = Callable[[web.Request, Call], Awaitable[web.StreamResponse]]
 
 
-def route(appliance, endpoint: str, handler: Handler, errors: ErrorShape = OPENAI):
+def route(appliance: ServerView, endpoint: str, handler: Handler, errors: ErrorShape = OPENAI):
     """The aiohttp handler of one API route: `handler` in the wrapper (see the module's docstring)."""
 
     async def wrapped(request: web.Request) -> web.StreamResponse:

@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import fields, lookup, sse
 from appliance.front.api.audio import TRANSCRIPT_ERRORS
 from appliance.front.api.errors import InvalidRequest
@@ -46,7 +47,7 @@ STREAM_FORMATS = ("audio", "sse")
 SAMPLE_RATE_HEADER = "X-Sample-Rate"
 
 
-def add_routes(app: web.Application, appliance) -> None:
+def add_routes(app: web.Application, appliance: ServerView) -> None:
     speech = SpeechRoutes(appliance)
     # TRANSCRIPT_ERRORS: OpenAI's bodies, and in a stream an event of type "error" like the audio events' types.
     app.router.add_post("/v1/audio/speech", route(appliance, "audio/speech", speech.handle, TRANSCRIPT_ERRORS))
@@ -111,7 +112,7 @@ def choose_voice(requested: str | None, voices: dict[str, str], default_voice: s
 
 
 class SpeechRoutes(HelperUser):
-    def __init__(self, appliance):
+    def __init__(self, appliance: ServerView):
         self.encoder = SpeechEncoder()
         super().__init__(appliance, KIND, self.encoder, "openarc-speech-")
         self.serial = itertools.count(1)

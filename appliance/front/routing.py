@@ -161,13 +161,14 @@ class RequestRouter:
             if not self.running:
                 self.last_progress = time.monotonic()  # an idle worker's stall clock starts now
             req.dispatched = time.monotonic()
-            req.ticket.dispatched = True  # its prompt's work begins: it is charged whatever the client does
             self.running[req.id] = req
             self.series.queue_time[req.ticket.priority].observe(req.dispatched - req.submitted)
             try:
                 self.channel.send(ipc.frame(req.op, **req.frame))
             except (ValueError, ProtocolError) as exc:  # a frame that cannot be sent must not hold a slot forever
                 self.finish(req, RequestFailed(500, "internal", f"cannot pass the request to its worker: {exc}"))
+            else:
+                req.ticket.dispatched = True  # its prompt's work begins: it is charged whatever the client does
         self._watch_aging()
         self.publish_queue()
         self._note_idle()

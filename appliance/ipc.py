@@ -180,7 +180,7 @@ class BlockingChannel:
 
 
 def serve_requests(stdin, stdout, handle: Callable[[dict[str, Any], bytes], dict[str, Any]]) -> None:
-    """A helper process's loop (the front's decoders, appliance.front.decoder_process; the token counter): each
+    """A helper process's loop (the front's decoders, appliance.front.helper_process; the token counter): each
     request line and its data through `handle`, whose dict is the reply line; ends at EOF."""
     while True:
         line = stdin.readline()

@@ -75,8 +75,8 @@ def decode(data: bytes, out_path: str):
 
 def test_a_full_disk_under_the_decoded_audio_is_a_503_not_the_clients_fault():
     """/dev/full: every write fails with ENOSPC, as on a full spool file system."""
-    from appliance.front.audio_decoder import DecoderFault
-    with pytest.raises(DecoderFault) as info:
+    from appliance.front.audio_decoder import HelperFault
+    with pytest.raises(HelperFault) as info:
         decode(wav_bytes(tone(1.0)), "/dev/full")
     assert "cannot write the decoded audio to /dev/full" in str(info.value)
     failure = info.value.failure()
@@ -92,7 +92,7 @@ def test_a_hung_decoder_is_a_503_and_is_replaced(monkeypatch, tmp_path):
         try:
             proc = await decoder.start()
             os.kill(proc.pid, signal.SIGSTOP)  # hung, as a decoder stuck in a C library is
-            with pytest.raises(audio_decoder.DecoderFault) as info:
+            with pytest.raises(audio_decoder.HelperFault) as info:
                 await decoder.decode(wav_bytes(tone(1.0)), 60, str(tmp_path / "a.f32"))
             assert proc.returncode is not None  # killed
             again = await decoder.decode(wav_bytes(tone(1.0)), 60, str(tmp_path / "b.f32"))  # a new process

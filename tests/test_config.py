@@ -241,6 +241,21 @@ def test_memory_budget_keys_and_values_it_cannot_use_are_one_line_each(tmp_path,
                                         "device as server.memory_budget.GPU (GPU.0; bare GPU is GPU.0)"]
 
 
+def test_sizes_past_a_float_are_one_line_each_not_a_traceback(tmp_path, demo_model):
+    """`1e400`, `inf` and `nan` (and an int past any device) crashed check-config and serve with an OverflowError."""
+    data = {"server": {"memory_budget": {"CPU": "1e400", "GPU": "inf", "GPU.1": 10 ** 400}},
+            "models": [{"name": "big", "path": str(demo_model), "device": "CPU", "memory": "nan",
+                        "load": "on_demand"}]}
+    path = write(tmp_path, data)
+    for command in (["check-config", path], ["serve", "--config", path]):
+        done = run_cli(*command)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        lines = done.stderr.splitlines()
+        for key in ("server.memory_budget.CPU", "server.memory_budget.GPU:", "server.memory_budget.GPU.1",
+                    "models[0].memory"):
+            assert any(f"{path}: {key}" in line for line in lines), (key, lines)
+
+
 def test_a_bare_gpu_budget_counts_against_gpu_0():
     from appliance.config import parse_config
     config = parse_config({"server": {"memory_budget": {"GPU": "14GiB"}},

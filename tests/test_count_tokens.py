@@ -3,12 +3,17 @@ counter process from its tokenizer files and template, and the count is the one 
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
+import socket
+import threading
 import time
 
 import anthropic
 
-from conftest import FIXTURES, http, model_entry
+from conftest import FIXTURES, http, model_entry, pid_alive, wait_until
 from test_messages import QUESTION, TOOLS, prompt_of
 from test_on_demand import HANG_BOUND_S, chat, on_demand, samples, worker_pids
 
@@ -75,3 +80,46 @@ def test_a_count_for_a_model_of_another_kind_or_none_is_anthropics_error(applian
     code, _, body = http("POST", app.base + "/v1/messages/count_tokens", {"model": "nope", "messages": QUESTION},
                          timeout=HANG_BOUND_S)
     assert code == 404 and body["type"] == "error" and "does not exist" in body["error"]["message"], body
+
+
+def counter_pids(app) -> list[int]:
+    """The front's token counter processes (zombies have no command line)."""
+    children = open(f"/proc/{app.proc.pid}/task/{app.proc.pid}/children").read().split()
+    return [int(pid) for pid in children if b"appliance.worker.token_counter" in open(f"/proc/{pid}/cmdline", "rb").read()]
+
+
+def test_a_client_hanging_up_mid_count_leaves_the_counter_to_the_others_and_bursts_are_bounded(appliance_factory,
+                                                                                                demo_model):
+    """The counter's exchange is shielded: a count whose client hangs up (Claude Code cancels them routinely) no
+    longer kills the process for every other count. Counts beyond MAX_PENDING_COUNTS waiting on it are a 429
+    with Retry-After, not an unbounded queue."""
+    from appliance.front.api.count_tokens import MAX_PENDING_COUNTS
+    app = appliance_factory({"models": [on_demand("m", demo_model)]})
+    count = {"model": "m", "messages": QUESTION}
+    answers: list[tuple] = []
+    burst = [threading.Thread(target=lambda: answers.append(http("POST", app.base + "/v1/messages/count_tokens",
+                                                                 count, timeout=HANG_BOUND_S)))
+             for _ in range(MAX_PENDING_COUNTS + 4)]
+    for thread in burst:  # all while the counter starts (OpenVINO's import: seconds)
+        thread.start()
+    for thread in burst:
+        thread.join(HANG_BOUND_S)
+    codes = sorted(code for code, _, _ in answers)
+    assert codes.count(200) >= MAX_PENDING_COUNTS and set(codes) <= {200, 429}, codes
+    assert 429 in codes, codes
+    refused = next(a for a in answers if a[0] == 429)
+    assert refused[2]["type"] == "error" and int(refused[1]["Retry-After"]) >= 1, refused
+
+    for pid in counter_pids(app):  # a fresh counter again: its start is the exchange the client leaves
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(pid), 10, "the counter gone")
+    raw = json.dumps(count).encode()
+    with socket.create_connection(("127.0.0.1", app.port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/messages/count_tokens HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+        started = wait_until(lambda: counter_pids(app), 30, "a counter started for the count")
+    # the client has hung up mid-exchange; the counter goes on and answers the next count
+    code, _, body = http("POST", app.base + "/v1/messages/count_tokens", count, timeout=HANG_BOUND_S)
+    assert code == 200 and body["input_tokens"] > 0, body
+    assert counter_pids(app) == started  # the same process: it was not killed
+

@@ -35,7 +35,7 @@ def run(stream, deltas=DELTAS, done=DONE, finish_reason="tool_calls") -> list:
 # --- Responses ------------------------------------------------------------------------------------------------
 
 def responses_request(**body):
-    return parse_responses({"model": "m", "input": "Hi", **body}, ResponseStore(4))
+    return parse_responses({"model": "m", "input": "Hi", **body}, ResponseStore(4), "none")
 
 
 def test_a_responses_answer_streams_items_in_order_and_the_whole_response_matches():
@@ -175,27 +175,39 @@ def test_tools_are_strict_by_default_and_tool_choice_and_text_format_translate()
 
 def test_previous_response_id_chains_the_stored_conversation():
     store = ResponseStore(2)
-    store.keep("m", "resp_a", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
-    req = parse_responses({"model": "m", "input": "More", "previous_response_id": "resp_a"}, store)
-    assert [m["content"] for m in req.gen.messages] == ["Hi", "Hello", "More"]
+    store.keep("k", "m", "resp_a", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    req = parse_responses({"model": "m", "input": "More", "previous_response_id": "resp_a"}, store, "k")
+    assert [m["content"] for m in req.gen.messages] == ["Hi", "Hello", "More"] and req.key == "k"
     with pytest.raises(InvalidRequest) as info:
-        parse_responses({"model": "m", "input": "More", "previous_response_id": "resp_b"}, store)
+        parse_responses({"model": "m", "input": "More", "previous_response_id": "resp_b"}, store, "k")
     assert "resp_b" in str(info.value) and info.value.param == "previous_response_id"
 
 
-def test_the_store_keeps_the_last_n_of_each_model():
+def test_a_stored_response_is_found_by_its_own_key_only():
+    """Ids are not secrets (they appear in logs and clients' histories): another key's request must not read the
+    conversation it stored (every model's store was searched, whichever key asked)."""
+    store = ResponseStore(2)
+    store.keep("alice", "m", "resp_a", [{"role": "user", "content": "alice's secret plans"}])
+    with pytest.raises(InvalidRequest) as info:
+        parse_responses({"model": "m", "input": "More", "previous_response_id": "resp_a"}, store, "bob")
+    assert info.value.code == "previous_response_not_found"
+    assert parse_responses({"model": "m", "input": "More", "previous_response_id": "resp_a"}, store, "alice")
+
+
+def test_the_store_keeps_the_last_n_of_each_key_and_model():
     store = ResponseStore(2)
     for name in ("a", "b", "c"):
-        store.keep("m", name, [{"role": "user", "content": name}])
-    store.keep("other", "x", [])
+        store.keep("k", "m", name, [{"role": "user", "content": name}])
+    store.keep("k", "other", "x", [])
+    store.keep("j", "m", "y", [])  # another key's: not one of k's two on m
     with pytest.raises(InvalidRequest):
-        store.history("a")
-    assert store.history("b") and store.history("c") and store.history("x") == []
-    store.history("b")[0]["content"] = "changed"  # a copy: chaining cannot alter what is kept
-    assert store.history("b") == [{"role": "user", "content": "b"}]
-    ResponseStore(0).keep("m", "a", [])
+        store.history("k", "a")
+    assert store.history("k", "b") and store.history("k", "c") and store.history("k", "x") == []
+    store.history("k", "b")[0]["content"] = "changed"  # a copy: chaining cannot alter what is kept
+    assert store.history("k", "b") == [{"role": "user", "content": "b"}]
+    ResponseStore(0).keep("k", "m", "a", [])
     with pytest.raises(InvalidRequest):
-        ResponseStore(0).history("a")
+        ResponseStore(0).history("k", "a")
 
 
 def test_the_answer_as_a_turn_for_the_store():

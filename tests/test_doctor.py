@@ -159,6 +159,23 @@ def test_config_problems_and_memory_arithmetic(tmp_path):
     assert by_name(doctor.diagnose(root, tight))["memory GPU.0"].status == "warn"
 
 
+def test_doctor_names_every_problem_check_config_names_and_the_directory_disk_measured(tmp_path):
+    """An unknown key and a model directory that does not exist: check-config names both, and so does doctor (it
+    named only the key); the disk check names the directory it measured (it said `/nonexistent: 69 GiB free`)."""
+    root = build_root(tmp_path / "root")
+    broken = write_config(tmp_path, "models:\n  - {name: x, path: /nonexistent/x, device: GPU, devise: GPU}\n")
+    checks = doctor.diagnose(root, broken)
+    problems = [c.detail for c in checks if c.name == "config"]
+    assert any("devise" in line for line in problems) and any("models[0].path" in line for line in problems), problems
+    from appliance.config import parse_config
+    from appliance.host.doctor import box, disk
+    config = parse_config({"models": [{"name": "x", "path": "/nonexistent/x", "device": "GPU"}]}, "t.yaml")
+    models = next(c for c in disk.checks(box.Box(root), config) if c.name == "disk models")
+    assert models.detail.startswith("/: ") and "(/nonexistent does not exist yet)" in models.detail, models.detail
+    measured = by_name(checks)["disk models"].detail.split(":")[0]  # the config failed: the default directory's
+    assert (root / measured.lstrip("/")).is_dir(), measured
+
+
 def test_model_directory_the_service_user_cannot_read(tmp_path):
     root = build_root(tmp_path / "root")
     config = healthy_config(tmp_path, root)

@@ -351,17 +351,24 @@ def test_the_appliance_still_serves_after_the_fuzzing(app):
 CONFIG_KEYS = ("server", "models", "name", "path", "device", "port", "host", "pipeline", "restart", "scheduler_config",
                "runtime_config", "max_context", "max_running", "max_queue", "stall_timeout_s", "backoff_initial_s",
                "num_kv_blocks", "log_level", "api_key_env", "kind", "max_inputs", "pooling", "normalize",
-               "matryoshka_dimensions", "api_keys", "key_env", "priority", "max_concurrent", "task_model")
+               "matryoshka_dimensions", "api_keys", "key_env", "priority", "max_concurrent", "task_model",
+               "memory_budget", "memory", "GPU", "CPU")
+# Sizes at and past the edge of a float (they crashed check-config, serve and reload with an OverflowError).
+sizes = (st.sampled_from(["inf", "-inf", "nan", "1e400", "1e400GiB", "Infinity", "1e18TiB", "0.5B", "4.5GiB"])
+         | st.builds("{}{}".format, st.floats(allow_nan=True, allow_infinity=True) | st.integers(-1, 10 ** 30),
+                     st.sampled_from(["", "B", "GiB", "gb", " MiB", "TiB"])))
 yaml_scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-(10 ** 400), max_value=10 ** 400)
-                | st.floats() | texts | st.dates())
+                | st.floats() | texts | st.dates() | sizes)
 config_values = st.recursive(yaml_scalars, lambda inner: st.lists(inner, max_size=3)
                              | st.dictionaries(st.sampled_from(CONFIG_KEYS) | texts, inner, max_size=4), max_leaves=10)
 VALID_CONFIG = {
     "server": {"host": "127.0.0.1", "port": 8000, "api_key_env": "OPENARC_KEY", "max_body_bytes": 4096,
+               "memory_budget": {"GPU": "14GiB", "CPU": "32GB"},
                "drain_timeout_s": 5, "load_concurrency": 1, "log_level": "info",
                "api_keys": [{"name": "agent", "key_env": "OPENARC_AGENT_KEY", "priority": "background",
                              "max_concurrent": 2, "tokens_per_minute": 1000, "models": ["demo*"]}]},
     "models": [{"name": "demo", "path": "/models/demo", "device": "GPU.0", "pipeline": "stateful", "max_context": 2048,
+                "memory": "4.5GiB", "load": "on_demand",
                 "scheduler_config": {"num_kv_blocks": 4}, "runtime_config": {"KV_CACHE_PRECISION": "u8"},
                 "restart": {"backoff_initial_s": 1, "backoff_max_s": 2, "max_failures": 3, "window_s": 60}},
                {"name": "embed", "path": "/models/embed", "kind": "embedding", "max_context": 512, "max_inputs": 64,
@@ -448,6 +455,8 @@ def test_the_valid_config_the_mutations_start_from_is_valid():
 @example(data={"server": {"drain_timeout_s": 10 ** 400}})
 @example(data={"models": [{"name": "a", "path": "p", "restart": {"window_s": -(10 ** 400)}}]})
 @example(data={"server": {"a\nb": 1}})
+@example(data={"server": {"memory_budget": {"CPU": "1e400"}}})
+@example(data={"models": [{"name": "a", "path": "p", "memory": "inf"}], "server": {"memory_budget": {"GPU": 10 ** 400}}})
 def test_random_configs_parse_or_fail_with_a_config_error_line_per_problem(data):
     parses_or_explains(data)
 

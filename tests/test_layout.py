@@ -37,7 +37,9 @@ SHARED = {"__init__", "__main__", "chat_formats", "cli", "ipc", "logs",
           # what a model directory is (kind, IR files): the config's check, the front's start and `openarc pull`
           "model_files",
           # `openarc pull`: downloads through huggingface_hub; the CLI's alone, neither process imports it
-          "pull"}
+          "pull",
+          # byte sizes: the config's, the host's fdinfo readers' and the front's messages read and write them alike
+          "sizes"}
 ROOMS = {"front", "worker", "demo", "host", "config", "launch"}
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from appliance.worker import agent_noise
 from appliance.config import DEFAULT_BATCHED_TOKENS, DEFAULT_CACHE_SIZE_GB, ModelConfig
 from appliance.worker import prefix_cache
@@ -57,6 +60,31 @@ def test_a_partly_filled_last_block_takes_its_room_so_an_evicted_prompt_is_not_r
     # genai's four blocks held b and c: a's went first, so a's next turn is served nothing
     assert cache.lookup(a + [9, 9]) == 0
     assert cache.lookup(c + [9, 9]) == 4 and len(cache.blocks) == 4
+
+
+def test_running_generations_take_their_blocks_from_the_cache():
+    """Finished prefixes and running requests' generated blocks share genai's cache: with 8 blocks, a stored
+    4-block prompt and two generations growing to 3 blocks each, genai evicts the prompt's oldest blocks; the
+    model must too, or it reports cached tokens genai recomputed (it counted the whole capacity as room)."""
+    cache = BlockCacheModel(block_size=4, capacity_blocks=8)
+    prompt = list(range(16))  # 4 blocks
+    cache.store(prompt)
+    cache.set_running([4, 4])  # one block each: 6 of 8 held
+    assert cache.lookup(prompt) == 15
+    cache.set_running([12, 10])  # 3 + 3 blocks: room for 2 of the prompt's 4
+    assert len(cache.blocks) == 2 and cache.lookup(prompt) == 0  # its first blocks went first: nothing matches
+    cache.set_running([])
+    cache.store(prompt)
+    assert cache.lookup(prompt) == 15  # the generations ended: room again
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=6), st.integers(1, 30))
+def test_held_and_running_blocks_never_exceed_the_capacity(running, capacity):
+    cache = BlockCacheModel(block_size=4, capacity_blocks=capacity)
+    cache.store(list(range(100)))
+    cache.set_running(running)
+    assert len(cache.blocks) + min(cache.running_blocks, capacity) <= capacity
 
 
 def test_capacity_follows_the_scheduler_settings():

@@ -115,6 +115,9 @@ def test_the_keys_parse_with_their_defaults():
     assert c.models[0].memory_bytes == int(4.5 * GIB)
     assert [parse_size(s) for s in ("800MiB", "2 GB", 1024, "1.5G", "x", "-1GiB")] == [
         800 << 20, 2 * 10**9, 1024, 1_500_000_000, None, None]
+    # not finite, or past any device: no size (int(inf) raised OverflowError out of check-config, serve and reload)
+    for edge in ("inf", "1e400", "nan", "Infinity", "1e400GiB", "1e18TiB", 10**400, 1.5, True, "1e3"):
+        assert parse_size(edge) is None, edge
 
 
 @pytest.mark.parametrize("server, model, message", [

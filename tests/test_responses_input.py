@@ -24,7 +24,7 @@ ITEMS = st.one_of(
 
 
 def parse(items):
-    return parse_responses({"model": "m", "input": items}, ResponseStore(1))
+    return parse_responses({"model": "m", "input": items}, ResponseStore(1), "none")
 
 
 @settings(max_examples=300, deadline=None)

@@ -166,7 +166,7 @@ def test_the_stream_error_event_has_the_spec_shape_and_the_sdk_fields():
     from appliance.front.api.responses import RESPONSES, ResponseStream, parse_responses
     from appliance.front.api.response_store import ResponseStore
     from appliance.front.request import RequestFailed
-    stream = ResponseStream(parse_responses({"model": "demo", "input": "Hi", "stream": True}, ResponseStore(1)))
+    stream = ResponseStream(parse_responses({"model": "demo", "input": "Hi", "stream": True}, ResponseStore(1), "none"))
     events = [data for _, data in stream.start(None)]
     failure = RequestFailed(503, "worker_crashed", "the model's worker stopped", "worker_crashed")
     events += [data for _, data in stream.fail(failure, RESPONSES.stream_event(failure))]

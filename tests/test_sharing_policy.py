@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from appliance.config import ConfigError, parse_config
 from appliance.front.admission import AdmissionQueue
@@ -97,6 +99,77 @@ def test_tokens_per_minute_counts_tokens_as_produced():
     assert refused.value.reason == "tokens"
     assert refused.value.retry_after == 55  # the 60 prompt tokens of t=1000 leave the window at 1060; now is 1005
 
+
+def test_concurrent_requests_cannot_all_pass_under_an_empty_window():
+    """Four requests at once under tokens_per_minute 50: the first reserves its budget, so the others are refused
+    until it ends (checked at admission alone, all four passed and the key used 1,884 tokens)."""
+    clock = Clock()
+    limits = KeyLimits("sipper", tokens_per_minute=50, clock=clock)
+    first = limits.admit(470)
+    for _ in range(3):
+        with pytest.raises(Limited) as refused:
+            limits.admit(470)
+        assert refused.value.reason == "tokens" and refused.value.retry_after == 1  # a running request's end
+        assert "holds 470" in str(refused.value)
+    limits.add_tokens(30, first)
+    limits.release(first)  # settled: it used 30 of its 470; the rest is given back
+    assert limits.usage()["tokens_reserved"] == 0
+    limits.release(limits.admit(10))  # 30 < 50: admitted
+
+
+def test_a_reservation_is_drawn_down_as_tokens_come():
+    clock = Clock()
+    limits = KeyLimits("k", tokens_per_minute=100, clock=clock)
+    running = limits.admit(80)
+    limits.add_tokens(50, running)
+    assert limits.reserved() == 30 and limits.tokens.used(clock.now) == 50
+    limits.add_tokens(40, running)  # past its reservation (an estimate of its prompt fell short)
+    assert limits.reserved() == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "use", "release", "wait"]), st.integers(0, 400)), max_size=60),
+       st.integers(1, 300))
+def test_a_window_is_overshot_by_at_most_one_reservation(steps, limit):
+    """docs/sharing.md: requests that use no more than they reserve never take a key's window past its limit plus
+    one reservation, whatever their order, sizes and timing."""
+    clock = Clock()
+    limits = KeyLimits("k", tokens_per_minute=limit, clock=clock)
+    running = []
+    largest = 0
+    for op, amount in steps:
+        if op == "admit":
+            try:
+                running.append(limits.admit(amount))
+                largest = max(largest, amount)
+            except Limited:
+                pass
+        elif op == "use" and running:
+            reservation = running[amount % len(running)]
+            limits.add_tokens(min(amount, reservation.pending), reservation)
+        elif op == "release" and running:
+            limits.release(running.pop(amount % len(running)))
+        elif op == "wait":
+            clock.now += amount / 10
+        assert limits.tokens.used(clock.now) < limit + max(largest, 1)
+
+
+def test_a_requests_token_budget_is_its_completion_bound_and_its_prompts_estimate():
+    from appliance.front.api.token_budget import DEFAULT_COMPLETION_TOKENS, budget_of
+    chat = {"model": "a-long-model-name", "messages": [{"role": "user", "content": "x" * 40}]}
+    assert budget_of({**chat, "max_tokens": 100}, "llm").prompt == 40 // 4 + 1  # 40 characters and "user"
+    assert budget_of({**chat, "max_tokens": 100, "n": 3}, "llm").completion == 300
+    assert budget_of({**chat, "max_completion_tokens": 7, "max_tokens": 100}, "vlm").completion == 7
+    assert budget_of({"model": "m", "input": "hi", "max_output_tokens": 9}, "llm").completion == 9  # Responses
+    assert budget_of(chat, "llm").completion == DEFAULT_COMPLETION_TOKENS  # no bound: the documented estimate
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 10000}}
+    assert budget_of({"messages": [{"role": "user", "content": [image]}]}, "vlm").prompt < 10  # pixels aren't text
+    assert budget_of({"input": ["abcd"] * 10}, "embedding") == budget_of({"input": ["abcd"] * 10}, "rerank")
+    assert budget_of({"input": "a" * 400}, "embedding").completion == 0
+    assert budget_of({"input": "a" * 400, "max_tokens": 5}, "tts").total == 0  # a kind that counts no tokens
+    assert budget_of({**chat, "max_tokens": True, "n": "3"}, "llm").completion == DEFAULT_COMPLETION_TOKENS
+
+
 def test_sliding_window_frees_in():
     window = SlidingWindow(limit=10, window_s=60)
     window.add(0, 4)
@@ -176,6 +249,18 @@ def test_interactive_first_fifo_within_a_class():
     assert drain(queue, now=5, slots=10) == ["i2", "i4", "b0", "b1", "b3"]
 
 
+def test_ages_at_is_the_earliest_moment_a_waiting_background_request_changes_class():
+    queue = AdmissionQueue(max_wait_s=30)
+    assert queue.ages_at(0) is None
+    queue.push("i0", INTERACTIVE, 0)
+    assert queue.ages_at(0) is None  # interactive requests never change class
+    queue.push("b1", BACKGROUND, 5)
+    queue.push("b2", BACKGROUND, 7)
+    assert queue.ages_at(10) == 35
+    assert queue.ages_at(35) == 37  # b1 has aged: the next is b2's
+    assert queue.ages_at(37) is None
+
+
 def test_background_slots_keep_room_for_people():
     queue = AdmissionQueue(max_wait_s=30)
     queue.push("b0", BACKGROUND, 0)
@@ -222,6 +307,16 @@ def test_keys_are_identified_by_either_header_and_models_by_glob():
     indexer = ring.named("indexer")
     assert indexer.may_use("embed") and not indexer.may_use("chat-7b")
     assert ring.named("default").may_use("chat-7b")
+
+
+def test_the_bearer_scheme_is_read_in_any_case_and_undecodable_headers_present_no_key():
+    cfg = config(api_key_env="K0")
+    ring = KeyRing(cfg, cfg.key_secrets({"K0": "s3cret-a"}))
+    for header in ("bearer s3cret-a", "BEARER s3cret-a", "  Bearer   s3cret-a "):  # RFC 7235: case-insensitive
+        assert ring.identify(header, "").name == "default", header
+    undecodable = b"Bearer \xff\xfe".decode("utf-8", "surrogateescape")  # how aiohttp keeps non-UTF-8 bytes
+    assert ring.identify(undecodable, undecodable) is None  # it raised UnicodeEncodeError: a 500 per request
+    assert ring.identify("Basic s3cret-a", "") is None and ring.identify("\ud800", "") is None
 
 
 @pytest.mark.parametrize("environ, said", [({}, "K1 is not set"), ({"K1": ""}, "K1 is empty"),

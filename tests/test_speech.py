@@ -281,8 +281,8 @@ def test_worker_abort_mid_synthesis_is_a_fast_5xx_and_the_queued_request_is_serv
     wait_until(lambda: app.model_status("speech")["requests_running"], 30, "synthesising")
     second = threading.Thread(target=queued)
     second.start()
-    wait_until(lambda: app.model_status("speech")["requests_running"] == 2, 30, "the second request queued")
-    time.sleep(0.3)
+    # both are with the worker now (the front dispatched them): a crash fails both, whatever the worker had read
+    wait_until(lambda: app.model_status("speech")["requests_running"] == 2, 30, "the second request dispatched")
     os.kill(pid, signal.SIGABRT)
     aborted = time.monotonic()
     first.join(30)
@@ -363,6 +363,84 @@ def test_a_full_queue_never_cuts_an_admitted_speech_short(appliance_factory, dem
     assert 429 in statuses and set(statuses) <= {200, 429}, statuses
     assert post_speech(app, {**body, "input": "Hi."})[0] == 200  # the held places were all given back
     assert app.model_status("speech")["requests_waiting"] == 0
+
+
+def open_sse_speech(app, sentences: list[str]):
+    """A streamed (SSE) speech of `sentences`, once its first audio delta has arrived: (response, first line)."""
+    connection = HTTPConnection("127.0.0.1", app.port, timeout=60)
+    connection.request("POST", "/v1/audio/speech", json.dumps(
+        {"model": "speech", "input": " ".join(sentences), "voice": "alloy", "stream_format": "sse",
+         "response_format": "pcm"}), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    return response
+
+
+def unload_in_background(app, model: str) -> tuple[threading.Thread, dict]:
+    """POST the model's unload from a thread; the result dict gets its status and how long the drain took."""
+    result: dict = {}
+
+    def unload() -> None:
+        started = time.monotonic()
+        result["status"] = http("POST", f"{app.base}/openarc/models/{model}/unload", timeout=60)[0]
+        result["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=unload)
+    thread.start()
+    return thread, result
+
+
+def spool_files(root) -> list[str]:
+    return [str(p) for p in root.glob("openarc-speech-*/*")]
+
+
+def test_a_speech_playing_while_its_model_unloads_is_finished_and_the_drain_ends_with_it(appliance_factory, demo_tts,
+                                                                                           tmp_path):
+    """The drain exists to let admitted work end: a streamed speech admitted before the unload keeps the place of
+    each next sentence while the model drains, every sentence is spoken, and the drain ends as the speech ends
+    (not after drain_timeout_s), leaving no spool file and no place held."""
+    spool = tmp_path / "tmp"
+    spool.mkdir()
+    app = appliance_factory({"server": {"drain_timeout_s": 30},
+                             "models": [model_entry("speech", demo_tts, kind="tts")]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.05", "TMPDIR": str(spool)})
+    sentences = [f"Sentence number {i}." for i in range(12)]
+    response = open_sse_speech(app, sentences)
+    for _ in range(3):  # three sentences spoken
+        assert response.readline().startswith(b"data: ")
+        assert response.readline() == b"\n"
+    unloading, unloaded = unload_in_background(app, "speech")
+    rest = response.read().decode()
+    ended = time.monotonic()
+    unloading.join(60)
+    events = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done", events[-1]  # every sentence, no error halfway
+    assert unloaded["status"] == 200 and time.monotonic() - ended < 10, unloaded  # not the 30 s drain timeout
+    assert app.model_status("speech")["state"] == "unloaded"
+    assert spool_files(spool) == []
+    assert "not held" not in app.logs()
+
+
+def test_a_speech_longer_than_the_drain_is_told_its_model_unloads(appliance_factory, demo_tts, tmp_path):
+    """A drain that times out ends the speech with an error naming the model's unload (the server is not shutting
+    down), on time, with its spool files removed; the model then loads again for the next speech."""
+    spool = tmp_path / "tmp"
+    spool.mkdir()
+    app = appliance_factory({"server": {"drain_timeout_s": 1.0},
+                             "models": [model_entry("speech", demo_tts, kind="tts", load="on_demand")]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.3", "TMPDIR": str(spool)})
+    response = open_sse_speech(app, [f"Sentence number {i}." for i in range(60)])
+    assert response.readline().startswith(b"data: ")
+    unloading, unloaded = unload_in_background(app, "speech")
+    rest = response.read().decode()
+    unloading.join(60)
+    events = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: ")]
+    error = events[-1]
+    assert error["type"] == "error" and "speech is unloading" in error["error"]["message"], error
+    assert unloaded["status"] == 200 and unloaded["seconds"] < 10, unloaded
+    wait_until(lambda: spool_files(spool) == [], 10, "the spool emptied")
+    assert "not held" not in app.logs()
+    assert speak(app, "again", response_format="pcm")  # loads again on demand
 
 
 def test_a_stalled_worker_mid_synthesis_is_a_504_within_the_stall_bound(appliance_factory, demo_tts):

@@ -18,9 +18,9 @@ from appliance.host.device_memory import (
     device_memory_used,
     parse_fdinfo,
     parse_gpu_memory_statistics,
-    parse_size,
     read_drm_clients,
 )
+from appliance.sizes import parse_size  # the project's one size parser reads fdinfo's sizes too
 from appliance.host.gpus import GpuInfo, list_gpus, parse_uevent
 from appliance.host.telemetry import process_rss_bytes
 

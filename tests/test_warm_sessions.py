@@ -15,7 +15,7 @@ import uuid
 import anthropic
 import pytest
 
-from conftest import Appliance, model_entry
+from conftest import Appliance, model_entry, wait_until
 from test_metrics import samples, value
 
 SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: answer in plain words." for i in range(60))
@@ -254,3 +254,38 @@ def test_a_full_cache_evicts_the_oldest_conversation_and_never_fails_a_request(a
     latest = ask(systems[-1])
     assert latest.prompt_tokens_details.cached_tokens >= latest.prompt_tokens - 32
     assert ask(systems[0]).prompt_tokens_details.cached_tokens == 0  # evicted: recomputed, and answered
+
+
+def test_running_generations_count_against_the_cache_so_cached_tokens_never_overstate(appliance_factory,
+                                                                                      long_demo_model):
+    """A cache of 64 blocks (2,048 tokens on the CPU) holds a 900-token conversation (28 blocks) while two long
+    generations grow past 800 tokens (25 blocks each): genai evicts the conversation's blocks to make room for them,
+    so asked again it is recomputed. The worker's model must say so: it counted the whole cache as room for finished
+    prefixes and reported the conversation as served from the cache. (The figure only: the heavy test above checks
+    figures against time.)"""
+    app = appliance_factory({"models": [model_entry("small", long_demo_model, max_context=1024,
+                                                    scheduler_config={"num_kv_blocks": 64})]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.01"})  # the generations still run when asked
+    client = app.client()
+    system = f"{uuid.uuid4().hex} " + " ".join(f"Note {i} of the plan." for i in range(60))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Next?"}]
+
+    def ask():
+        return client.chat.completions.create(model="small", max_tokens=4, messages=messages).usage
+
+    def generated() -> float:
+        return value(samples(app.metrics()), "openarc_generation_tokens_total", model="small")
+
+    stored = ask()
+    assert stored.prompt_tokens > 500 and ask().prompt_tokens_details.cached_tokens >= stored.prompt_tokens - 32
+    before = generated()
+    streams = [client.chat.completions.create(model="small", max_tokens=1000, stream=True,
+                                              messages=[{"role": "user", "content": f"Story {n}."}]) for n in range(2)]
+    try:
+        wait_until(lambda: generated() >= before + 1600, 120, "two generations of 800 tokens")
+        assert app.model_status("small")["requests_running"] == 2  # they still hold their blocks
+        again = ask()  # its figure is the worker's at admission, while they run
+    finally:
+        for stream in streams:
+            stream.close()
+    assert again.prompt_tokens_details.cached_tokens < again.prompt_tokens - 32, again

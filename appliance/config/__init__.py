@@ -19,7 +19,8 @@ from typing import Any, Literal
 import yaml
 
 from appliance.config.rules import DEFAULT_KEY_NAME, check_rules
-from appliance.config.validator import ConfigError, Problems, build, parse_size
+from appliance.config.validator import ConfigError, Problems, build
+from appliance.sizes import parse_size
 from appliance.config.devices import gpu_indices
 from appliance.config.model_checks import ModelCheck, model_problems
 from appliance.config.systemd_env import credential, systemd_directory

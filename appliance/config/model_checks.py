@@ -64,15 +64,17 @@ def path_check(model: ModelConfig) -> tuple[str, str] | None:
     return served_path_check(model, model_files.SERVICE_USER)
 
 
-def served_path_check(model: ModelConfig, user_name: str | None = None) -> tuple[str, str] | None:
+def served_path_check(model: ModelConfig, user_name: str | None = None,
+                      locate: Callable[[str], str] = str) -> tuple[str, str] | None:
     """The serving process's: the same, for the user it runs as (its workers read the files as that user), unless
-    `user_name` names another to check for too."""
-    problem = model_files.path_problem(model.path, model.kind, user_name=user_name)
+    `user_name` names another to check for too. `locate`: where a configured path is on this machine's files
+    (`openarc doctor --root` reads a recorded machine under a directory)."""
+    problem = model_files.path_problem(locate(model.path), model.kind, user_name=user_name)
     if problem is None and model.draft_model:  # the draft loads in the same worker: its files count too
-        problem = model_files.path_problem(model.draft_model.path, "llm", user_name=user_name)
+        problem = model_files.path_problem(locate(model.draft_model.path), "llm", user_name=user_name)
         return ("draft_model.path", problem) if problem else None
     if problem is None and model.voices:  # read by the worker on a request for the voice: a 400 then, named here
-        for name, file in model_files.voice_files(model.path, model.voices).items():
+        for name, file in model_files.voice_files(locate(model.path), model.voices).items():
             if not os.access(file, os.R_OK):
                 return f"voices.{name}", f"expected a voice file this user can read; cannot read {file!r}"
     return ("path", problem) if problem else None

@@ -14,10 +14,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance.config.validator import Problems, checked, key_name, parse_size
+from appliance.config.validator import Problems, checked, key_name
 from appliance.config.devices import DEVICE_PATTERN, budget_device
 from appliance.config.model_checks import tokenizer_mismatch
 from appliance.config.kinds import GENERATIVE_KINDS, KIND_ONLY_KEYS, kinds_of
+from appliance.sizes import parse_size
 
 if TYPE_CHECKING:
     from appliance.config import Config, ModelConfig, ServerConfig

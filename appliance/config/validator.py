@@ -15,27 +15,6 @@ import types
 import typing
 from typing import Any, Literal
 
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
-          "T": 10**12, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-
-
-def parse_size(text: str | int) -> int | None:
-    """"14GiB", "512 MiB", "8GB", 4096 -> bytes; None if it is not a size."""
-    if isinstance(text, bool):
-        return None
-    if isinstance(text, int):
-        return text if text >= 0 else None
-    number, unit = text.strip(), ""
-    while number and not (number[-1].isdigit() or number[-1] == "."):
-        number, unit = number[:-1], number[-1] + unit
-    try:
-        value = float(number)
-    except ValueError:
-        return None
-    factor = _UNITS.get(unit.strip().upper())
-    return int(value * factor) if factor is not None and value >= 0 else None
-
-
 class ConfigError(ValueError):
     """An invalid config; str() is what the user is shown: one line per problem, each naming file and key."""
 

@@ -5,7 +5,9 @@ Interactive requests go first, first come first served within a class. A backgro
 fewer than the model's background slots (max_running_background) run background requests, so the rest stays free
 for people. A background request that has waited `max_wait_s` ages into the interactive class: it is then ordered
 by its arrival among the interactive ones and no longer bound by the background slots, so it never starves (its
-wait is bounded by max_wait_s plus the time until a running request ends).
+wait is bounded by max_wait_s plus the time until a running request ends). Nothing else happens when it ages, so
+the queue's owner asks ages_at() for the next such moment and looks at the queue again then (RequestRouter's
+aging timer): on a quiet model, a free slot takes the aged request at once.
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ class AdmissionQueue:
             if best_key is None or key < best_key:
                 best, best_key = entry, key
         return best
+
+    def ages_at(self, now: float) -> float | None:
+        """The earliest time after `now` at which a waiting background request ages into the interactive class
+        (None: none will), when the order may change with no request opening or ending."""
+        deadlines = [entry.since + self.max_wait_s for entry in self.entries
+                     if entry.effective(now, self.max_wait_s) == BACKGROUND]
+        return min(deadlines, default=None)
 
     def pop_next(self, now: float, background_running: int, background_slots: int) -> Queued | None:
         entry = self.next(now, background_running, background_slots)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import audio, dialects, embeddings, generate, health, models, rerank, speech, sse
 from appliance.front.middleware import Middlewares
 
 
-def make_app(appliance) -> web.Application:
+def make_app(appliance: ServerView) -> web.Application:
     """The app of `appliance` (appliance.front.server.Appliance), which its routes and middlewares read."""
     middlewares = Middlewares(appliance)
     app = web.Application(client_max_size=appliance.config.server.max_body_bytes,

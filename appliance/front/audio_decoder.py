@@ -5,12 +5,12 @@ crash it.  So it never runs in the front (which would take every model down) nor
 fail the other requests it is serving and restart the model).  The front keeps one long-lived decoder process
 (`python -m appliance.front.audio_decoder`, started on first use) and talks to it over pipes: a crash costs only the
 upload being decoded (a 400) and the process is started again for the next one. A fault of ours (the decoded
-samples cannot be written, the decoder hangs) is a DecoderFault: a 503 the client may retry.
+samples cannot be written, the decoder hangs) is a HelperFault: a 503 the client may retry.
 
 Only the container formats listed in FORMATS are opened, recognised by their first bytes and named explicitly
 to FFmpeg: FFmpeg's own probing would also accept playlists (HLS, concat) that make it open other files.
 
-Protocol (appliance.front.decoder_process), one request at a time: the front writes a JSON line {"bytes": n,
+Protocol (appliance.front.helper_process), one request at a time: the front writes a JSON line {"bytes": n,
 "max_seconds": s, "out": path} and n bytes of upload; the decoder writes the samples (float32, native order) to `out` and answers with a
 JSON line {"seconds": d} or {"error": "undecodable" | "too_long" | "empty" | "write_failed", "message": ...}.
 """
@@ -23,7 +23,7 @@ import sys
 import wave
 from dataclasses import dataclass
 
-from appliance.front.decoder_process import DecoderFailed, DecoderFault, DecoderProcess, write_failed
+from appliance.front.helper_process import HelperFailed, HelperFault, HelperProcess, write_failed
 from appliance.ipc import serve_requests
 
 SAMPLE_RATE = 16000
@@ -130,18 +130,18 @@ class DecodedAudio:
     seconds: float
 
 
-class AudioDecoder(DecoderProcess):
+class AudioDecoder(HelperProcess):
     """The front's handle on the decoder process: one upload at a time, restarted after a crash."""
 
     def __init__(self):
         super().__init__("appliance.front.audio_decoder", DECODE_TIMEOUT_S, "audio decoder")
 
     async def decode(self, data: bytes, max_seconds: float, out_path: str) -> DecodedAudio:
-        """Decode `data` into `out_path`; AudioError for anything that is not usable audio, DecoderFault for a fault
+        """Decode `data` into `out_path`; AudioError for anything that is not usable audio, HelperFault for a fault
         of ours."""
         try:
             reply = await self.answer({"max_seconds": max_seconds, "out": out_path}, data)
-        except DecoderFailed:
+        except HelperFailed:
             raise AudioError("undecodable", "The audio could not be decoded (the decoder crashed on this file).") from None
         if "error" in reply:
             raise AudioError(reply["error"], reply["message"])

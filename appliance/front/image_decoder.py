@@ -3,7 +3,7 @@
 Images are untrusted files and their decoders (Pillow's, over libpng, libjpeg, libwebp) are C code: a malformed
 file must never crash the front (every model) or a VLM worker (every request it is serving).  So, as uploaded audio
 (appliance.front.audio_decoder), they are decoded in a long-lived helper process (`python -m
-appliance.front.image_decoder`) the front talks to over pipes (appliance.front.decoder_process): a crash costs the
+appliance.front.image_decoder`) the front talks to over pipes (appliance.front.helper_process): a crash costs the
 request whose image it was a 400, and the process is started again.
 
 What is checked, in this order: the format, from the file's first bytes (not the client's MIME type), against the
@@ -11,7 +11,7 @@ model's allow-list; the pixel count from the header, before anything is decoded 
 file that declares a huge image); then the whole image is decoded (a truncated or corrupt file fails here), the
 first frame of an animation taken, and composited onto white if it has transparency.  The pixels go to the `out`
 file as height x width x 3 bytes, which the worker reads without parsing anything. A fault of ours (the pixels
-cannot be written, the decoder hangs past DECODE_TIMEOUT_S) is a DecoderFault: a 503 the client may retry.
+cannot be written, the decoder hangs past DECODE_TIMEOUT_S) is a HelperFault: a 503 the client may retry.
 
 Protocol: request {"max_pixels": n, "formats": [...], "out": path, "max_bytes": b or null} and the file's bytes;
 reply {"width", "height", "format"} or {"error": reason, "message": ...}, reason being one of REASONS, OVER_BUDGET
@@ -25,7 +25,7 @@ import os
 import sys
 import warnings
 
-from appliance.front.decoder_process import DecoderFailed, DecoderProcess, write_failed
+from appliance.front.helper_process import HelperFailed, HelperProcess, write_failed
 from appliance.ipc import serve_requests
 
 DECODE_TIMEOUT_S = 30.0
@@ -115,7 +115,7 @@ def _handle(request: dict, data: bytes) -> dict:
         return write_failed(request["out"], "image", exc)
 
 
-class ImageDecoder(DecoderProcess):
+class ImageDecoder(HelperProcess):
     """The front's handle on the image decoder process."""
 
     def __init__(self):
@@ -124,12 +124,12 @@ class ImageDecoder(DecoderProcess):
     async def decode(self, data: bytes, max_pixels: int, formats: list[str], out_path: str,
                      max_bytes: int | None = None) -> dict:
         """Decode `data` into `out_path`: {"width", "height", "format"}; ImageError for an image that cannot be
-        used (one that crashed a fresh decoder included), DecoderFault for a fault of ours (a hung decoder, a full
+        used (one that crashed a fresh decoder included), HelperFault for a fault of ours (a hung decoder, a full
         spool disk)."""
         try:
             reply = await self.answer({"max_pixels": max_pixels, "formats": formats, "out": out_path,
                                        "max_bytes": max_bytes}, data)
-        except DecoderFailed as exc:
+        except HelperFailed as exc:
             raise ImageError("undecodable", f"the image could not be decoded (the decoder {exc.how} on it)") from None
         if "error" in reply:
             raise ImageError(reply["error"], reply["message"])

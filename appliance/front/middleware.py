@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import messages, sse
 from appliance.front.api.errors import error_response
 from appliance.front.api.route import REFUSAL
@@ -29,7 +30,7 @@ class Middlewares:
     """Both middlewares of one appliance (appliance.front.server.Appliance): each reads its current config and keys,
     which a reload replaces."""
 
-    def __init__(self, appliance):
+    def __init__(self, appliance: ServerView):
         self.appliance = appliance
 
     @web.middleware

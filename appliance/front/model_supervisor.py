@@ -95,8 +95,10 @@ class ModelSupervisor:
     # --- requests, as the routes see them -----------------------------------------------------------------
 
     def reserve(self, continuing: bool = False) -> None:
-        """Hold a queue place for a request whose body is yet to be read, or refuse it now (503, 429)."""
-        if not self.life.admits():
+        """Hold a queue place for a request whose body is yet to be read, or refuse it now (503, 429).
+        `continuing`: for the next part of a request already admitted (a speech's next sentence), which a draining
+        model still takes, as it takes the request's reserved place: the drain exists to let admitted work end."""
+        if not self.life.admits(reserved=continuing):
             raise self.life.unavailable()
         self.router.reserve(continuing)
 

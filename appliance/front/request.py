@@ -54,7 +54,6 @@ class Request:
     last_token: float | None = None
     ended: bool = False
     ticket: Ticket = field(default_factory=Ticket)  # its key and priority class
-    prompt_counted: bool = False  # its prompt tokens were counted against its key (from its first tokens frame)
 
 
 def shutting_down() -> RequestFailed:

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from appliance.front.lifecycle import ModelState
+from appliance.sizes import format_size
 
 OCCUPYING = frozenset({ModelState.LOADING, ModelState.READY, ModelState.RESTARTING, ModelState.DRAINING})
 
@@ -152,10 +153,3 @@ def why_waiting(head: ModelView, models: list[ModelView], limits: Limits) -> str
         bounds.append(f"memory_budget {head.device}: {format_size(limits.memory_budget[head.device])}")
     return (f"no room to load model {head.name} ({', '.join(bounds) or 'no limit'}): loaded {held}; none of them "
             "can be evicted (only an idle model that is not load: at_start can)")
-
-
-def format_size(size: int) -> str:
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= factor:
-            return f"{size / factor:.1f} {unit}"
-    return f"{size} B"

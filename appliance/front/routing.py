@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -21,6 +22,8 @@ from appliance.front.metrics import ModelMetrics
 from appliance.front.priority import BACKGROUND
 from appliance.front.request import Event, Request, RequestFailed
 from appliance.ipc import AsyncChannel, ProtocolError
+
+log = logging.getLogger(__name__)
 
 # What a result frame's "counts" may add to the model's counters (ModelMetrics fields).
 # (prompt_tokens goes to the token counters of the request's key and class: RequestRouter._count_prompt.)
@@ -46,6 +49,7 @@ class RequestRouter:
         self.on_idle: Callable[[], None] = lambda: None  # the Supervisor's residency bookkeeping: replan, last used
         self.last_progress = time.monotonic()  # the stall timer's reference (WorkerLife._monitor)
         self.channel: AsyncChannel | None = None  # the ready worker's, while it serves
+        self.aging: asyncio.TimerHandle | None = None  # a dispatch at the queue's next aging (_watch_aging)
         # False while the model's supervisor does not serve its name (a replacement not switched to yet, or one
         # replaced): only the serving one writes the model's gauges.
         self.reports = True
@@ -75,9 +79,18 @@ class RequestRouter:
         self._note_idle()
 
     def unreserve(self) -> None:
-        self.reserved -= 1
+        self._give_back_place()
         self.publish_queue()
         self._note_idle()
+
+    def _give_back_place(self) -> None:
+        """One reserved place less. A place given back that was never held is a bug in its holder: it is logged and
+        the count kept at zero, since a count below zero would keep the model from ever looking idle (its drain
+        would then wait out the whole drain_timeout_s)."""
+        if self.reserved <= 0:
+            log.error("model %s: a reserved queue place was given back that was not held", self.model.name)
+            return
+        self.reserved -= 1
 
     def open(self, frame: dict[str, Any], op: str = "generate", reserved: bool = False) -> Request:
         """Queue a request, or refuse it with 429 when the queue is full (unless its place was `reserved`: then the
@@ -86,10 +99,11 @@ class RequestRouter:
         if not reserved:
             self._check_room()
         # the key and class the route wrapper admitted this request with (appliance.front.keys.CURRENT)
-        req = Request(next(self.ids), frame, op, ticket=keys.CURRENT.get())
+        req = Request(next(self.ids), frame, op, ticket=keys.current_ticket())
         req.frame["id"] = req.id
         self.waiting.push(req, req.ticket.priority, req.submitted)
-        self.reserved -= reserved
+        if reserved:
+            self._give_back_place()
         self._dispatch()
         return req
 
@@ -154,8 +168,23 @@ class RequestRouter:
                 self.channel.send(ipc.frame(req.op, **req.frame))
             except (ValueError, ProtocolError) as exc:  # a frame that cannot be sent must not hold a slot forever
                 self.finish(req, RequestFailed(500, "internal", f"cannot pass the request to its worker: {exc}"))
+            else:
+                req.ticket.dispatched = True  # its prompt's work begins: it is charged whatever the client does
+        self._watch_aging()
         self.publish_queue()
         self._note_idle()
+
+    def _watch_aging(self) -> None:
+        """One timer for the queue's earliest aging deadline (AdmissionQueue.ages_at), replaced at every dispatch:
+        a background request held back by the background slots ages with no request opening or ending, and must
+        then take a free slot at once rather than at the next request's arrival or end."""
+        if self.aging is not None:
+            self.aging.cancel()
+            self.aging = None
+        now = time.monotonic()
+        at = self.waiting.ages_at(now) if self.channel else None
+        if at is not None:  # the loop's clock is time.monotonic (asyncio's default)
+            self.aging = asyncio.get_running_loop().call_later(max(0.0, at - now), self._dispatch)
 
     def _note_idle(self) -> None:
         """A reserved place is work as a queued request is: the model is idle only when it has none of them."""
@@ -219,26 +248,23 @@ class RequestRouter:
         self.series.tokens(req.ticket.key, req.ticket.priority).generation.inc(message["n"])
         req.ticket.count_tokens(message["n"])
         if message.get("prompt_tokens"):  # tokens_per_minute counts the prompt now
-            self._charge_prompt(req, message["prompt_tokens"])
+            req.ticket.charge_prompt(message["prompt_tokens"])
         req.events.put_nowait(Event("tokens", text=message["text"], n=message["n"], logprobs=message.get("logprobs"),
                                     prompt_tokens=message.get("prompt_tokens", 0),
                                     cached_tokens=message.get("cached_tokens", 0),
                                     max_tokens=message.get("max_tokens")))
 
     def _count_prompt(self, req: Request, prompt_tokens: int, cached_tokens: int = 0) -> None:
-        """A finished request's prompt tokens in the metrics (`cached_tokens` of them served by the prefix cache),
-        and all of them against its key unless its first tokens did."""
-        series = self.series.tokens(req.ticket.key, req.ticket.priority)
-        series.prompt.inc(prompt_tokens - cached_tokens)
-        series.cached_prompt.inc(cached_tokens)
-        self._charge_prompt(req, prompt_tokens)
-
-    @staticmethod
-    def _charge_prompt(req: Request, prompt_tokens: int) -> None:
-        """The request's prompt tokens against its key's tokens_per_minute, once (its first tokens, else its end)."""
-        if not req.prompt_counted:
-            req.ticket.count_tokens(prompt_tokens)
-            req.prompt_counted = True
+        """A finished generation's prompt tokens in the metrics (`cached_tokens` of them served by the prefix
+        cache) and against its key, once per HTTP request however many choices (`n`) share its ticket, as its
+        `usage` counts them."""
+        ticket = req.ticket
+        if not ticket.prompt_metered:
+            ticket.prompt_metered = True
+            series = self.series.tokens(ticket.key, ticket.priority)
+            series.prompt.inc(prompt_tokens - cached_tokens)
+            series.cached_prompt.inc(cached_tokens)
+        ticket.charge_prompt(prompt_tokens)
 
     def finish(self, req: Request, outcome: Event | RequestFailed) -> None:
         self.running.pop(req.id, None)

@@ -162,11 +162,14 @@ class Appliance:
         if (config.server.host, config.server.port) != (self.config.server.host, self.config.server.port):
             log.warning("reload: a new listen address takes a restart; keeping %s:%d",
                         self.config.server.host, self.config.server.port)
-        self.keys = keys
         config = self.gpu.mitigated(config, self.supervisor)  # mitigations in force outlive a reload
-        changed = await self.supervisor.apply(config)
-        self.config = dataclasses.replace(config, server=dataclasses.replace(
+        # The keys and the config the routes read (aliases, metrics_require_key, body limits) switch together, in
+        # one step before the models are brought in line: new keys never run under the old aliases while a changed
+        # model drains (up to drain_timeout_s). supervisor.apply adds new models before its first wait, so a new
+        # alias to one of them finds it.
+        self.keys, self.config = keys, dataclasses.replace(config, server=dataclasses.replace(
             config.server, host=self.config.server.host, port=self.config.server.port))
+        changed = await self.supervisor.apply(config)
         log.info("reloaded %s: %s", config.source, ", ".join(changed) + " (re)started" if changed else "no model changed")
 
     async def apply_mitigations(self) -> None:

@@ -4,7 +4,7 @@ opus (in Ogg), aac (ADTS), flac, wav or pcm (16-bit little-endian), in a process
 pitch (FFmpeg's atempo) where the model did not speak at that speed itself.
 
 FFmpeg is a large C library: as with uploads (appliance.front.audio_decoder), a crash in it must cost one
-request, never the front or a model's worker.  The process is the shared helper of appliance.front.decoder_process.
+request, never the front or a model's worker.  The process is the shared helper of appliance.front.helper_process.
 
 A stream is encoded piece by piece as its sentences are synthesised: a *session* (one per response) keeps its
 encoder between requests, so each piece's bytes continue the one file (one MP3/Ogg/FLAC stream, one WAV header).
@@ -22,7 +22,7 @@ import struct
 import sys
 from typing import Any
 
-from appliance.front.decoder_process import DecoderFailed, DecoderProcess
+from appliance.front.helper_process import HelperFailed, HelperProcess
 from appliance.ipc import serve_requests
 
 log = logging.getLogger("openarc.audio")
@@ -220,7 +220,7 @@ class EncoderFault(Exception):
     """The encoder crashed, hung, or could not write: a server fault (a 503 before the response began)."""
 
 
-class SpeechEncoder(DecoderProcess):
+class SpeechEncoder(HelperProcess):
     """The front's handle on the encoder process, restarted after a crash (a stream that was using it ends)."""
 
     def __init__(self):
@@ -232,7 +232,7 @@ class SpeechEncoder(DecoderProcess):
         try:
             reply = await self.ask({"session": session, "in": inputs, "out": out, "format": fmt, "rate": rate,
                                     "speed": speed, "final": final, "continued": continued}, b"")
-        except DecoderFailed as exc:
+        except HelperFailed as exc:
             raise EncoderFault(f"the speech encoder {exc.how} on this audio") from None
         if "error" in reply:
             raise EncoderFault(reply["message"])
@@ -247,7 +247,7 @@ class SpeechEncoder(DecoderProcess):
         if self._proc is not None and self._proc.returncode is None:
             try:
                 await self.ask({"session": session, "drop": True}, b"")
-            except DecoderFailed:
+            except HelperFailed:
                 pass
 
 

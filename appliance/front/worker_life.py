@@ -24,7 +24,7 @@ from appliance.front.device_faults import DeviceFaults
 from appliance.front.lifecycle import (CRASH_REASONS, Exit, ExitReason, Lifecycle, ModelState, RestartBudget, describe,
                                        describe_exit)
 from appliance.front.metrics import Metrics, ModelMetrics
-from appliance.front.request import RequestFailed, shutting_down
+from appliance.front.request import RequestFailed
 from appliance.front.routing import RequestRouter
 from appliance.front.worker_process import SHUTDOWN_GRACE_S, WorkerProcess
 from appliance.host import faults
@@ -120,8 +120,14 @@ class WorkerLife:
         if self.state is ModelState.FAILED:
             return RequestFailed(503, "model_failed", f"model {self.name} is failed: {self.last_error}", hint=self.last_hint)
         if self.stopping:
-            return shutting_down()
+            return self._unloading()
         return RequestFailed(503, "model_unavailable", f"model {self.name} is {self.state.value}; retry shortly",
+                             retry_after=self._retry_after())
+
+    def _unloading(self) -> RequestFailed:
+        """The 503 of a request this model's drain refuses or ends: the model unloads (an unload, a reload, or the
+        server's stop, whose new requests the routes refuse as shutting down first) and may load again."""
+        return RequestFailed(503, "model_unavailable", f"model {self.name} is unloading; retry shortly",
                              retry_after=self._retry_after())
 
     def _retry_after(self) -> float:
@@ -148,7 +154,7 @@ class WorkerLife:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.router.idle.wait(), drain_timeout_s)
         self.drained = True
-        self.router.fail_all(shutting_down())
+        self.router.fail_all(self._unloading())
         if self.current.process:
             if self.current.ready_at is None:
                 self.end_worker(Exit(ExitReason.STOPPED))

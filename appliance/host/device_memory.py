@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.host.telemetry import read_text
+from appliance.sizes import parse_size
 
 
 # ---------------------------------------------------------------------------------------
 # DRM fdinfo: Documentation/gpu/drm-usage-stats.rst, drivers/gpu/drm/drm_file.c,
 # i915/i915_drm_client.c, xe/xe_drm_client.c.
 
-# drm_file.c drm_fdinfo_print_size(): "", " KiB", " MiB" (the largest unit dividing exactly).
-_SIZE_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-_SIZE = re.compile(r"(\d+)\s*([A-Za-z]*)")
+# drm_file.c drm_fdinfo_print_size(): "", " KiB", " MiB" (the largest unit dividing exactly): appliance.sizes reads
+# them as the config's sizes.
 
 # Key families, matched against the whole key.
 _FDINFO_KEYS = {
@@ -60,14 +60,6 @@ def parse_fdinfo(text: str) -> dict[str, str]:
         if sep:
             fields[key.strip()] = value.strip()
     return fields
-
-
-def parse_size(value: str) -> int | None:
-    """'7342084 KiB' -> bytes; the unit is optional. None if it is not a size."""
-    match = _SIZE.fullmatch(value.strip())
-    if not match or match[2] not in _SIZE_UNITS:
-        return None
-    return int(match[1]) * _SIZE_UNITS[match[2]]
 
 
 def _sum_sizes(fields: Mapping[str, str], family: str) -> int | None:

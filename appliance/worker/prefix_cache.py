@@ -7,13 +7,18 @@ every token up to its end (so a block matches only after the same prefix), resto
 while they match, least recently used evicted once `capacity_blocks` are held. genai restores at most all but the
 last prompt token (it must compute one to sample from) and also restores a partly filled last block; this model
 counts whole blocks only, so it may say up to one block less than genai served, never more.
+
+The cache's capacity is shared with the requests running: each one's generated tokens fill blocks of their own,
+which genai takes from the cache by evicting finished prefixes. set_running() counts them against the capacity
+(at least as many as they hold: a non-streamed answer's length is bounded by its steps), so under several long
+generations the model evicts no later than genai and never says a prefix was served that genai recomputed.
 """
 
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 # genai's KV block size per device family (its cache manager: 32 tokens on CPU, 16 on GPU).
@@ -44,6 +49,7 @@ class BlockCacheModel:
     def __init__(self, block_size: int, capacity_blocks: int):
         self.block_size, self.capacity_blocks = block_size, max(0, capacity_blocks)
         self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.running_blocks = 0  # blocks the running requests' generated tokens hold (set_running)
 
     def lookup(self, prompt: Sequence[int]) -> int:
         """Prompt tokens the cache serves for this prompt (whole matching blocks from its start, at most all but
@@ -67,7 +73,17 @@ class BlockCacheModel:
         for key in keys:
             self.blocks[key] = None
             self.blocks.move_to_end(key)
-        while len(self.blocks) > self.capacity_blocks:
+        self._evict()
+
+    def set_running(self, generated: Iterable[int]) -> None:
+        """The tokens each running request has generated (or may have, at most): their blocks are the cache's
+        too, and the least recently used prefixes go to make room for them, as genai's do."""
+        self.running_blocks = sum(-(-tokens // self.block_size) for tokens in generated)
+        self._evict()
+
+    def _evict(self) -> None:
+        room = max(0, self.capacity_blocks - self.running_blocks)
+        while len(self.blocks) > room:
             self.blocks.popitem(last=False)
 
 

@@ -24,13 +24,14 @@ from typing import Any
 
 from aiohttp import http_exceptions, web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import lookup, sse
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import QueuePlace, one_result
 from appliance.front.api.route import Call, ErrorShape, route
 from appliance.front.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESPONSE_FORMATS, Transcript
-from appliance.front.audio_decoder import AudioDecoder, AudioError, DecoderFault
-from appliance.front.decoder_process import HelperUser
+from appliance.front.audio_decoder import AudioDecoder, AudioError, HelperFault
+from appliance.front.helper_process import HelperUser
 from appliance.front.request import Event, RequestFailed
 
 KIND = "transcription"
@@ -43,7 +44,7 @@ GRANULARITIES = ("segment", "word")
 BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
-def add_routes(app: web.Application, appliance) -> None:
+def add_routes(app: web.Application, appliance: ServerView) -> None:
     audio = AudioRoutes(appliance)
     app.router.add_post("/v1/audio/transcriptions",
                         route(appliance, "audio/transcriptions", audio.transcriptions, TRANSCRIPT_ERRORS))
@@ -79,7 +80,7 @@ class AudioRequest:
 
 
 class AudioRoutes(HelperUser):
-    def __init__(self, appliance):
+    def __init__(self, appliance: ServerView):
         self.decoder = AudioDecoder()
         super().__init__(appliance, KIND, self.decoder, "openarc-audio-")
         self.serial = 0
@@ -106,7 +107,7 @@ class AudioRoutes(HelperUser):
             except AudioError as exc:
                 status = 413 if exc.kind == "too_long" else 400
                 raise RequestFailed(status, "invalid_request", str(exc), f"audio_{exc.kind}") from None
-            except DecoderFault as exc:
+            except HelperFault as exc:
                 raise exc.failure() from None
             form.file = req.file = b""  # decoded into the spool file: the upload's memory is free for the next
             upload.release_slot()

@@ -36,15 +36,14 @@ SUMMARY_REQUEST = (
     "about to happen next. Be brief and exact; write only the summary.")
 
 
-def parse_compact(body: Any, store: ResponseStore) -> ResponsesRequest:
+def parse_compact(body: Any, store: ResponseStore, key: str) -> ResponsesRequest:
     model_name(body)  # a missing model is a 400 naming it
     if body.get("input") is None and body.get("previous_response_id") is None:
         raise InvalidRequest("give the conversation to compact: 'input' items, a 'previous_response_id', or both",
                              "input")
     chat = {key: body[key] for key in FIELDS if key in body}
-    req = parse_responses({**chat, "store": False, "max_output_tokens": COMPACT_MAX_TOKENS}, store)
+    req = parse_responses({**chat, "store": False, "max_output_tokens": COMPACT_MAX_TOKENS}, store, key)
     req.gen.messages.append({"role": "user", "content": SUMMARY_REQUEST})
-    req.gen.params["fit_context"] = True  # a long conversation leaves the summary what the context has left
     return req
 
 

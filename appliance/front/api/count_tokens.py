@@ -11,15 +11,17 @@ is using. The front itself has neither tokenizer nor template (it never imports 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import lookup, messages
 from appliance.front.api.fields import json_body
 from appliance.front.api.results import one_result
 from appliance.front.api.route import Call, route
-from appliance.front.decoder_process import DecoderFailed, DecoderProcess
+from appliance.front.helper_process import HelperFailed, HelperProcess
 from appliance.front.device_faults import CLIENT_ERROR_KINDS, WINDOW_FIELDS
 from appliance.front.request import RequestFailed
 from appliance.config.kinds import GENERATIVE_KINDS
@@ -31,6 +33,9 @@ COUNT_TIMEOUT_S = 60.0
 # What a window check reads of a generate frame: the prompt (messages or text), its tools and template arguments, and
 # the request's limit.
 CHECKED_FIELDS = ("kind", "messages", "prompt", "tools", "template_kwargs", "params")
+# Counts the token counter holds at once (one answered, the rest waiting their turn); past this a count is a 429
+# with Retry-After: a burst of them must not queue unbounded behind one process (Claude Code sends one per turn).
+MAX_PENDING_COUNTS = 8
 
 
 class PromptCounter:
@@ -38,10 +43,14 @@ class PromptCounter:
     of a stream whose request waits (appliance.front.api.stream_start), neither of which may wait for a load."""
 
     def __init__(self):
-        self.process = DecoderProcess(COUNTER_MODULE, COUNT_TIMEOUT_S, "token counter")
+        self.process = HelperProcess(COUNTER_MODULE, COUNT_TIMEOUT_S, "token counter")
+        self.pending = 0  # questions handed to the process and not yet answered (their clients may have left)
 
     async def count(self, spec: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
         """The count of a conversation (a count frame's body), as the model's worker would count it."""
+        if self.pending >= MAX_PENDING_COUNTS:
+            raise RequestFailed(429, "overloaded", f"{self.pending} token counts are waiting for the token counter "
+                                                   f"(at most {MAX_PENDING_COUNTS}); retry shortly", retry_after=1)
         return await self._ask({"spec": spec, "body": body})
 
     async def check(self, spec: dict[str, Any], frame: dict[str, Any]) -> dict[str, Any]:
@@ -51,10 +60,16 @@ class PromptCounter:
         return await self._ask({"spec": spec, "body": body, "check": True})
 
     async def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        """One exchange with the process, shielded as the speech encoder's is: a client that hangs up (Claude Code
+        cancels counts routinely) must not cancel it, whose cancellation kills the process so that its stale reply
+        reaches no other question."""
         spec = request["spec"]
+        self.pending += 1
+        exchange = asyncio.ensure_future(self.process.ask(request, b""))
+        exchange.add_done_callback(self._answered)
         try:
-            reply = await self.process.ask(request, b"")
-        except DecoderFailed as exc:  # it died twice (a fresh process too) or hung: ours, not the conversation's
+            reply = await asyncio.shield(exchange)
+        except HelperFailed as exc:  # it died twice (a fresh process too) or hung: ours, not the conversation's
             raise RequestFailed(503, "model_unavailable", f"the tokens of model {spec['name']} cannot be counted "
                                 f"now: the token counter process {exc.how}; try again", retry_after=1) from None
         if reply["op"] == "error":
@@ -64,12 +79,15 @@ class PromptCounter:
                                 retry_after=None if status == 400 else 1, details=details)
         return reply["result"]
 
+    def _answered(self, _: asyncio.Future) -> None:
+        self.pending -= 1
+
     async def close(self) -> None:
         await self.process.close()
 
 
 class CountTokensRoute:
-    def __init__(self, appliance):
+    def __init__(self, appliance: ServerView):
         self.appliance = appliance  # appliance.front.server.Appliance: its models, supervisors, draining
 
     def mount(self, app: web.Application) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from appliance.front.api import compaction, lookup, messages, responses, sse, stream_start
+from appliance.front.api.server_view import ServerView
 from appliance.front.api.answer_items import Events
 from appliance.front.api.count_tokens import CountTokensRoute
 from appliance.front.api.generate import GENERATION, answer_parser, finish_reason, note_constraint
@@ -33,30 +34,31 @@ log = logging.getLogger("openarc.front")
 
 @dataclass
 class Dialect:
-    parse: Callable[[Any], Any]              # body -> the dialect's request (with .gen, the chat request)
+    parse: Callable[[Any, str], Any]         # body, key name -> the dialect's request (.gen: the chat request)
     stream: Callable[[Any], Any]             # request -> its item stream (start, feed, finish, fail)
     whole: Callable[[Any], dict[str, Any]]   # the finished item stream -> the whole object
     finished: Callable[[Any, Any], None] = lambda req, stream: None  # after the answer's end (storing it)
     keepalive: bytes = sse.COMMENT  # what a silent stream sends (appliance.front.api.sse.EventStream)
 
 
-def add_routes(app: web.Application, appliance) -> None:
+def add_routes(app: web.Application, appliance: ServerView) -> None:
     store = ResponseStore(appliance.config.server.stored_responses)
     generation = app[GENERATION]
 
     def keep(req: responses.ResponsesRequest, stream: responses.ResponseStream) -> None:
         if req.store:
-            store.keep(req.gen.model, stream.id, stream.stored())
+            store.keep(req.key, req.gen.model, stream.id, stream.stored())
 
     responses_route = DialectRoute(appliance, generation, Dialect(
-        lambda body: responses.parse_responses(body, store), responses.ResponseStream, lambda s: s.response, keep))
+        lambda body, key: responses.parse_responses(body, store, key), responses.ResponseStream, lambda s: s.response, keep))
     routes = {
         "responses": (responses_route.handler, responses.RESPONSES),
         "responses/compact": (DialectRoute(appliance, generation, Dialect(
-            lambda body: compaction.parse_compact(body, store), compaction.CompactionStream,
+            lambda body, key: compaction.parse_compact(body, store, key), compaction.CompactionStream,
             lambda s: s.compaction())).handler, responses.RESPONSES),
-        "messages": (DialectRoute(appliance, generation, Dialect(messages.parse_messages, messages.MessageStream,
-                                                                 lambda s: s.message, keepalive=sse.PING)).handler,
+        "messages": (DialectRoute(appliance, generation, Dialect(lambda body, key: messages.parse_messages(body),
+                                                                 messages.MessageStream, lambda s: s.message,
+                                                                 keepalive=sse.PING)).handler,
                      messages.ANTHROPIC),
     }
     for endpoint, (handler, errors) in routes.items():
@@ -69,7 +71,7 @@ class DialectRoute:
     """One dialect's generation route; `handler` runs in the route wrapper. `answer` runs one request whose events
     go to a sink: the HTTP stream here, a WebSocket's messages in appliance.front.api.responses_ws."""
 
-    def __init__(self, appliance, generation, dialect: Dialect):
+    def __init__(self, appliance: ServerView, generation, dialect: Dialect):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
         self.generation = generation  # appliance.front.api.generate.GenerationRoutes: images, large bodies
         self.dialect = dialect
@@ -82,7 +84,7 @@ class DialectRoute:
     async def answer(self, call: Call, parse, body: Any, sink) -> Any:
         """One request (`call.label(body)` done): the sink's end for a stream, else the whole object's response."""
         await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
-        req = parse(body)
+        req = parse(body, call.key)
         gen = req.gen
         if not gen.content.images:  # its model is looked up as its stream begins (stream_start)
             return await self._run(call, req, sink)

@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import fields
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import ResultRequest, ResultRoute
@@ -22,7 +23,7 @@ ENCODING_FORMATS = ("float", "base64")
 MAX_TOKEN_ID = (1 << 31) - 1
 
 
-def add_routes(app: web.Application, appliance) -> None:
+def add_routes(app: web.Application, appliance: ServerView) -> None:
     results = ResultRoute(appliance, ("embedding",), parse, shape)
     app.router.add_post("/v1/embeddings", route(appliance, "embeddings", results.handler))
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api.answer import AnswerParser
 from appliance.front.api.completions import GenerationRequest, ResponseShaper, parse_chat, parse_completion
 from appliance.front.api import lookup, sse, stream_start
@@ -41,7 +42,7 @@ TYPE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 GENERATION = web.AppKey("generation", object)
 
 
-def add_routes(app: web.Application, appliance) -> None:
+def add_routes(app: web.Application, appliance: ServerView) -> None:
     routes = GenerationRoutes(appliance)
     app[GENERATION] = routes
     app.router.add_post("/v1/chat/completions", route(appliance, "chat/completions", routes.chat_completions))
@@ -51,7 +52,7 @@ def add_routes(app: web.Application, appliance) -> None:
 
 
 class GenerationRoutes:
-    def __init__(self, appliance):
+    def __init__(self, appliance: ServerView):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
         self.images = ImageResolver(appliance.config.server.image_fetch, appliance.metrics, spool_base())
         self.large_bodies = asyncio.Semaphore(MAX_IMAGE_REQUESTS_IN_FLIGHT)  # chat bodies past max_body_bytes
@@ -93,7 +94,8 @@ class GenerationRoutes:
                 return parse_json(bytes(data))
             body = await asyncio.to_thread(parse_json, bytes(data))
         model = body.get("model") if isinstance(body, dict) else None
-        model = lookup.model_named(self.appliance, model) if isinstance(model, str) else None  # an alias reaches a VLM too
+        # an alias reaches a VLM too
+        model = lookup.configured_name(self.appliance, model) if isinstance(model, str) else None
         if not any(m.name == model and m.kind == "vlm" for m in config.models):
             raise RequestFailed(413, "invalid_request", f"the request body exceeds the limit of {normal} bytes "
                                 "(server.max_body_bytes); only a request to a vision model (kind vlm) may be larger",

@@ -14,6 +14,7 @@ import time
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance import __version__
 from appliance.config.kinds import GENERATIVE_KINDS
 from appliance.host.doctor import box, cards
@@ -23,7 +24,7 @@ from appliance.host.doctor import box, cards
 SYSTEM_ROOT_ENV = "OPENARC_DEBUG_SYSTEM_ROOT"
 
 
-def add_routes(app: web.Application, appliance) -> None:
+def add_routes(app: web.Application, appliance: ServerView) -> None:
     routes = HealthRoutes(appliance)
     app.router.add_get("/", routes.root)  # and HEAD /, which Claude Code sends before a session
     app.router.add_get("/health", routes.health)
@@ -34,7 +35,7 @@ def add_routes(app: web.Application, appliance) -> None:
 
 
 class HealthRoutes:
-    def __init__(self, appliance):
+    def __init__(self, appliance: ServerView):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, keys, metrics, draining, health
         self.card_facts: list[cards.CardFacts] | None = None  # what doctor checks per card, read once
 
@@ -53,23 +54,30 @@ class HealthRoutes:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
+        """Readiness for probes, which carry no key: with keys configured it names no model (a key learns no name
+        beyond its list, and a caller without one learns none); /openarc/status has the states."""
         ready = self.appliance.supervisor.all_ready() and not self.appliance.draining
-        models = {name: m.state.value for name, m in self.appliance.supervisor.models.items()}
-        return web.json_response({"ready": ready, "draining": self.appliance.draining, "models": models},
-                                 status=200 if ready else 503)
+        answer = {"ready": ready, "draining": self.appliance.draining}
+        if not self.appliance.keys:
+            answer["models"] = {name: m.state.value for name, m in self.appliance.supervisor.models.items()}
+        return web.json_response(answer, status=200 if ready else 503)
 
     async def status(self, request: web.Request) -> web.Response:
+        """The server's state as the request's key may see it: its own models only, and its own key only (the
+        operator's key, server.api_key_env, sees every key); everything while no key is configured."""
         appliance, sup, sentinel = self.appliance, self.appliance.supervisor, self.appliance.gpu.sentinel
+        key = request.get("api_key")
         if self.card_facts is None:  # the same facts `openarc doctor` judges (sysfs, the kernel's boot lines)
             machine = box.Box(os.environ.get(SYSTEM_ROOT_ENV, "/"))
             self.card_facts = await asyncio.get_running_loop().run_in_executor(None, cards.card_facts, machine)
         return web.json_response({"version": __version__, "uptime_s": round(time.time() - appliance.started, 3),
                                   "draining": appliance.draining, "residency": sup.placement.summary(),
-                                  "keys": [key.status() for key in appliance.keys.keys],
+                                  "keys": [k.status() for k in appliance.keys.keys
+                                           if key is None or key.operator or k is key],
                                   "cards": cards.status_view(self.card_facts, sentinel.in_force),
                                   "gpu_mitigations": sentinel.status(),
                                   "models": [{**m.status(), **sup.placement.status(m.name)}
-                                             for m in sup.models.values()]})
+                                             for m in sup.models.values() if key is None or key.may_use(m.name)]})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.appliance.metrics.exposition()

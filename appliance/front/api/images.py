@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import utf8
-from appliance.front.decoder_process import DecoderFault
+from appliance.front.helper_process import HelperFault
 from appliance.front.image_decoder import OVER_BUDGET, ImageDecoder, ImageError
 from appliance.front.request import RequestFailed
 from appliance.config.systemd_env import systemd_directory
@@ -177,7 +177,7 @@ class ImageResolver:
                     raise ImageRejected(f"{exc}; the images of one request may take {self.max_request_bytes} bytes "
                                         "of pixels together", part.where, "too_large") from None
                 raise ImageRejected(str(exc), part.where, exc.reason) from None
-            except DecoderFault as exc:  # the server's fault, not the image's: a 503, not counted as a rejection
+            except HelperFault as exc:  # the server's fault, not the image's: a 503, not counted as a rejection
                 raise exc.failure() from None
             finally:
                 if not kept:  # refused, failed, or its client hung up mid-decode: no file stays behind
@@ -251,7 +251,7 @@ class ImageResolver:
                 sweep_stale_spools(base)
                 self.spool = tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=base)
             except OSError as exc:
-                raise DecoderFault(self.decoder.what, f"cannot make the image spool in {base}: {exc}").failure() \
+                raise HelperFault(self.decoder.what, f"cannot make the image spool in {base}: {exc}").failure() \
                     from None
         return self.spool
 

@@ -10,21 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from appliance.front.api.server_view import ServerView
+from appliance.front.api.token_budget import budget_of
 from appliance.front.request import RequestFailed, shutting_down
 
 
-def model_label(appliance, body: Any) -> str:
+def model_label(appliance: ServerView, body: Any) -> str:
     """The metrics label of a request: a configured model's name, else "" (client input never mints labels)."""
     model = body.get("model") if isinstance(body, dict) else None
-    return model_named(appliance, model) or "" if isinstance(model, str) else ""
+    return configured_name(appliance, model) or "" if isinstance(model, str) else ""
 
 
-def model_named(appliance, name: str) -> str | None:
+def configured_name(appliance: ServerView, name: str) -> str | None:
     """The configured model a request's name reaches: its own, else through server.model_aliases."""
     return name if name in appliance.supervisor.models else appliance.config.server.alias_target(name)
 
 
-async def model_for(appliance, name: str, call, kinds: tuple[str, ...]):
+async def model_for(appliance: ServerView, name: str, call, kinds: tuple[str, ...]):
     """The supervisor of the model a request names (or reaches through an alias), if it exists for the
     request's key, is of a kind the route serves, the key's limits admit the request and the server is not
     draining, once the model is ready (Supervisor.ready_model waits out a load, a restart or a replacement, up
@@ -33,19 +35,20 @@ async def model_for(appliance, name: str, call, kinds: tuple[str, ...]):
     asked for. `call`: the request as the route wrapper counts it (appliance.front.api.route.Call)."""
     sup = model_served(appliance, name, call, kinds)
     name = sup.model.name
-    if call.is_background and sup.model.task_model and appliance.supervisor.get(sup.model.task_model):
-        name = sup.model.task_model
-    call.admit()  # the key's limits: a 429 before the request takes any queue place
+    task_model = sup.model.task_model
+    if call.is_background and task_model and appliance.supervisor.get(task_model) and call.may_use(task_model):
+        name = task_model  # (a key kept off the task model is answered by the model it named)
+    call.admit(budget_of(call.body, sup.model.kind))  # the key's limits: a 429 before any queue place is taken
     ready = await appliance.supervisor.ready_model(name)
     if ready is None:  # removed by a reload while the request waited
         raise not_found(appliance, name, call.api_key)
     return ready
 
 
-def model_served(appliance, name: str, call, kinds: tuple[str, ...]):
+def model_served(appliance: ServerView, name: str, call, kinds: tuple[str, ...]):
     """The supervisor of the model a request names (or reaches through an alias), loaded or not, if the
     request's key may use it, it is of a kind the route serves and the server is not draining."""
-    name = model_named(appliance, name) or name
+    name = configured_name(appliance, name) or name
     sup = appliance.supervisor.get(name) if call.may_use(name) else None
     if sup is None:
         raise not_found(appliance, name, call.api_key)
@@ -57,7 +60,7 @@ def model_served(appliance, name: str, call, kinds: tuple[str, ...]):
     return sup
 
 
-def not_found(appliance, name: str, key=None) -> RequestFailed:
+def not_found(appliance: ServerView, name: str, key=None) -> RequestFailed:
     """A 404 for a model that does not exist, or that the request's key may not use (the same answer, so a
     key learns no names beyond its own models)."""
     have = [model for model in appliance.supervisor.models if key is None or key.may_use(model)]

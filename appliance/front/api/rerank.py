@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import fields
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import ResultRequest, ResultRoute
@@ -21,7 +22,7 @@ from appliance.front.request import Event
 COHERE_TRUNCATE = {"END": True, "NONE": False}
 
 
-def add_routes(app: web.Application, appliance) -> None:
+def add_routes(app: web.Application, appliance: ServerView) -> None:
     handler = route(appliance, "rerank", ResultRoute(appliance, ("rerank",), parse, shape).handler)
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):  # Jina and vLLM; vLLM's bare path; Cohere's v2 client
         app.router.add_post(path, handler)

@@ -83,6 +83,7 @@ class ResponsesRequest:
     previous: str | None = None
     encrypted_reasoning: bool = False  # reasoning items carry encrypted_content
     names: ToolNames = field(default_factory=ToolNames)  # namespaced tools and tool_search: how calls go out
+    key: str = ""  # the name of the API key it came with: its stored response is that key's alone
 
 
 def conversation(body: Any, history: list[dict[str, Any]], flat: FlatTools) -> tuple[
@@ -101,15 +102,18 @@ def conversation(body: Any, history: list[dict[str, Any]], flat: FlatTools) -> t
     return messages, history, found
 
 
-def parse_responses(body: Any, store: ResponseStore, stored: Callable[[str], list] | None = None) -> ResponsesRequest:
-    """`stored`: where previous_response_id is looked up first (a WebSocket's own responses), then `store`."""
+def parse_responses(body: Any, store: ResponseStore, key: str,
+                    stored: Callable[[str], list] | None = None) -> ResponsesRequest:
+    """The request, its previous_response_id looked up in `stored` first (a WebSocket's own responses), then among
+    the responses stored for the same API `key`."""
     model = model_name(body)
     stream = flag(body, "stream")
     keep = True if body.get("store") is None else flag(body, "store")
     previous = body.get("previous_response_id")
     history = []
     if previous is not None:
-        history = (stored or store.history)(text(previous, "previous_response_id"))
+        response_id = text(previous, "previous_response_id")
+        history = stored(response_id) if stored is not None else store.history(key, response_id)
     flat = FlatTools()
     messages, history, found = conversation(body, history, flat)
     chat = _chat_shaped(body, flat)
@@ -140,7 +144,7 @@ def parse_responses(body: Any, store: ResponseStore, stored: Callable[[str], lis
             "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": (reasoning or {}).get("summary")},
             "metadata": body.get("metadata") or {}, "store": keep, "previous_response_id": previous}
     return ResponsesRequest(gen, echo, history, keep, previous, "reasoning.encrypted_content" in include,
-                            flat.names)
+                            flat.names, key)
 
 
 def sampling_echo(body: dict, params: dict[str, Any]) -> dict[str, Any]:

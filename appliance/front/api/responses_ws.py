@@ -187,27 +187,27 @@ class Connection:
         self.sockets.route.dialect.finished(req, stream)
         self.keep(stream.id, stream.stored())
 
-    def parse(self, body: dict[str, Any]):
-        return parse_responses(body, self.sockets.store, self.history)
+    def parse(self, body: dict[str, Any], key: str):
+        return parse_responses(body, self.sockets.store, key, lambda response_id: self.history(key, response_id))
 
     async def warm_up(self, call: Call, body: dict[str, Any], sink: SocketSink) -> None:
         """generate: false: the request checked and kept for a continuation; a response with no output."""
-        req = self.parse(body)
+        req = self.parse(body, call.key)
         lookup.model_served(self.sockets.appliance, req.gen.model, call, GENERATIVE_KINDS)
         stream = ResponseStream(req)
         await sink.send(stream.start(None))
         await sink.send(stream.finish(Event("done", finish_reason="stop"), "stop"))
         self.keep(stream.id, [dict(turn) for turn in req.history])
 
-    def history(self, response_id: str) -> list[dict[str, Any]]:
-        """The conversation a response ended: this connection's, else the server's stored one."""
+    def history(self, key: str, response_id: str) -> list[dict[str, Any]]:
+        """The conversation a response ended: this connection's, else the one the server stored for `key`."""
         if response_id in self.evicted:
             raise InvalidRequest(f"previous response '{response_id}' is not found: a continuation of it failed on "
                                  "this connection, which evicted it", "previous_response_id",
                                  "previous_response_not_found")
         if response_id in self.cache:
             return [dict(turn) for turn in self.cache[response_id]]
-        return self.sockets.store.history(response_id)
+        return self.sockets.store.history(key, response_id)
 
     def keep(self, response_id: str, conversation: list[dict[str, Any]]) -> None:
         self.cache[response_id] = conversation

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import lookup
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_body
@@ -34,7 +35,7 @@ class ResultRequest:
 class ResultRoute:
     """One POST route of a one-answer kind; `handler` runs in the route wrapper (appliance.front.api.route)."""
 
-    def __init__(self, appliance, kinds: tuple[str, ...],
+    def __init__(self, appliance: ServerView, kinds: tuple[str, ...],
                  parse: Callable[[Any], ResultRequest],
                  shape: Callable[[ResultRequest, Event], web.Response]):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
@@ -72,7 +73,7 @@ class QueuePlace:
             self.held = False
             self.sup.router.unreserve()
 
-    async def follow(self, appliance, name: str, call, kinds: tuple[str, ...]):
+    async def follow(self, appliance: ServerView, name: str, call, kinds: tuple[str, ...]):
         """The supervisor to open the request on: this place's while it takes the request (an unload's drain
         waits for the place), else, the model unloaded under the request once that drain gave up waiting, the
         model's next load (waited for up to its ready_wait_s) with a new place in its queue."""

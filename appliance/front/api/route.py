@@ -19,9 +19,11 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front import keys
 from appliance.front.api import lookup, sse
 from appliance.front.api.errors import ERROR_TYPES, InvalidRequest, error_body, json_error
+from appliance.front.api.token_budget import TokenBudget
 from appliance.front.limits import Limited
 from appliance.front.priority import BACKGROUND, HEADER, INTERACTIVE, BadPriority, request_class
 from appliance.front.request import RequestFailed
@@ -74,7 +76,7 @@ class Call:
     """One request as the wrapper counts it: its endpoint, its model label, its API key and priority class, and
     error kinds that name a parameter."""
 
-    def __init__(self, appliance, endpoint: str, errors: ErrorShape, request: web.Request | None = None):
+    def __init__(self, appliance: ServerView, endpoint: str, errors: ErrorShape, request: web.Request | None = None):
         self.appliance = appliance  # appliance.front.server.Appliance
         self.endpoint = endpoint
         self.errors = errors
@@ -86,10 +88,12 @@ class Call:
         self.key = self.api_key.name if self.api_key else keys.NO_KEY  # the metrics label, never the secret
         self.header = request.headers.get(HEADER) if request is not None else None
         self.priority = self.api_key.config.priority if self.api_key else INTERACTIVE
-        self.holds_slot = False  # admit() took one of its key's concurrency slots
+        self.body: Any = None  # what label() was given: the body its token budget is estimated from
+        self.ticket: keys.Ticket | None = None  # admit()'s, which the router counts the request's tokens on
 
     def label(self, body: Any) -> None:
         """The model label, and the class the body and the X-OpenArc-Priority header make the request."""
+        self.body = body
         self.model = lookup.model_label(self.appliance, body)
         try:
             self.priority = request_class(self.priority, self.header, body)
@@ -103,23 +107,27 @@ class Call:
     def may_use(self, model: str) -> bool:
         return self.api_key is None or self.api_key.may_use(model)
 
-    def admit(self) -> None:
-        """The request's key admits it (its limits), or a 429 with Retry-After; either way the request's ticket is
-        what the router queues it with (appliance.front.keys.CURRENT)."""
-        limits = self.api_key.limits if self.api_key else None
-        if limits is not None and not self.holds_slot:
-            try:
-                limits.admit()
-            except Limited as exc:
-                self.appliance.metrics.rate_limited.labels(key=self.key, reason=exc.reason).inc()
-                raise RequestFailed(429, "rate_limited", str(exc), retry_after=exc.retry_after) from None
-            self.holds_slot = True
-        keys.CURRENT.set(keys.Ticket(self.key, self.priority, limits))
+    def admit(self, budget: TokenBudget = TokenBudget(0, 0)) -> None:
+        """The request's key admits it (its limits, reserving `budget` of its tokens_per_minute), or a 429 with
+        Retry-After; the request's ticket is then what the router queues it with (appliance.front.keys.CURRENT).
+        Once admitted, a request is not admitted again (a second lookup of its model, after an unload)."""
+        if self.ticket is None:
+            limits = self.api_key.limits if self.api_key else None
+            reservation = None
+            if limits is not None:
+                try:
+                    reservation = limits.admit(budget.total)
+                except Limited as exc:
+                    self.appliance.metrics.rate_limited.labels(key=self.key, reason=exc.reason).inc()
+                    raise RequestFailed(429, "rate_limited", str(exc), retry_after=exc.retry_after) from None
+            self.ticket = keys.Ticket(self.key, self.priority, limits, reservation, prompt_estimate=budget.prompt)
+        keys.CURRENT.set(self.ticket)
 
     def release(self) -> None:
-        if self.holds_slot:
-            self.api_key.limits.release()
-            self.holds_slot = False
+        """The request ended: its ticket settles with its key (once)."""
+        if self.ticket is not None:
+            ticket, self.ticket = self.ticket, None
+            ticket.settle()
 
     def count_error(self, kind: str) -> None:
         metrics = self.appliance.metrics
@@ -171,7 +179,7 @@ class Call:
 Handler = Callable[[web.Request, Call], Awaitable[web.StreamResponse]]
 
 
-def route(appliance, endpoint: str, handler: Handler, errors: ErrorShape = OPENAI):
+def route(appliance: ServerView, endpoint: str, handler: Handler, errors: ErrorShape = OPENAI):
     """The aiohttp handler of one API route: `handler` in the wrapper (see the module's docstring)."""
 
     async def wrapped(request: web.Request) -> web.StreamResponse:

@@ -28,13 +28,14 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
+from appliance.front.api.server_view import ServerView
 from appliance.front.api import fields, lookup, sse
 from appliance.front.api.audio import TRANSCRIPT_ERRORS
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import result_of
 from appliance.front.api.route import Call, route
 from appliance.front.api.sentences import split_sentences
-from appliance.front.decoder_process import HelperUser
+from appliance.front.helper_process import HelperUser
 from appliance.front.request import Request, RequestFailed
 from appliance.front.speech_encoder import CONTENT_TYPES, RESPONSE_FORMATS, EncoderFault, SpeechEncoder
 from appliance.model_files import OPENAI_VOICES, voice_files
@@ -46,7 +47,7 @@ STREAM_FORMATS = ("audio", "sse")
 SAMPLE_RATE_HEADER = "X-Sample-Rate"
 
 
-def add_routes(app: web.Application, appliance) -> None:
+def add_routes(app: web.Application, appliance: ServerView) -> None:
     speech = SpeechRoutes(appliance)
     # TRANSCRIPT_ERRORS: OpenAI's bodies, and in a stream an event of type "error" like the audio events' types.
     app.router.add_post("/v1/audio/speech", route(appliance, "audio/speech", speech.handle, TRANSCRIPT_ERRORS))
@@ -111,7 +112,7 @@ def choose_voice(requested: str | None, voices: dict[str, str], default_voice: s
 
 
 class SpeechRoutes(HelperUser):
-    def __init__(self, appliance):
+    def __init__(self, appliance: ServerView):
         self.encoder = SpeechEncoder()
         super().__init__(appliance, KIND, self.encoder, "openarc-speech-")
         self.serial = itertools.count(1)
@@ -215,9 +216,13 @@ class Speech:
         cuts an admitted speech short."""
         held, self.next_place = self.next_place, False  # open() takes the place, admitted or not
         handle = self.sup.open(frame, op="request", reserved=held)
-        self.next_place = i + 1 < len(self.pieces)
-        if self.next_place:  # in the step that opened sentence i: the model admits it still
-            self.sup.reserve(continuing=True)
+        if i + 1 < len(self.pieces):
+            try:  # in the step that opened sentence i, so a draining model still takes it (until drained)
+                self.sup.reserve(continuing=True)
+            except RequestFailed:
+                self.sup.close(handle)  # nobody would read its result, nor remove its spool file
+                raise
+            self.next_place = True  # only once held: close() gives back what was reserved, never more
         return handle
 
     def _first(self, chunk: bytes) -> bytes:

@@ -62,7 +62,7 @@ def diagnose(root: str | Path = "/", config_path: str | None = None, unit: str |
               *cards.checks(machine, card_facts)]
     config = None
     if config_path:
-        config, problems = config_checks.load(config_path)
+        config, problems = config_checks.load(config_path, machine)
         checks += problems
         if config is not None:
             checks += config_checks.memory_checks(config, card_facts)

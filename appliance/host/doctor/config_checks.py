@@ -12,6 +12,7 @@ from appliance.config import Config, ConfigError, load_config
 from appliance.config import window
 from appliance.config.devices import budget_device
 from appliance.config.kinds import GENERATIVE_KINDS
+from appliance.config.model_checks import served_path_check
 from appliance.host.doctor import Check, fail, ok, skip, warn
 from appliance.host.doctor.box import Box, User
 from appliance.host.doctor.cards import GiB, CardFacts
@@ -21,10 +22,15 @@ from appliance.host.doctor.cards import GiB, CardFacts
 HEADROOM = 0.10
 
 
-def load(path: str) -> tuple[Config | None, list[Check]]:
-    """The config and its check; each problem check-config names is a failing check of its own."""
+def load(path: str, box: Box) -> tuple[Config | None, list[Check]]:
+    """The config and its check; each problem check-config names is a failing check of its own: its checks of
+    the model directories included (the same code, the paths read on `box`), so one run names every problem
+    rather than the first kind of them."""
+    def on_box(configured: str) -> str:
+        return str(box.path(configured)) if box.recorded else configured
+
     try:
-        config = load_config(path)
+        config = load_config(path, [lambda model: served_path_check(model, locate=on_box)])
     except ConfigError as exc:
         return None, [fail("config", line, f"edit {path} as the line says; `openarc check-config {path}` "
                                            "re-checks it") for line in exc.lines]

@@ -35,7 +35,9 @@ def checks(box: Box, config: Config | None) -> list[Check]:
     for what, path in places.items():
         free, measured = free_bytes(box.path(path))
         name = f"disk {what}"
-        where = f"{path}: {free / (1 << 30):.1f} GiB free"
+        where = f"{_shown(box, measured)}: {free / (1 << 30):.1f} GiB free"
+        if measured != box.path(path):  # the check names the directory it measured, never one that is not there
+            where += f" ({path} does not exist yet)"
         fix = f"free space on the filesystem of {path} (`df -h {path}`; `du -sh {path}/*`)"
         if free < EMPTY:
             found.append(fail(name, where, fix))
@@ -44,3 +46,8 @@ def checks(box: Box, config: Config | None) -> list[Check]:
         else:
             found.append(ok(name, where))
     return found
+
+
+def _shown(box: Box, measured: Path) -> str:
+    """A measured directory as the machine names it (a recorded root's path without the root)."""
+    return "/" + str(measured.relative_to(box.root)).lstrip(".") if box.recorded else str(measured)

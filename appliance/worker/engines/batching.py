@@ -140,6 +140,8 @@ class BatchingEngine(LLMEngine):
                 if not req.generated:
                     self.prompt_computed(req)
                 updates.append((req, new_ids))
+            elif req.generated:
+                req.steps += 1
             progress.append((req, handle, status, finish))
         self.emit_tokens(updates)
         # genai drops every request of a step that schedules no token; the oldest of them is the one that did not fit
@@ -161,6 +163,16 @@ class BatchingEngine(LLMEngine):
             elif status == finished:
                 self.finish(req, finish_reason_name(finish, req))
             # CANCEL / STOP: the front already forgot this request
+        if self.cache_model is not None:
+            self.cache_model.set_running(self._generated_at_most(req) for req, _ in self.active.values())
+
+    @staticmethod
+    def _generated_at_most(req: Request) -> int:
+        """The tokens a running request holds beyond its prompt, or more: a streamed one's are all read; a
+        non-streamed one is read at its first token and its end, so its steps since then bound the rest."""
+        if req.stream:
+            return len(req.generated)
+        return min(req.max_tokens, len(req.generated) + req.steps * (1 + req.proposal))
 
     @staticmethod
     def _read(req: Request, handle, new_ids: list[int]):

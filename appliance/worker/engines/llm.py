@@ -49,6 +49,8 @@ class Request:
     params: dict[str, Any]
     bound: str = window.BOUND_REQUEST  # what set max_tokens (appliance.config.window): an answer cut there says so
     generated: list[int] = field(default_factory=list)
+    steps: int = 0  # engine steps since its first token: a non-streamed answer, read only at its end, grew at most
+    #                 (1 + proposal) tokens a step (the prefix cache model counts them against the cache)
     prefix_offset: int = 0  # detokenizer state (appliance.worker.detokenize)
     read_offset: int = 0
     decoder: Any = None

@@ -1,5 +1,7 @@
-"""A long-lived helper process the front sends untrusted media to (uploaded audio, images in chat), so a decoder
-library that crashes on a malformed file takes down only that process, never the front or a model's worker.
+"""A long-lived helper process of the front: the decoders it sends untrusted media to (uploaded audio, images in
+chat), so a decoder library that crashes on a malformed file takes down only that process, never the front or a
+model's worker; and the token counter and the speech encoder, which keep OpenVINO and the audio codecs out of the
+front the same way.
 
 Protocol, one request at a time: the front writes a JSON line (the request) and its n bytes of data; the process
 answers with one JSON line.  A process that dies on a request gets one more try in a fresh process (it may have
@@ -7,7 +9,7 @@ died of an earlier file); one that hangs past the timeout is killed.
 
 Whose fault a failure is decides what the client is told: an input that crashes a fresh decoder is the client's
 (a 400 its route words); a decoder that hangs past its timeout, or output that cannot be written (a full spool
-disk: the decoder answers WRITE_FAILED), is the server's, a DecoderFault: a 503 with Retry-After, never counted
+disk: the decoder answers WRITE_FAILED), is the server's, a HelperFault: a 503 with Retry-After, never counted
 as a bad input.
 """
 
@@ -28,7 +30,7 @@ log = logging.getLogger("openarc")
 WRITE_FAILED = "write_failed"  # a decoder's reply when its output could not be written
 
 
-class DecoderFailed(Exception):
+class HelperFailed(Exception):
     """The process died on this input twice, or hung on it: `how` is "crashed" or "hung"."""
 
     def __init__(self, how: str):
@@ -36,7 +38,7 @@ class DecoderFailed(Exception):
         self.how = how
 
 
-class DecoderFault(Exception):
+class HelperFault(Exception):
     """A fault of ours, not of the input: the decoder hung (killed and replaced) or could not write its output.
     The input may well be fine: the client is told to retry."""
 
@@ -57,19 +59,19 @@ def write_failed(out: str, what: str, exc: OSError) -> dict[str, Any]:
     return {"error": WRITE_FAILED, "message": f"cannot write the decoded {what} to {out}: {exc}"}
 
 
-class DecoderProcess:
-    """The front's handle on one decoder process (`python -m <module>`): started on first use, restarted after a
-    crash."""
+class HelperProcess:
+    """The front's handle on one helper process (`python -m <module>`: a decoder, the token counter, the speech
+    encoder): started on first use, restarted after a crash."""
 
     def __init__(self, module: str, timeout_s: float, what: str):
         self.module = module
         self.timeout_s = timeout_s
-        self.what = what  # for the log: "audio decoder", "image decoder"
+        self.what = what  # for the log: "audio decoder", "image decoder", "token counter", "speech encoder"
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
 
     async def ask(self, request: dict[str, Any], data: bytes) -> dict[str, Any]:
-        """The process's reply to `request` with `data`; DecoderFailed if it crashed twice or hung."""
+        """The process's reply to `request` with `data`; HelperFailed if it crashed twice or hung."""
         header = json.dumps({**request, "bytes": len(data)}).encode() + b"\n"
         async with self._lock:
             for _ in range(2):
@@ -78,24 +80,24 @@ class DecoderProcess:
                     line = await self._exchange(proc, header, data)
                 except asyncio.TimeoutError:
                     await self._discard(proc, "hung")
-                    raise DecoderFailed("hung") from None
+                    raise HelperFailed("hung") from None
                 if line:
                     return json.loads(line)
                 await self._discard(proc, "died")
-        raise DecoderFailed("crashed")
+        raise HelperFailed("crashed")
 
     async def answer(self, request: dict[str, Any], data: bytes) -> dict[str, Any]:
-        """ask(), with the server's own faults raised as DecoderFault; DecoderFailed("crashed") is left to the
+        """ask(), with the server's own faults raised as HelperFault; HelperFailed("crashed") is left to the
         caller (the input crashed a fresh decoder: the client's)."""
         try:
             reply = await self.ask(request, data)
-        except DecoderFailed as exc:
+        except HelperFailed as exc:
             if exc.how == "hung":
-                raise DecoderFault(self.what, f"the {self.what} did not answer within {self.timeout_s:g} s; it was "
+                raise HelperFault(self.what, f"the {self.what} did not answer within {self.timeout_s:g} s; it was "
                                               "killed and is replaced") from None
             raise
         if reply.get("error") == WRITE_FAILED:
-            raise DecoderFault(self.what, reply["message"])
+            raise HelperFault(self.what, reply["message"])
         return reply
 
     async def start(self) -> asyncio.subprocess.Process:
@@ -143,7 +145,7 @@ class HelperUser:
     routes, the speech route): the helper is started with the server when a model of `kind` is configured, so the
     first request does not wait for it, and both end with the server."""
 
-    def __init__(self, appliance, kind: str, helper: DecoderProcess, spool_prefix: str):
+    def __init__(self, appliance, kind: str, helper: HelperProcess, spool_prefix: str):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, config
         self.kind, self.helper = kind, helper
         self.spool = tempfile.mkdtemp(prefix=spool_prefix)

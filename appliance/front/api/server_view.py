@@ -1,0 +1,31 @@
+"""What the routes and middlewares may use of the front process: a Protocol that appliance.front.server.Appliance
+satisfies, so that every route family's dependency on the front shows in its signature, and a route cannot reach
+what it should not (the reload lock, the notifier, the lifecycle's own methods).
+
+The routes read this state; only the Appliance's lifecycle changes it (a reload swaps `config` and `keys`
+together, a stop sets `draining`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from appliance.config import Config
+    from appliance.front.gpu_watch import GpuWatch
+    from appliance.front.keys import KeyRing
+    from appliance.front.metrics import Metrics
+    from appliance.front.supervisor import Supervisor
+
+
+class ServerView(Protocol):
+    config: Config  # the current config: aliases, body limits, metrics_require_key, stored_responses
+    keys: KeyRing  # the current API keys (empty: authentication off)
+    supervisor: Supervisor  # the models: lookup, readiness, load and unload
+    metrics: Metrics
+    gpu: GpuWatch  # /openarc/status's GPU mitigations
+    draining: bool  # the server is stopping: new requests are refused
+    started: float  # Unix time the front started
+
+    def unhealthy_reason(self) -> str | None:
+        """Why /health fails (None: healthy)."""

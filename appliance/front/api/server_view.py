@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from appliance.config import Config
+    from appliance.front.api.count_tokens import PromptCounter
     from appliance.front.gpu_watch import GpuWatch
     from appliance.front.keys import KeyRing
     from appliance.front.metrics import Metrics
@@ -26,6 +27,7 @@ class ServerView(Protocol):
     gpu: GpuWatch  # /openarc/status's GPU mitigations
     draining: bool  # the server is stopping: new requests are refused
     started: float  # Unix time the front started
+    prompt_counter: PromptCounter  # the token counter process: counts and waiting streams' window checks
 
     def unhealthy_reason(self) -> str | None:
         """Why /health fails (None: healthy)."""

@@ -50,7 +50,7 @@ def test_a_key_without_limits_is_never_refused_and_its_use_is_counted():
     clock.now += 61
     for _ in range(50):
         limits.release()
-    assert limits.usage() == {"running": 0, "requests_last_minute": 0, "tokens_last_minute": 0}
+    assert limits.usage() == {"running": 0, "requests_last_minute": 0, "tokens_last_minute": 0, "tokens_reserved": 0}
     limits.configure(None, 1, None)  # a reload that adds a limit keeps the minute's count
     limits.admit()
     with pytest.raises(Limited):

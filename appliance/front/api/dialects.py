@@ -20,7 +20,7 @@ from appliance.front.api.answer_items import Events
 from appliance.front.api.count_tokens import CountTokensRoute
 from appliance.front.api.fields import json_body
 from appliance.front.api.generate import answer_parser, finish_reason, note_constraint
-from appliance.front.api.lark_grammar import convert_off_loop
+from appliance.front.api.grammar_helper import CONVERTER
 from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.route import Call, route
 from appliance.front.api.tools import lark_grammars
@@ -65,7 +65,7 @@ class DialectRoute:
     async def handler(self, request: web.Request, call: Call) -> web.StreamResponse:
         body = await json_body(request)
         call.label(body)
-        await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
+        await CONVERTER.convert(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = self.dialect.parse(body)
         gen = req.gen
         sup = await lookup.model_for(self.appliance, gen.model, call, GENERATIVE_KINDS)

@@ -19,7 +19,7 @@ from appliance.front.api import lookup, sse
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_body, parse_json
 from appliance.front.api.images import MAX_IMAGE_REQUESTS_IN_FLIGHT, MAX_IMAGES, ImageResolver, body_limit, spool_base
-from appliance.front.api.lark_grammar import convert_off_loop
+from appliance.front.api.grammar_helper import CONVERTER
 from appliance.front.api.results import QueuePlace
 from appliance.front.api.route import Call, route
 from appliance.front.api.tool_parsers import parser_for
@@ -52,6 +52,7 @@ class GenerationRoutes:
 
     async def close(self, app: web.Application) -> None:
         await self.images.close()
+        await CONVERTER.close()
 
     async def chat_completions(self, request: web.Request, call: Call) -> web.StreamResponse:
         return await self._generate(request, call, parse_chat, await self._chat_body(request))
@@ -91,7 +92,7 @@ class GenerationRoutes:
 
     async def _generate(self, request: web.Request, call: Call, parse, body: Any) -> web.StreamResponse:
         call.label(body)
-        await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
+        await CONVERTER.convert(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = parse(body)
         sup = await lookup.model_for(self.appliance, req.model, call, GENERATIVE_KINDS)
         # A request with images holds its place in the queue before they are fetched and decoded: a busy model

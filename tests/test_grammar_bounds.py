@@ -177,3 +177,19 @@ def test_the_refusal_reaches_the_client_as_a_400_naming_the_field():
         parse_tools(body)
     assert refused.value.code == "grammar_too_large"
     assert re.search(r"tools\[0\]\.custom\.format\.grammar\.definition", refused.value.param)
+
+
+@pytest.mark.parametrize("grammar, atoms", [
+    ('root ::= ((("a"{100}){100}){100})', None),  # 25 s in genai
+    ("root ::= a{10}\na ::= b{10}\nb ::= c{10} | \"x\"\nc ::= \"y\"{100}", None),  # across rules
+    ("root ::= [a-z]{0,1000}", 1000),
+    ('root ::= "a" root | "b"', 3),  # recursion is a rule, written once
+    ('root ::= "{" "}"{3}', 4),  # braces in a string are text
+])
+def test_an_ebnf_grammar_constraint_counts_its_repeats_across_rules(grammar, atoms):
+    if atoms is None:
+        with pytest.raises(InvalidRequest) as refused:
+            bounds.bounded_grammar(grammar, "structured_outputs.grammar")
+        assert refused.value.code == "grammar_too_large"
+    else:
+        assert bounds.grammar_atoms(grammar) == atoms

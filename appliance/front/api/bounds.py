@@ -8,6 +8,7 @@ pipeline; past these limits a constraint is a 400 naming the limit, before any w
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from appliance.front.api import lark_grammar
@@ -25,6 +26,57 @@ def bounded_regex(regex: str, where: str) -> str:
         raise InvalidRequest(f"'{where}': the regex is more than {lark_grammar.MAX_REGEX_ATOMS} characters once "
                              "its repeats are written out (nested {m,n} repeats multiply)", where, TOO_LARGE)
     return regex
+
+
+EBNF_RULE = re.compile(r"(?m)^[ \t]*([A-Za-z_][\w.-]*)[ \t]*::=")
+EBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}|[()]'
+                        r"|[A-Za-z_][\w.-]*|#[^\n]*|\S", re.S)
+
+
+def bounded_grammar(grammar: str, where: str) -> str:
+    """An EBNF grammar (structured_outputs.grammar, genai's own dialect), if its repeats written out
+    (grammar_atoms) stay within lark_grammar.MAX_REGEX_ATOMS; else a 400 naming `where`."""
+    if grammar_atoms(grammar) > lark_grammar.MAX_REGEX_ATOMS:
+        raise InvalidRequest(f"'{where}': the grammar is more than {lark_grammar.MAX_REGEX_ATOMS} symbols once its "
+                             "repeats are written out (nested {m,n} repeats multiply, across rules too)", where,
+                             TOO_LARGE)
+    return grammar
+
+
+def grammar_atoms(grammar: str) -> int:
+    """The symbols of an EBNF grammar's `root` with its {m,n} repeats written out and the rules it uses written
+    in place (a rule used inside itself counts once): what genai expands (three nested {100} repeats took it
+    25 s). An upper bound: alternatives add up. Saturates just past MAX_REGEX_ATOMS."""
+    cap = lark_grammar.MAX_REGEX_ATOMS + 1
+    starts = list(EBNF_RULE.finditer(grammar))
+    bodies = {m.group(1): grammar[m.end(): following.start() if following else len(grammar)]
+              for m, following in zip(starts, starts[1:] + [None])}
+    sizes: dict[str, int] = {}
+
+    def rule(name: str) -> int:
+        if name not in sizes:
+            sizes[name] = 1  # while it is counted: a recursive use is a rule, written once
+            sizes[name] = body(bodies[name])
+        return sizes[name]
+
+    def body(text: str) -> int:
+        groups: list[list[int]] = [[]]
+        for match in EBNF_TOKEN.finditer(text):
+            token = match.group(0)
+            if token == "(":
+                groups.append([])
+            elif token == ")" and len(groups) > 1:
+                inner = groups.pop()
+                groups[-1].append(min(sum(inner), cap))
+            elif match.group(1) is not None and groups[-1]:
+                low, comma, high = int(match.group(1)), match.group(2), match.group(3)
+                copies = max(low + 1 if comma and not high else int(high or low), 1)
+                groups[-1][-1] = min(groups[-1][-1] * copies, cap)
+            elif token[0] in "\"[" or token in bodies:
+                groups[-1].append(rule(token) if token in bodies else 1)
+        return min(sum(sum(group) for group in groups), cap)
+
+    return rule("root") if "root" in bodies else body(grammar)
 
 
 def bounded_schema(schema: Any, where: str) -> Any:

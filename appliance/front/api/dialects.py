@@ -65,6 +65,7 @@ class DialectRoute:
     async def handler(self, request: web.Request, call: Call) -> web.StreamResponse:
         body = await json_body(request)
         call.label(body)
+        lookup.admit_early(self.appliance, body, call, GENERATIVE_KINDS)  # before any costly work on the body
         await CONVERTER.convert(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = self.dialect.parse(body)
         gen = req.gen

@@ -92,6 +92,7 @@ class GenerationRoutes:
 
     async def _generate(self, request: web.Request, call: Call, parse, body: Any) -> web.StreamResponse:
         call.label(body)
+        lookup.admit_early(self.appliance, body, call, GENERATIVE_KINDS)  # before any costly work on the body
         await CONVERTER.convert(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = parse(body)
         sup = await lookup.model_for(self.appliance, req.model, call, GENERATIVE_KINDS)

@@ -5,12 +5,14 @@ single cases: every answer is a documented status with a JSON error body in the 
 ANSWER_BOUND_S; no traceback in the log; no worker's pid changes; the front's RSS grows by less than
 RSS_GROWTH_BOUND_MB; a good request after the storm answers as it did before.
 
-About two minutes in CI; OPENARC_HOSTILE_EXAMPLES (examples per route, default 12) runs it longer. On the code
-before issue 36 the corpus found: the nested-repeat Lark grammar (the worker exited on the front's 101 MB frame:
-a 500 and a new worker pid, the front's RSS up by over 100 MB), the 16-optional grammar (seconds of lark in the
-front's default executor), the terminal DAG (lark's own reference resolution, minutes), and regex, EBNF and
-schema-pattern constraints with nested repeats (a compile of 25-30 s in the worker: the request taken for a hung
-pipeline when it passed stall_timeout_s).
+About two minutes in CI; OPENARC_HOSTILE_EXAMPLES (examples per route, default 12) runs it longer. The corpus is
+bench.hostile's (its bench replays it beside an honest client). On the code before issue 36 (74ff599) it found:
+the nested-repeat Lark grammar on chat and Responses (503 worker_crash: the worker exited on the front's 101 MB
+frame, twice, with a traceback in the log), the 16-optional grammar (answered after 25 s: lark in the front's
+default executor), a nested-repeat regex constraint and a schema `pattern` with nested repeats (20 s: genai's
+compile in the worker, near its stall timeout). The terminal DAG was left out of that run: lark's own reference
+resolution of it would have run for hours in the front. The 100 MB-expanding schema and the nested-repeat EBNF
+grammar were answered 200 (genai compiles $refs as rules), and are refused now by their bounds.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from audio_samples import multipart, tone, wav_bytes
+from bench.hostile import (EBNF_BOMB, NESTED_REPEATS, OPTIONALS_16, REGEX_BOMB, TERMINAL_DAG, custom_tool, deep,
+                           schema_bomb)
 from conftest import Appliance, http, model_entry, pid_alive, wait_until
 
 EXAMPLES = int(os.environ.get("OPENARC_HOSTILE_EXAMPLES") or 12)
@@ -38,34 +42,12 @@ BOMB_BOUND_S = 2.0  # the issue's bombs: "a 400 in milliseconds", with room for 
 RSS_GROWTH_BOUND_MB = 48  # the front over the whole storm (the old code: +100 MB from one grammar)
 DOCUMENTED = {200, 400, 404, 405, 413, 415, 429}  # docs/api.md: what a client's request may get; never a 5xx
 MAX_BODY = 256 << 10
+IMAGE_BYTES, IMAGE_PIXELS = 64 << 10, 10_000  # the vision model's limits in the storm's config
 HOSTILE_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
                             phases=(Phase.explicit, Phase.generate),
                             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 CHAT = [{"role": "user", "content": "Hi"}]
-NESTED_REPEATS = "start: A\nA: /((((a){64}){64}){64}){64}/"
-OPTIONALS_16 = "start: " + " ".join(f"x{i}?" for i in range(16)) + "\n" + "".join(f'x{i}: "x"\n' for i in range(16))
-TERMINAL_DAG = "start: A\n" + "".join(f"{a}: {b} {b}\n" for a, b in zip("ABCDEFGHIJKLMNOPQRST", "BCDEFGHIJKLMNOPQRSTU")) \
-    + 'U: "abc"\n'
-REGEX_BOMB = "((a{100}){100}){100}"
-EBNF_BOMB = 'root ::= ((("a"{100}){100}){100})'
-
-
-def schema_bomb(levels: int = 21) -> dict:
-    """Over 100 MB written out (2**21 copies of a 64-character enum), 3 KB as sent."""
-    defs = {"d0": {"type": "string", "enum": ["x" * 64]}}
-    for i in range(1, levels + 1):
-        ref = {"$ref": f"#/$defs/d{i - 1}"}
-        defs[f"d{i}"] = {"type": "object", "properties": {"a": ref, "b": ref}, "required": ["a", "b"]}
-    return {"$defs": defs, "$ref": f"#/$defs/d{levels}"}
-
-
-def custom_tool(definition: str, responses: bool = False) -> dict:
-    fmt = {"type": "grammar", "syntax": "lark", "definition": definition}
-    if responses:
-        return {"type": "custom", "name": "patch", "format": fmt}
-    return {"type": "custom", "custom": {"name": "patch", "format": {"type": "grammar", "grammar": {
-        "syntax": "lark", "definition": definition}}}}
 
 
 # --- the routes ---------------------------------------------------------------------------------------------
@@ -197,13 +179,14 @@ class Storm:
 
 
 @pytest.fixture(scope="module")
-def storm(demo_model, embedding_model, rerank_model, demo_whisper, demo_tts, tmp_path_factory):
+def storm(demo_model, embedding_model, rerank_model, demo_whisper, demo_tts, demo_vlm, tmp_path_factory):
     config = {"server": {"max_body_bytes": MAX_BODY}, "models": [
         model_entry("demo", demo_model, max_context=512),
         model_entry("embed", embedding_model, kind="embedding", max_context=64, max_inputs=16),
         model_entry("rank", rerank_model, kind="rerank", max_context=64, max_inputs=16),
-        model_entry("whisper", demo_whisper, kind="transcription", max_upload_bytes=1 << 20, max_audio_seconds=30),
-        model_entry("tts", demo_tts, kind="tts")]}
+        model_entry("whisper", demo_whisper, kind="transcription", max_upload_bytes=1 << 20, max_audio_seconds=5),
+        model_entry("tts", demo_tts, kind="tts"),
+        model_entry("vlm", demo_vlm, kind="vlm", max_image_bytes=IMAGE_BYTES, max_image_pixels=IMAGE_PIXELS)]}
     app = Appliance(config, tmp_path_factory.mktemp("hostile")).start()
     try:
         yield Storm(app)
@@ -212,10 +195,6 @@ def storm(demo_model, embedding_model, rerank_model, demo_whisper, demo_tts, tmp
 
 
 # --- the fixed corpus of known bombs ------------------------------------------------------------------------
-
-def deep(n: int) -> bytes:
-    return b"[" * n + b"]" * n
-
 
 def with_raw(body: dict, **raw: bytes) -> bytes:
     """`body` as JSON with some keys' values as raw bytes (JSON Python cannot write: NaN, bad UTF-8)."""
@@ -379,6 +358,106 @@ def test_a_request_line_past_aiohttps_limit_is_refused_before_any_route(storm):
     for path in ("/openarc/status?" + "a=" * 10000, "/openarc/models/" + "m" * 10000 + "/load"):
         status, reply, waited = ROUTES["status"].send(storm.app, path=path)
         assert status == 400 and b"8190" in reply and waited < ANSWER_BOUND_S
+
+
+# --- the limits table of docs/api.md: one request past each row -------------------------------------------
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+
+
+def limit_rows() -> list[str]:
+    """The first column of each row of the limits table in docs/api.md."""
+    section = DOCS.read_text().split("\n## Limits\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    return [row.split(" | ")[0].lstrip("| ").strip() for row in rows[1:]]
+
+
+def png(side: int, noise: bool = False) -> str:
+    import base64
+    import io
+    import random
+
+    from PIL import Image
+    image = Image.new("RGB", (side, side), "red")
+    if noise:  # incompressible: the file is as large as its pixels
+        image = Image.frombytes("RGB", (side, side), random.Random(side).randbytes(side * side * 3))
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def vlm_chat(*urls: str) -> dict:
+    return {"model": "vlm", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What colour?"}, *({"type": "image_url", "image_url": {"url": u}} for u in urls)]}]}
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+# row -> (route, body or raw, status, code (None: the route's shape has none, or any)), or the test that covers it
+LIMIT_CASES: dict[str, Any] = {
+    "request body": ("embeddings", {"model": "embed", "input": "a" * (MAX_BODY + 1)}, 413, "request_entity_too_large"),
+    "request line, each header": "test_a_request_line_past_aiohttps_limit_is_refused_before_any_route",
+    "JSON nesting of a schema or tool parameters": ("chat", {**CHAT_BODY, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": nested_schema(40)}}}, 400, "invalid_request"),
+    "prompt (messages, tools and template rendered)": ("chat", {**CHAT_BODY, "messages": [
+        {"role": "user", "content": "word " * 2000}]}, 400, "context_length_exceeded"),
+    "one request as passed to its worker":
+        "test_an_oversized_frame_fails_its_own_request_and_the_worker_and_its_other_requests_live",
+    "`stop` (chat, completions)": ("chat", {**CHAT_BODY, "stop": ["a"] * 5}, 400, "invalid_request"),
+    "`stop_sequences` (messages)": ("messages", {**ROUTES["messages"].body, "stop_sequences": ["a"] * 9}, 400, None),
+    "`n`": ("chat", {**CHAT_BODY, "n": 9}, 400, "invalid_request"),
+    "`logit_bias`": ("chat", {**CHAT_BODY, "logit_bias": {"1": 1}}, 400, "invalid_request"),
+    "Lark grammar definition": ("chat", {**CHAT_BODY, "tools": [custom_tool('start: "' + "a" * 40000 + '"')]}, 400,
+                                "grammar_too_large"),
+    "Lark grammar nesting of `( [ {`": ("chat", {**CHAT_BODY, "tools": [custom_tool(
+        "start: " + "(" * 40 + '"a"' + ")" * 40)]}, 400, "grammar_too_large"),
+    "Lark grammar rules written out (each `x?`, `[x]`, group and `~` repeat multiplies their alternatives)": (
+        "responses", {**RESPONSES_BODY, "tools": [custom_tool(OPTIONALS_16, True)]}, 400, "grammar_too_large"),
+    "regex written out (nested `{m,n}` multiply): regex constraints, custom tools' regexes, Lark terminals, schema "
+    "`pattern`s, EBNF grammars across their rules": (
+        "chat", {**CHAT_BODY, "structured_outputs": {"regex": REGEX_BOMB}}, 400, "grammar_too_large"),
+    "JSON schema with every `$ref` written out in place (response formats, strict tools' parameters)": (
+        "chat", {**CHAT_BODY, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "bomb", "schema": schema_bomb()}}}, 400, "grammar_too_large"),
+    "Lark grammar conversion": "test_grammar_bounds.py::test_a_conversion_past_its_time_bound_is_stopped_and_refused",
+    "images per request": ("chat", vlm_chat(*[png(4)] * 9), 400, "too_many_images"),
+    "image size": ("chat", vlm_chat(png(160, noise=True)), 400, "invalid_image"),
+    "image pixels": ("chat", vlm_chat(png(200)), 400, "invalid_image"),
+    "embedding inputs, rerank documents": ("embeddings", {"model": "embed", "input": ["x"] * 17}, 400,
+                                           "too_many_inputs"),
+    "audio upload": ("transcription", {"model": "whisper", "file": b"\0" * ((1 << 20) + 1)}, 413, None),
+    "audio length": ("transcription", {"model": "whisper", "file": wav_bytes(tone(6.0))}, 413, "audio_too_long"),
+    "form fields of an upload": ("transcription", {"model": "whisper", **{f"f{i}": "x" for i in range(33)},
+                                                   "file": wav_bytes(tone(0.5))}, 400, "invalid_request"),
+    "speech `input`": ("speech", {**ROUTES["speech"].body, "input": "a" * 4097}, 400, "string_above_max_length"),
+    "a key's requests, tokens, concurrent requests": "test_a_key_that_may_not_make_a_request_costs_no_conversion",
+}
+
+
+def test_the_limits_table_and_its_cases_name_the_same_rows():
+    assert limit_rows() == list(LIMIT_CASES)
+    for row, case in LIMIT_CASES.items():
+        if isinstance(case, str):  # covered by a test of its own (another server, or no server): it exists
+            module, _, name = case.rpartition("::")
+            source = (Path(__file__).parent / (module or "test_hostile.py")).read_text()
+            assert f"def {name}(" in source, (row, case)
+
+
+@pytest.mark.parametrize("row", [row for row, case in LIMIT_CASES.items() if not isinstance(case, str)])
+def test_each_row_of_the_limits_table_is_enforced(storm, row):
+    route_name, body, status, code = LIMIT_CASES[row]
+    route = ROUTES[route_name]
+    raw = multipart(body) if route.form else json.dumps(body).encode()
+    got, reply, waited = route.send(storm.app, raw)
+    storm.check(route, got, reply, waited)
+    assert got == status, f"{row}: {got} {str(reply)[:400]}"
+    if code is not None:
+        assert reply["error"]["code"] == code, reply
 
 
 # --- the invariants over the whole storm: the module's last test --------------------------------------------

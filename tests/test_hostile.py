@@ -552,3 +552,12 @@ def test_a_key_that_may_not_make_a_request_costs_no_conversion(appliance_factory
 
 
 APPLY_PATCH_LIKE = 'start: "*** Begin Patch" LF line+ "*** End Patch"\nline: /[^\\n]*/ LF\n%import common.LF\n'
+
+
+def test_encode_refuses_a_frame_past_the_limit_before_anything_is_sent():
+    from appliance import ipc
+    big = ipc.frame("cancel", id=1)
+    big["padding"] = "x" * (ipc.MAX_FRAME + 1)  # a field no op has: encode() checks the size, not the table
+    with pytest.raises(ipc.FrameTooLarge, match="frame limit"):
+        ipc.encode(big)
+    assert ipc.decode(ipc.encode(ipc.frame("cancel", id=1))[ipc.HEADER.size:]) == {"op": "cancel", "id": 1}

@@ -102,7 +102,7 @@ async def hostile_client(session: aiohttp.ClientSession, base: str, corpus: list
         started = time.monotonic()
         async with session.post(base + path, data=body, headers={"Content-Type": "application/json"}) as response:
             await response.read()
-            answers.append((response.status, time.monotonic() - started))
+            answers.append((response.status, time.monotonic() - started, (i - 1) % len(corpus)))
 
 
 async def measure(quick: bool, clients: int | None = None) -> tuple[dict, list]:
@@ -118,7 +118,7 @@ async def measure(quick: bool, clients: int | None = None) -> tuple[dict, list]:
                 pid = await app.worker_pid(session, "demo")
                 await honest_latencies(session, app.base, 0.5)  # warm
                 alone = await honest_latencies(session, app.base, HONEST_SECONDS[quick])
-                answers: list[tuple[int, float]] = []
+                answers: list[tuple[int, float, int]] = []
                 stop = asyncio.Event()
                 storm = [asyncio.create_task(hostile_client(session, app.base, bombs(), answers, stop, i))
                          for i in range(clients)]
@@ -132,7 +132,9 @@ async def measure(quick: bool, clients: int | None = None) -> tuple[dict, list]:
     meta = {"when": report.now(), "quick": quick, "hostile_clients": clients, "bombs": len(bombs()),
             "load_average": report.load_average(), **report.machine(),
             "honest_ms": {"alone": [round(x * 1000, 2) for x in alone], "storm": [round(x * 1000, 2) for x in beside]},
-            "hostile_statuses": sorted({status for status, _ in answers})}
+            "hostile_statuses": sorted({status for status, _, _ in answers}),
+            "hostile_median_ms_by_bomb": {str(b): round(statistics.median(t for _, t, k in answers if k == b) * 1000, 1)
+                                          for b in sorted({k for _, _, k in answers})}}
     return meta, figures(alone, beside, answers, same_worker, clients)
 
 
@@ -143,11 +145,11 @@ def p90(samples: list[float]) -> float:
 HEADLINE = "Hostile storm: an honest client's chat latency beside / without hostile clients"
 
 
-def figures(alone: list[float], beside: list[float], answers: list[tuple[int, float]], same_worker: bool,
+def figures(alone: list[float], beside: list[float], answers: list[tuple[int, float, int]], same_worker: bool,
             clients: int) -> list[report.Figure]:
     a, b = statistics.median(alone) * 1000, statistics.median(beside) * 1000
-    server_errors = sum(status >= 500 for status, _ in answers)
-    slowest = max((took for _, took in answers), default=0.0) * 1000
+    server_errors = sum(status >= 500 for status, _, _ in answers)
+    slowest = max((took for _, took, _ in answers), default=0.0) * 1000
     return [
         report.Figure("Honest chat latency alone (median / p90)", f"{a:,.1f} ms / {p90(alone) * 1000:,.1f} ms", a, "ms"),
         report.Figure(f"Honest chat latency beside {clients} hostile clients (median / p90)",

@@ -433,6 +433,8 @@ LIMIT_CASES: dict[str, Any] = {
         "type": "json_schema", "json_schema": {"name": "n", "schema": nested_schema(40)}}}, 400, "invalid_request"),
     "prompt (messages, tools and template rendered)": ("chat", {**CHAT_BODY, "messages": [
         {"role": "user", "content": "word " * 2000}]}, 400, "context_length_exceeded"),
+    "prompt characters, counted in the front before the worker renders and tokenizes it": ("chat", {
+        **CHAT_BODY, "messages": [{"role": "user", "content": "a" * (512 * 64 + 1)}]}, 400, "context_length_exceeded"),
     "one request as passed to its worker":
         "test_an_oversized_frame_fails_its_own_request_and_the_worker_and_its_other_requests_live",
     "`stop` (chat, completions)": ("chat", {**CHAT_BODY, "stop": ["a"] * 5}, 400, "invalid_request"),

@@ -13,10 +13,15 @@ from typing import Any
 
 from appliance.front.api import lark_grammar
 from appliance.front.api.errors import InvalidRequest
+from appliance.front.request import RequestFailed
 
 TOO_LARGE = lark_grammar.TOO_LARGE  # the error code of a constraint past a limit
 MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema written out: every $ref in place, every pattern's repeats
 REF_CYCLE_CHARS = 16  # a $ref to a schema it is inside: a recursive rule, written once
+# No tokenizer's tokens average more characters over a prompt: a prompt longer than the model's context times
+# this cannot fit, and is refused without the worker rendering and tokenizing it (a 900 KB message held the demo
+# model's worker for a second; sixteen clients sending it held an honest client's request for three).
+MAX_CHARS_PER_TOKEN = 64
 
 
 def bounded_regex(regex: str, where: str) -> str:
@@ -148,3 +153,30 @@ def resolve(root: Any, ref: str) -> Any:
         else:
             return None
     return node
+
+
+def prompt_fits(gen: Any, max_context: int) -> None:
+    """A 400 context_length_exceeded for a generation request (appliance.front.api.completions.GenerationRequest)
+    whose text (messages, prompt, the tools the template shows) is longer than max_context × MAX_CHARS_PER_TOKEN
+    characters: it cannot fit, whatever the tokenizer, so the worker is not asked to count it."""
+    tools = gen.tools.tools if gen.tools.active else []
+    chars = text_chars(gen.messages) + len(gen.prompt) + text_chars(tools)
+    if chars > max_context * MAX_CHARS_PER_TOKEN:
+        raise RequestFailed(400, "invalid_request", f"the prompt is {chars} characters long; model '{gen.model}' "
+                            f"takes {max_context} tokens, which no tokenizer writes in more than "
+                            f"{max_context * MAX_CHARS_PER_TOKEN} characters", "context_length_exceeded")
+
+
+def text_chars(value: Any) -> int:
+    """The characters of every string in a JSON value, keys included (iterative: depth is the body's)."""
+    pending, total = [value], 0
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(key) for key in item if isinstance(key, str))
+            pending += item.values()
+        elif isinstance(item, list):
+            pending += item
+    return total

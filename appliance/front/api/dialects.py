@@ -20,6 +20,7 @@ from appliance.front.api.answer_items import Events
 from appliance.front.api.count_tokens import CountTokensRoute
 from appliance.front.api.fields import json_body
 from appliance.front.api.generate import answer_parser, finish_reason, note_constraint
+from appliance.front.api.bounds import prompt_fits
 from appliance.front.api.grammar_helper import CONVERTER
 from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.route import Call, route
@@ -70,6 +71,7 @@ class DialectRoute:
         req = self.dialect.parse(body)
         gen = req.gen
         sup = await lookup.model_for(self.appliance, gen.model, call, GENERATIVE_KINDS)
+        prompt_fits(gen, sup.model.max_context)  # a prompt that cannot fit costs the worker nothing
         answer = answer_parser(sup, gen)
         note_constraint(call, self.appliance.metrics, gen)
         handle = sup.open(gen.frame())

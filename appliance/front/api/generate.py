@@ -19,6 +19,7 @@ from appliance.front.api import lookup, sse
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_body, parse_json
 from appliance.front.api.images import MAX_IMAGE_REQUESTS_IN_FLIGHT, MAX_IMAGES, ImageResolver, body_limit, spool_base
+from appliance.front.api.bounds import prompt_fits
 from appliance.front.api.grammar_helper import CONVERTER
 from appliance.front.api.results import QueuePlace
 from appliance.front.api.route import Call, route
@@ -96,6 +97,7 @@ class GenerationRoutes:
         await CONVERTER.convert(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = parse(body)
         sup = await lookup.model_for(self.appliance, req.model, call, GENERATIVE_KINDS)
+        prompt_fits(req, sup.model.max_context)  # a prompt that cannot fit costs the worker nothing
         # A request with images holds its place in the queue before they are fetched and decoded: a busy model
         # refuses it now (429), not after megabytes of pixels were spooled for it.
         place = QueuePlace(sup) if req.content.images and sup.model.kind == "vlm" else None

@@ -515,9 +515,10 @@ FRAME_LIMIT = 64 << 10  # OPENARC_DEBUG_MAX_FRAME for this test: a 100 KB prompt
 
 
 def test_an_oversized_frame_fails_its_own_request_and_the_worker_and_its_other_requests_live(
-        appliance_factory, long_demo_model):
+        appliance_factory, long_demo_model, embedding_model):
     app = appliance_factory({"server": {"max_body_bytes": 1 << 20},
-                             "models": [model_entry("demo", long_demo_model, max_context=4096)]},
+                             "models": [model_entry("demo", long_demo_model, max_context=4096),
+                                        model_entry("embed", embedding_model, kind="embedding", max_inputs=256)]},
                             env={"OPENARC_DEBUG_MAX_FRAME": str(FRAME_LIMIT)})
     pid = app.worker_pid("demo")
     generating, finished = threading.Event(), {}
@@ -550,6 +551,13 @@ def test_an_oversized_frame_fails_its_own_request_and_the_worker_and_its_other_r
     assert app.model_status("demo")["crashes"] == 0
     status, _, _ = http("POST", app.base + "/v1/completions", {"model": "demo", "prompt": "Hi", "max_tokens": 4})
     assert status == 200
+    # the other way: an answer past the limit (256 embeddings of 128 floats) fails its request, not the worker
+    embed_pid = app.worker_pid("embed")
+    status, _, reply = http("POST", app.base + "/v1/embeddings", {"model": "embed", "input": ["a cat"] * 256})
+    assert status == 500 and reply["error"]["code"] == "response_too_large", reply
+    status, _, reply = http("POST", app.base + "/v1/embeddings", {"model": "embed", "input": ["a cat"] * 4})
+    assert status == 200 and len(reply["data"]) == 4
+    assert app.worker_pid("embed") == embed_pid and app.model_status("embed")["crashes"] == 0
 
 
 # --- admission before work ------------------------------------------------------------------------------------

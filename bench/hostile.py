@@ -75,6 +75,8 @@ def bombs() -> list[tuple[str, bytes]]:
            ("/v1/completions", {"model": "demo", "prompt": "Hi", "max_tokens": 4,
                                 "structured_outputs": {"grammar": EBNF_BOMB}}),
            ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "a" * 900_000}]}),
+           ("/v1/messages/count_tokens", {"model": "demo", "messages": [{"role": "user", "content": "a" * 900_000}]}),
+           ("/v1/responses", {**responses, "input": "a" * 900_000}),
            ("/v1/chat/completions", deep(100_000)),
            ("/v1/chat/completions", json.dumps(chat).encode().replace(b'"max_tokens": 4', b'"temperature": NaN')),
            ("/v1/chat/completions", json.dumps(chat).encode().replace(b'"demo"', b'"\xff\xfe"'))]

@@ -239,6 +239,8 @@ CORPUS: list[tuple[str, str, Any, set[int], str | None]] = [
     ("logit_bias of 10,000 entries", "chat", {**CHAT_BODY, "logit_bias": {str(i): 1 for i in range(10000)}},
      {200, 400}, None),
     ("max_tokens of 10**30", "chat", {**CHAT_BODY, "max_tokens": 10 ** 30}, {400}, None),
+    ("a 200 KB prompt to count", "count_tokens", {"model": "demo", "messages": [{"role": "user", "content":
+                                                   "a" * 200_000}]}, {400}, None),
     ("speech input past 4096 characters", "speech", {**ROUTES["speech"].body, "input": "a" * 5000}, {400}, None),
     ("10,000 embedding inputs", "embeddings", {"model": "embed", "input": ["x"] * 10000}, {400}, None),
     ("10,000 rerank documents", "rerank", {"model": "rank", "query": "q", "documents": ["x"] * 10000}, {400}, None),
@@ -433,8 +435,9 @@ LIMIT_CASES: dict[str, Any] = {
         "type": "json_schema", "json_schema": {"name": "n", "schema": nested_schema(40)}}}, 400, "invalid_request"),
     "prompt (messages, tools and template rendered)": ("chat", {**CHAT_BODY, "messages": [
         {"role": "user", "content": "word " * 2000}]}, 400, "context_length_exceeded"),
-    "prompt characters, counted in the front before the worker renders and tokenizes it": ("chat", {
-        **CHAT_BODY, "messages": [{"role": "user", "content": "a" * (512 * 64 + 1)}]}, 400, "context_length_exceeded"),
+    "prompt characters, counted in the front before the worker renders and tokenizes it (a token count's too)": (
+        "chat", {**CHAT_BODY, "messages": [{"role": "user", "content": "a" * (512 * 64 + 1)}]}, 400,
+        "context_length_exceeded"),
     "one request as passed to its worker":
         "test_an_oversized_frame_fails_its_own_request_and_the_worker_and_its_other_requests_live",
     "`stop` (chat, completions)": ("chat", {**CHAT_BODY, "stop": ["a"] * 5}, 400, "invalid_request"),

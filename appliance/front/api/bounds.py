@@ -160,9 +160,13 @@ def prompt_fits(gen: Any, max_context: int) -> None:
     whose text (messages, prompt, the tools the template shows) is longer than max_context × MAX_CHARS_PER_TOKEN
     characters: it cannot fit, whatever the tokenizer, so the worker is not asked to count it."""
     tools = gen.tools.tools if gen.tools.active else []
-    chars = text_chars(gen.messages) + len(gen.prompt) + text_chars(tools)
+    prompt_chars_fit(text_chars(gen.messages) + len(gen.prompt) + text_chars(tools), max_context, gen.model)
+
+
+def prompt_chars_fit(chars: int, max_context: int, model: str) -> None:
+    """The 400 of prompt_fits (and of a token count, /v1/messages/count_tokens, of such a prompt)."""
     if chars > max_context * MAX_CHARS_PER_TOKEN:
-        raise RequestFailed(400, "invalid_request", f"the prompt is {chars} characters long; model '{gen.model}' "
+        raise RequestFailed(400, "invalid_request", f"the prompt is {chars} characters long; model '{model}' "
                             f"takes {max_context} tokens, which no tokenizer writes in more than "
                             f"{max_context * MAX_CHARS_PER_TOKEN} characters", "context_length_exceeded")
 

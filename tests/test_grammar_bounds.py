@@ -16,13 +16,10 @@ from hypothesis import given, settings, strategies as st
 from appliance.front.api import bounds, grammar_helper, lark_grammar
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.lark_grammar import GrammarTooLarge, lark_to_ebnf, regex_atoms, regex_ebnf
+from bench.hostile import NESTED_REPEATS, OPTIONALS_16, TERMINAL_DAG, schema_bomb
 from conftest import FIXTURES
 
 APPLY_PATCH = (FIXTURES / "agents" / "codex_apply_patch.lark").read_text()
-NESTED_REPEATS = "start: A\nA: /((((a){64}){64}){64}){64}/"  # the issue's 224-byte request: 67 MB of EBNF
-OPTIONALS_16 = "start: " + " ".join(f"x{i}?" for i in range(16)) + "\n" + "".join(f'x{i}: "x"\n' for i in range(16))
-TERMINAL_DAG = "start: A\n" + "".join(f"{a}: {b} {b}\n" for a, b in zip("ABCDEFGHIJKLMNOPQRST", "BCDEFGHIJKLMNOPQRSTU")) \
-    + 'U: "abc"\n'  # 20 terminals, each the next twice: lark's own reference resolution took 10 s at 14
 BOMBS = {
     "nested repeats": NESTED_REPEATS,
     "16 optionals": OPTIONALS_16,
@@ -95,17 +92,8 @@ def test_a_regex_inside_the_limit_and_one_python_cannot_read_pass_to_genai():
     assert bounds.bounded_regex("\\p{L}+", "r") == "\\p{L}+"  # genai's dialect is genai's to judge
 
 
-def ref_dag(levels: int) -> dict:
-    """A schema of `levels` definitions, each two of the one before: 2**levels leaves written out."""
-    defs = {"d0": {"type": "string", "enum": ["x" * 64]}}
-    for i in range(1, levels + 1):
-        ref = {"$ref": f"#/$defs/d{i - 1}"}
-        defs[f"d{i}"] = {"type": "object", "properties": {"a": ref, "b": ref}, "required": ["a", "b"]}
-    return {"$defs": defs, "$ref": f"#/$defs/d{levels}"}
-
-
 def test_a_schema_that_expands_to_100_mb_is_refused_in_milliseconds():
-    bomb = ref_dag(21)  # 2 M leaves of 70 characters: over 100 MB written out, 3 KB as sent
+    bomb = schema_bomb(21)  # 2 M leaves of 70 characters: over 100 MB written out, 3 KB as sent
     assert len(json.dumps(bomb)) < 4096
     started = time.monotonic()
     with pytest.raises(InvalidRequest) as refused:
@@ -118,7 +106,7 @@ def test_recursive_and_ordinary_schemas_pass():
     tree = {"$defs": {"node": {"type": "object", "properties": {"children": {"type": "array", "items": {
         "$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"}
     assert bounds.bounded_schema(tree, "s") is tree
-    assert bounds.bounded_schema(ref_dag(8), "s")
+    assert bounds.bounded_schema(schema_bomb(8), "s")
     with pytest.raises(InvalidRequest, match="written out"):
         bounds.bounded_schema({"type": "string", "pattern": "((a{100}){100}){100}"}, "s")
 

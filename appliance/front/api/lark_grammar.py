@@ -9,10 +9,11 @@ lookaround, back-references, anchors, case-insensitive flags) is a GrammarNotCon
 a 400: never a silently unconstrained call. `%import` reaches lark's own grammars only, never the server's files.
 
 Bounded by construction (issue 36): what a conversion writes is counted before it is written. The definition's
-length is checked before lark reads it; the alternatives lark would write out for each rule (every `x?`, `[x]`,
-`(a|b)` and `x~n..m` multiplies them) and the size of every terminal's pattern are counted on lark's parsed
-grammar before it is compiled; each regex's EBNF size (the product of nested repeats) is counted before it is
-written. A grammar past a limit is a GrammarTooLarge naming the limit, in milliseconds; one inside them converts
+length and nesting are checked before lark reads it, its terminals' patterns (terminals used in terminals written
+out in place) on lark's parse before lark resolves them, the alternatives lark would write out for each rule (every
+`x?`, `[x]`, `(a|b)` and `x~n..m` multiplies them) before it compiles, and each regex's repeats written out (the
+product of nested repeats: what genai's matcher grows to) before it is written; repeats are written as genai's own
+`{m,n}`. A grammar past a limit is a GrammarTooLarge naming the limit, in milliseconds; one inside them converts
 in time and memory proportional to the limits. The front runs the conversion in a helper process
 (appliance.front.api.grammar_helper) with a time bound, never in its own threads.
 """
@@ -149,9 +150,8 @@ def _convert(definition: str) -> str:
 
 
 def check_expansion(grammar: Any) -> None:
-    """GrammarTooLarge for a grammar whose compile would write out more than MAX_RULE_SYMBOLS symbols of rules, or
-    whose terminals' patterns (terminals used in terminals are written out in place) pass MAX_EBNF_CHARS:
-    counted on lark's parsed grammar (trees of expansions, expansion, expr, maybe, value) before compile()."""
+    """GrammarTooLarge for a grammar whose compile would write out more than MAX_RULE_SYMBOLS symbols of rules:
+    counted on lark's loaded grammar (trees of expansions, expansion, expr, maybe, value) before compile()."""
     templates = {name: (params, tree) for name, params, tree, _ in grammar.rule_defs if params}
     counter = _ExpansionCounter(templates)
     symbols = 0
@@ -373,7 +373,7 @@ def regex_ebnf(regex: str, dotall: bool = False, where: str = "regex") -> str:
         raise GrammarTooLarge(f"{where}: the regex /{_shown(regex)}/ is more than {MAX_REGEX_ATOMS} characters "
                               "once its repeats are written out (nested {m,n} repeats multiply)")
     if parsed.state.flags & re.IGNORECASE:
-        raise GrammarNotConvertible(f"{where} /{regex}/: case-insensitive regexes ((?i)) are not supported")
+        raise GrammarNotConvertible(f"{where} /{_shown(regex)}/: case-insensitive regexes ((?i)) are not supported")
     if parsed.state.flags & re.DOTALL:
         dotall = True
     return _sequence(list(parsed), dotall, f"{where} /{_shown(regex)}/")

@@ -296,6 +296,7 @@ def test_the_issues_three_bombs_get_400s_in_milliseconds_and_cost_the_front_a_fe
     slowest = max(send_all() for _ in range(20))
     grown = front_rss_mb(storm.app) - before
     print(f"the issue's bombs, 20 rounds: slowest answer {slowest * 1000:.0f} ms, front RSS {grown:+.1f} MB")
+    assert slowest < 0.5, f"a refusal took {slowest * 1000:.0f} ms"  # milliseconds, with room for loaded cores
     assert grown < FEW_MB
     assert {m["name"]: m["pid"] for m in storm.app.status()["models"]} == pids
 
@@ -565,9 +566,15 @@ def test_an_oversized_frame_fails_its_own_request_and_the_worker_and_its_other_r
 
 # --- admission before work ------------------------------------------------------------------------------------
 
-def grammar_helpers(app: Appliance) -> list[str]:
-    children = open(f"/proc/{app.proc.pid}/task/{app.proc.pid}/children").read().split()
-    return [pid for pid in children if "grammar_helper" in open(f"/proc/{pid}/cmdline").read()]
+def helper_cpu_s(app: Appliance) -> float:
+    """The CPU time of the front's grammar helper (started with the server, lark loaded before it reads requests)."""
+    pid = app.helper_pid("appliance.front.api.grammar_helper")
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+LARGE_GRAMMAR = "start: " + " | ".join(f"r{i}" for i in range(1500)) + "\n" + \
+    "".join(f'r{i}: "w{i}"\n' for i in range(1500))  # a valid grammar of a few hundred ms of lark
 
 
 def test_a_key_that_may_not_make_a_request_costs_no_conversion(appliance_factory, demo_model):
@@ -576,28 +583,29 @@ def test_a_key_that_may_not_make_a_request_costs_no_conversion(appliance_factory
         {"name": "b", "key_env": "KEY_B", "models": ["other"], "requests_per_minute": 1}]},
         "models": [model_entry("demo", demo_model), model_entry("other", demo_model)]}, env=env)
     auth = {"Authorization": "Bearer " + "b" * 32}
-    bomb = {**CHAT_BODY, "tools": [custom_tool(APPLY_PATCH_LIKE)]}
-    for _ in range(2):  # b may not use demo: 404, and nothing of the body was converted
-        status, _, reply = http("POST", app.base + "/v1/chat/completions", bomb, headers=auth)
-        assert status == 404, reply
-    status, _, reply = http("POST", app.base + "/v1/chat/completions", bomb, headers={})
-    assert status == 401, reply
-    assert grammar_helpers(app) == []
-    status, _, reply = http("POST", app.base + "/v1/chat/completions", {**bomb, "model": "other"}, headers=auth)
-    assert status in (200, 400), reply  # b's one request this minute: converted (the demo model has no tool format: 400)
-    assert len(grammar_helpers(app)) == 1
-    other = {**bomb, "tools": [custom_tool(APPLY_PATCH_LIKE + "// another\n")]}
-    status, _, reply = http("POST", app.base + "/v1/chat/completions", {**other, "model": "other"}, headers=auth)
+    children = Path(f"/proc/{app.proc.pid}/task/{app.proc.pid}/children")
+    wait_until(lambda: any("grammar_helper" in Path(f"/proc/{pid}/cmdline").read_text()
+                           for pid in children.read_text().split()), 30, "the grammar helper started")
+
+    def settled() -> bool:  # its start (lark's import) over
+        before = helper_cpu_s(app)
+        time.sleep(0.5)
+        return helper_cpu_s(app) == before
+
+    wait_until(settled, 60, "the grammar helper idle")
+    idle = helper_cpu_s(app)
+
+    def ask(model: str, headers: dict, tag: str) -> tuple[int, Any]:
+        body = {**CHAT_BODY, "model": model, "tools": [custom_tool(LARGE_GRAMMAR + f"// {tag}\n")]}
+        status, _, reply = http("POST", app.base + "/v1/chat/completions", body, headers=headers)
+        return status, reply
+
+    assert ask("demo", auth, "a")[0] == 404  # b may not use demo
+    assert ask("demo", {}, "b")[0] == 401
+    assert helper_cpu_s(app) - idle < 0.1, "a refused request's grammar was converted"
+    assert ask("other", auth, "c")[0] in (200, 400)  # b's one request this minute (the demo has no tool format)
+    converted = helper_cpu_s(app)
+    assert converted - idle >= 0.1, "the admitted request's grammar was not converted"
+    status, reply = ask("other", auth, "d")
     assert status == 429, reply  # over its limit: refused before its (new) grammar was converted
-
-
-APPLY_PATCH_LIKE = 'start: "*** Begin Patch" LF line+ "*** End Patch"\nline: /[^\\n]*/ LF\n%import common.LF\n'
-
-
-def test_encode_refuses_a_frame_past_the_limit_before_anything_is_sent():
-    from appliance import ipc
-    big = ipc.frame("cancel", id=1)
-    big["padding"] = "x" * (ipc.MAX_FRAME + 1)  # a field no op has: encode() checks the size, not the table
-    with pytest.raises(ipc.FrameTooLarge, match="frame limit"):
-        ipc.encode(big)
-    assert ipc.decode(ipc.encode(ipc.frame("cancel", id=1))[ipc.HEADER.size:]) == {"op": "cancel", "id": 1}
+    assert helper_cpu_s(app) - converted < 0.1

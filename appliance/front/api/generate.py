@@ -47,9 +47,12 @@ class GenerationRoutes:
         self.large_bodies = asyncio.Semaphore(MAX_IMAGE_REQUESTS_IN_FLIGHT)  # chat bodies past max_body_bytes
 
     async def start(self, app: web.Application) -> None:
-        """Start the image decoder with the server when it serves a vision model, so the first image does not wait."""
+        """Start the image decoder with the server when it serves a vision model, and the grammar helper when it
+        serves any generative model, so the first image or custom tool does not wait for a process to start."""
         if any(model.kind == "vlm" for model in self.appliance.config.models):
             await self.images.decoder.start()
+        if any(model.kind in GENERATIVE_KINDS for model in self.appliance.config.models):
+            await CONVERTER.process.start()
 
     async def close(self, app: web.Application) -> None:
         await self.images.close()

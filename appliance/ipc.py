@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import struct
 import threading
@@ -18,7 +19,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 HEADER = struct.Struct(">I")
-MAX_FRAME = 64 << 20  # a prompt is bounded by the HTTP body limit; this only guards against garbage
+# Both ends refuse a frame past this: encode() before sending (the sender's request fails, FrameTooLarge), and
+# decode_length() on receipt (a peer that sent one anyway is broken). The front expands client input (images,
+# templates, grammars), so the HTTP body limit does not bound a frame: encode() does. OPENARC_DEBUG_MAX_FRAME
+# lowers it for the test that sends one.
+MAX_FRAME = int(os.environ.get("OPENARC_DEBUG_MAX_FRAME") or 64 << 20)
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,14 @@ class ProtocolError(RuntimeError):
     pass
 
 
+class FrameTooLarge(ProtocolError):
+    """A frame past MAX_FRAME, refused before it was sent: the request it carries fails, the channel goes on."""
+
+    def __init__(self, op: str, length: int):
+        super().__init__(f"a {op} frame of {length} bytes exceeds the {MAX_FRAME}-byte frame limit")
+        self.length = length
+
+
 def frame(op: str, **fields: Any) -> dict[str, Any]:
     """Build a frame of `op`; a field the table does not list for it is a bug in the sender."""
     message = {"op": op, **fields}
@@ -103,7 +116,11 @@ def check(message: Any) -> dict[str, Any]:
 
 
 def encode(message: dict[str, Any]) -> bytes:
+    """The frame's bytes; FrameTooLarge past MAX_FRAME (nothing is sent: the peer would take it for garbage and
+    leave, failing every request on the channel)."""
     body = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(body) > MAX_FRAME:
+        raise FrameTooLarge(str(message.get("op")), len(body))
     return HEADER.pack(len(body)) + body
 
 
@@ -145,8 +162,9 @@ class AsyncChannel:
         """Queue a frame; False when the worker is already gone (its requests are failed elsewhere)."""
         if self._writer.is_closing():
             return False
+        frame = encode(message)  # FrameTooLarge is the caller's: its request fails, not the channel
         try:
-            self._writer.write(encode(message))
+            self._writer.write(frame)
         except (ConnectionError, RuntimeError):
             return False
         return True

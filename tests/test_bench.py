@@ -141,7 +141,7 @@ def test_quick_bench_alongside_a_peer_reports_every_figure_against_its_baseline(
 
 def assert_new_rows(result: dict) -> None:
     """The headline costs, the step loop beside generate(), like-for-like streaming, max_running, counted baseline
-    tokens, the speculative rows and warm sessions' headline: present, and computed from what ran (values, not placeholders)."""
+    tokens, the speculative rows, warm sessions' and the hostile storm's headlines: present, and computed from what ran (values, not placeholders)."""
     figures = {f["name"]: f for f in result["figures"]}
     fixed = figures["Per-request fixed cost: 1-token request, added median"]
     assert isinstance(fixed["value"], float) and "step loop" in fixed["baseline"] and "spread" in fixed["baseline"]
@@ -168,6 +168,8 @@ def assert_new_rows(result: dict) -> None:
     assert "the pipeline's load takes" in recovery["measured"] and "bare process" in recovery["baseline"], recovery
     warm = figures["Warm sessions, later turns: time to first token, prefix cache on (default) / off"]
     assert warm["value"] > 0 and "of prompt tokens served from the cache" in warm["measured"], warm
+    storm = figures["Hostile storm: an honest client's chat latency beside / without hostile clients"]
+    assert storm["value"] > 0 and "the worker kept its pid" in storm["measured"], storm
     identical = figures["Speculative decoding: greedy replies identical to the plain model's"]
     assert identical["verdict"] == "PASS" and identical["measured"].startswith("8 of 8"), identical
 

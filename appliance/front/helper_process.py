@@ -63,10 +63,11 @@ class HelperProcess:
     """The front's handle on one helper process (`python -m <module>`: a decoder, the token counter, the speech
     encoder): started on first use, restarted after a crash."""
 
-    def __init__(self, module: str, timeout_s: float, what: str):
+    def __init__(self, module: str, timeout_s: float, what: str, reply_bytes: int = 1 << 16):
         self.module = module
         self.timeout_s = timeout_s
         self.what = what  # for the log: "audio decoder", "image decoder", "token counter", "speech encoder"
+        self.reply_bytes = reply_bytes  # the longest reply line it may send
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
 
@@ -104,7 +105,8 @@ class HelperProcess:
         """The process, started if there is none (the front starts it early when a model needs it)."""
         if self._proc is None or self._proc.returncode is not None:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", self.module, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+                sys.executable, "-m", self.module, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                limit=self.reply_bytes)
         return self._proc
 
     async def _exchange(self, proc: asyncio.subprocess.Process, header: bytes, data: bytes) -> bytes:

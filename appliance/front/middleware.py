@@ -14,6 +14,7 @@ import logging
 from typing import Any, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from appliance.front.api.server_view import ServerView
 from appliance.front.api import messages, sse
@@ -21,6 +22,23 @@ from appliance.front.api.errors import error_response
 from appliance.front.api.route import REFUSAL
 
 log = logging.getLogger("openarc.server")  # the name these lines always had in the log
+
+
+
+class MalformedHttp(logging.Filter):
+    """aiohttp's HTTP parser refuses a malformed request (a request line or header past 8,190 bytes, bad framing)
+    with a plain-text 400 before any middleware, and logs it with a traceback: a client's bad input, not a fault
+    of ours. It is logged as one line instead (issue 36: no traceback in the log from any request)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg, record.args = "refused a malformed HTTP request: %s", (exc.message,)
+            record.exc_info, record.exc_text, record.levelno, record.levelname = None, None, logging.INFO, "INFO"
+        return True
+
+
+logging.getLogger("aiohttp.server").addFilter(MalformedHttp())
 
 PROBES = {"/health", "/ready"}
 OPEN_ROUTES = PROBES | {"/"}  # no key asked (probes carry none), nor on /metrics unless the config says so

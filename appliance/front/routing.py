@@ -166,6 +166,9 @@ class RequestRouter:
             self.series.queue_time[req.ticket.priority].observe(req.dispatched - req.submitted)
             try:
                 self.channel.send(ipc.frame(req.op, **req.frame))
+            except ipc.FrameTooLarge as exc:  # the request's own size: it fails, the worker and the others go on
+                self.finish(req, RequestFailed(413, "invalid_request", f"the request is too large to pass to its "
+                                               f"model's worker: {exc}", "request_too_large"))
             except (ValueError, ProtocolError) as exc:  # a frame that cannot be sent must not hold a slot forever
                 self.finish(req, RequestFailed(500, "internal", f"cannot pass the request to its worker: {exc}"))
             else:

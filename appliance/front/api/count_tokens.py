@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from appliance.front.api.server_view import ServerView
-from appliance.front.api import lookup, messages
+from appliance.front.api import bounds, lookup, messages
 from appliance.front.api.fields import json_body
 from appliance.front.api.results import one_result
 from appliance.front.api.route import Call, route
@@ -100,6 +100,8 @@ class CountTokensRoute:
         name, count_body = messages.count_frame(body)
         sup = lookup.model_served(self.appliance, name, call, GENERATIVE_KINDS)
         call.admit()  # the key's limits
+        # a prompt no context could hold is not counted: rendering and tokenizing 900 KB held the worker for 2 s
+        bounds.prompt_chars_fit(bounds.text_chars(count_body), sup.model.max_context, name)
         if sup.life.admits():
             event = await one_result(sup, {"kind": sup.model.kind, "body": count_body})
             return web.json_response(event.result)

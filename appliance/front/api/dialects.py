@@ -20,8 +20,9 @@ from appliance.front.api import compaction, lookup, messages, responses, sse, st
 from appliance.front.api.server_view import ServerView
 from appliance.front.api.answer_items import Events
 from appliance.front.api.count_tokens import CountTokensRoute
+from appliance.front.api.bounds import prompt_fits
 from appliance.front.api.generate import GENERATION, answer_parser, finish_reason, note_constraint
-from appliance.front.api.lark_grammar import convert_off_loop
+from appliance.front.api.grammar_helper import CONVERTER
 from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.responses_ws import ResponsesSockets
 from appliance.front.api.route import Call, route
@@ -83,7 +84,8 @@ class DialectRoute:
 
     async def answer(self, call: Call, parse, body: Any, sink) -> Any:
         """One request (`call.label(body)` done): the sink's end for a stream, else the whole object's response."""
-        await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
+        lookup.admit_early(self.appliance, body, call, GENERATIVE_KINDS)  # before any costly work on the body
+        await CONVERTER.convert(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = parse(body, call.key)
         gen = req.gen
         if not gen.content.images:  # its model is looked up as its stream begins (stream_start)
@@ -98,6 +100,7 @@ class DialectRoute:
         going out once a stream waits (appliance.front.api.stream_start)."""
         gen = req.gen
         served = sup or lookup.model_served(self.appliance, gen.model, call, GENERATIVE_KINDS)
+        prompt_fits(gen, served.spec["max_context"])  # a prompt that cannot fit costs the worker nothing
         opened: list = []  # (its model, the request's handle) once it is admitted
 
         async def first():

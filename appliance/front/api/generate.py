@@ -21,7 +21,8 @@ from appliance.front.api import lookup, sse, stream_start
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_body, parse_json
 from appliance.front.api.images import MAX_IMAGE_REQUESTS_IN_FLIGHT, MAX_IMAGES, ImageResolver, body_limit, spool_base
-from appliance.front.api.lark_grammar import convert_off_loop
+from appliance.front.api.bounds import prompt_fits
+from appliance.front.api.grammar_helper import CONVERTER
 from appliance.front.api.results import QueuePlace
 from appliance.front.api.route import Call, route
 from appliance.front.api.tool_parsers import parser_for
@@ -58,12 +59,16 @@ class GenerationRoutes:
         self.large_bodies = asyncio.Semaphore(MAX_IMAGE_REQUESTS_IN_FLIGHT)  # chat bodies past max_body_bytes
 
     async def start(self, app: web.Application) -> None:
-        """Start the image decoder with the server when it serves a vision model, so the first image does not wait."""
+        """Start the image decoder with the server when it serves a vision model, and the grammar helper when it
+        serves any generative model, so the first image or custom tool does not wait for a process to start."""
         if any(model.kind == "vlm" for model in self.appliance.config.models):
             await self.images.decoder.start()
+        if any(model.kind in GENERATIVE_KINDS for model in self.appliance.config.models):
+            await CONVERTER.process.start()
 
     async def close(self, app: web.Application) -> None:
         await self.images.close()
+        await CONVERTER.close()
 
     async def chat_completions(self, request: web.Request, call: Call) -> web.StreamResponse:
         return await self._generate(request, call, parse_chat, await self.chat_body(request))
@@ -104,11 +109,13 @@ class GenerationRoutes:
 
     async def _generate(self, request: web.Request, call: Call, parse, body: Any) -> web.StreamResponse:
         call.label(body)
-        await convert_off_loop(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
+        lookup.admit_early(self.appliance, body, call, GENERATIVE_KINDS)  # before any costly work on the body
+        await CONVERTER.convert(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
         req = parse(body)
         if req.stream and not req.content.images:  # its model is looked up as its stream begins (stream_start)
             return await self._stream(request, call, req)
         sup = await lookup.model_for(self.appliance, req.model, call, GENERATIVE_KINDS)
+        prompt_fits(req, sup.spec["max_context"])  # a prompt that cannot fit costs the worker nothing
         async with self.with_images(req, sup, call) as (sup, place):
             if req.stream:
                 return await self._stream(request, call, req, sup, place)
@@ -197,6 +204,7 @@ class GenerationRoutes:
         pumps: list[asyncio.Task] = []
         answers: list[AnswerParser | None] = []
         served = sup or lookup.model_served(self.appliance, req.model, call, GENERATIVE_KINDS)
+        prompt_fits(req, served.spec["max_context"])  # a prompt that cannot fit costs the worker nothing
 
         async def first() -> tuple[int, Event | RequestFailed]:
             nonlocal sup

@@ -45,6 +45,16 @@ async def model_for(appliance: ServerView, name: str, call, kinds: tuple[str, ..
     return ready
 
 
+def admit_early(appliance: ServerView, body: Any, call, kinds: tuple[str, ...]) -> None:
+    """The key's allow-list and limits for the model a body names, checked before any costly work on the body
+    (its grammars converted, its images fetched): a request its key may not make, or may not make now, costs
+    nothing. A body naming no model is its route's parse to refuse; model_for checks again (the same slot)."""
+    name = body.get("model") if isinstance(body, dict) else None
+    if isinstance(name, str):
+        model_served(appliance, name, call, kinds)
+        call.admit()
+
+
 def model_served(appliance: ServerView, name: str, call, kinds: tuple[str, ...]):
     """The supervisor of the model a request names (or reaches through an alias), loaded or not, if the
     request's key may use it, it is of a kind the route serves and the server is not draining."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from appliance.front.api.bounds import bounded_grammar, bounded_regex, bounded_schema
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import json_object, text
 
@@ -77,6 +78,9 @@ def _structured_outputs(body: dict) -> dict[str, Any] | None:
         return {"type": "json_schema", "schema": _schema_text(value, where), "kind": "json_schema", "param": where}
     if kind == "choice":
         return {"type": "regex", "regex": choice_regex(value, where), "kind": "choice", "param": where}
+    if kind in ("regex", "grammar"):
+        bounded = (bounded_regex if kind == "regex" else bounded_grammar)(text(value, where), where)
+        return {"type": kind, kind: bounded, "kind": kind, "param": where}
     return {"type": kind, kind: text(value, where), "kind": kind, "param": where}
 
 
@@ -89,7 +93,7 @@ def _schema_text(schema: Any, where: str) -> str:
             raise InvalidRequest(f"'{where}' is not valid JSON", where) from None
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
-    json_object(schema, where)
+    bounded_schema(json_object(schema, where), where)
     try:
         return json.dumps(schema, allow_nan=False)
     except ValueError:

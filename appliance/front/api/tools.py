@@ -20,7 +20,8 @@ from typing import Any
 
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import flag, json_object, text
-from appliance.front.api.lark_grammar import GrammarNotConvertible, lark_to_ebnf
+from appliance.front.api import grammar_helper, lark_grammar
+from appliance.front.api.bounds import bounded_regex, bounded_schema
 
 # OpenAI's names are 1-64 of these; 128 here, as a Responses namespace's tools are named `<namespace>__<name>`
 # (appliance.front.api.response_tools) and Codex's MCP namespaces are long.
@@ -119,8 +120,8 @@ def parse_tools(body: dict, left_out: list[str] | tuple[str, ...] = ()) -> ToolR
 
 def lark_grammars(body: Any) -> list[str]:
     """The Lark grammars of a body's custom tools, in chat completions' shape (format.grammar.definition) or the
-    Responses API's (format.definition): what appliance.front.api.lark_grammar.convert_off_loop converts before
-    the body is parsed."""
+    Responses API's (format.definition): what appliance.front.api.grammar_helper converts before the body is
+    parsed."""
     tools = body.get("tools") if isinstance(body, dict) else None
     out = []
     for tool in tools if isinstance(tools, list) else ():
@@ -162,11 +163,12 @@ def _custom_format(fmt: Any, where: str) -> tuple[dict[str, str], str]:
         raise InvalidRequest(f"'{where}.grammar.syntax' must be lark or regex, got {syntax!r}",
                              f"{where}.grammar.syntax")
     if syntax == "regex":
+        bounded_regex(definition, f"{where}.grammar.definition")
         return {"type": "regex", "regex": definition}, f" matching the regular expression /{definition}/"
-    try:
-        ebnf = lark_to_ebnf(definition)
-    except GrammarNotConvertible as exc:
-        raise InvalidRequest(f"'{where}.grammar.definition': {exc}", f"{where}.grammar.definition") from None
+    # converted before the body was parsed (in the helper process); a caller that did not is converted here
+    ebnf, refusal, code = grammar_helper.conversion(definition) or lark_grammar.converted(definition)
+    if refusal is not None:
+        raise InvalidRequest(f"'{where}.grammar.definition': {refusal}", f"{where}.grammar.definition", code)
     return {"type": "grammar", "grammar": ebnf}, f" in this Lark grammar:\n{definition}"
 
 
@@ -184,7 +186,8 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     if function.get("description") is not None:
         out["description"] = text(function["description"], f"{where}.function.description", empty=True)
     if function.get("parameters") is not None:
-        out["parameters"] = json_object(function["parameters"], f"{where}.function.parameters")
+        out["parameters"] = bounded_schema(json_object(function["parameters"], f"{where}.function.parameters"),
+                                           f"{where}.function.parameters")
     if function.get("strict") is not None:
         out["strict"] = flag(function, "strict")
     return {"type": "function", "function": out}

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from appliance.host import faults
-from appliance.ipc import BlockingChannel, frame
+from appliance.ipc import BlockingChannel, FrameTooLarge, frame
 
 log = logging.getLogger("openarc.worker")
 
@@ -97,8 +97,22 @@ class Engine:
         elif not self.urgent and self.busy() and now - self.last_sent < TEXT_HOLD_S:
             return
         frames, self.outbox, self.urgent = self.outbox, [], False
-        self.channel.send(frames[0] if len(frames) == 1 else frame("batch", frames=frames))
+        try:
+            self.channel.send(frames[0] if len(frames) == 1 else frame("batch", frames=frames))
+        except FrameTooLarge:
+            self._send_each(frames)
         self.last_sent = now
+
+    def _send_each(self, frames: list[dict[str, Any]]) -> None:
+        """Frames that were too large as one batch, one by one; a frame too large on its own (an answer past
+        ipc.MAX_FRAME) fails its request with a clear message, and the worker and its other requests go on."""
+        for one in frames:
+            try:
+                self.channel.send(one)
+            except FrameTooLarge as exc:
+                self.channel.send(frame("error", id=one["id"], kind="internal", code="response_too_large",
+                                        message=f"the answer is too large to pass to the front: {exc}",
+                                        retryable=False))
 
     def busy(self) -> bool:
         raise NotImplementedError

@@ -101,7 +101,7 @@ class CountTokensRoute:
         sup = lookup.model_served(self.appliance, name, call, GENERATIVE_KINDS)
         call.admit()  # the key's limits
         # a prompt no context could hold is not counted: rendering and tokenizing 900 KB held the worker for 2 s
-        bounds.prompt_chars_fit(bounds.text_chars(count_body), sup.model.max_context, name)
+        bounds.prompt_chars_fit(bounds.text_chars(count_body), sup.spec["max_context"], name)
         if sup.life.admits():
             event = await one_result(sup, {"kind": sup.model.kind, "body": count_body})
             return web.json_response(event.result)

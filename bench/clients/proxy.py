@@ -1,0 +1,201 @@
+"""The recording proxy between a real client and the server: every request and its answer, as the client saw them.
+
+The clients under test are unmodified programs; what they sent and what they were told is only visible on the
+wire. The proxy forwards each request to the server, streams the answer back as it comes (keep-alives and all),
+and records both. It can also answer a chosen request itself (`answer`): the tool round trips need a first turn
+that is one well-formed tool call, which a random demo model never writes (it never closes a JSON string); the
+client then runs the tool and replays the call and its result to the server, which answers the next turn.
+
+It runs its own event loop in a thread, so a test or the bench can start a client subprocess and wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from bench.clients.canned import canned_tool_call, dialect_of
+
+# Not forwarded: they describe one hop, not the message (RFC 9110 section 7.6.1), or aiohttp sets them itself.
+HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+               "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "content-encoding"}
+
+
+@dataclass
+class Exchange:
+    """One request as the client sent it and the answer as it got it (a stream as its whole text)."""
+
+    method: str
+    path: str
+    request: dict | None          # the JSON body, None when there was none or it was not JSON
+    status: int = 0
+    response: str = ""            # the answer's body as text: JSON, or an SSE stream's events
+    by_proxy: bool = False        # answered by the proxy itself (`answer`), not forwarded
+
+    @property
+    def dialect(self) -> str | None:
+        return dialect_of(self.path)
+
+    def response_json(self) -> dict | None:
+        try:
+            return json.loads(self.response)
+        except ValueError:
+            return None
+
+    def events(self) -> list[dict]:
+        """An SSE answer's `data:` payloads that are JSON, in order."""
+        found = []
+        for line in self.response.splitlines():
+            if line.startswith("data:"):
+                try:
+                    found.append(json.loads(line[5:].strip()))
+                except ValueError:
+                    pass
+        return found
+
+    def summary(self) -> str:
+        """One line for an assertion message: the exchange and, for an error, its body."""
+        model = (self.request or {}).get("model")
+        error = f" {self.response[:400]}" if self.status >= 400 else ""
+        return f"{self.method} {self.path} model={model} -> {self.status}{' (proxy)' if self.by_proxy else ''}{error}"
+
+
+# A policy that picks the requests the proxy answers itself: the request's dialect and JSON body in, the
+# answer's (status, content type, body) out, or None to forward it.
+Answer = Callable[[str | None, dict], tuple[int, str, str] | None]
+
+
+@dataclass
+class ToolCallOnce:
+    """Answer the first request that offers tool `name` with one call to it (`arguments`), in the request's
+    dialect, streamed when it asked for a stream; forward everything else."""
+
+    name: str
+    arguments: dict
+    used: bool = field(default=False)
+
+    def __call__(self, dialect: str | None, body: dict) -> tuple[int, str, str] | None:
+        if self.used or dialect is None or self.name not in offered_tools(body):
+            return None
+        self.used = True
+        return canned_tool_call(dialect, body, self.name, self.arguments)
+
+
+def offered_tools(body: dict) -> set[str]:
+    """The names of the function tools a request offers, in any dialect (chat's nested `function`, Responses'
+    flat tools and namespaces, Messages' `name`)."""
+    names = set()
+    for tool in body.get("tools") or ():
+        if not isinstance(tool, dict):
+            continue
+        nested = tool.get("tools") if tool.get("type") == "namespace" else [tool]
+        for each in nested or ():
+            name = (each.get("function") or {}).get("name") if each.get("type") == "function" and "function" in each \
+                else each.get("name")
+            if name:
+                names.add(name)
+    return names
+
+
+class RecordingProxy:
+    """A proxy on loopback in front of `upstream`: `base` is its address, `exchanges` what went through it."""
+
+    def __init__(self, upstream: str, answer: Answer | None = None):
+        self.upstream = upstream.rstrip("/")
+        self.answer = answer
+        self.exchanges: list[Exchange] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="recording-proxy", daemon=True)
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.port = 0
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> RecordingProxy:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
+        return self
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+    def __enter__(self) -> RecordingProxy:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def take(self) -> list[Exchange]:
+        """The exchanges so far, and a fresh record for the next client run."""
+        taken, self.exchanges = self.exchanges, []
+        return taken
+
+    async def _start(self) -> None:
+        # No read timeout: a long prefill keeps the client waiting, as it would without the proxy.
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                                              auto_decompress=False)
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        await web.SockSite(self._runner, sock).start()
+
+    async def _stop(self) -> None:
+        await self._runner.cleanup()
+        await self._session.close()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        exchange = Exchange(request.method, request.path, body if isinstance(body, dict) else None)
+        self.exchanges.append(exchange)
+        canned = self.answer(exchange.dialect, exchange.request) if self.answer and exchange.request else None
+        if canned:
+            exchange.status, content_type, exchange.response = canned
+            exchange.by_proxy = True
+            return web.Response(status=exchange.status, text=exchange.response, content_type=content_type)
+        return await self._forward(request, raw, exchange)
+
+    async def _forward(self, request: web.Request, raw: bytes, exchange: Exchange) -> web.StreamResponse:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        try:
+            upstream = await self._session.request(request.method, self.upstream + request.path_qs, data=raw or None,
+                                                   headers=headers, allow_redirects=False)
+        except aiohttp.ClientError as exc:
+            exchange.status, exchange.response = 502, f"proxy: upstream unreachable ({exc})"
+            return web.Response(status=502, text=exchange.response)
+        async with upstream:
+            response = web.StreamResponse(status=upstream.status, headers={
+                k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
+            exchange.status = upstream.status
+            await response.prepare(request)
+            received = bytearray()
+            try:
+                async for chunk in upstream.content.iter_any():
+                    received += chunk
+                    await response.write(chunk)
+            except (aiohttp.ClientError, ConnectionError):
+                pass  # the client or the server went away: what came so far is the record
+            finally:
+                exchange.response = received.decode(errors="replace")
+            await response.write_eof()
+            return response

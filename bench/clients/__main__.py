@@ -64,24 +64,31 @@ def limit_cell(run: ClientRun) -> str:
     return f"sends {limit}; " + shown(verdicts.completed(run))
 
 
-def evaluate(client: Client, upstream: str, version: str, cache: Path, scratch: Path) -> Row:
+def evaluate(client: Client, upstream: str, version: str, cache: Path, scratch: Path, out: Path) -> Row:
+    """Install and run one client; its runs' reports (exit, requests, output) go to <out>/clients/."""
     row = Row(client.name, version, release_date(client.package, version))
     try:
         installed = install(client.package, cache, version)
     except InstallError as exc:
         row.not_run = str(exc).splitlines()[0][:200]
         return row
-    root = scratch / client.name
+    slug = "".join(c if c.isalnum() else "-" for c in client.name).strip("-")
+    root = scratch / slug
     text = run_client(installed, client, upstream, Turn(TEXT_PROMPT, client.model), root / "text")
     row.cells["text turn"] = shown(verdicts.answered(text) or verdicts.completed(text))
     row.cells["output limit"] = limit_cell(text)
-    tool = tool_round_trip(installed, client, upstream, client.model, root / "tool")
-    row.cells["tool round trip"] = shown(verdicts.round_trip(tool))
+    runs = {"text": text}
+    if client.tool is None:
+        row.cells["tool round trip"] = "n/a (calls no tools)"
+    else:
+        runs["tool"] = tool_round_trip(installed, client, upstream, client.model, root / "tool")
+        row.cells["tool round trip"] = shown(verdicts.round_trip(runs["tool"]))
     if client.also_as:
-        also = run_client(installed, client, upstream, Turn(TEXT_PROMPT, client.also_as), root / "also")
-        row.cells["also"] = f"as {client.also_as}: " + shown(verdicts.answered(also))
-    for run in (text, tool):
-        (root / f"{run.turn.prompt[:4].lower()}-report.txt").write_text(run.report())
+        runs["also"] = run_client(installed, client, upstream, Turn(TEXT_PROMPT, client.also_as), root / "also")
+        row.cells["also"] = f"as {client.also_as}: " + shown(verdicts.answered(runs["also"]))
+    (out / "clients").mkdir(parents=True, exist_ok=True)
+    for kind, run in runs.items():
+        (out / "clients" / f"{slug}-{kind}.txt").write_text(run.report())
     return row
 
 
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for client in chosen:
                 version = latest_version(client.package) if args.latest else client.package.pinned
-                rows.append(evaluate(client, server.base, version, args.cache, Path(scratch)))
+                rows.append(evaluate(client, server.base, version, args.cache, Path(scratch), args.out))
                 print(rows[-1].markdown(), file=sys.stderr, flush=True)
         finally:
             server.stop()

@@ -17,6 +17,7 @@ import json
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from bench.clients.server import CODEX_CATALOG_NAME, DEMO, DEMO_32K
@@ -43,6 +44,7 @@ class Turn:
 
     prompt: str
     model: str | None
+    tool: bool = False  # a tool round trip: a client whose tools are given per run (llm) gets its reader
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,26 @@ class Invocation:
 
 @dataclass(frozen=True)
 class ToolProbe:
-    """The tool a round trip calls: its name as the client offers it, and the arguments that read `path`."""
+    """The tool a round trip calls: its name as the client offers it, and the arguments that read `path`, given
+    the tool's parameter schema as offered (`reads` and `runs` fill the parameter each release names)."""
 
     name: str
-    arguments: Callable[[Path], dict]
+    arguments: Callable[[Path, dict], dict]
+
+
+def reads(path: Path, schema: dict) -> dict:
+    """A file reader's arguments: the path in its required parameter that names a path or file."""
+    properties = schema.get("properties") or {}
+    names = list(schema.get("required") or properties)
+    return {next((n for n in names if "path" in n.lower() or "file" in n.lower()), "path"): str(path)}
+
+
+def runs(path: Path, schema: dict) -> dict:
+    """A shell tool's arguments: `cat` of the file, in its required parameter that names a command."""
+    properties = schema.get("properties") or {}
+    names = list(schema.get("required") or properties)
+    return {next((n for n in names if "cmd" in n.lower() or "command" in n.lower()), "command"):
+            f"cat {shlex.quote(str(path))}"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +83,7 @@ class Client:
     package: Package
     dialect: str                                  # the API it speaks: "messages", "responses" or "chat"
     invoke: Callable[[Path, str, Turn, Path], Invocation]  # (executable, proxy base URL, turn, home) -> command
-    tool: ToolProbe
+    tool: ToolProbe | None                        # None: the client calls no tools (aider edits by text)
     model: str | None = DEMO                      # the model it is configured with (None: its own default)
     also_as: str | None = None                    # another name it is run under once more
     note: str = ""                                # how its install was checked, or why it cannot run here
@@ -135,16 +153,103 @@ def opencode(executable: Path, base: str, turn: Turn, home: Path) -> Invocation:
 CORE = {
     "claude-code": Client(
         "claude-code", Package("npm", "@anthropic-ai/claude-code", "2.1.332", "claude"), "messages", claude_code,
-        ToolProbe("Read", lambda path: {"file_path": str(path)}), model=None,
+        ToolProbe("Read", reads), model=None,
         note="postinstall copies the native binary from its optional dependency (npm registry only)"),
     "codex": Client(
         "codex", Package("npm", "@openai/codex", "0.171.0", "codex"), "responses", codex,
-        ToolProbe("exec_command", lambda path: {"cmd": f"cat {shlex.quote(path.name)}"}), also_as=CODEX_CATALOG_NAME,
+        ToolProbe("exec_command", runs), also_as=CODEX_CATALOG_NAME,
         note="native binary in an optional dependency; no install script"),
     "opencode": Client(
         "opencode", Package("npm", "opencode-ai", "1.18.33", "opencode"), "chat", opencode,
-        ToolProbe("read", lambda path: {"filePath": str(path)}), model=DEMO_32K,
+        ToolProbe("read", reads), model=DEMO_32K,
         note="postinstall copies the native binary from its optional dependency (falls back to `npm install`)"),
 }
 
-ALL = {**CORE}
+
+# --- pi: a provider of ~/.pi/agent/models.json, in each of the three APIs it speaks --------------------------------
+
+def pi(api: str, executable: Path, base: str, turn: Turn, home: Path) -> Invocation:
+    root = base if api == "anthropic-messages" else base + "/v1"  # the Anthropic SDK adds /v1/messages itself
+    agent = home / ".pi" / "agent"
+    agent.mkdir(parents=True, exist_ok=True)
+    (agent / "models.json").write_text(json.dumps({"providers": {"openarc": {
+        "baseUrl": root, "api": api, "apiKey": API_KEY, "models": [{"id": turn.model}]}}}))
+    env = {**base_env(home), "PI_SKIP_VERSION_CHECK": "1", "PI_OFFLINE": "1", "PI_TELEMETRY": "0"}
+    return Invocation([str(executable), "-p", "--provider", "openarc", "--model", turn.model, turn.prompt], env)
+
+
+# --- Qwen Code: its OpenAI auth type, from the environment --------------------------------------------------------
+
+def qwen_code(executable: Path, base: str, turn: Turn, home: Path) -> Invocation:
+    settings = home / ".qwen"
+    settings.mkdir(parents=True, exist_ok=True)
+    (settings / "settings.json").write_text(json.dumps({
+        "security": {"auth": {"selectedType": "openai"}}, "privacy": {"usageStatisticsEnabled": False},
+        "general": {"disableAutoUpdate": True, "disableUpdateNag": True}, "telemetry": {"enabled": False}}))
+    env = {**base_env(home), "OPENAI_BASE_URL": base + "/v1", "OPENAI_API_KEY": API_KEY, "OPENAI_MODEL": turn.model}
+    return Invocation([str(executable), "-p", turn.prompt, "--model", turn.model], env)
+
+
+# --- Continue's cn CLI: a local config.yaml with one OpenAI-provider model -----------------------------------------
+
+def continue_cli(executable: Path, base: str, turn: Turn, home: Path) -> Invocation:
+    config = home / "continue.yaml"
+    config.write_text(json.dumps({  # YAML is a superset of JSON
+        "name": "openarc", "version": "1.0.0", "schema": "v1",
+        "models": [{"name": turn.model, "provider": "openai", "model": turn.model, "apiBase": base + "/v1",
+                    "apiKey": API_KEY, "roles": ["chat", "edit", "apply"]}]}))
+    env = {**base_env(home), "CONTINUE_GLOBAL_DIR": str(home / ".continue"), "CONTINUE_TELEMETRY_ENABLED": "0",
+           "CONTINUE_ALLOW_ANONYMOUS_TELEMETRY": "false"}
+    return Invocation([str(executable), "-p", turn.prompt, "--config", str(config)], env)
+
+
+# --- Kilo: the opencode-based CLI, an @ai-sdk/openai-compatible provider ------------------------------------------
+
+def kilo(executable: Path, base: str, turn: Turn, home: Path) -> Invocation:
+    invocation = opencode(executable, base, turn, home)
+    config = invocation.env["OPENCODE_CONFIG_CONTENT"]
+    env = {**invocation.env, "KILO_CONFIG_CONTENT": config, "KILO_DISABLE_AUTOUPDATE": "1",
+           "KILO_DISABLE_MODELS_FETCH": "1", "KILO_DISABLE_LSP_DOWNLOAD": "1", "KILO_DISABLE_SHARE": "1",
+           "KILO_TELEMETRY_DISABLED": "1"}
+    return Invocation(invocation.argv, env)
+
+
+# --- aider: litellm's openai/ prefix at --openai-api-base; it edits by text, calling no tools ---------------------
+
+def aider(executable: Path, base: str, turn: Turn, home: Path) -> Invocation:
+    return Invocation([str(executable), "--message", turn.prompt, "--model", f"openai/{turn.model}",
+                       "--openai-api-base", base + "/v1", "--openai-api-key", API_KEY, "--no-git", "--yes-always",
+                       "--no-check-update", "--analytics-disable", "--no-show-model-warnings", "--no-pretty",
+                       "--no-fancy-input", "--no-detect-urls", "--map-tokens", "0"], base_env(home))
+
+
+# --- llm: extra-openai-models.yaml, a Python function as its tool -------------------------------------------------
+
+LLM_TOOL = "def read_file(path: str) -> str:\n    'Read a text file.'\n    return open(path).read()\n"
+
+
+def llm(executable: Path, base: str, turn: Turn, home: Path) -> Invocation:
+    user = home / "llm"
+    user.mkdir(parents=True, exist_ok=True)
+    (user / "extra-openai-models.yaml").write_text(json.dumps([{
+        "model_id": turn.model, "model_name": turn.model, "api_base": base + "/v1", "supports_tools": True}]))
+    env = {**base_env(home), "LLM_USER_PATH": str(user), "OPENAI_API_KEY": API_KEY}
+    tools = ["--functions", LLM_TOOL] if turn.tool else []
+    return Invocation([str(executable), "-m", turn.model, "--no-stream", *tools, turn.prompt], env)
+
+
+MORE = {
+    **{f"pi ({api})": Client(f"pi ({api})", Package("npm", "@mariozechner/pi-coding-agent", "0.73.1", "pi"),
+                             dialect, partial(pi, api), ToolProbe("read", reads))
+       for api, dialect in (("openai-completions", "chat"), ("openai-responses", "responses"),
+                            ("anthropic-messages", "messages"))},
+    "qwen-code": Client("qwen-code", Package("npm", "@qwen-code/qwen-code", "0.24.4", "qwen"), "chat", qwen_code,
+                        ToolProbe("read_file", reads)),
+    "continue": Client("continue", Package("npm", "@continuedev/cli", "1.5.47", "cn"), "chat", continue_cli,
+                       ToolProbe("Read", reads)),
+    "kilo": Client("kilo", Package("npm", "@kilocode/cli", "7.8.1", "kilo"), "chat", kilo, ToolProbe("read", reads),
+                   model=DEMO_32K),
+    "aider": Client("aider", Package("pypi", "aider-chat", "0.86.2", "aider"), "chat", aider, None),
+    "llm": Client("llm", Package("pypi", "llm", "0.36", "llm"), "chat", llm, ToolProbe("read_file", reads)),
+}
+ALL = {**CORE, **MORE}

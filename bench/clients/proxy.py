@@ -74,34 +74,34 @@ Answer = Callable[[str | None, dict], tuple[int, str, str] | None]
 
 @dataclass
 class ToolCallOnce:
-    """Answer the first request that offers tool `name` with one call to it (`arguments`), in the request's
-    dialect, streamed when it asked for a stream; forward everything else."""
+    """Answer the first request that offers tool `name` with one call to it, in the request's dialect, streamed
+    when it asked for a stream; forward everything else. `arguments` gets the tool's parameter schema as the
+    client offered it (so a probe can name the parameter a release calls its path)."""
 
     name: str
-    arguments: dict
+    arguments: Callable[[dict], dict]
     used: bool = field(default=False)
 
     def __call__(self, dialect: str | None, body: dict) -> tuple[int, str, str] | None:
-        if self.used or dialect is None or self.name not in offered_tools(body):
+        tools = offered_tools(body)
+        if self.used or dialect is None or self.name not in tools:
             return None
         self.used = True
-        return canned_tool_call(dialect, body, self.name, self.arguments)
+        return canned_tool_call(dialect, body, self.name, self.arguments(tools[self.name]))
 
 
-def offered_tools(body: dict) -> set[str]:
-    """The names of the function tools a request offers, in any dialect (chat's nested `function`, Responses'
-    flat tools and namespaces, Messages' `name`)."""
-    names = set()
+def offered_tools(body: dict) -> dict[str, dict]:
+    """The function tools a request offers, by name, with their parameter schemas, in any dialect (chat's nested
+    `function`, Responses' flat tools and namespaces, Messages' `input_schema`)."""
+    found = {}
     for tool in body.get("tools") or ():
         if not isinstance(tool, dict):
             continue
-        nested = tool.get("tools") if tool.get("type") == "namespace" else [tool]
-        for each in nested or ():
-            name = (each.get("function") or {}).get("name") if each.get("type") == "function" and "function" in each \
-                else each.get("name")
-            if name:
-                names.add(name)
-    return names
+        for each in (tool.get("tools") if tool.get("type") == "namespace" else [tool]) or ():
+            spec = each.get("function") if isinstance(each.get("function"), dict) else each
+            if spec.get("name"):
+                found[spec["name"]] = spec.get("parameters") or spec.get("input_schema") or {}
+    return found
 
 
 class RecordingProxy:

@@ -75,8 +75,8 @@ def tool_round_trip(installed: Installed, client: Client, upstream: str, model: 
     work.mkdir(parents=True, exist_ok=True)
     marker = work / "marker.txt"
     marker.write_text(MARKER_TEXT + "\n")
-    answer = ToolCallOnce(client.tool.name, client.tool.arguments(marker))
-    return run_client(installed, client, upstream, Turn(TOOL_PROMPT, model), root, answer, timeout)
+    answer = ToolCallOnce(client.tool.name, lambda schema: client.tool.arguments(marker, schema))
+    return run_client(installed, client, upstream, Turn(TOOL_PROMPT, model, tool=True), root, answer, timeout)
 
 
 def _kill(process: subprocess.Popen) -> tuple[str, str]:

@@ -72,8 +72,23 @@ def _run(argv: list[str], cwd: Path) -> str:
     except subprocess.TimeoutExpired:
         raise InstallError(f"`{' '.join(argv[:3])} ...` took over {INSTALL_TIMEOUT_S} s") from None
     if done.returncode != 0:
-        raise InstallError(f"`{' '.join(argv[:3])} ...` exited {done.returncode}: {(done.stderr or done.stdout)[-800:]}")
+        raise InstallError(f"{' '.join(argv[:2])} exited {done.returncode}: {reason(done.stderr or done.stdout)}")
     return done.stdout
+
+
+# What a failed install's output says when the cause is outside the package itself: a missing release or platform
+# package, or a download from a host other than the registry (refused here: no network but the registries).
+CAUSES = ("no matching version", "notarget", "404", "enotfound", "econnrefused", "eai_again", "etimedout",
+          "no matching distribution", "could not find a version", "failed to download", "requires node")
+
+
+def reason(output: str) -> str:
+    """The line of a package manager's failure that says why: one naming a known cause, else the first naming an
+    error (never its log file's name)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip() and "complete log" not in line.lower()]
+    causes = [line for line in lines if any(cause in line.lower() for cause in CAUSES)]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (causes or errors or lines or ["no output"])[0][:300]
 
 
 def _install_npm(package: Package, version: str, prefix: Path) -> None:

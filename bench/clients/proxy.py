@@ -38,6 +38,11 @@ class Exchange:
     status: int = 0
     response: str = ""            # the answer's body as text: JSON, or an SSE stream's events
     by_proxy: bool = False        # answered by the proxy itself (`answer`), not forwarded
+    content_type: str = ""
+
+    @property
+    def streamed(self) -> bool:
+        return self.content_type.startswith("text/event-stream")
 
     @property
     def dialect(self) -> str | None:
@@ -170,9 +175,9 @@ class RecordingProxy:
         self.exchanges.append(exchange)
         canned = self.answer(exchange.dialect, exchange.request) if self.answer and exchange.request else None
         if canned:
-            exchange.status, content_type, exchange.response = canned
+            exchange.status, exchange.content_type, exchange.response = canned
             exchange.by_proxy = True
-            return web.Response(status=exchange.status, text=exchange.response, content_type=content_type)
+            return web.Response(status=exchange.status, text=exchange.response, content_type=exchange.content_type)
         return await self._forward(request, raw, exchange)
 
     async def _forward(self, request: web.Request, raw: bytes, exchange: Exchange) -> web.StreamResponse:
@@ -186,7 +191,7 @@ class RecordingProxy:
         async with upstream:
             response = web.StreamResponse(status=upstream.status, headers={
                 k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
-            exchange.status = upstream.status
+            exchange.status, exchange.content_type = upstream.status, upstream.headers.get("Content-Type", "")
             await response.prepare(request)
             received = bytearray()
             try:

@@ -10,7 +10,7 @@ from bench.clients.proxy import Exchange
 def _final(exchange: Exchange) -> dict:
     """The whole answer: the JSON body, or what a stream's last full object says (Responses' final response,
     Messages' message_start merged with its message_delta, chat's chunks merged)."""
-    if not exchange.response.lstrip().startswith(("event:", "data:")):
+    if not exchange.streamed:
         return exchange.response_json() or {}
     final: dict = {}
     for event in exchange.events():
@@ -33,7 +33,7 @@ def _final(exchange: Exchange) -> dict:
 
 def answer_text(exchange: Exchange) -> str:
     """The text the answer carried to the client."""
-    if exchange.response.lstrip().startswith(("event:", "data:")):
+    if exchange.streamed:
         parts = []
         for event in exchange.events():
             kind = event.get("type", "")

@@ -79,7 +79,7 @@ def evaluate(client: Client, upstream: str, version: str, cache: Path, scratch: 
     row.cells["output limit"] = limit_cell(text)
     runs = {"text": text}
     if client.tool is None:
-        row.cells["tool round trip"] = "n/a (calls no tools)"
+        row.cells["tool round trip"] = f"n/a: {client.note}"
     else:
         runs["tool"] = tool_round_trip(installed, client, upstream, client.model, root / "tool")
         row.cells["tool round trip"] = shown(verdicts.round_trip(runs["tool"]))

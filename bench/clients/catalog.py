@@ -34,7 +34,8 @@ class Package:
     registry: str
     name: str
     pinned: str
-    executable: str
+    executable: str             # "node" or "python": a library, run by a driver of bench/clients/drivers/
+    companions: tuple[str, ...] = ()  # installed beside it, pinned ("name@version"), as a library's users do
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,10 @@ class Client:
     package: Package
     dialect: str                                  # the API it speaks: "messages", "responses" or "chat"
     invoke: Callable[[Path, str, Turn, Path], Invocation]  # (executable, proxy base URL, turn, home) -> command
-    tool: ToolProbe | None                        # None: the client calls no tools (aider edits by text)
+    tool: ToolProbe | None                        # None: no tool round trip (`note` says why)
     model: str | None = DEMO                      # the model it is configured with (None: its own default)
     also_as: str | None = None                    # another name it is run under once more
-    note: str = ""                                # how its install was checked, or why it cannot run here
+    note: str = ""                                # how its install was checked, or why it has no round trip
 
 
 def base_env(home: Path) -> dict[str, str]:
@@ -238,6 +239,23 @@ def llm(executable: Path, base: str, turn: Turn, home: Path) -> Invocation:
     return Invocation([str(executable), "-m", turn.model, "--no-stream", *tools, turn.prompt], env)
 
 
+# --- libraries: a program of their users' kind (bench/clients/drivers/), in the release's own venv or prefix -------
+
+DRIVERS = Path(__file__).resolve().parent / "drivers"
+
+
+def library_program(script: str, executable: Path, base: str, turn: Turn, home: Path) -> Invocation:
+    """Run `script` (bench/clients/drivers/) with the release's own interpreter. A node script runs from a copy in
+    the release's prefix: ES modules resolve their imports from the script's own directory."""
+    path = DRIVERS / script
+    if script.endswith(".mjs"):
+        path = executable.parent / script
+        path.write_text((DRIVERS / script).read_text())
+    env = {**base_env(home), "OPENAI_BASE_URL": base + "/v1", "MODEL": turn.model,
+           **({"WITH_TOOL": "1"} if turn.tool else {})}
+    return Invocation([str(executable), str(path), turn.prompt], env)
+
+
 MORE = {
     **{f"pi ({api})": Client(f"pi ({api})", Package("npm", "@mariozechner/pi-coding-agent", "0.73.1", "pi"),
                              dialect, partial(pi, api), ToolProbe("read", reads))
@@ -249,7 +267,16 @@ MORE = {
                        ToolProbe("Read", reads)),
     "kilo": Client("kilo", Package("npm", "@kilocode/cli", "7.8.1", "kilo"), "chat", kilo, ToolProbe("read", reads),
                    model=DEMO_32K),
-    "aider": Client("aider", Package("pypi", "aider-chat", "0.86.2", "aider"), "chat", aider, None),
+    "aider": Client("aider", Package("pypi", "aider-chat", "0.86.2", "aider"), "chat", aider, None,
+                    note="it edits by text, calling no tools"),
     "llm": Client("llm", Package("pypi", "llm", "0.36", "llm"), "chat", llm, ToolProbe("read_file", reads)),
+    "langchain-openai": Client("langchain-openai", Package("pypi", "langchain-openai", "1.8.1", "python"), "chat",
+                               partial(library_program, "langchain_openai_chat.py"), ToolProbe("read_file", reads)),
+    "smolagents": Client("smolagents", Package("pypi", "smolagents", "1.26.0", "python", ("openai@3.57.0",)), "chat",
+                         partial(library_program, "smolagents_agent.py"), None,
+                         note="its ToolCallingAgent forces a tool call every step (tool_choice: required), which a "
+                              "demo model never closes"),
+    "ai-sdk": Client("ai-sdk", Package("npm", "ai", "7.0.173", "node", ("@ai-sdk/openai-compatible@3.0.92",)),
+                     "chat", partial(library_program, "ai_sdk_chat.mjs"), ToolProbe("read_file", reads)),
 }
 ALL = {**CORE, **MORE}

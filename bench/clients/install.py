@@ -40,6 +40,8 @@ def prefix_of(package: Package, version: str, cache: Path) -> Path:
 
 
 def executable_in(package: Package, prefix: Path) -> Path:
+    if package.executable == "node":  # a library: the machine's node, linked into the prefix its driver runs from
+        return prefix / "node"
     if package.registry == "npm":
         return prefix / "node_modules" / ".bin" / package.executable
     return prefix / "bin" / package.executable
@@ -95,12 +97,15 @@ def _install_npm(package: Package, version: str, prefix: Path) -> None:
     # A package.json of its own, so npm installs here and not into a project above the cache.
     (prefix / "package.json").write_text(json.dumps({"private": True}) + "\n")
     _run(["npm", "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--loglevel=error",
-          f"{package.name}@{version}"], prefix)
+          f"{package.name}@{version}", *package.companions], prefix)
+    if package.executable == "node":
+        (prefix / "node").symlink_to(shutil.which("node"))
 
 
 def _install_pypi(package: Package, version: str, prefix: Path) -> None:
     _run([sys.executable, "-m", "venv", str(prefix)], prefix)
-    _run([str(prefix / "bin" / "python"), "-m", "pip", "install", "-q", f"{package.name}=={version}"], prefix)
+    _run([str(prefix / "bin" / "python"), "-m", "pip", "install", "-q", f"{package.name}=={version}",
+          *(spec.replace("@", "==") for spec in package.companions)], prefix)
 
 
 def latest_version(package: Package) -> str:

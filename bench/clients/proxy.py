@@ -23,6 +23,8 @@ from aiohttp import web
 
 from bench.clients.canned import canned_tool_call, dialect_of
 
+STOP_GRACE_S = 2.0
+
 # Not forwarded: they describe one hop, not the message (RFC 9110 section 7.6.1), or aiohttp sets them itself.
 HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "content-encoding"}
@@ -133,7 +135,7 @@ class RecordingProxy:
 
     def stop(self) -> None:
         if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(30)
+            asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(STOP_GRACE_S + 30)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
 
@@ -154,12 +156,13 @@ class RecordingProxy:
                                               auto_decompress=False)
         app = web.Application(client_max_size=64 << 20)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A client killed mid-answer leaves its handler waiting on the server: stopping does not wait for it long.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=STOP_GRACE_S)
         await self._runner.setup()
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        await web.SockSite(self._runner, sock).start()
+        await web.SockSite(self._runner, sock, shutdown_timeout=STOP_GRACE_S).start()
 
     async def _stop(self) -> None:
         await self._runner.cleanup()

@@ -15,6 +15,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ class Exchange:
     response: str = ""            # the answer's body as text: JSON, or an SSE stream's events
     by_proxy: bool = False        # answered by the proxy itself (`answer`), not forwarded
     content_type: str = ""
+    seconds: float = 0.0          # from the request's arrival to the answer's end
 
     @property
     def streamed(self) -> bool:
@@ -176,12 +178,16 @@ class RecordingProxy:
             body = None
         exchange = Exchange(request.method, request.path, body if isinstance(body, dict) else None)
         self.exchanges.append(exchange)
+        started = time.monotonic()
         canned = self.answer(exchange.dialect, exchange.request) if self.answer and exchange.request else None
         if canned:
             exchange.status, exchange.content_type, exchange.response = canned
             exchange.by_proxy = True
             return web.Response(status=exchange.status, text=exchange.response, content_type=exchange.content_type)
-        return await self._forward(request, raw, exchange)
+        try:
+            return await self._forward(request, raw, exchange)
+        finally:
+            exchange.seconds = time.monotonic() - started
 
     async def _forward(self, request: web.Request, raw: bytes, exchange: Exchange) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}

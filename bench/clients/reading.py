@@ -113,6 +113,20 @@ def refusals(exchanges: list[Exchange]) -> list[str]:
     return [e.summary() for e in exchanges if e.status >= 400]
 
 
+def prompt_tokens(exchange: Exchange) -> tuple[int | None, int | None]:
+    """The prompt's tokens and how many of them the prefix cache held, as the answer's usage says."""
+    usage = _final(exchange).get("usage") or {}
+    prompt = usage.get("input_tokens", usage.get("prompt_tokens"))
+    details = usage.get("input_tokens_details") or usage.get("prompt_tokens_details") or {}
+    return prompt, details.get("cached_tokens", usage.get("cache_read_input_tokens"))
+
+
 def dumps(exchanges: list[Exchange]) -> str:
-    """The record in short, for a failing assertion: each exchange on a line."""
-    return "\n".join(e.summary() for e in exchanges) or "(no requests)"
+    """The record in short, for a failing assertion and the bench's reports: each exchange on a line, with the
+    prompt's size, the part the cache held, and how long the answer took."""
+    lines = []
+    for e in exchanges:
+        prompt, cached = prompt_tokens(e) if e.status == 200 and not e.by_proxy else (None, None)
+        size = f" [prompt {prompt} tokens, {cached} cached, {e.seconds:.1f}s]" if prompt is not None else ""
+        lines.append(e.summary() + size)
+    return "\n".join(lines) or "(no requests)"

@@ -13,6 +13,8 @@ hidden cap of 256 tokens, so an answer cut short anywhere fails the run.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.clients.catalog import CORE, Turn
@@ -44,13 +46,16 @@ def installed():
 @pytest.fixture(scope="module")
 def run(server, installed, tmp_path_factory):
     """run(client, model, tool=False): one headless run of a core client, remembered for the module, so the
-    tests that read the same run from different sides cost one run."""
+    tests that read the same run from different sides cost one run. A client's runs share its home and work
+    directory, as one user's would: Claude Code's system prompt names both (its memory directory), and the same
+    prompt prefix lets the server's prefix cache skip most of the second run's prefill."""
     done: dict[tuple, ClientRun] = {}
+    roots: dict[str, Path] = {}
 
     def start(name: str, model: str | None, tool: bool = False) -> ClientRun:
         key = (name, model, tool)
         if key not in done:
-            root = tmp_path_factory.mktemp(f"{name}-{'tool' if tool else 'text'}")
+            root = roots.setdefault(name, tmp_path_factory.mktemp(name))
             client, inst = CORE[name], installed[name]
             done[key] = tool_round_trip(inst, client, server.base, model, root) if tool \
                 else run_client(inst, client, server.base, Turn(TEXT_PROMPT, model), root)

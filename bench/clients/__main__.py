@@ -73,18 +73,18 @@ def evaluate(client: Client, upstream: str, version: str, cache: Path, scratch: 
         row.not_run = str(exc).splitlines()[0][:200]
         return row
     slug = "".join(c if c.isalnum() else "-" for c in client.name).strip("-")
-    root = scratch / slug
-    text = run_client(installed, client, upstream, Turn(TEXT_PROMPT, client.model), root / "text")
+    root = scratch / slug  # one home and work directory for all its runs, as one user's (see the tests' `run`)
+    text = run_client(installed, client, upstream, Turn(TEXT_PROMPT, client.model), root)
     row.cells["text turn"] = shown(verdicts.answered(text) or verdicts.completed(text))
     row.cells["output limit"] = limit_cell(text)
     runs = {"text": text}
     if client.tool is None:
         row.cells["tool round trip"] = f"n/a: {client.note}"
     else:
-        runs["tool"] = tool_round_trip(installed, client, upstream, client.model, root / "tool")
+        runs["tool"] = tool_round_trip(installed, client, upstream, client.model, root)
         row.cells["tool round trip"] = shown(verdicts.round_trip(runs["tool"]))
     if client.also_as:
-        runs["also"] = run_client(installed, client, upstream, Turn(TEXT_PROMPT, client.also_as), root / "also")
+        runs["also"] = run_client(installed, client, upstream, Turn(TEXT_PROMPT, client.also_as), root)
         row.cells["also"] = f"as {client.also_as}: " + shown(verdicts.answered(runs["also"]))
     (out / "clients").mkdir(parents=True, exist_ok=True)
     for kind, run in runs.items():

@@ -34,7 +34,7 @@ class Package:
     registry: str
     name: str
     pinned: str
-    executable: str             # "node" or "python": a library, run by a driver of bench/clients/drivers/
+    executable: str             # its command; "node" or "python" for a library run by bench/clients/drivers/
     companions: tuple[str, ...] = ()  # installed beside it, pinned ("name@version"), as a library's users do
 
 
@@ -63,19 +63,20 @@ class ToolProbe:
     arguments: Callable[[Path, dict], dict]
 
 
+def _parameter(schema: dict, hints: tuple[str, ...], default: str) -> str:
+    """The first required parameter (else any) whose name holds one of `hints`."""
+    names = list(schema.get("required") or schema.get("properties") or {})
+    return next((name for name in names if any(hint in name.lower() for hint in hints)), default)
+
+
 def reads(path: Path, schema: dict) -> dict:
-    """A file reader's arguments: the path in its required parameter that names a path or file."""
-    properties = schema.get("properties") or {}
-    names = list(schema.get("required") or properties)
-    return {next((n for n in names if "path" in n.lower() or "file" in n.lower()), "path"): str(path)}
+    """A file reader's arguments: the path, in the parameter that names a path or file."""
+    return {_parameter(schema, ("path", "file"), "path"): str(path)}
 
 
 def runs(path: Path, schema: dict) -> dict:
-    """A shell tool's arguments: `cat` of the file, in its required parameter that names a command."""
-    properties = schema.get("properties") or {}
-    names = list(schema.get("required") or properties)
-    return {next((n for n in names if "cmd" in n.lower() or "command" in n.lower()), "command"):
-            f"cat {shlex.quote(str(path))}"}
+    """A shell tool's arguments: `cat` of the file, in the parameter that names a command."""
+    return {_parameter(schema, ("cmd", "command"), "command"): f"cat {shlex.quote(str(path))}"}
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,8 @@ def continue_cli(executable: Path, base: str, turn: Turn, home: Path) -> Invocat
 
 
 # --- Kilo: the opencode-based CLI, an @ai-sdk/openai-compatible provider ------------------------------------------
+# Its settings are opencode's, under both prefixes: not yet seen working here (7.8.1's platform packages are not in
+# the registry, so it installs nowhere; the bench lists it as not run with npm's words).
 
 def kilo(executable: Path, base: str, turn: Turn, home: Path) -> Invocation:
     invocation = opencode(executable, base, turn, home)

@@ -66,7 +66,7 @@ def run(server, installed, tmp_path_factory):
 def served_answer(run: ClientRun):
     """The run exited 0, nothing it sent was refused, it printed the server's answer: that exchange."""
     assert verdicts.answered(run) is None, f"{verdicts.answered(run)}\n{run.report()}"
-    return verdicts.last_served(run)
+    return verdicts.shown(run)
 
 
 def assert_round_trip(run: ClientRun) -> None:

@@ -49,19 +49,19 @@ class Row:
         return "| " + " | ".join(v.replace("|", "/").replace("\n", " ") for v in values) + " |"
 
 
-def shown(problem: str | None) -> str:
+def cell(problem: str | None) -> str:
     return "pass" if problem is None else f"FAIL: {problem}"
 
 
 def limit_cell(run: ClientRun) -> str:
     """What the client asks for as an output limit, and whether the answer still ended by itself."""
-    last = verdicts.last_served(run)
+    last = verdicts.shown(run)
     if last is None:
         return ""
     limit = asked_limit(last)
     if limit is None:
-        return "none sent; " + shown(verdicts.long_answer(run))
-    return f"sends {limit}; " + shown(verdicts.completed(run))
+        return "none sent; " + cell(verdicts.long_answer(run))
+    return f"sends {limit}; " + cell(verdicts.completed(run))
 
 
 def evaluate(client: Client, upstream: str, version: str, cache: Path, scratch: Path, out: Path) -> Row:
@@ -75,17 +75,17 @@ def evaluate(client: Client, upstream: str, version: str, cache: Path, scratch: 
     slug = "".join(c if c.isalnum() else "-" for c in client.name).strip("-")
     root = scratch / slug  # one home and work directory for all its runs, as one user's (see the tests' `run`)
     text = run_client(installed, client, upstream, Turn(TEXT_PROMPT, client.model), root)
-    row.cells["text turn"] = shown(verdicts.answered(text) or verdicts.completed(text))
+    row.cells["text turn"] = cell(verdicts.answered(text) or verdicts.completed(text))
     row.cells["output limit"] = limit_cell(text)
     runs = {"text": text}
     if client.tool is None:
         row.cells["tool round trip"] = f"n/a: {client.note}"
     else:
         runs["tool"] = tool_round_trip(installed, client, upstream, client.model, root)
-        row.cells["tool round trip"] = shown(verdicts.round_trip(runs["tool"]))
+        row.cells["tool round trip"] = cell(verdicts.round_trip(runs["tool"]))
     if client.also_as:
         runs["also"] = run_client(installed, client, upstream, Turn(TEXT_PROMPT, client.also_as), root)
-        row.cells["also"] = f"as {client.also_as}: " + shown(verdicts.answered(runs["also"]))
+        row.cells["also"] = f"as {client.also_as}: " + cell(verdicts.answered(runs["also"]))
     (out / "clients").mkdir(parents=True, exist_ok=True)
     for kind, run in runs.items():
         (out / "clients" / f"{slug}-{kind}.txt").write_text(run.report())

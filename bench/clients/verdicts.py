@@ -10,35 +10,41 @@ from bench.clients.runs import MARKER_TEXT, ClientRun
 from bench.clients.server import OLD_CAP
 
 
-def last_served(run: ClientRun) -> Exchange | None:
-    """The last request of the client's own dialect that the server (not the proxy) answered."""
+def served(run: ClientRun) -> list[Exchange]:
+    """The requests of the client's own dialect that the server (not the proxy) answered."""
     dialect = ALL[run.client].dialect
-    served = [e for e in run.exchanges if e.dialect == dialect and not e.by_proxy]
-    return served[-1] if served else None
+    return [e for e in run.exchanges if e.dialect == dialect and not e.by_proxy]
+
+
+def printed(run: ClientRun, exchange: Exchange) -> bool:
+    text = " ".join(answer_text(exchange).split())
+    return bool(text) and text in " ".join(run.stdout.split())
+
+
+def shown(run: ClientRun) -> Exchange | None:
+    """The last answer the client printed: the one its user saw (a client may send side requests after it, as
+    Qwen Code does)."""
+    return next((e for e in reversed(served(run)) if printed(run, e)), None)
 
 
 def answered(run: ClientRun) -> str | None:
-    """The run exited 0, nothing it sent was refused, and it printed the text the server answered its last turn."""
+    """The run exited 0, nothing it sent was refused, and it printed an answer the server sent."""
     if run.returncode != 0:
         return f"exited {run.returncode}"
     if refusals(run.exchanges):
         return f"refused: {refusals(run.exchanges)[0]}"
-    last = last_served(run)
-    if last is None:
+    if not served(run):
         return "sent the server nothing"
-    text = " ".join(answer_text(last).split())
-    if not text:
-        return f"the server's answer has no text ({last.summary()})"
-    if text not in " ".join(run.stdout.split()):
-        return f"did not print the server's answer {text[:80]!r}"
+    if shown(run) is None:
+        return f"printed none of the server's answers (the last: {answer_text(served(run)[-1])[:80]!r})"
     return None
 
 
-def completed(run: ClientRun) -> str | None:
-    """The last answer ended by itself (no limit cut it)."""
-    last = last_served(run)
-    end = ending(last) if last else None
-    return None if last and end == COMPLETE[last.dialect] else f"the answer ended {end!r}"
+def completed(run: ClientRun, exchange: Exchange | None = None) -> str | None:
+    """The answer (default: the one shown) ended by itself, no limit cut it."""
+    exchange = exchange or shown(run)
+    end = ending(exchange) if exchange else None
+    return None if exchange and end == COMPLETE[exchange.dialect] else f"the answer ended {end!r}"
 
 
 def round_trip(run: ClientRun) -> str | None:
@@ -49,17 +55,20 @@ def round_trip(run: ClientRun) -> str | None:
     problem = answered(run)
     if problem:
         return problem
-    result = replayed_result(last_served(run))
-    if result is None or MARKER_TEXT not in result:
-        return f"the tool's result was not sent back (got {result!r})"
-    return completed(run)
+    results = [(e, replayed_result(e)) for e in served(run) if replayed_result(e) is not None]
+    if not results or MARKER_TEXT not in results[0][1]:
+        return f"the tool's result was not sent back (got {results[0][1] if results else None!r})"
+    second_turn = results[0][0]
+    if not printed(run, second_turn):
+        return f"did not print the answer to the tool's result ({answer_text(second_turn)[:80]!r})"
+    return completed(run, second_turn)
 
 
 def long_answer(run: ClientRun) -> str | None:
     """The last answer is longer than the old cap, with no limit sent, and ended by itself."""
-    last = last_served(run)
+    last = shown(run)
     if last is None:
-        return "sent the server nothing"
+        return answered(run)
     if asked_limit(last) is not None:
         return f"the client sent a limit ({asked_limit(last)})"
     tokens = output_tokens(last)

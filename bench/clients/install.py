@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,9 +123,13 @@ def release_date(package: Package, version: str) -> str:
         if package.registry == "npm":
             times = json.loads(_run(["npm", "view", "--json", package.name, "time"], Path.cwd()))
             return str(times.get(version, ""))[:10]
-        import urllib.request
-        with urllib.request.urlopen(f"https://pypi.org/pypi/{package.name}/{version}/json", timeout=30) as answer:
-            files = json.load(answer).get("urls") or [{}]
-        return str(files[0].get("upload_time", ""))[:10]
+        # the index's JSON form (PEP 691), whose files carry their upload time (PEP 700)
+        request = urllib.request.Request(f"https://pypi.org/simple/{package.name}/",
+                                         headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            files = json.load(answer).get("files") or []
+        times = [f.get("upload-time") or "" for f in files if f"-{version}." in f.get("filename", "").replace("_", "-")
+                 or f"-{version}-" in f.get("filename", "")]
+        return min(times, default="")[:10]
     except (InstallError, OSError, ValueError):
         return ""

@@ -164,7 +164,7 @@ class RecordingProxy:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        await web.SockSite(self._runner, sock, shutdown_timeout=STOP_GRACE_S).start()
+        await web.SockSite(self._runner, sock).start()
 
     async def _stop(self) -> None:
         await self._runner.cleanup()

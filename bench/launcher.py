@@ -49,14 +49,16 @@ def child_env() -> dict[str, str]:
 
 class OwnAppliance:
     def __init__(self, model_path: Path, workdir: Path, models: list[dict] | None = None, device: str = "CPU",
-                 runtime_config: dict | None = None):
-        """`models`: the config's models instead of the two copies of `model_path` (another bench's own)."""
+                 runtime_config: dict | None = None, server: dict | None = None):
+        """`models`: the config's models instead of the two copies of `model_path` (another bench's own);
+        `server`: settings added to the config's `server` (bench.clients' model_aliases)."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.config_path = workdir / "appliance.yaml"
         config = appliance_config(model_path, self.port, device, runtime_config)
         if models is not None:
             config["models"] = models
+        config["server"].update(server or {})
         self.config = config
         self.config_path.write_text(yaml.safe_dump(config))
         self.log_path = workdir / "appliance.log"

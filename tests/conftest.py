@@ -316,9 +316,10 @@ def quick_side_bench(stem: str, tmp_path: Path) -> dict[str, dict]:
 # `make test` runs the suite on several pytest-xdist workers (`--dist loadgroup`): most tests wait on worker
 # processes, sockets and systemd, not on the CPU. The files of one group share something of the machine's own and
 # so run one after another on one xdist worker: the systemd boots (units and paths of PID 1 namespaces), podman's
-# storage and the roots and image cached under /var/tmp (the quadlet and end-to-end tests build and use them).
+# storage and the roots and image cached under /var/tmp (the quadlet and end-to-end tests build and use them). The
+# real clients' tests share one server and one run of each client (module fixtures): one worker runs them all.
 XDIST_GROUPS = {"test_systemd.py": "systemd", "test_zero_downtime.py": "systemd", "test_hostile.py": "hostile",
-                "test_podman_e2e.py": "podman", "test_quadlet.py": "podman"}
+                "test_podman_e2e.py": "podman", "test_quadlet.py": "podman", "test_real_clients.py": "real-clients"}
 # Files whose tests judge timings against the targets the docs quote as met (quoted_as_met): each runs alone on
 # the machine, the other xdist workers waiting between their tests (machine_share), so that a figure is not judged
 # on two cores shared with the rest of the suite.

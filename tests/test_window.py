@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from appliance.config import ModelConfig, parse_config, worker_spec
 from appliance.config.window import (BOUND_DEFAULT, BOUND_REQUEST, BOUND_WINDOW, GIB, WindowExceeded, answer_limit,
-                                     describe, kv_bytes_per_token, kv_cost, model_window, trained_window,
+                                     describe, kv_bytes_per_token, model_window, report, trained_window,
                                      window_of)
 
 # Qwen2.5-7B-Instruct's config.json, the fields the window reads (28 layers, 4 kv heads of 128, 32k trained).
@@ -87,7 +87,8 @@ def test_unset_max_context_is_the_trained_window_capped_by_the_kv_cache(tmp_path
     assert model_window(blocks).tokens == 3200
     explicit = ModelConfig(name="m", path=path, max_context=65536)  # the operator's word wins, even past trained
     assert (model_window(explicit).tokens, model_window(explicit).source) == (65536, "max_context")
-    assert kv_cost(explicit, 65536) == 65536 * 2 * 28 * 4 * (128 + 8)  # u8 on the CPU
+    assert model_window(explicit).kv_bytes_per_token == 2 * 28 * 4 * (128 + 8)  # u8 on the CPU
+    assert f"costs {65536 * 2 * 28 * 4 * (128 + 8) >> 20} MiB of KV cache" in report(explicit)[0]
     nothing = ModelConfig(name="m", path=str(tmp_path / "absent"))
     assert (model_window(nothing).tokens, model_window(nothing).source) == (4096, "fallback")
     assert "context window 18724 tokens (what its KV cache holds; trained 32768" in describe(window.status())

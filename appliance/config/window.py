@@ -129,7 +129,7 @@ def cache_tokens(model: ModelConfig, bytes_per_token: float) -> int | None:
     if _positive(blocks):
         return blocks * BLOCK_TOKENS["GPU" if model.is_gpu else "CPU"]
     if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0:
-        return int(size * GIB // bytes_per_token)
+        return max(1, int(size * GIB // bytes_per_token))
     return None  # genai's dynamic cache (or a value genai itself will refuse at load)
 
 
@@ -152,12 +152,6 @@ def window_of(model: ModelConfig, hf: dict[str, Any]) -> Window:
     if kv is not None and kv < trained:
         return Window(kv, "kv_cache", trained, kv, per_token, precision)
     return Window(trained, "trained", trained, kv, per_token, precision)
-
-
-def kv_cost(model: ModelConfig, tokens: int) -> int | None:
-    """Bytes of KV cache one sequence of `tokens` takes on this model (None: its config.json lacks the shape)."""
-    per_token = kv_bytes_per_token(hf_config(model.path) if model.path else {}, kv_precision(model))
-    return None if per_token is None else int(per_token * tokens)
 
 
 def report(model: ModelConfig) -> tuple[str, str | None]:

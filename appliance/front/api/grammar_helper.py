@@ -25,7 +25,9 @@ from appliance.front.helper_process import HelperFailed, HelperFault, HelperProc
 from appliance.ipc import serve_requests
 
 MODULE = "appliance.front.api.grammar_helper"
-CONVERT_TIMEOUT_S = 10.0  # the limits keep a conversion to milliseconds; past this it is killed
+# The limits keep a conversion to milliseconds; past this it is killed. Generous: it also covers a fresh
+# process's start (Python and lark's import, seconds on a loaded host) after the last one was replaced.
+CONVERT_TIMEOUT_S = 30.0
 ADDRESS_SPACE_BYTES = 2 << 30  # the helper's own limit: lark's trees of a bomb can never take the host's memory
 CACHE_ENTRIES = 256
 CACHED_RESULT_CHARS = 16 << 10

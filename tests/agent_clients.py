@@ -1,34 +1,22 @@
-"""Where the real coding agents (Codex, Claude Code, opencode) are installed for the tests: the pinned releases
-`make` installs into a cache, never globally, each in its own prefix ($OPENARC_CLIENTS_DIR, default
-/opt/openarc/clients: npm/PACKAGE-VERSION/node_modules/.bin/BINARY), or one bin directory named by
-$OPENARC_CLIENTS_BIN. A test that needs an agent and finds none skips, naming where it looked."""
+"""The real coding agents (Codex, Claude Code, opencode) for the launch tests: the pinned releases of
+bench.clients.catalog, from the cache `make install-clients` fills ($OPENARC_CLIENTS_DIR, default
+/opt/openarc/clients), installed there from the npm registry if missing, never globally: the same installs
+tests/test_real_clients.py runs."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import pytest
+from bench.clients.catalog import CORE
+from bench.clients.install import install
 
-CLIENTS_DIR = Path(os.environ.get("OPENARC_CLIENTS_DIR") or "/opt/openarc/clients")
-CLIENTS_BIN = os.environ.get("OPENARC_CLIENTS_BIN")
-
-
-def installed(binary: str) -> Path | None:
-    """The installed agent's executable (the newest install in the cache), None if there is none."""
-    found = [Path(CLIENTS_BIN) / binary] if CLIENTS_BIN else sorted(
-        CLIENTS_DIR.glob(f"npm/*/node_modules/.bin/{binary}"), key=lambda p: p.stat().st_mtime)
-    found = [path for path in found if os.access(path, os.X_OK)]
-    return found[-1] if found else None
+BINARIES = {client.package.executable: client.package for client in CORE.values()}
 
 
 def client_path(binary: str) -> Path:
-    """The installed agent's executable, or skip saying where it was looked for."""
-    path = installed(binary)
-    if path is None:
-        pytest.skip(f"{binary} is not installed in {CLIENTS_BIN or CLIENTS_DIR} (make install-clients, or set "
-                    f"OPENARC_CLIENTS_DIR or OPENARC_CLIENTS_BIN)")
-    return path
+    """The pinned agent's executable (`claude`, `codex`, `opencode`), installed into the cache if it is not there."""
+    return install(BINARIES[binary]).executable
 
 
 def agent_env(home: Path, **extra: str) -> dict[str, str]:
@@ -38,7 +26,7 @@ def agent_env(home: Path, **extra: str) -> dict[str, str]:
     drop = ("CODEX_HOME", "CLAUDE_CONFIG_DIR", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "OPENAI_API_KEY",
             "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "OPENCODE_CONFIG")
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    bins = os.pathsep.join(str(path.parent) for path in map(installed, ("codex", "claude", "opencode")) if path)
+    bins = os.pathsep.join(str(client_path(binary).parent) for binary in BINARIES)
     env.update(HOME=str(home), PATH=f"{bins}{os.pathsep}{env.get('PATH', '')}", **extra)
     # loopback only: opencode's model list from models.dev and its update check would wait on the network
     env.update(OPENCODE_DISABLE_MODELS_FETCH="1", OPENCODE_DISABLE_AUTOUPDATE="1")

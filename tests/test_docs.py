@@ -465,7 +465,7 @@ def test_every_config_a_page_shows_passes_check_config(demo_paths, tmp_path, mon
 
 # --- curl commands and Python examples against served demo models ------------------------------------------------
 
-DOC_HOSTS = re.compile(r"(?:https?://)?(?:localhost|127\.0\.0\.1):8000")
+DOC_HOSTS = re.compile(r"(?:(https?|wss?)://)?(?:localhost|127\.0\.0\.1):8000")
 # The curl the pages' commands run: the real one, failing on a 4xx/5xx with the body shown, and failing on an
 # answer its token limit cut (a reader gets no whole JSON from it).
 CURL_WRAPPER = """#!/bin/sh
@@ -510,7 +510,7 @@ def run_block(block: dict, app, tmp_path: Path) -> str | None:
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "curl").write_text(CURL_WRAPPER)
     (bin_dir / "curl").chmod(0o755)
-    text = DOC_HOSTS.sub(f"http://127.0.0.1:{app.port}", block["text"])
+    text = DOC_HOSTS.sub(lambda m: f"{m.group(1) or 'http'}://127.0.0.1:{app.port}", block["text"])
     argv = ["bash", "-e", "-c", text] if block["lang"] in ("sh", "bash", "") else [sys.executable, "-c", text]
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

@@ -156,6 +156,26 @@ def test_clients_cycling_through_three_models_never_exceed_max_loaded(appliance_
     assert float(waits.group(1)) >= 1
 
 
+def test_a_switch_costs_the_load_not_a_grace_after_the_last_request(appliance_factory, demo_model):
+    """A request that ran leaves nothing behind it: with max_loaded 1, a request for b right after one on a evicts a
+    at once (no hand-out grace: a's request opened, ran and ended), so b waits for its load only."""
+    app = appliance_factory({"server": {"max_loaded": 1},
+                             "models": [on_demand("a", demo_model), on_demand("b", demo_model)]})
+    started = time.monotonic()
+    assert chat(app, "b", stream=False) == "length"  # the same load without a switch: nothing is resident
+    load_only = time.monotonic() - started
+    assert http("POST", app.base + "/openarc/models/b/unload", timeout=HANG_BOUND_S)[0] == 200
+    assert chat(app, "a", stream=False) == "length"  # a short request on a: a is resident and idle
+    started = time.monotonic()
+    assert chat(app, "b", stream=True) == "length"
+    switch = time.monotonic() - started
+    # The old 5 s grace would show here; the margin covers a's drain and exit on a loaded machine.
+    assert switch < load_only + 2.5, (switch, load_only)
+    last_used = re.findall(r"model a: unloading \(evicted to make room for another model; last used ([\d.]+)s ago",
+                           app.logs())
+    assert last_used and float(last_used[-1]) < 2.5, last_used
+
+
 def test_idle_unload_s_unloads_an_idle_model_and_the_next_request_reloads_it(appliance_factory, demo_model):
     app = appliance_factory({"models": [on_demand("idle", demo_model, idle_unload_s=1),
                                         model_entry("pinned", demo_model)]})
@@ -514,12 +534,12 @@ def finish_upload(upload: socket.socket, rest: bytes) -> bytes:
 def test_an_upload_holding_its_reserved_place_is_busy_past_the_grace_for_eviction_and_drain(appliance_factory, demo_model,
                                                                                            demo_whisper):
     """An audio upload still being read holds a reserved place in its model's queue: the model is busy for as long
-    (not just HANDOFF_GRACE_S), so it is not evicted for another model, and an unload's drain waits for it."""
+    (the hand-out grace ended when it reserved), so it is not evicted for another model, and an unload's drain waits
+    for it."""
     app = appliance_factory({"server": {"max_loaded": 1},
                              "models": [on_demand("w", demo_whisper, kind="transcription"),
                                         on_demand("b", demo_model, ready_wait_s=1)]})
-    with held_upload(app, "w") as (upload, rest):
-        time.sleep(6)  # past the 5 s hand-out grace (appliance.front.placement.HANDOFF_GRACE_S)
+    with held_upload(app, "w") as (upload, rest):  # its place reserved: only the reservation keeps w busy now
         code, _, refused = http("POST", app.base + "/v1/chat/completions", {"model": "b", "messages": CHAT},
                                 timeout=HANG_BOUND_S)
         assert code == 503 and "w (ready, busy)" in refused["error"]["message"], refused  # w was not evicted

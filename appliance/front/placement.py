@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("openarc.supervisor")
 
 # A request handed its model opens its request on it in the same step, or reserves a place in its queue first (an
-# upload being read): the reserved place counts as busy. This grace covers a hand-out that does neither yet: for
-# this long after it the model counts as busy, so it is not evicted under that request.
+# upload being read): the reserved place counts as busy. This grace covers a hand-out that does neither yet: until
+# its request opens or reserves (RequestRouter.handouts), at most this long, the model counts as busy, so it is not
+# evicted under that request. A request that opened leaves nothing behind it: the model is idle when it ends.
 HANDOFF_GRACE_S = 5.0
 # The key of a want no request waits on: a load that goes on without its requester (ready_wait_s ran out, or is 0;
 # a restart reload). It stands until the model's load begins or is refused.
@@ -51,7 +52,6 @@ class Usage:
     """What the residency plan knows of a model across its loads (a ModelSupervisor lives for one load)."""
 
     last_used: float = 0.0               # monotonic: the model last went idle, was handed a request, or loaded
-    handed_at: float = -HANDOFF_GRACE_S  # monotonic: a request was last handed this model (ready_model)
     measured: int | None = None          # its footprint measured at its last load (worker RSS, or VRAM on a GPU)
     load_reason: str = "start"           # why its current load happened (openarc_model_loads_total's reason)
     refusal: RequestFailed | None = None  # its last load failed: answered at once...
@@ -88,8 +88,9 @@ class Placement:
         self.usage[name].last_used = time.monotonic()
         self.replan.set()
 
-    def handed(self, name: str) -> None:
-        self.usage[name].last_used = self.usage[name].handed_at = time.monotonic()
+    def handed(self, sup: ModelSupervisor) -> None:
+        now = self.usage[sup.name].last_used = time.monotonic()
+        sup.router.hand_out(now, HANDOFF_GRACE_S)
 
     def start(self) -> None:
         self.placer = asyncio.create_task(self._place(), name="residency")
@@ -154,10 +155,10 @@ class Placement:
 
     def busy(self, sup: ModelSupervisor, now: float) -> int:
         """Requests running, queued, reserved (an upload being read holds its place) or waiting for the model; a
-        request handed it within HANDOFF_GRACE_S counts one."""
+        request handed it that has not opened yet counts one, for at most HANDOFF_GRACE_S."""
         router = sup.router
         busy = len(router.running) + len(router.waiting) + router.reserved + router.awaiting_ready
-        return busy + (now - self.usage[sup.name].handed_at < HANDOFF_GRACE_S)
+        return busy + sum(now - at < HANDOFF_GRACE_S for at in router.handouts.values())
 
     def footprint(self, name: str) -> tuple[int | None, str]:
         """The model's memory on its device and where the figure comes from: declared, measured or unknown."""
@@ -197,7 +198,8 @@ class Placement:
         """Until something the plan looks at changes (replan: a state, a want, a waiter counted, a model gone idle,
         a limit), or an idle deadline (recheck_s) or a hand-out's grace ends."""
         now = time.monotonic()
-        graces = [u.handed_at + HANDOFF_GRACE_S - now for u in self.usage.values() if u.handed_at + HANDOFF_GRACE_S > now]
+        graces = [at + HANDOFF_GRACE_S - now for sup in self.models.values() for at in sup.router.handouts.values()
+                  if at + HANDOFF_GRACE_S > now]
         timeout = min([t for t in (plan.recheck_s, *graces) if t is not None], default=None)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.replan.wait(), timeout)

@@ -166,7 +166,8 @@ class Supervisor:
         try:
             while (sup := self.models.get(name)) is not None:
                 if sup.life.admits():
-                    self.placement.handed(name)
+                    if reason != "api":  # a load through the API opens no request: nothing to protect
+                        self.placement.handed(sup)
                     return sup
                 if deadline is None:
                     deadline = loop.time() + sup.model.ready_wait_s

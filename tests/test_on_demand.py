@@ -345,7 +345,12 @@ def test_memory_budget_evicts_by_declared_footprint_and_reports_measured_ones(ap
     assert samples(app, "openarc_model_unloads_total")["a"]["evicted"] == 1
     measured = app.model_status("free")["memory"]
     assert measured["source"] == "measured" and measured["bytes"] > 10 << 20  # the worker's RSS at its load
-    assert app.status()["residency"] == {"max_loaded": 0, "memory_budget": {"CPU": "2GiB"}, "loaded": 2}
+    residency = app.status()["residency"]
+    workers = residency.pop("workers")
+    assert residency == {"max_loaded": 0, "memory_budget": {"CPU": "2GiB"}, "loaded": 2}
+    assert sorted((w["model"], w["role"], w["pid"]) for w in workers) == sorted(
+        (m, "serving", app.worker_pid(m)) for m in ("b", "free")) and sorted(worker_pids(app)) == sorted(
+        w["pid"] for w in workers)  # every worker process of the front, and what it is
 
 
 def test_no_idle_model_to_evict_means_a_bounded_wait_then_503_with_retry_after(appliance_factory, demo_model,
@@ -569,3 +574,42 @@ def test_an_upload_whose_model_was_unloaded_under_it_waits_for_the_next_load(app
         answer = finish_upload(upload, rest)
     assert answer.startswith(b"HTTP/1.1 200") and b"hello world" in answer, answer[:300]
     assert app.worker_pid("w") != old and samples(app, "openarc_model_loads_total")["w"]["demand"] == 2
+
+
+def test_an_unload_overtaking_a_side_by_side_reload_leaves_one_worker_per_name(appliance_factory, demo_model):
+    """Issue 35's reproduction: a side-by-side reload's replacement stopped while it loads (it holds the load gate),
+    an unload, a request that loads the model again, then the replacement resumes. Every worker the front has is one
+    status shows; exactly one serves the name; an unload after it leaves none."""
+    config = {"models": [on_demand("small", demo_model, max_queue=16, load_timeout_s=120)]}
+    app = appliance_factory(config)
+    assert chat(app, "small", stream=False) == "length"
+    serving = app.worker_pid("small")
+    config["models"][0]["max_queue"] = 17
+    app.config_path.write_text(yaml.safe_dump(config))
+    app.proc.send_signal(signal.SIGHUP)
+    replacement = wait_until(lambda: next((p for p in worker_pids(app) if p != serving), None), HANG_BOUND_S,
+                             "the replacement's worker", interval=0.002)
+    os.kill(replacement, signal.SIGSTOP)  # a load that takes forever, holding the load gate
+    app.worker_pids.add(replacement)
+    assert "model small: switched" not in app.logs()  # stopped while it loaded, as the reproduction needs
+    code, _, body = http("POST", app.base + "/openarc/models/small/unload", timeout=HANG_BOUND_S)
+    assert code == 200 and body["state"] == "unloaded", body
+    answered: list = []
+    loader = threading.Thread(target=lambda: answered.append(chat(app, "small", stream=False)))
+    loader.start()  # a fresh load, which waits for the load gate the replacement holds
+    time.sleep(0.5)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(replacement, signal.SIGCONT)
+    loader.join(HANG_BOUND_S)
+    assert answered == ["length"]
+
+    def settled() -> bool:
+        status = app.status()
+        shown = {m["pid"] for m in status["models"] if m["pid"]}
+        shown |= {w["pid"] for w in status["residency"].get("workers", [])}
+        return sorted(worker_pids(app)) == sorted(shown) and len(worker_pids(app)) == 1
+    wait_until(settled, HANG_BOUND_S, "one worker, and every worker shown in status")
+    assert worker_pids(app) == [app.worker_pid("small")] and app.status()["residency"]["loaded"] == 1
+    assert http("POST", app.base + "/openarc/models/small/unload", timeout=HANG_BOUND_S)[0] == 200
+    wait_until(lambda: worker_pids(app) == [], HANG_BOUND_S, "no worker after the unload")
+    assert app.model_status("small")["state"] == "unloaded"

@@ -26,6 +26,7 @@ from appliance.front.lifecycle import (CRASH_REASONS, Exit, ExitReason, Lifecycl
 from appliance.front.metrics import Metrics, ModelMetrics
 from appliance.front.request import RequestFailed, shutting_down
 from appliance.front.routing import RequestRouter
+from appliance.front.worker_ledger import Ledger
 from appliance.front.worker_process import SHUTDOWN_GRACE_S, WorkerProcess
 from appliance.host import faults
 from appliance.host.kernel_log import KernelLog
@@ -54,10 +55,11 @@ class WorkerLife:
                  load_gate: asyncio.Semaphore, router: RequestRouter,
                  on_frame: Callable[[dict[str, Any]], None],
                  on_state: Callable[[ModelState, ModelState], None],
-                 kernel_log: KernelLog | None = None):
+                 kernel_log: KernelLog | None = None, ledger: Ledger | None = None):
         self.model, self.name, self.spec = model, model.name, spec
         self.metrics, self.series = metrics, series
         self.load_gate = load_gate
+        self.ledger = ledger or Ledger()  # the residency owner's: every worker process from spawn to reaped
         self.router = router
         self._on_frame = on_frame  # a ready worker's frames, routed by the ModelSupervisor
         self._on_state = on_state  # gauges and the Supervisor's waiters follow every state change
@@ -190,10 +192,15 @@ class WorkerLife:
                 if self.stopping:
                     return Exit(ExitReason.STOPPED)
                 spawned = time.monotonic()
+                self.ledger.spawning += 1
                 try:
                     self.current.process = await WorkerProcess.spawn(self.spec)
                 except Exception as exc:  # EMFILE, ENOMEM, EACCES, a missing interpreter: nothing to reap
                     return Exit(ExitReason.SPAWN_ERROR, detail=f"cannot start the worker: {describe(exc)}")
+                finally:
+                    if self.current.process:
+                        self.ledger.started(self.current.process.pid, self.name, self)
+                    self.ledger.spawning -= 1
                 log.info("model %s: worker %d started", self.name, self.pid)
                 ready = await self._await_ready(spawned)
             if ready:
@@ -294,6 +301,7 @@ class WorkerLife:
         current = self.current
         returncode = await current.process.reap() if current.process else None
         if current.process:
+            self.ledger.reaped(current.process.pid)
             log.info("model %s: worker %d reaped (exit status %s)", self.name, current.process.pid, returncode)
         self.current = CurrentWorker()
         served = time.monotonic() - current.ready_at if current.ready_at is not None else 0.0

@@ -31,7 +31,8 @@ def on_demand(name: str, path: Path, **overrides) -> dict:
 
 
 def worker_pids(app) -> list[int]:
-    """The front's live worker processes, read from /proc (not from what the front says)."""
+    """The front's live model workers, read from /proc (not from what the front says); a parked spare, which holds
+    no model (appliance.front.parked), is not one."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -42,8 +43,10 @@ def worker_pids(app) -> list[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[-1].split()
+        # a parked spare holds no model until it is handed one (its name is openarc-worker from then on)
+        parked = b"\0--parked" in cmdline and stat[stat.index("(") + 1:stat.rindex(")")] != "openarc-worker"
         # a model's worker is `python -m appliance.worker --fd N --spec ...` (the token counter, a module under it)
-        if int(fields[1]) == app.proc.pid and fields[0] != "Z" and b"\0appliance.worker\0" in cmdline:
+        if int(fields[1]) == app.proc.pid and fields[0] != "Z" and b"\0appliance.worker\0" in cmdline and not parked:
             pids.append(int(entry.name))
     return pids
 
@@ -174,6 +177,19 @@ def test_a_switch_costs_the_load_not_a_grace_after_the_last_request(appliance_fa
     last_used = re.findall(r"model a: unloading \(evicted to make room for another model; last used ([\d.]+)s ago",
                            app.logs())
     assert last_used and float(last_used[-1]) < 2.5, last_used
+    # The switch, visible: its stages in the log, in status and in openarc_model_switch_seconds
+    switch = app.model_status("b")["last_switch"]
+    assert {"eviction_wait", "old_exit", "handover", "construction", "first_token", "total"} <= set(switch["stages"])
+    assert switch["parked"] and switch["stages"]["total"] <= switch_bound(switch)
+    assert re.search(r"model b: loaded on demand in [\d.]+s: eviction wait [\d.]+s, old worker exit [\d.]+s, "
+                     r"parked hand-over", app.logs())
+    counts = re.findall(r'^openarc_model_switch_seconds_count{model="b",stage="(\w+)"} (\S+)$', app.metrics(), re.M)
+    assert dict(counts)["total"] == "2.0" and dict(counts)["old_exit"] == "1.0", counts  # two loads, one evicted a
+
+
+def switch_bound(switch: dict) -> float:
+    """A switch's total is its stages' sum (they are consecutive), give or take rounding."""
+    return sum(v for k, v in switch["stages"].items() if k != "total") + 0.01
 
 
 def test_idle_unload_s_unloads_an_idle_model_and_the_next_request_reloads_it(appliance_factory, demo_model):
@@ -348,9 +364,10 @@ def test_memory_budget_evicts_by_declared_footprint_and_reports_measured_ones(ap
     residency = app.status()["residency"]
     workers = residency.pop("workers")
     assert residency == {"max_loaded": 0, "memory_budget": {"CPU": "2GiB"}, "loaded": 2}
-    assert sorted((w["model"], w["role"], w["pid"]) for w in workers) == sorted(
+    models = [w for w in workers if w["role"] != "parked"]  # a parked spare holds no model
+    assert sorted((w["model"], w["role"], w["pid"]) for w in models) == sorted(
         (m, "serving", app.worker_pid(m)) for m in ("b", "free")) and sorted(worker_pids(app)) == sorted(
-        w["pid"] for w in workers)  # every worker process of the front, and what it is
+        w["pid"] for w in models)  # every model's worker process of the front, and what it is
 
 
 def test_no_idle_model_to_evict_means_a_bounded_wait_then_503_with_retry_after(appliance_factory, demo_model,
@@ -606,10 +623,57 @@ def test_an_unload_overtaking_a_side_by_side_reload_leaves_one_worker_per_name(a
     def settled() -> bool:
         status = app.status()
         shown = {m["pid"] for m in status["models"] if m["pid"]}
-        shown |= {w["pid"] for w in status["residency"].get("workers", [])}
+        shown |= {w["pid"] for w in status["residency"].get("workers", []) if w["role"] != "parked"}
         return sorted(worker_pids(app)) == sorted(shown) and len(worker_pids(app)) == 1
     wait_until(settled, HANG_BOUND_S, "one worker, and every worker shown in status")
     assert worker_pids(app) == [app.worker_pid("small")] and app.status()["residency"]["loaded"] == 1
     assert http("POST", app.base + "/openarc/models/small/unload", timeout=HANG_BOUND_S)[0] == 200
     wait_until(lambda: worker_pids(app) == [], HANG_BOUND_S, "no worker after the unload")
     assert app.model_status("small")["state"] == "unloaded"
+
+
+def parked(app) -> list[int]:
+    """The parked spares /openarc/status shows."""
+    return [w["pid"] for w in app.status()["residency"]["workers"] if w["role"] == "parked"]
+
+
+def a_spare(app, other_than: int | None = None) -> int:
+    """The pid of a parked spare (not `other_than`), once there is one."""
+    return wait_until(lambda: next((p for p in parked(app) if p != other_than), None), HANG_BOUND_S, "a parked worker")
+
+
+def test_a_parked_worker_takes_the_next_load_and_a_crash_restart_and_is_replaced(appliance_factory, demo_model):
+    app = appliance_factory({"models": [on_demand("a", demo_model)]})
+    spare = a_spare(app)
+    app.worker_pids.add(spare)
+    wait_until(lambda: Path(f"/proc/{spare}/comm").read_text().strip() == "openarc-parked", HANG_BOUND_S,
+               "the spare's imports done")
+    assert worker_pids(app) == []
+    assert chat(app, "a", stream=False) == "length"
+    assert app.worker_pid("a") == spare  # the load took the spare: no new interpreter, no imports
+    assert Path(f"/proc/{spare}/comm").read_text().strip() == "openarc-worker"
+    second = a_spare(app, other_than=spare)  # a new spare after the load
+    app.worker_pids.add(second)
+    assert second != spare and worker_pids(app) == [spare]
+
+    os.kill(second, signal.SIGKILL)  # a parked spare dies: replaced quietly, nothing a model counts
+    third = a_spare(app, other_than=second)  # the dead spare replaced
+    app.worker_pids.add(third)
+    assert f"parked worker {second} exited" in app.logs() and "openarc_worker_crashes_total{" not in app.metrics()
+
+    os.kill(spare, signal.SIGABRT)  # the model's worker crashes: its restart takes the spare too
+    app.wait_model("a", "ready", timeout=HANG_BOUND_S, new_pid_not=spare)
+    assert app.worker_pid("a") == third
+    assert chat(app, "a", stream=True) == "length"
+    last = a_spare(app, other_than=third)
+    wait_until(lambda: Path(f"/proc/{last}/comm").read_text().strip() == "openarc-parked", HANG_BOUND_S, "imported")
+    rss_kib = int(re.search(r"^VmRSS:\s+(\d+)", Path(f"/proc/{last}/status").read_text(), re.M).group(1))
+    print(f"a parked worker's RSS: {rss_kib / 1024:.0f} MiB")  # the figure docs/on-demand.md quotes
+
+
+def test_parked_workers_0_starts_no_spare(appliance_factory, demo_model):
+    app = appliance_factory({"server": {"parked_workers": 0}, "models": [on_demand("a", demo_model)]})
+    assert chat(app, "a", stream=False) == "length"
+    time.sleep(1)  # a spare would be started right after the load
+    assert parked(app) == [] and worker_pids(app) == [app.worker_pid("a")]
+    assert [w["role"] for w in app.status()["residency"]["workers"]] == ["serving"]

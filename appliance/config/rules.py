@@ -77,6 +77,7 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
     require(0 < s.port < 65536, "server.port", "a port number 1-65535")
     require(s.max_body_bytes >= 1024, "server.max_body_bytes", "at least 1024")
     require(s.load_concurrency >= 1, "server.load_concurrency", "at least 1")
+    require(s.parked_workers >= 0, "server.parked_workers", "a non-negative integer (0: none)")
     require(s.drain_timeout_s >= 0, "server.drain_timeout_s", "a non-negative number")
     f = s.image_fetch
     require(f.max_bytes >= 1024, "server.image_fetch.max_bytes", "at least 1024")

@@ -6,7 +6,7 @@
 read per step.
 
 - Every live worker child of the front is in the ledger (but for spawns under way), and every ledger entry belongs
-  to a supervisor the owner holds (serving, replacement or leaving): no worker nobody can stop.
+  to a supervisor the owner holds (serving, replacement or leaving) or is a parked spare: no worker nobody can stop.
 - A name holds at most one serving supervisor and one replacement, the replacement only while the name is being
   replaced, and a name's phase agrees with its serving supervisor (an absent name's was never started).
 - The loaded and loading count stays within max_loaded, and the declared footprints on a device within its budget,
@@ -61,7 +61,7 @@ def _processes(owner) -> list[str]:
     unknown = live_worker_children() - set(owner.ledger.entries)
     if len(unknown) > owner.ledger.spawning:
         found.append(f"worker processes {sorted(unknown)} are not in the ledger")
-    lives = {sup.life for sup in owner.supervisors()}
+    lives = {sup.life for sup in owner.supervisors()} | {owner.parked}
     for entry in owner.ledger.entries.values():
         if entry.owner not in lives:
             found.append(f"worker {entry.pid} of model {entry.model} belongs to a supervisor the owner does not "

@@ -43,8 +43,10 @@ from appliance.front import invariants, residency
 from appliance.front.lifecycle import Changes, ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.model_supervisor import ModelSupervisor
+from appliance.front.parked import ParkedWorkers
 from appliance.front.request import RequestFailed
 from appliance.front.residency_states import Act, Event, Phase, step
+from appliance.front.switches import SwitchClock, log_text, stages, status_view
 from appliance.front.worker_ledger import Ledger
 from appliance.host import device_memory, telemetry
 from appliance.host.kernel_log import KernelLog
@@ -88,6 +90,7 @@ class Placement:
         self.load_gate = asyncio.Semaphore(config.server.load_concurrency)
         self.changes = Changes()  # some model changed state: waiters look again
         self.ledger = Ledger()
+        self.parked = ParkedWorkers(config.server.parked_workers, self.ledger)  # spares every worker spawn may take
         self.phases: dict[str, Phase] = {}
         self.models: dict[str, ModelSupervisor] = {}
         self.replacements: dict[str, ModelSupervisor] = {}  # loading beside the model they will replace
@@ -95,6 +98,9 @@ class Placement:
         self.usage: dict[str, Usage] = {}
         self.wants: dict[str, dict[object, tuple[float, str]]] = {}  # model -> its waiters' (arrival, load reason)
         self.impossible: dict[str, str] = {}  # the latest plan's: wanted models that cannot fit now, and why
+        self.evicting_for: dict[str, float] = {}  # the head of the line -> when evictions to make room for it began
+        self.switches: dict[ModelSupervisor, SwitchClock] = {}  # loads on demand under way, by their supervisor
+        self.last_switch: dict[str, dict] = {}  # model -> the last switch's stages (/openarc/status)
         self.replan = asyncio.Event()  # something the residency plan looks at changed
         self.placer: asyncio.Task | None = None
         self.chores: set[asyncio.Task] = set()  # loads and replacements being watched
@@ -111,9 +117,10 @@ class Placement:
 
     def _new(self, model: ModelConfig) -> ModelSupervisor:
         sup = ModelSupervisor(model, self.config, self.metrics, self.load_gate, self._supervisor_changed,
-                              self.kernel_log, self.ledger)
+                              self.kernel_log, self.ledger, self.parked)
         self.usage.setdefault(sup.name, Usage())
         sup.router.on_idle = lambda: self._went_idle(sup.name)
+        sup.router.on_first_output = lambda: self._switch_done(sup)
         return sup
 
     def add(self, model: ModelConfig) -> ModelSupervisor:
@@ -165,6 +172,7 @@ class Placement:
             if sup.state is not ModelState.UNLOADED:
                 self.send(name, Event.LOAD, reason="start")
         self.placer = asyncio.create_task(self._place(), name="residency")
+        self.parked.refill()  # once the loads at start have ended
 
     # --- the state machine, carried out --------------------------------------------------------------------
 
@@ -205,6 +213,11 @@ class Placement:
         if reason != "start":
             waiting = len(self.wants.get(name, ()))
             log.info("model %s: loading (%s%s)", name, reason, f", {waiting} requests waiting" if waiting else "")
+        if reason in ("demand", "api"):  # a switch: its stages are timed
+            now = time.monotonic()
+            wanted = min((since for since, _ in self.wants.get(name, {}).values()), default=now)
+            self.switches[sup] = SwitchClock(wanted, self.evicting_for.get(name), now)
+        self.evicting_for.pop(name, None)
         sup.start()
         self._chore(self._loaded(sup), f"load:{name}")
 
@@ -271,6 +284,8 @@ class Placement:
         """`old` drains (up to drain_s, the server's drain timeout when None) and its worker is reaped; it holds its
         slot until then."""
         old.reports = False
+        self._switch_done(old)  # a load no request used: its stages end at its ready
+        self.switches.pop(old, None)
         self.leaving[old] = why
         self.drains[old] = self._drain_chore(self._drain_out(old, drain_s), f"unload:{old.name}", old)
 
@@ -386,10 +401,17 @@ class Placement:
         await sup.life.lifecycle.wait_for({ModelState.READY, ModelState.RESTARTING, ModelState.FAILED,
                                            ModelState.DRAINING, ModelState.STOPPED}, None)
         usage = self.usage[sup.name]
+        clock = self.switches.get(sup)
         if sup.state is ModelState.READY:
             usage.last_used = time.monotonic()
             usage.measured = measure_footprint(sup) or usage.measured
+            if clock is not None:
+                clock.spawned, clock.ready = sup.life.spawned_at, sup.life.current.ready_at
+                clock.parked, clock.construction = sup.life.parked, sup.life.pipeline_load_seconds
+                if sup.router.first_output is not None or not self.wants.get(sup.name):  # no request waits
+                    self._switch_done(sup)
             return
+        self.switches.pop(sup, None)
         on_demand = sup.model.load == "on_demand" or usage.load_reason in ("demand", "api")
         if sup.state is not ModelState.RESTARTING or not on_demand or sup.life.stopping:
             return
@@ -400,6 +422,20 @@ class Placement:
             503, "model_unavailable", f"model {sup.name} failed to load: {sup.life.last_error}; the next load is tried "
             f"after {backoff:g}s", hint=sup.life.last_hint, retry_after=max(1.0, backoff)), retry_s=backoff)
         self.send(sup.name, Event.REFUSED, why="its load failed", drain_s=0)
+
+    def _switch_done(self, sup: ModelSupervisor) -> None:
+        """A switch's last mark (its first output, or its ready when no request waited): its stages in the log,
+        the histogram and status."""
+        clock = self.switches.get(sup)
+        if clock is None or clock.ready is None:
+            return  # not a switch, or its first output came before _loaded read the ready marks: it ends there
+        del self.switches[sup]
+        clock.first_output = sup.router.first_output
+        seconds = stages(clock)
+        for stage, value in seconds.items():
+            self.metrics.model_switch.labels(model=sup.name, stage=stage).observe(value)
+        self.last_switch[sup.name] = status_view(seconds, clock)
+        log.info("model %s: loaded on demand in %s", sup.name, log_text(seconds))
 
     def _refuse(self, name: str, failure: RequestFailed, retry_s: float) -> None:
         usage = self.usage[name]
@@ -509,6 +545,8 @@ class Placement:
             self.changes.notify()  # their waiters answer now
         for name in plan.impossible:  # a standing want these cannot load
             self.unwant(name, STANDING)
+        if plan.evict and plan.waits_for_room:
+            self.evicting_for.setdefault(plan.waits_for_room, time.monotonic())
         for names, reason in ((plan.idle, "idle"), (plan.evict, "evicted")):
             for name in names:
                 self.begin_unload(name, reason)  # at once: the next plan sees it leaving
@@ -541,6 +579,7 @@ class Placement:
         leaves as the plan decides, not at once)."""
         before = self.limits()
         self.config = config
+        self.parked.resize(config.server.parked_workers)
         self.limits_lowered = self.limits_lowered or self.limits() != before
         self.replan.set()
 
@@ -563,6 +602,9 @@ class Placement:
         owners = {sup.life: sup for sup in self.supervisors()}
         rows = []
         for entry in sorted(self.ledger.entries.values(), key=lambda e: e.started):
+            if entry.owner is self.parked:
+                rows.append({"pid": entry.pid, "model": None, "role": "parked", "state": None, "why": None})
+                continue
             sup = owners.get(entry.owner)
             role = self.role(sup) if sup is not None else None
             rows.append({"pid": entry.pid, "model": entry.model, "role": role or "untracked",
@@ -577,7 +619,8 @@ class Placement:
         last_used = None if not usage.last_used else round(time.time() - (time.monotonic() - usage.last_used), 3)
         return {"load": sup.model.load, "idle_unload_s": sup.model.idle_unload_s,
                 "memory": {"bytes": size, "source": source}, "last_used": last_used,
-                "loaded_by": usage.load_reason if sup.state not in (ModelState.UNLOADED, ModelState.STOPPED) else None}
+                "loaded_by": usage.load_reason if sup.state not in (ModelState.UNLOADED, ModelState.STOPPED) else None,
+                "last_switch": self.last_switch.get(name)}
 
     def occupied(self) -> int:
         """Slots held now: serving models with a worker (or about to have one), replacements, and those leaving."""
@@ -602,6 +645,7 @@ class Placement:
             self.send(name, Event.STOP, why="the server stops", drain_s=drain_timeout_s)
         while self.drains:
             await asyncio.gather(*list(self.drains.values()), return_exceptions=True)
+        await self.parked.close()
         for task in list(self.chores):
             task.cancel()
         await asyncio.gather(*self.chores, return_exceptions=True)

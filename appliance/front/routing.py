@@ -47,6 +47,8 @@ class RequestRouter:
         self.idle = asyncio.Event()  # nothing running, queued or reserved: what a drain waits for
         self.idle.set()
         self.on_idle: Callable[[], None] = lambda: None  # the Supervisor's residency bookkeeping: replan, last used
+        self.on_first_output: Callable[[], None] = lambda: None  # once: a switch's last stage (the residency owner)
+        self.first_output: float | None = None  # when the first tokens or result of any request went out
         self.last_progress = time.monotonic()  # the stall timer's reference (WorkerLife._monitor)
         self.channel: AsyncChannel | None = None  # the ready worker's, while it serves
         # False while the model's supervisor does not serve its name (a replacement not switched to yet, or one
@@ -202,6 +204,9 @@ class RequestRouter:
     def on_frame(self, req: Request, message: dict[str, Any]) -> None:
         """A tokens, done or result frame of a running request."""
         op = message["op"]
+        if self.first_output is None and op in ("tokens", "result"):
+            self.first_output = time.monotonic()
+            self.on_first_output()
         if op == "tokens":
             self._on_tokens(req, message)
         elif op == "done":

@@ -343,7 +343,14 @@ def test_the_bench_reports_the_time_to_first_token_of_a_load_against_a_resident_
     resident = figures["TTFT, model resident (median)"]
     switching = figures["TTFT, request triggers an evict and a load from the compiled-model cache (median)"]
     assert resident["unit"] == switching["unit"] == "ms" and resident["value"] > 0 and switching["value"] > 0
-    assert len(figures) == 5
+    fresh = figures["A fresh process: Python start, import OpenVINO GenAI, build the pipeline from the cache (median)"]
+    warm = figures["The pipeline's construction alone in a warm process (median)"]
+    assert 0 < warm["value"] < fresh["value"]  # an import costs something
+    ratios = [f for name, f in figures.items() if name.startswith("Switch against")]
+    assert len(ratios) == 2 and all(f["unit"] == "x" and f["target"] for f in ratios)
+    stages = {name.split(": ")[1].split(" ")[0] for name in figures if name.startswith("Switch stage")}
+    assert {"old_exit", "construction", "first_token", "total"} <= stages  # every round evicted the other model
+    assert len(figures) == 9 + len(stages)
 
 
 def test_memory_budget_evicts_by_declared_footprint_and_reports_measured_ones(appliance_factory, demo_model):

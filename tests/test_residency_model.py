@@ -47,6 +47,7 @@ SETTLE_BOUND_S = 60
 MODELS = ("a", "b")
 CHAT = [{"role": "user", "content": "Say something."}]
 ANSWERS = {200, 429, 503, 504}  # served, queue full, unavailable (loading, no room, shutting down), stalled
+SWARM = ("load", "unload", "reload", "signal", "resume", "sigterm")
 WALK = {"steps": 0, "runs": 0, "first_failure": None}  # how far the walk went, and where it first failed
 
 
@@ -70,10 +71,17 @@ class Residency(RuleBasedStateMachine):
         self.outcomes: list[tuple[str, object, float]] = []  # (what, status or "hung up" or an exception, seconds)
         self.stopped: set[int] = set()  # workers this run SIGSTOPped
         self.terminated = False
+        self.swarm: set[str] = set()
 
-    @initialize()
-    def start(self):
+    @initialize(swarm=st.sets(st.sampled_from(SWARM), min_size=2))
+    def start(self, swarm):
+        """Swarm testing: each run enables some kinds of step only, so that a run dense in a few of them (reloads
+        and unloads, say) is as likely as any; requests and pauses are always on."""
+        self.swarm = swarm
         self.app.start()
+
+    def enabled(self, kind: str) -> bool:
+        return not self.terminated and kind in self.swarm
 
     # --- what clients do -----------------------------------------------------------------------------------
 
@@ -109,7 +117,7 @@ class Residency(RuleBasedStateMachine):
                 conn.recv(200)
         return "hung up"
 
-    @precondition(lambda self: not self.terminated)
+    @precondition(lambda self: self.enabled("load"))
     @rule(model=st.sampled_from(MODELS), stop_its_load=st.booleans())
     def load(self, model, stop_its_load):
         before = set(worker_pids(self.app))
@@ -118,7 +126,7 @@ class Residency(RuleBasedStateMachine):
         if stop_its_load:
             self._stop_new_worker(before)
 
-    @precondition(lambda self: not self.terminated)
+    @precondition(lambda self: self.enabled("unload"))
     @rule(model=st.sampled_from(MODELS))
     def unload(self, model):
         self._call(f"unload {model}", lambda: http("POST", f"{self.app.base}/openarc/models/{model}/unload",
@@ -126,7 +134,7 @@ class Residency(RuleBasedStateMachine):
 
     # --- what operators and the machine do -------------------------------------------------------------------
 
-    @precondition(lambda self: not self.terminated)
+    @precondition(lambda self: self.enabled("reload"))
     @rule(model=st.sampled_from(MODELS), kind=st.sampled_from(["side_by_side", "restart"]), stop_its_load=st.booleans())
     def reload(self, model, kind, stop_its_load):
         entry = next(m for m in self.config["models"] if m["name"] == model)
@@ -154,13 +162,14 @@ class Residency(RuleBasedStateMachine):
             if sig == signal.SIGSTOP:
                 self.stopped.add(pid)
 
-    @precondition(lambda self: not self.terminated)
+    @precondition(lambda self: self.enabled("signal"))
     @rule(sig=st.sampled_from([signal.SIGKILL, signal.SIGABRT, signal.SIGSTOP]), pick=st.integers(0, 3))
     def signal_a_worker(self, sig, pick):
         live = sorted(worker_pids(self.app))
         if live:
             self._signal(live[pick % len(live)], sig)
 
+    @precondition(lambda self: "resume" in self.swarm)
     @rule()
     def resume(self):
         for pid in self.stopped:
@@ -172,7 +181,7 @@ class Residency(RuleBasedStateMachine):
     def pause(self, seconds):
         time.sleep(seconds)  # lets loads, drains, idle timers and stall timers move on
 
-    @precondition(lambda self: not self.terminated)
+    @precondition(lambda self: self.enabled("sigterm"))
     @rule()
     def sigterm(self):
         self.resume()

@@ -126,9 +126,17 @@ class Residency(RuleBasedStateMachine):
         if stop_its_load:
             self._stop_new_worker(before)
 
+    def _loaded_first(self, model: str) -> str:
+        """A model with a worker (or one coming), if there is one, else `model`: an unload or a reload of an
+        unloaded model changes nothing worth a step."""
+        states = {m["name"]: m["state"] for m in self.app.status()["models"]}
+        loaded = [name for name in MODELS if states.get(name) not in ("unloaded", "stopped")]
+        return model if model in loaded or not loaded else loaded[0]
+
     @precondition(lambda self: self.enabled("unload"))
     @rule(model=st.sampled_from(MODELS))
     def unload(self, model):
+        model = self._loaded_first(model)
         self._call(f"unload {model}", lambda: http("POST", f"{self.app.base}/openarc/models/{model}/unload",
                                                    timeout=REQUEST_BOUND_S)[0])
 
@@ -137,6 +145,7 @@ class Residency(RuleBasedStateMachine):
     @precondition(lambda self: self.enabled("reload"))
     @rule(model=st.sampled_from(MODELS), kind=st.sampled_from(["side_by_side", "restart"]), stop_its_load=st.booleans())
     def reload(self, model, kind, stop_its_load):
+        model = self._loaded_first(model)
         entry = next(m for m in self.config["models"] if m["name"] == model)
         entry["reload"], entry["max_queue"] = kind, 33 - entry["max_queue"]  # 16 <-> 17: new settings
         before = set(worker_pids(self.app))

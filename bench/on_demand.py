@@ -112,18 +112,16 @@ async def last_switch(session: aiohttp.ClientSession, base: str, model: str) -> 
 
 
 def stage_figures(stages: list[dict[str, float]]) -> list[report.Figure]:
-    """The median of each stage of the switches, as the server timed them (appliance.front.switches)."""
-    from appliance.front.switches import STAGES
+    """The median of each stage of the switches, as the server timed them (status's last_switch, in its order)."""
+    order = list(dict.fromkeys(stage for switch in stages for stage in switch))
+    medians = {stage: statistics.median(s[stage] for s in stages if stage in s) for stage in order}
     return [report.Figure(f"Switch stage: {stage} (median, server's own timing)", f"{median * 1000:,.0f} ms",
-                          median * 1000, "ms")
-            for stage in STAGES if (values := [s[stage] for s in stages if stage in s])
-            and (median := statistics.median(values)) is not None]
+                          median * 1000, "ms") for stage, median in medians.items()]
 
 
 def worker_spec_of(config: dict) -> dict:
     """The spec the appliance's workers of the first model get (the same model, device and cache)."""
-    from appliance.config import parse_config
-    from appliance.config.launch_spec import worker_spec
+    from appliance.config import parse_config, worker_spec
     parsed = parse_config(config, "bench")
     return worker_spec(parsed.models[0], parsed)
 

@@ -684,3 +684,26 @@ def test_parked_workers_0_starts_no_spare(appliance_factory, demo_model):
     time.sleep(1)  # a spare would be started right after the load
     assert parked(app) == [] and worker_pids(app) == [app.worker_pid("a")]
     assert [w["role"] for w in app.status()["residency"]["workers"]] == ["serving"]
+
+
+def test_an_unload_the_server_stop_overtakes_is_answered_503_not_500(appliance_factory, demo_model):
+    """Found by the model-based test (tests/test_residency_model.py) on the code before issue 35: an unload still
+    draining when SIGTERM came found its model gone and answered 500. It is a 503 "shutting down" now."""
+    app = appliance_factory({"server": {"drain_timeout_s": 10}, "models": [on_demand("a", demo_model)]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.08"})
+    stream = iter(app.client(timeout=HANG_BOUND_S).chat.completions.create(model="a", messages=CHAT, max_tokens=40,
+                                                                          stream=True))
+    assert next(stream).choices  # a generates for about 3 s: the unload's drain waits for it
+    app.worker_pid("a")
+    answered: list = []
+    unloader = threading.Thread(target=lambda: answered.append(
+        http("POST", app.base + "/openarc/models/a/unload", timeout=HANG_BOUND_S)))
+    unloader.start()
+    wait_until(lambda: "model a: unloading" in app.logs(), HANG_BOUND_S, "the unload under way")
+    app.proc.send_signal(signal.SIGTERM)
+    for _ in stream:  # the stream runs to its end: a drain, not a cut
+        pass
+    unloader.join(HANG_BOUND_S)
+    code, _, body = answered[0]
+    assert code in (200, 503) and (code == 200 or body["error"]["code"] == "shutting_down"), (code, body)
+    assert app.proc.wait(HANG_BOUND_S) == 0

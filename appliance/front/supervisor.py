@@ -21,11 +21,11 @@ from appliance.host.kernel_log import KernelLog
 from appliance.config import Config
 from appliance.front import residency
 from appliance.front.lifecycle import Changes, ModelState
-from appliance.front.request import RequestFailed
+from appliance.front.request import RequestFailed, shutting_down
 from appliance.front.metrics import Metrics
 from appliance.front.model_supervisor import ModelSupervisor
 from appliance.front.placement import STANDING, Placement
-from appliance.front.residency_states import Event
+from appliance.front.residency_states import Event, Phase
 from appliance.config.launch_spec import worker_spec
 
 log = logging.getLogger("openarc.supervisor")
@@ -149,6 +149,8 @@ class Supervisor:
         if name not in self.models:
             return False
         await self.placement.unload(name, reason)
+        if self.placement.phases.get(name, Phase.GONE) in (Phase.LEAVING, Phase.GONE):
+            raise shutting_down()  # the server stopped (or a reload removed the model) while it drained
         return True
 
     def _serves(self, sup: ModelSupervisor, settled: tuple[ModelState, ...]) -> bool:

@@ -25,8 +25,10 @@ from appliance.front.lifecycle import ModelState
 from appliance.front.residency import OCCUPYING
 from appliance.front.residency_states import Phase
 
-# The leaving reason of a supervisor whose side-by-side replacement took its name: its copy is the documented excess.
+# The leaving reasons of a side-by-side reload's second copy (the documented excess): the old supervisor whose
+# replacement took its name, and a replacement dropped before it served (the owner leaves them with these words).
 REPLACED = "replaced by its new settings"
+DROPPED = "a replacement dropped"
 
 
 def live_worker_children(pid: int | None = None) -> set[int]:
@@ -92,7 +94,9 @@ def _limits(owner) -> list[str]:
     """max_loaded and the declared budgets, beyond which only the documented excess goes."""
     held = [sup for sup in owner.supervisors() if sup.state in OCCUPYING or sup in owner.replacements.values()
             or (sup.state is ModelState.UNLOADED and sup.life.task)]
-    excess = [sup for sup in held if owner.leaving.get(sup) == REPLACED] + list(owner.replacements.values())
+    # a side-by-side reload's second copy: the replacement, the old one it replaced, or one dropped, until gone
+    excess = [sup for sup in held if (owner.leaving.get(sup) or "").startswith((REPLACED, DROPPED))]
+    excess += list(owner.replacements.values())
     counted = [sup for sup in held if sup not in excess]
     limits, found = owner.limits(), []
     if limits.max_loaded and len(counted) > limits.max_loaded:

@@ -232,7 +232,7 @@ class Placement:
         old = self.models[name]
         new.life.lifecycle.enter(ModelState.UNLOADED)
         self._switch(old, new)
-        self._leave(old, "replaced by new settings before it loaded", 0)
+        self._chore(old.stop(0), f"drop:{name}")  # never started: no worker, no slot, nothing to drain
 
     def _act_swap_in_new(self, name: str, new: ModelSupervisor, **_) -> None:
         old = self.models[name]
@@ -255,13 +255,13 @@ class Placement:
     def _act_drop_replacement(self, name: str, why: str, **_) -> None:
         dropped = self.replacements.pop(name, None)
         if dropped is not None:
-            self._leave(dropped, f"a replacement dropped: {why}", 0)
+            self._leave(dropped, f"{invariants.DROPPED}: {why}", 0)
 
     def _act_promote(self, name: str, **_) -> None:
         old, new = self.models[name], self.replacements.pop(name)
         self._switch(old, new)
         self.usage[name].measured = measure_footprint(new) or self.usage[name].measured
-        self._leave(old, "replaced by its new settings", None)
+        self._leave(old, invariants.REPLACED, None)
 
     def _act_stop_in_place(self, name: str, why: str, drain_s: float | None = None, **_) -> None:
         sup = self.models[name]

@@ -174,7 +174,7 @@ class Residency(RuleBasedStateMachine):
     @precondition(lambda self: self.enabled("signal"))
     @rule(sig=st.sampled_from([signal.SIGKILL, signal.SIGABRT, signal.SIGSTOP]), pick=st.integers(0, 3))
     def signal_a_worker(self, sig, pick):
-        live = sorted(worker_pids(self.app))
+        live = sorted(live_worker_children(self.app.proc.pid))  # a parked spare too
         if live:
             self._signal(live[pick % len(live)], sig)
 

@@ -39,7 +39,7 @@ from conftest import Appliance, http, model_entry, wait_until
 from test_on_demand import worker_pids
 
 STEPS_PER_RUN = 20
-STEPS = int(os.environ.get("OPENARC_MODEL_TEST_STEPS", "100"))
+STEPS = int(os.environ.get("OPENARC_MODEL_TEST_STEPS", "240"))
 # The CI run walks the same interleavings every time; a longer run walks new ones.
 DERANDOMIZE = "OPENARC_MODEL_TEST_STEPS" not in os.environ
 REQUEST_BOUND_S = 90  # every request is answered within this (catches a hang, not a timing)
@@ -215,8 +215,8 @@ class Residency(RuleBasedStateMachine):
         try:
             if self.app.proc is not None:
                 self.settle_and_check()
-        except AssertionError:
-            WALK["first_failure"] = WALK["first_failure"] or (WALK["steps"], WALK["runs"])
+        except AssertionError as exc:
+            WALK["first_failure"] = WALK["first_failure"] or (WALK["steps"], WALK["runs"], str(exc)[:300])
             raise
         finally:
             self.resume()

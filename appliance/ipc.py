@@ -50,6 +50,8 @@ OPS: dict[str, Op] = {
                    "prompt tokens of body (a chat generate frame's messages, tools, template_kwargs)"),
     "cancel": _op("front", "id", doc="the caller is gone: stop generating for it"),
     "shutdown": _op("front", doc="leave now (without destructors)"),
+    "spec": _op("front", "spec", doc="to a parked worker (started with --parked, OpenVINO imported, nothing loaded): "
+                "the model to load now, as --spec would have given it"),
     # worker -> front
     "ready": _op("worker", "load_seconds", "formats pipeline_load_seconds device_bdf",
                  "the pipeline is loaded; its own load time (and the pipeline's part of it), its chat formats "

@@ -156,7 +156,8 @@ class Appliance:
         self.config_path = tmp / f"{name}-{self.port}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.log_path = tmp / f"{name}-{self.port}.log"
-        self.env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+        # Every appliance checks the residency invariants after each step of its owner (appliance.front.invariants)
+        self.env = {**os.environ, "PYTHONPATH": str(REPO), "OPENARC_DEBUG_INVARIANTS": "1", **(env or {})}
         self.python = python  # the front's interpreter, and so its workers' (sys.executable)
         self.proc: subprocess.Popen | None = None
         self.worker_pids: set[int] = set()
@@ -253,6 +254,8 @@ class Appliance:
         assert not survivors, f"workers {survivors} outlived the front"
         # appliance.front.lifecycle logs a state change its table does not allow: a supervisor bug, in any test
         assert "illegal transition" not in self.logs(), self.logs()[-3000:]
+        # ... and one that breaks an invariant of residency, or a step its state machine does not list
+        assert "BUG: residency" not in self.logs(), self.logs()[-3000:]
 
 
 def model_entry(name: str, path: Path, **overrides) -> dict:

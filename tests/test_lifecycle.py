@@ -60,7 +60,9 @@ def interpreter_we_can_remove(tmp_path: Path) -> Path:
 def test_a_spawn_that_raises_is_logged_retried_and_recovers(appliance_factory, demo_model, tmp_path):
     python = interpreter_we_can_remove(tmp_path)
     # ready_wait_s: 1, so the request below waits out one second of failed restarts, not the default minute
-    app = appliance_factory({"models": [model_entry("demo", demo_model, ready_wait_s=1)]}, python=str(python))
+    # no parked spare: it would take the restart, and this is about a fresh spawn that fails
+    app = appliance_factory({"server": {"parked_workers": 0}, "models": [model_entry("demo", demo_model, ready_wait_s=1)]},
+                            python=str(python))
     pid = app.worker_pid("demo")
     target = os.readlink(python)
     python.unlink()
@@ -84,7 +86,8 @@ def test_a_spawn_that_raises_is_logged_retried_and_recovers(appliance_factory, d
 def test_spawn_errors_use_up_the_restart_budget_and_the_model_fails(appliance_factory, demo_model, tmp_path):
     python = interpreter_we_can_remove(tmp_path)
     budget = {"backoff_initial_s": 0.05, "backoff_max_s": 0.1, "max_failures": 3, "window_s": 60}
-    app = appliance_factory({"models": [model_entry("demo", demo_model, restart=budget),
+    app = appliance_factory({"server": {"parked_workers": 0},  # a fresh spawn each restart (no spare to take)
+                             "models": [model_entry("demo", demo_model, restart=budget),
                                         model_entry("other", demo_model)]}, python=str(python))
     pid = app.worker_pid("demo")
     python.unlink()

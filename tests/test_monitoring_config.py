@@ -63,6 +63,7 @@ OPENARC_METRICS = {
     "openarc_model_loads_total": ("counter", ("model", "reason")),
     "openarc_model_unloads_total": ("counter", ("model", "reason")),
     "openarc_model_load_wait_seconds": ("histogram", ("model",)),
+    "openarc_model_switch_seconds": ("histogram", ("model", "stage")),
     "openarc_images_total": ("counter", ("model",)),
     "openarc_image_rejections_total": ("counter", ("model", "reason")),
     "openarc_draft_tokens_total": ("counter", ("model", "outcome")),
@@ -375,7 +376,7 @@ SAMPLE_LABELS = {"model": "demo", "endpoint": "/v1/chat/completions", "status": 
                  "signal": "SIGSEGV", "reason": "crash", "device": "GPU.0", "outcome": "accepted",
                  "source": "cache", "type": "web_search",
                  "region": "vram", "card": "0000:03:00.0", "mitigation": "sdpa_off", "key": "alice",
-                 "priority": "interactive"}
+                 "priority": "interactive", "stage": "total"}
 SCRAPE_LABELS = {"job": "openarc", "instance": "127.0.0.1:8000"}
 SAMPLE_MINUTES = 90
 HISTOGRAM_BUCKETS = ("0.1", "1", "+Inf")

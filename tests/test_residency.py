@@ -176,3 +176,102 @@ def test_the_views_the_plan_and_status_read_change_nothing():
         assert placement.usage == before and placement.views(now=100.0) == views
 
     asyncio.run(main())
+
+
+# --- a name's residency as one state machine (appliance.front.residency_states), without a process ------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from appliance.front.placement import Placement  # noqa: E402
+from appliance.front.residency_states import TABLE, Act, Event, Phase, step  # noqa: E402
+
+LOADED_PHASES = (Phase.LOADING, Phase.READY, Phase.FAILED, Phase.REPLACING)
+
+
+def test_every_act_of_the_table_is_carried_out_by_the_owner():
+    acts = {act for move in TABLE.values() for act in move.acts}
+    assert acts == set(Act) and all(callable(getattr(Placement, f"_act_{act.value}", None)) for act in acts)
+
+
+def test_every_message_from_outside_has_a_transition_in_every_phase_a_name_lives_in():
+    """An unload, a reload or the stop can arrive whatever the name is doing: none of them may be lost."""
+    for phase in set(Phase) - {Phase.GONE, Phase.LEAVING}:
+        for event in (Event.UNLOAD, Event.RELOAD_SIDE_BY_SIDE, Event.RELOAD_RESTART, Event.REMOVE, Event.STOP):
+            assert step(phase, event) is not None, (phase, event)
+    for phase in (Phase.LOADING, Phase.READY, Phase.REPLACING):  # a started one may become ready or give up any time
+        assert step(phase, Event.LOADED) is not None and step(phase, Event.GAVE_UP) is not None, phase
+    assert step(Phase.GONE, Event.LOAD) is None and all(step(Phase.GONE, e) is None for e in Event)
+
+
+def test_an_unload_overtaking_a_side_by_side_reload_drops_the_replacement_and_its_late_ready_changes_nothing():
+    """The reload-races-unload orphan (issue 35), as the table has it: the unload retires the serving supervisor and
+    drops the replacement in the same step; the replacement's ready, if it comes, finds no replacement to switch to
+    (the owner hands the table only events of a supervisor that still holds its role)."""
+    replacing = step(Phase.READY, Event.RELOAD_SIDE_BY_SIDE)
+    assert replacing.phase is Phase.REPLACING and replacing.acts == (Act.START_REPLACEMENT,)
+    unloaded = step(Phase.REPLACING, Event.UNLOAD)
+    assert unloaded.phase is Phase.ABSENT and set(unloaded.acts) == {Act.RETIRE, Act.DROP_REPLACEMENT}
+    assert step(Phase.ABSENT, Event.REPLACEMENT_READY) is None
+    assert step(Phase.ABSENT, Event.LOAD).phase is Phase.LOADING
+
+
+class Roles:
+    """What the acts do to a name's supervisors, counted: the serving one started or not, a replacement or not,
+    how many leave."""
+
+    def __init__(self):
+        self.started, self.replacement, self.leaving, self.stopping, self.gone = False, False, 0, False, False
+
+    def apply(self, act: Act) -> None:
+        if act is Act.START:
+            assert not self.started and not self.replacement
+            self.started = True
+        elif act in (Act.RETIRE, Act.SWAP_IN_NEW):
+            assert self.started
+            self.leaving, self.started = self.leaving + 1, False
+        elif act is Act.ADOPT:
+            assert not self.started
+        elif act is Act.START_REPLACEMENT:
+            assert self.started and not self.replacement
+            self.replacement = True
+        elif act is Act.DROP_REPLACEMENT:
+            self.leaving += self.replacement
+            self.replacement = False
+        elif act is Act.PROMOTE:
+            assert self.replacement
+            self.leaving, self.replacement = self.leaving + 1, False
+        elif act is Act.STOP_IN_PLACE:
+            self.stopping = True
+        elif act is Act.FORGET:
+            self.gone = True
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(list(Event)), max_size=40))
+def test_any_sequence_of_events_keeps_every_supervisor_in_one_role(events):
+    """Generated sequences through the table (events it does not list change nothing, as in the owner): a
+    replacement exists exactly while the name is replacing, the serving supervisor is started exactly while the
+    name is loaded, nothing is started twice, and a gone name holds nothing."""
+    phase, roles = Phase.ABSENT, Roles()
+    for event in events:
+        move = step(phase, event)
+        if move is None:
+            continue
+        for act in move.acts:
+            roles.apply(act)
+        phase = move.phase
+        assert roles.replacement == (phase is Phase.REPLACING), (phase, event)
+        if phase is not Phase.LEAVING and phase is not Phase.GONE:
+            assert roles.started == (phase in LOADED_PHASES), (phase, event)
+        assert roles.gone == (phase is Phase.GONE) and roles.stopping == (phase in (Phase.LEAVING, Phase.GONE)) \
+            or phase is Phase.GONE
+        if phase is Phase.GONE:
+            break
+
+
+def test_the_docs_show_the_table_as_it_is():
+    from appliance.front.residency_states import table_rows
+    from conftest import REPO
+    page = (REPO / "docs" / "on-demand.md").read_text()
+    rows = ["| " + " | ".join(f"`{c}`" if c != "-" else c for c in row) + " |" for row in table_rows()]
+    assert [line for line in page.splitlines() if line in rows] == rows

@@ -278,6 +278,9 @@ class ServerConfig:
     stream_keepalive_s: float = 15.0
     # Parallel loads of two 14B models OOM-killed a 32 GB host: load one model at a time by default.
     load_concurrency: int = 1
+    # Spare worker processes started ahead, OpenVINO imported, nothing loaded: a load (a switch between models on
+    # demand, a restart after a crash) takes one and costs the pipeline's construction only. 0: none.
+    parked_workers: int = 1
     cache_dir: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     image_fetch: ImageFetch = field(default_factory=ImageFetch)

@@ -192,6 +192,10 @@ class Metrics:
         self.model_load_wait = Histogram("openarc_model_load_wait_seconds", "Time requests spent waiting for their "
                                          "model to load (on demand, at start, or after a restart)", ["model"],
                                          buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
+        self.model_switch = Histogram("openarc_model_switch_seconds", "What a load on demand (a switch between "
+                                      "models) cost, by stage: eviction_wait, old_exit, spawn or handover (a parked "
+                                      "worker), startup, construction, first_token, total", ["model", "stage"],
+                                      buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",
                                     registry=r)
 

@@ -18,6 +18,8 @@ from appliance.front.lifecycle import Exit, ExitReason, ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.request import Event, Request
 from appliance.front.routing import REQUEST_OPS, RequestRouter
+from appliance.front.parked import ParkedWorkers
+from appliance.front.worker_ledger import Ledger
 from appliance.front.worker_life import WorkerLife
 from appliance.host.kernel_log import KernelLog
 from appliance.ipc import ProtocolError
@@ -33,7 +35,8 @@ class ModelSupervisor:
     """One model: its worker's life, and the requests routed to it."""
 
     def __init__(self, model: ModelConfig, config: Config, metrics: Metrics, load_gate: asyncio.Semaphore,
-                 on_change: Callable[[], None] = lambda: None, kernel_log: KernelLog | None = None):
+                 on_change: Callable[[ModelSupervisor, ModelState], None] = lambda *_: None, kernel_log: KernelLog | None = None,
+                 ledger: Ledger | None = None, spawner: ParkedWorkers | None = None):
         self.model = model
         self.name = model.name
         self.metrics = metrics
@@ -41,7 +44,7 @@ class ModelSupervisor:
         self._on_change = on_change  # the Supervisor's "some model changed state" signal
         self.router = RequestRouter(model, self.series)
         self.life = WorkerLife(model, worker_spec(model, config), metrics, self.series, load_gate, self.router,
-                               self._on_frame, self._state_changed, kernel_log)
+                               self._on_frame, self._state_changed, kernel_log, ledger, spawner)
 
     # --- the model, as the Supervisor sees it -------------------------------------------------------------
 
@@ -90,7 +93,7 @@ class ModelSupervisor:
             self.metrics.set_state(self.name, new.value)
             if new in NO_WORKER:
                 self.series.kv_cache_usage.set(0)  # its cache went with it
-        self._on_change()
+        self._on_change(self, new)
 
     # --- requests, as the routes see them -----------------------------------------------------------------
 

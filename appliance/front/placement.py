@@ -1,49 +1,69 @@
-"""Models on demand carried out: the bookkeeping the residency plan (appliance.front.residency) is made from, and
-the one task that makes the plan and carries it out. The Supervisor (appliance.front.supervisor) calls it.
+"""The one owner of every model's supervisors and their workers: residency as one state machine, carried out.
 
-What it keeps, per model across its loads (a ModelSupervisor lives for one load): who wants it loaded (requests
-waiting in Supervisor.ready_model, a load that must go on without its requester: a request that did not wait, a
-`reload: restart`), when it was last used, its measured footprint, why its current load happened, and a failed
-load's refusal until its backoff has passed; and the models leaving (unloaded, still draining: each holds its slot
-until its worker is gone).
+Only this code creates, starts, replaces, retires or forgets a ModelSupervisor (and so a worker). Every path reaches
+it as a message, a method that runs to its end without awaiting (nothing interleaves inside it): a request's want
+(Supervisor.ready_model), the load and unload API, the idle timer and evictions (the placer's plan), `reload:
+side_by_side` and `reload: restart`, a load that failed, a removal, the server's stop. Each becomes an Event of the
+name's state machine (appliance.front.residency_states): its table says the next phase and the acts, which `_step`
+carries out in order. Events from a supervisor are handed to the table only while that supervisor still holds the
+role the event is about, so a late event (a replacement that became ready after an unload overtook its reload)
+changes nothing.
 
-What it owns: the placer task (`_place`), woken by every change, so two decisions never race; and the chores it
-starts, each load being watched and each drain. A drain (an unload through the API, an eviction, an idle unload, the
-old worker of a restart reload) is a chore of its own, never its caller's task: it finishes whatever happens to the
-caller (a client that hangs up on POST /openarc/models/NAME/unload), and Supervisor.stop() awaits it.
+What it holds, per name: its phase; `models[name]`, the supervisor serving the name (unloaded when not loaded:
+requests wait for its load); `replacements[name]`, a side-by-side reload's supervisor loading beside it (it counts
+against max_loaded and memory_budget like any load); and `leaving`, every supervisor draining or stopping with why
+(each holds its slot until its worker is gone). The ledger (appliance.front.worker_ledger) has every worker
+process from spawn to reaped; /openarc/status shows it, the leaving ones with why.
 
-Nothing here is decided from a figure once and kept: a model that cannot fit is found again by every plan from the
-limits and footprints of that moment (a reload that raises the budget, or declares the model's memory, lets it load).
+What the plan is made from, per model across its loads (a ModelSupervisor lives for one load): who wants it loaded
+(requests waiting in Supervisor.ready_model, a load that goes on without its requester: a request that did not wait,
+a `reload: restart`), when it was last used, its measured footprint, why its current load happened, and a failed
+load's refusal until its backoff has passed. The placer task (`_place`), woken by every change, makes the plan
+(appliance.front.residency) and carries it out, so two decisions never race. A drain is a chore of its own, never
+its caller's task: it finishes whatever happens to the caller, and stop() awaits it.
+
+With OPENARC_DEBUG_INVARIANTS=1 the invariants (appliance.front.invariants) are checked after every step and every
+plan; a violation is logged as an error ("BUG: residency invariant"), never raised.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
+from appliance.config import Config, ModelConfig
 from appliance.config.devices import budget_device
-from appliance.front import residency
-from appliance.front.lifecycle import ModelState
+from appliance.front import invariants, residency
+from appliance.front.lifecycle import Changes, ModelState
+from appliance.front.metrics import Metrics
 from appliance.front.model_supervisor import ModelSupervisor
+from appliance.front.parked import ParkedWorkers
 from appliance.front.request import RequestFailed
+from appliance.front.residency_states import Act, Event, Phase, step
+from appliance.front.switches import SwitchClock, log_text, stages, status_view
+from appliance.front.worker_ledger import Ledger
 from appliance.host import device_memory, telemetry
-
-if TYPE_CHECKING:
-    from appliance.front.supervisor import Supervisor
+from appliance.host.kernel_log import KernelLog
 
 log = logging.getLogger("openarc.supervisor")
 
 # A request handed its model opens its request on it in the same step, or reserves a place in its queue first (an
-# upload being read): the reserved place counts as busy. This grace covers a hand-out that does neither yet: for
-# this long after it the model counts as busy, so it is not evicted under that request.
+# upload being read): the reserved place counts as busy. This grace covers a hand-out that does neither yet: until
+# its request opens or reserves (RequestRouter.handouts), at most this long, the model counts as busy, so it is not
+# evicted under that request. A request that opened leaves nothing behind it: the model is idle when it ends.
 HANDOFF_GRACE_S = 5.0
 # The key of a want no request waits on: a load that goes on without its requester (ready_wait_s ran out, or is 0;
 # a restart reload). It stands until the model's load begins or is refused.
 STANDING = "standing"
+DEBUG_INVARIANTS_ENV = "OPENARC_DEBUG_INVARIANTS"
+UNLOAD_WHY = {"idle": "idle for idle_unload_s={:g}s", "evicted": "evicted to make room for another model",
+              "api": "asked through the API"}
 
 
 @dataclass
@@ -51,7 +71,6 @@ class Usage:
     """What the residency plan knows of a model across its loads (a ModelSupervisor lives for one load)."""
 
     last_used: float = 0.0               # monotonic: the model last went idle, was handed a request, or loaded
-    handed_at: float = -HANDOFF_GRACE_S  # monotonic: a request was last handed this model (ready_model)
     measured: int | None = None          # its footprint measured at its last load (worker RSS, or VRAM on a GPU)
     load_reason: str = "start"           # why its current load happened (openarc_model_loads_total's reason)
     refusal: RequestFailed | None = None  # its last load failed: answered at once...
@@ -62,37 +81,367 @@ class Usage:
 
 
 class Placement:
-    """Which models are resident, kept and carried out for the Supervisor."""
+    """Every model's supervisors, their workers and which models are resident: one owner."""
 
-    def __init__(self, owner: Supervisor):
-        self.owner = owner  # its models, config, metrics and new_model()
+    def __init__(self, config: Config, metrics: Metrics, kernel_log: KernelLog | None = None):
+        self.config = config
+        self.metrics = metrics
+        self.kernel_log = kernel_log
+        self.load_gate = asyncio.Semaphore(config.server.load_concurrency)
+        self.changes = Changes()  # some model changed state: waiters look again
+        self.ledger = Ledger()
+        self.parked = ParkedWorkers(config.server.parked_workers, self.ledger)  # spares every worker spawn may take
+        self.phases: dict[str, Phase] = {}
+        self.models: dict[str, ModelSupervisor] = {}
+        self.replacements: dict[str, ModelSupervisor] = {}  # loading beside the model they will replace
+        self.leaving: dict[ModelSupervisor, str] = {}  # draining or stopping, and why: they hold their slot until gone
         self.usage: dict[str, Usage] = {}
         self.wants: dict[str, dict[object, tuple[float, str]]] = {}  # model -> its waiters' (arrival, load reason)
-        self.leaving: set[ModelSupervisor] = set()  # unloaded, still draining: they hold their slot until gone
         self.impossible: dict[str, str] = {}  # the latest plan's: wanted models that cannot fit now, and why
+        self.evicting_for: dict[str, float] = {}  # the head of the line -> when evictions to make room for it began
+        self.switches: dict[ModelSupervisor, SwitchClock] = {}  # loads on demand under way, by their supervisor
+        self.last_switch: dict[str, dict] = {}  # model -> the last switch's stages (/openarc/status)
         self.replan = asyncio.Event()  # something the residency plan looks at changed
         self.placer: asyncio.Task | None = None
-        self.chores: set[asyncio.Task] = set()  # loads being watched
-        self.drains: set[asyncio.Task] = set()  # unloads being drained: awaited by stop(), never cancelled
+        self.chores: set[asyncio.Task] = set()  # loads and replacements being watched
+        self.watches: dict[ModelSupervisor, asyncio.Task] = {}  # each replacement's watch (reload() awaits it)
+        self.drains: dict[ModelSupervisor, asyncio.Task] = {}  # awaited by stop(), never cancelled
+        self.inbox: collections.deque[tuple[str, Event, dict[str, Any]]] = collections.deque()
+        self.stepping = False
+        self.checking = os.environ.get(DEBUG_INVARIANTS_ENV) == "1"
+        self.limits_lowered = False  # a reload changed the limits: over them is allowed until once within
+        for model in config.models:
+            self.add(model)
 
-    @property
-    def models(self) -> dict[str, ModelSupervisor]:
-        return self.owner.models
+    # --- supervisors, made here only ---------------------------------------------------------------------------
 
-    def track(self, sup: ModelSupervisor) -> None:
-        """A new supervisor of the model: its usage outlives it, and its going idle is news for the plan."""
+    def _new(self, model: ModelConfig) -> ModelSupervisor:
+        sup = ModelSupervisor(model, self.config, self.metrics, self.load_gate, self._supervisor_changed,
+                              self.kernel_log, self.ledger, self.parked)
         self.usage.setdefault(sup.name, Usage())
         sup.router.on_idle = lambda: self._went_idle(sup.name)
+        sup.router.on_first_output = lambda: self._switch_done(sup)
+        return sup
+
+    def add(self, model: ModelConfig) -> ModelSupervisor:
+        """A configured model's first supervisor: unloaded when on demand, else stopped until its load at start."""
+        sup = self.models[model.name] = self._new(model)
+        self.phases[model.name] = Phase.ABSENT
+        if model.load == "on_demand":
+            sup.life.lifecycle.enter(ModelState.UNLOADED)
+        return sup
+
+    def _fresh(self, old: ModelSupervisor, model: ModelConfig) -> ModelSupervisor:
+        """An unloaded supervisor to follow `old` under its name, with `model`'s settings, carrying what outlives
+        one load (its restart budget and counts, its last error; not after a failure: unloading resets it)."""
+        new = self._new(model)
+        if old.state is not ModelState.FAILED:
+            new.life.budget = old.life.budget
+            new.life.last_error, new.life.last_hint = old.life.last_error, old.life.last_hint
+            new.life.last_exit = old.life.last_exit
+        new.life.restarts, new.life.crashes = old.life.restarts, old.life.crashes
+        new.life.last_backoff_s = old.life.last_backoff_s
+        new.series.draft = old.series.draft  # /openarc/status's draft totals count since the model was configured
+        new.life.load_seconds = old.life.load_seconds
+        new.life.lifecycle.enter(ModelState.UNLOADED)
+        return new
+
+    def _supervisor_changed(self, sup: ModelSupervisor, new: ModelState) -> None:
+        """A supervisor's state changed: waiters look again, the plan is made again; the current one's ready or
+        failed is an event of its name."""
+        self.changed()
+        if self.models.get(sup.name) is sup:
+            event = {ModelState.READY: Event.LOADED, ModelState.FAILED: Event.GAVE_UP}.get(new)
+            if event is not None:
+                self.send(sup.name, event)
+
+    def changed(self) -> None:
+        self.changes.notify()
+        self.replan.set()
 
     def _went_idle(self, name: str) -> None:
         self.usage[name].last_used = time.monotonic()
         self.replan.set()
 
-    def handed(self, name: str) -> None:
-        self.usage[name].last_used = self.usage[name].handed_at = time.monotonic()
+    def handed(self, sup: ModelSupervisor) -> None:
+        now = self.usage[sup.name].last_used = time.monotonic()
+        sup.router.hand_out(now, HANDOFF_GRACE_S)
 
     def start(self) -> None:
+        for name, sup in list(self.models.items()):
+            if sup.state is not ModelState.UNLOADED:
+                self.send(name, Event.LOAD, reason="start")
         self.placer = asyncio.create_task(self._place(), name="residency")
+        self.parked.refill()  # once the loads at start have ended
+
+    # --- the state machine, carried out --------------------------------------------------------------------
+
+    def send(self, name: str, event: Event, **context: Any) -> None:
+        """One message to the owner: its step runs now, or right after the step under way (an act whose state
+        change sends another), never inside it."""
+        self.inbox.append((name, event, context))
+        if self.stepping:
+            return
+        self.stepping = True
+        try:
+            while self.inbox:
+                self._step(*self.inbox.popleft())
+        finally:
+            self.stepping = False
+        self.check()
+
+    def _step(self, name: str, event: Event, context: dict[str, Any]) -> None:
+        phase = self.phases.get(name, Phase.GONE)
+        move = step(phase, event)
+        if move is None:
+            log.error("BUG: residency: model %s in phase %s: %s is not a transition; nothing changes", name,
+                      phase.value, event.value)
+            return
+        if move.phase is Phase.GONE:
+            self.phases.pop(name, None)
+        else:
+            self.phases[name] = move.phase
+        for act in move.acts:
+            getattr(self, f"_act_{act.value}")(name, **context)
+        self.changed()
+
+    def _act_start(self, name: str, reason: str = "demand", **_) -> None:
+        sup, usage = self.models[name], self.usage[name]
+        usage.load_reason, usage.refusal = reason, None
+        self.unwant(name, STANDING)  # the load it stood for begins
+        self.metrics.model_loads.labels(model=name, reason=reason).inc()
+        if reason != "start":
+            waiting = len(self.wants.get(name, ()))
+            log.info("model %s: loading (%s%s)", name, reason, f", {waiting} requests waiting" if waiting else "")
+        if reason in ("demand", "api"):  # a switch: its stages are timed
+            now = time.monotonic()
+            wanted = min((since for since, _ in self.wants.get(name, {}).values()), default=now)
+            self.switches[sup] = SwitchClock(wanted, self.evicting_for.get(name), now)
+        self.evicting_for.pop(name, None)
+        sup.start()
+        self._chore(self._loaded(sup), f"load:{name}")
+
+    def _act_retire(self, name: str, why: str, drain_s: float | None = None, **_) -> None:
+        old = self.models[name]
+        newest = self.replacements.get(name, old)  # an unload during a reload: the next load has the new settings
+        old.reports = False
+        self.models[name] = self._fresh(old, newest.model)
+        self._leave(old, why, drain_s)
+
+    def _act_adopt(self, name: str, new: ModelSupervisor, **_) -> None:
+        old = self.models[name]
+        new.life.lifecycle.enter(ModelState.UNLOADED)
+        self._switch(old, new)
+        self._chore(old.stop(0), f"drop:{name}")  # never started: no worker, no slot, nothing to drain
+
+    def _act_swap_in_new(self, name: str, new: ModelSupervisor, **_) -> None:
+        old = self.models[name]
+        new.life.lifecycle.enter(ModelState.UNLOADED)
+        self._switch(old, new)
+        self._leave(old, "reload: restart", None)
+
+    def _act_want(self, name: str, **_) -> None:
+        self.wants.setdefault(name, {})[STANDING] = (time.monotonic(), "reload")
+
+    def _act_start_replacement(self, name: str, new: ModelSupervisor, **_) -> None:
+        self.replacements[name] = new
+        new.reports = False
+        self.metrics.set_state(name, self.models[name].state.value)  # creating the new one's series reset it
+        self.metrics.model_loads.labels(model=name, reason="reload").inc()
+        self.usage[name].load_reason = "reload"
+        new.start()
+        self.watches[new] = self._chore(self._replacement_loaded(new), f"reload:{name}")
+
+    def _act_drop_replacement(self, name: str, why: str, **_) -> None:
+        dropped = self.replacements.pop(name, None)
+        if dropped is not None:
+            self._leave(dropped, f"{invariants.DROPPED}: {why}", 0)
+
+    def _act_promote(self, name: str, **_) -> None:
+        old, new = self.models[name], self.replacements.pop(name)
+        self._switch(old, new)
+        self.usage[name].measured = measure_footprint(new) or self.usage[name].measured
+        self._leave(old, invariants.REPLACED, None)
+
+    def _act_stop_in_place(self, name: str, why: str, drain_s: float | None = None, **_) -> None:
+        sup = self.models[name]
+        self.leaving[sup] = why
+        self.drains[sup] = self._drain_chore(self._stop_in_place(sup, drain_s), f"stop:{name}", sup)
+
+    def _act_forget(self, name: str, **_) -> None:
+        self.models.pop(name, None)
+        self.wants.pop(name, None)
+
+    def _switch(self, old: ModelSupervisor, new: ModelSupervisor) -> None:
+        """From now on `new` serves the name: requests, gauges, and waiters (woken to look again)."""
+        old.reports, new.reports = False, True
+        self.models[new.name] = new
+        self.metrics.set_state(new.name, new.state.value)
+        new.router.publish_queue()
+        log.info("model %s: switched to its new worker%s", new.name, f" {new.life.pid}" if new.life.pid else "")
+
+    def _leave(self, old: ModelSupervisor, why: str, drain_s: float | None) -> None:
+        """`old` drains (up to drain_s, the server's drain timeout when None) and its worker is reaped; it holds its
+        slot until then."""
+        old.reports = False
+        self._switch_done(old)  # a load no request used: its stages end at its ready
+        self.switches.pop(old, None)
+        self.leaving[old] = why
+        self.drains[old] = self._drain_chore(self._drain_out(old, drain_s), f"unload:{old.name}", old)
+
+    async def _drain_out(self, old: ModelSupervisor, drain_s: float | None) -> None:
+        try:
+            await old.stop(self.config.server.drain_timeout_s if drain_s is None else drain_s)
+        finally:
+            self.leaving.pop(old, None)
+            self.changed()
+            self.check()
+        current = self.models.get(old.name)
+        if current is not None and current.state is ModelState.UNLOADED:
+            self.metrics.worker_rss.labels(model=old.name).set(0)  # its memory went with its worker
+        if old.life.task is not None:
+            log.info("model %s: unloaded", old.name)
+
+    async def _stop_in_place(self, sup: ModelSupervisor, drain_s: float | None) -> None:
+        """A removed model, or every model as the server stops: drained under its name (its callers get 503
+        "shutting down", not 404), then forgotten."""
+        try:
+            await sup.stop(self.config.server.drain_timeout_s if drain_s is None else drain_s)
+        finally:
+            self.leaving.pop(sup, None)
+            if self.models.get(sup.name) is sup:
+                self.send(sup.name, Event.DRAINED)
+
+    def _chore(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        self.chores.add(task)
+        task.add_done_callback(self.chores.discard)
+        return task
+
+    def _drain_chore(self, coro, name: str, sup: ModelSupervisor) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(lambda _: self.drains.pop(sup, None) if self.drains.get(sup) is task else None)
+        return task
+
+    # --- messages from the rest of the front ---------------------------------------------------------------
+
+    def begin_unload(self, name: str, reason: str) -> list[asyncio.Task]:
+        """Unload the model (the API, an eviction, the idle timer): its supervisors leave, a fresh unloaded one
+        serves its name. The drains to await; none when nothing is loaded."""
+        phase = self.phases.get(name)
+        if phase not in (Phase.LOADING, Phase.READY, Phase.FAILED, Phase.REPLACING):
+            return []
+        old, replacement = self.models[name], self.replacements.get(name)
+        self.metrics.model_unloads.labels(model=name, reason=reason).inc()
+        idle_s = time.monotonic() - self.usage[name].last_used
+        why = UNLOAD_WHY[reason].format(old.model.idle_unload_s)
+        log.info("model %s: unloading (%s; last used %.1fs ago, %d requests to finish)", name, why, idle_s,
+                 len(old.router.running) + len(old.router.waiting) + old.router.reserved)
+        self.send(name, Event.UNLOAD, why=f"unloaded: {why}", reason=reason)
+        return [self.drains[sup] for sup in (old, replacement) if sup in self.drains]
+
+    async def unload(self, name: str, reason: str) -> None:
+        """Drain the model, then stop its worker. The drain is a chore: a caller that is cancelled (its client
+        hung up) stops waiting for it, never the drain itself."""
+        drains = self.begin_unload(name, reason)
+        if drains:
+            await asyncio.shield(asyncio.gather(*drains, return_exceptions=True))
+
+    async def reload(self, model: ModelConfig) -> None:
+        """New settings for a configured model (Supervisor.apply): side by side, the new worker loads while the old
+        one serves and the switch comes when it is ready (a new worker that cannot load is dropped and the old one
+        goes on serving); restart, the old one drains first and requests wait for the new one, which the placer
+        loads once the old one's slot is free; unloaded, the new settings apply at its next load. Returns once
+        the switch is done and the old worker gone (or the replacement was overtaken)."""
+        name, old = model.name, self.models[model.name]
+        new = self._new(model)
+        new.reports = False
+        self.metrics.set_state(name, old.state.value)  # creating the new one's series reset it
+        self.send(name, Event.RELOAD_RESTART if model.reload == "restart" else Event.RELOAD_SIDE_BY_SIDE, new=new,
+                  why="overtaken by a newer reload")
+        watch = self.watches.get(new)
+        if watch is not None:
+            await asyncio.shield(watch)
+        elif old in self.drains:
+            await asyncio.shield(self.drains[old])
+
+    async def _replacement_loaded(self, new: ModelSupervisor) -> None:
+        """A replacement's load, watched: ready, the switch; else it is dropped. Only while it is still the
+        name's replacement (an unload or a newer reload may have overtaken it: then it is already leaving)."""
+        name = new.name
+        try:
+            await new.life.lifecycle.wait_for({ModelState.READY, ModelState.FAILED, ModelState.DRAINING}, None)
+        finally:
+            self.watches.pop(new, None)
+        if self.replacements.get(name) is not new:
+            return
+        old = self.models[name]
+        if new.state is ModelState.READY:
+            self.send(name, Event.REPLACEMENT_READY)
+            if old in self.drains:
+                await asyncio.shield(self.drains[old])
+            return
+        log.error("model %s: its new settings do not load (%s); still serving the previous ones", name,
+                  new.life.last_error)
+        self.send(name, Event.REPLACEMENT_FAILED, why="its new settings did not load")
+        if self.models[name].state is ModelState.FAILED:
+            self.send(name, Event.GAVE_UP)
+
+    async def remove(self, name: str) -> None:
+        """A model the config no longer has: drained under its name (its callers get 503, not 404), then gone."""
+        sup = self.models[name]
+        self.send(name, Event.REMOVE, why="removed from the config")
+        if sup in self.drains:
+            await asyncio.shield(self.drains[sup])
+
+    async def _loaded(self, sup: ModelSupervisor) -> None:
+        """After a load: measure its footprint; an on-demand load that failed answers its waiters at once and
+        leaves the model unloaded until the restart policy's backoff has passed (no loop of retries nobody asked
+        for); a failed start of a load: at_start model keeps today's behaviour (restarts, then failed)."""
+        await sup.life.lifecycle.wait_for({ModelState.READY, ModelState.RESTARTING, ModelState.FAILED,
+                                           ModelState.DRAINING, ModelState.STOPPED}, None)
+        usage = self.usage[sup.name]
+        clock = self.switches.get(sup)
+        if sup.state is ModelState.READY:
+            usage.last_used = time.monotonic()
+            usage.measured = measure_footprint(sup) or usage.measured
+            if clock is not None:
+                clock.spawned, clock.ready = sup.life.spawned_at, sup.life.current.ready_at
+                clock.parked, clock.construction = sup.life.parked, sup.life.pipeline_load_seconds
+                if sup.router.first_output is not None or not self.wants.get(sup.name):  # no request waits
+                    self._switch_done(sup)
+            return
+        self.switches.pop(sup, None)
+        on_demand = sup.model.load == "on_demand" or usage.load_reason in ("demand", "api")
+        if sup.state is not ModelState.RESTARTING or not on_demand or sup.life.stopping:
+            return
+        if self.models.get(sup.name) is not sup:  # unloaded or replaced meanwhile: its successor has its own load
+            return
+        backoff = sup.life.last_backoff_s or sup.model.restart.backoff_initial_s
+        self._refuse(sup.name, RequestFailed(
+            503, "model_unavailable", f"model {sup.name} failed to load: {sup.life.last_error}; the next load is tried "
+            f"after {backoff:g}s", hint=sup.life.last_hint, retry_after=max(1.0, backoff)), retry_s=backoff)
+        self.send(sup.name, Event.REFUSED, why="its load failed", drain_s=0)
+
+    def _switch_done(self, sup: ModelSupervisor) -> None:
+        """A switch's last mark (its first output, or its ready when no request waited): its stages in the log,
+        the histogram and status."""
+        clock = self.switches.get(sup)
+        if clock is None or clock.ready is None:
+            return  # not a switch, or its first output came before _loaded read the ready marks: it ends there
+        del self.switches[sup]
+        clock.first_output = sup.router.first_output
+        seconds = stages(clock)
+        for stage, value in seconds.items():
+            self.metrics.model_switch.labels(model=sup.name, stage=stage).observe(value)
+        self.last_switch[sup.name] = status_view(seconds, clock)
+        log.info("model %s: loaded on demand in %s", sup.name, log_text(seconds))
+
+    def _refuse(self, name: str, failure: RequestFailed, retry_s: float) -> None:
+        usage = self.usage[name]
+        usage.refusal, usage.retry_at = failure, time.monotonic() + retry_s
+        self.unwant(name, STANDING)  # no retry nobody asked for
+        self.changed()  # its waiters answer now
 
     # --- wants ---------------------------------------------------------------------------------------------
 
@@ -132,10 +481,11 @@ class Placement:
     # --- the plan, made and carried out ----------------------------------------------------------------------
 
     def limits(self) -> residency.Limits:
-        return residency.Limits(self.owner.config.server.max_loaded, self.owner.config.server.memory_budget_bytes)
+        return residency.Limits(self.config.server.max_loaded, self.config.server.memory_budget_bytes)
 
     def views(self, now: float) -> list[residency.ModelView]:
-        """Every model as the policy sees it now (reads only: a status or a 503's text may call it any time)."""
+        """Every model as the policy sees it now (reads only: a status or a 503's text may call it any time): the
+        serving ones, the replacements loading (they hold a slot), and those leaving (until their worker is gone)."""
         views = []
         for name, sup in self.models.items():
             usage = self.usage[name]
@@ -148,20 +498,28 @@ class Placement:
                 name, state, budget_device(sup.model.device), self.footprint(name)[0], busy,
                 now if busy else usage.last_used, min(since for since, _ in wants.values()) if wants else None,
                 sup.model.load == "at_start", sup.model.idle_unload_s))
+        views += [residency.ModelView(f"{sup.name} (replacement)", ModelState.LOADING, budget_device(sup.model.device),
+                                      self.footprint(sup.name, sup)[0]) for sup in self.replacements.values()]
         views += [residency.ModelView(f"{sup.name} (leaving)", ModelState.DRAINING, budget_device(sup.model.device),
-                                      self.footprint(sup.name)[0]) for sup in self.leaving]
+                                      self.footprint(sup.name, sup)[0]) for sup in self.swapped_out()]
         return views
+
+    def swapped_out(self) -> list[ModelSupervisor]:
+        """The leaving supervisors that no longer serve their name (one stopping under its name is in models)."""
+        return [sup for sup in self.leaving if self.models.get(sup.name) is not sup]
 
     def busy(self, sup: ModelSupervisor, now: float) -> int:
         """Requests running, queued, reserved (an upload being read holds its place) or waiting for the model; a
-        request handed it within HANDOFF_GRACE_S counts one."""
+        request handed it that has not opened yet counts one, for at most HANDOFF_GRACE_S."""
         router = sup.router
         busy = len(router.running) + len(router.waiting) + router.reserved + router.awaiting_ready
-        return busy + (now - self.usage[sup.name].handed_at < HANDOFF_GRACE_S)
+        return busy + sum(now - at < HANDOFF_GRACE_S for at in router.handouts.values())
 
-    def footprint(self, name: str) -> tuple[int | None, str]:
-        """The model's memory on its device and where the figure comes from: declared, measured or unknown."""
-        declared = self.models[name].model.memory_bytes if name in self.models else None
+    def footprint(self, name: str, sup: ModelSupervisor | None = None) -> tuple[int | None, str]:
+        """The model's memory on its device (as `sup`'s settings declare it, the serving one's by default) and
+        where the figure comes from: declared, measured or unknown."""
+        sup = sup or self.models.get(name)
+        declared = sup.model.memory_bytes if sup is not None else None
         if declared is not None:
             return declared, "declared"
         measured = self.usage[name].measured
@@ -178,145 +536,81 @@ class Placement:
             except Exception:  # a bug: loud in the log, and no loads or unloads until the next change
                 log.exception("residency: planning failed")
                 plan = residency.Plan(recheck_s=1.0)
+            self.check()
             await self._until_replan(plan)
 
     def _carry_out(self, plan: residency.Plan) -> None:
         if plan.impossible != self.impossible:
             self.impossible = dict(plan.impossible)
-            self.owner.changes.notify()  # their waiters answer now
+            self.changes.notify()  # their waiters answer now
         for name in plan.impossible:  # a standing want these cannot load
             self.unwant(name, STANDING)
+        if plan.evict and plan.waits_for_room:
+            self.evicting_for.setdefault(plan.waits_for_room, time.monotonic())
         for names, reason in ((plan.idle, "idle"), (plan.evict, "evicted")):
             for name in names:
                 self.begin_unload(name, reason)  # at once: the next plan sees it leaving
         if plan.load:
             reason = min((self.wants.get(plan.load) or {None: (0.0, "demand")}).values())[1]
-            self.begin_load(self.models[plan.load], reason)
+            self.send(plan.load, Event.LOAD, reason=reason)
 
     async def _until_replan(self, plan: residency.Plan) -> None:
         """Until something the plan looks at changes (replan: a state, a want, a waiter counted, a model gone idle,
         a limit), or an idle deadline (recheck_s) or a hand-out's grace ends."""
         now = time.monotonic()
-        graces = [u.handed_at + HANDOFF_GRACE_S - now for u in self.usage.values() if u.handed_at + HANDOFF_GRACE_S > now]
+        graces = [at + HANDOFF_GRACE_S - now for sup in self.models.values() for at in sup.router.handouts.values()
+                  if at + HANDOFF_GRACE_S > now]
         timeout = min([t for t in (plan.recheck_s, *graces) if t is not None], default=None)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.replan.wait(), timeout)
 
-    def _chore(self, coro, name: str, into: set[asyncio.Task]) -> asyncio.Task:
-        task = asyncio.create_task(coro, name=name)
-        into.add(task)
-        task.add_done_callback(into.discard)
-        return task
+    # --- invariants, status and stop ---------------------------------------------------------------------------
 
-    # --- loads -----------------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """The invariants, after a step (OPENARC_DEBUG_INVARIANTS=1): a violation is logged, never raised."""
+        if self.checking:
+            found, within_limits = invariants.violations(self, self.limits_lowered)
+            self.limits_lowered = self.limits_lowered and not within_limits
+            for violation in found:
+                log.error("BUG: residency invariant: %s", violation)
 
-    def begin_load(self, sup: ModelSupervisor, reason: str) -> None:
-        usage = self.usage[sup.name]
-        usage.load_reason, usage.refusal = reason, None
-        self.unwant(sup.name, STANDING)  # the load it stood for begins
-        self.owner.metrics.model_loads.labels(model=sup.name, reason=reason).inc()
-        if reason != "start":
-            waiting = len(self.wants.get(sup.name, ()))
-            log.info("model %s: loading (%s%s)", sup.name, reason, f", {waiting} requests waiting" if waiting else "")
-        sup.start()
-        self._chore(self._loaded(sup), f"load:{sup.name}", self.chores)
+    def configure(self, config: Config) -> None:
+        """A reloaded config: its limits apply to the next plan at once (what was loaded when they were lowered
+        leaves as the plan decides, not at once)."""
+        before = self.limits()
+        self.config = config
+        self.parked.resize(config.server.parked_workers)
+        self.limits_lowered = self.limits_lowered or self.limits() != before
+        self.replan.set()
 
-    async def _loaded(self, sup: ModelSupervisor) -> None:
-        """After a load: measure its footprint; an on-demand load that failed answers its waiters at once and
-        leaves the model unloaded until the restart policy's backoff has passed (no loop of retries nobody asked
-        for); a failed start of a load: at_start model keeps today's behaviour (restarts, then failed)."""
-        await sup.life.lifecycle.wait_for({ModelState.READY, ModelState.RESTARTING, ModelState.FAILED,
-                                           ModelState.DRAINING, ModelState.STOPPED}, None)
-        usage = self.usage[sup.name]
-        if sup.state is ModelState.READY:
-            usage.last_used = time.monotonic()
-            usage.measured = measure_footprint(sup) or usage.measured
-            return
-        on_demand = sup.model.load == "on_demand" or usage.load_reason in ("demand", "api")
-        if sup.state is not ModelState.RESTARTING or not on_demand or sup.life.stopping:
-            return
-        if self.models.get(sup.name) is not sup:  # a reload replaced it meanwhile: its successor has its own settings
-            return
-        backoff = sup.life.last_backoff_s or sup.model.restart.backoff_initial_s
-        self._refuse(sup.name, RequestFailed(
-            503, "model_unavailable", f"model {sup.name} failed to load: {sup.life.last_error}; the next load is tried "
-            f"after {backoff:g}s", hint=sup.life.last_hint, retry_after=max(1.0, backoff)), retry_s=backoff)
-        self.swap_out(sup)
-        await sup.stop(0)
+    def role(self, sup: ModelSupervisor) -> str | None:
+        """What `sup` is to its name: serving, replacement, leaving; None: the owner does not hold it (a bug)."""
+        if sup in self.leaving:
+            return "leaving"
+        if self.models.get(sup.name) is sup:
+            return "serving"
+        if self.replacements.get(sup.name) is sup:
+            return "replacement"
+        return None
 
-    def _refuse(self, name: str, failure: RequestFailed, retry_s: float) -> None:
-        usage = self.usage[name]
-        usage.refusal, usage.retry_at = failure, time.monotonic() + retry_s
-        self.unwant(name, STANDING)  # no retry nobody asked for
-        self.owner.changed()  # its waiters answer now
+    def supervisors(self) -> list[ModelSupervisor]:
+        """Every supervisor the owner holds, once."""
+        return list(dict.fromkeys([*self.models.values(), *self.replacements.values(), *self.leaving]))
 
-    # --- unloads ---------------------------------------------------------------------------------------------
-
-    def swap_out(self, old: ModelSupervisor, new: ModelSupervisor | None = None) -> ModelSupervisor:
-        """Put an unloaded supervisor under old's name: `new` (a reload's new settings), else a fresh one that
-        carries what outlives one load (its restart budget and counts, its last error). Requests from now on wait
-        for the next load, not for old."""
-        if new is None:
-            new = self.owner.new_model(old.model)
-            if old.state is not ModelState.FAILED:  # unloading a failed model is a manual reset
-                new.life.budget = old.life.budget
-                new.life.last_error, new.life.last_hint = old.life.last_error, old.life.last_hint
-                new.life.last_exit = old.life.last_exit
-            new.life.restarts, new.life.crashes = old.life.restarts, old.life.crashes
-            new.life.last_backoff_s = old.life.last_backoff_s
-            new.series.draft = old.series.draft  # /openarc/status's draft totals count since the model was configured
-            new.life.load_seconds = old.life.load_seconds
-        old.reports = False
-        new.life.lifecycle.enter(ModelState.UNLOADED)
-        self.models[old.name] = new
-        return new
-
-    async def unload(self, name: str, reason: str) -> None:
-        """Drain the model, then stop its worker. The drain is a chore: a caller that is cancelled (its client
-        hung up) stops waiting for it, never the drain itself."""
-        drain = self.begin_unload(name, reason)
-        if drain is not None:
-            await asyncio.shield(drain)
-
-    def begin_unload(self, name: str, reason: str) -> asyncio.Task | None:
-        """Put the model's next (unloaded) supervisor in place and start draining the old one; None: nothing
-        loaded."""
-        old = self.models[name]
-        if old.state is ModelState.UNLOADED or old.life.stopping:
-            return None
-        self.owner.metrics.model_unloads.labels(model=name, reason=reason).inc()
-        idle_s = time.monotonic() - self.usage[name].last_used
-        why = {"idle": f"idle for idle_unload_s={old.model.idle_unload_s:g}s", "evicted": "evicted to make room for "
-               "another model", "api": "asked through the API"}[reason]
-        log.info("model %s: unloading (%s; last used %.1fs ago, %d requests to finish)", name, why, idle_s,
-                 len(old.router.running) + len(old.router.waiting) + old.router.reserved)
-        self.swap_out(old)
-        return self.leave(old)
-
-    def restart(self, old: ModelSupervisor, new: ModelSupervisor) -> asyncio.Task:
-        """reload: restart: old drains while new waits, unloaded, for the placer to load it once there is room
-        (old's slot counts until its worker is gone), so max_loaded and the budget hold through a reload."""
-        self.swap_out(old, new)
-        self.wants.setdefault(new.name, {})[STANDING] = (time.monotonic(), "reload")
-        return self.leave(old)
-
-    def leave(self, old: ModelSupervisor) -> asyncio.Task:
-        self.leaving.add(old)
-        self.owner.changed()
-        return self._chore(self._drain_out(old), f"unload:{old.name}", self.drains)
-
-    async def _drain_out(self, old: ModelSupervisor) -> None:
-        try:
-            await old.stop(self.owner.config.server.drain_timeout_s)
-        finally:
-            self.leaving.discard(old)
-            self.owner.changed()
-        current = self.models.get(old.name)
-        if current is not None and current.state is ModelState.UNLOADED:
-            self.owner.metrics.worker_rss.labels(model=old.name).set(0)  # its memory went with its worker
-        log.info("model %s: unloaded", old.name)
-
-    # --- status and stop -------------------------------------------------------------------------------------
+    def workers(self) -> list[dict]:
+        """Every worker process the front has (the ledger), with what it is to its model: /openarc/status."""
+        owners = {sup.life: sup for sup in self.supervisors()}
+        rows = []
+        for entry in sorted(self.ledger.entries.values(), key=lambda e: e.started):
+            if entry.owner is self.parked:
+                rows.append({"pid": entry.pid, "model": None, "role": "parked", "state": None, "why": None})
+                continue
+            sup = owners.get(entry.owner)
+            role = self.role(sup) if sup is not None else None
+            rows.append({"pid": entry.pid, "model": entry.model, "role": role or "untracked",
+                         "state": sup.state.value if sup is not None else None,
+                         "why": self.leaving.get(sup) if role == "leaving" else None})
+        return rows
 
     def status(self, name: str) -> dict:
         """The /openarc/status fields of models on demand."""
@@ -325,26 +619,33 @@ class Placement:
         last_used = None if not usage.last_used else round(time.time() - (time.monotonic() - usage.last_used), 3)
         return {"load": sup.model.load, "idle_unload_s": sup.model.idle_unload_s,
                 "memory": {"bytes": size, "source": source}, "last_used": last_used,
-                "loaded_by": usage.load_reason if sup.state not in (ModelState.UNLOADED, ModelState.STOPPED) else None}
+                "loaded_by": usage.load_reason if sup.state not in (ModelState.UNLOADED, ModelState.STOPPED) else None,
+                "last_switch": self.last_switch.get(name)}
+
+    def occupied(self) -> int:
+        """Slots held now: serving models with a worker (or about to have one), replacements, and those leaving."""
+        return sum(v.state in residency.OCCUPYING for v in self.views(time.monotonic()))
 
     def summary(self) -> dict:
-        occupied = [m.name for m in self.models.values() if m.state in residency.OCCUPYING]
-        return {"max_loaded": self.owner.config.server.max_loaded,
-                "memory_budget": self.owner.config.server.memory_budget, "loaded": len(occupied) + len(self.leaving)}
+        return {"max_loaded": self.config.server.max_loaded, "memory_budget": self.config.server.memory_budget,
+                "loaded": self.occupied(), "workers": self.workers()}
 
     def tasks(self) -> list[asyncio.Task]:
-        """The tasks whose death of a bug makes the server unhealthy: the placer and the leaving models' lives."""
-        return [t for t in [self.placer, *(m.life.task for m in self.leaving)] if t]
+        """The tasks whose death of a bug makes the server unhealthy: the placer and every held model's life."""
+        return [t for t in [self.placer, *(m.life.task for m in self.supervisors())] if t]
 
-    async def stop_placing(self) -> None:
+    async def stop(self, drain_timeout_s: float) -> None:
+        """Drain and stop every model: the served ones, replacements loading, and those leaving (their drains,
+        already under way, are awaited to their end); load watchers go."""
         if self.placer:
             self.placer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.placer
-
-    async def finish_chores(self) -> None:
-        """The drains run to their end (each bounded by the drain timeout and the kill grace); load watchers go."""
-        await asyncio.gather(*self.drains, return_exceptions=True)
+        for name in list(self.phases):
+            self.send(name, Event.STOP, why="the server stops", drain_s=drain_timeout_s)
+        while self.drains:
+            await asyncio.gather(*list(self.drains.values()), return_exceptions=True)
+        await self.parked.close()
         for task in list(self.chores):
             task.cancel()
         await asyncio.gather(*self.chores, return_exceptions=True)

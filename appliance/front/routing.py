@@ -43,10 +43,15 @@ class RequestRouter:
         self.waiting = AdmissionQueue(model.background_max_wait_s)
         self.awaiting_ready = 0  # requests waiting for this model to become ready (Supervisor.ready_model)
         self.reserved = 0  # places held for requests whose body is still being read (reserve())
+        # Requests handed this model (Supervisor.ready_model) that have neither opened nor reserved yet: when, by the
+        # request's ticket. Its open() or reserve() ends the hand-out; Placement counts the fresh ones as busy.
+        self.handouts: dict[int, float] = {}
         self.ids = itertools.count(1)
         self.idle = asyncio.Event()  # nothing running, queued or reserved: what a drain waits for
         self.idle.set()
         self.on_idle: Callable[[], None] = lambda: None  # the Supervisor's residency bookkeeping: replan, last used
+        self.on_first_output: Callable[[], None] = lambda: None  # once: a switch's last stage (the residency owner)
+        self.first_output: float | None = None  # when the first tokens or result of any request went out
         self.last_progress = time.monotonic()  # the stall timer's reference (WorkerLife._monitor)
         self.channel: AsyncChannel | None = None  # the ready worker's, while it serves
         self.aging: asyncio.TimerHandle | None = None  # a dispatch at the queue's next aging (_watch_aging)
@@ -67,6 +72,18 @@ class RequestRouter:
 
     # --- requests, as the routes use them -------------------------------------------------------------------
 
+    def hand_out(self, now: float, grace_s: float) -> None:
+        """A request was handed this model and will open on it (or reserve a place) shortly; stale hand-outs (a
+        request that never opened: a 400 after its model was ready) are forgotten here."""
+        for ticket, at in list(self.handouts.items()):
+            if now - at >= grace_s:
+                del self.handouts[ticket]
+        self.handouts[id(keys.CURRENT.get())] = now
+
+    def _opened(self) -> None:
+        """This task's request opened or reserved: its hand-out, if any, is over."""
+        self.handouts.pop(id(keys.CURRENT.get()), None)
+
     def reserve(self, continuing: bool = False) -> None:
         """Hold a place for a request whose body is still to be read (an audio upload), or refuse it with 429 now,
         before the body is read. open(reserved=True) takes the place; unreserve() gives it back. `continuing`: the
@@ -74,6 +91,7 @@ class RequestRouter:
         the queue's length, so that an admitted request is never refused halfway."""
         if not continuing:
             self._check_room()
+        self._opened()
         self.reserved += 1
         self.publish_queue()
         self._note_idle()
@@ -101,6 +119,7 @@ class RequestRouter:
         # the key and class the route wrapper admitted this request with (appliance.front.keys.CURRENT)
         req = Request(next(self.ids), frame, op, ticket=keys.current_ticket())
         req.frame["id"] = req.id
+        self._opened()
         self.waiting.push(req, req.ticket.priority, req.submitted)
         if reserved:
             self._give_back_place()
@@ -218,6 +237,9 @@ class RequestRouter:
     def on_frame(self, req: Request, message: dict[str, Any]) -> None:
         """A tokens, done or result frame of a running request."""
         op = message["op"]
+        if self.first_output is None and op in ("tokens", "result"):
+            self.first_output = time.monotonic()
+            self.on_first_output()
         if op == "tokens":
             self._on_tokens(req, message)
         elif op == "done":

@@ -26,6 +26,8 @@ from appliance.front.lifecycle import (CRASH_REASONS, Exit, ExitReason, Lifecycl
 from appliance.front.metrics import Metrics, ModelMetrics
 from appliance.front.request import RequestFailed
 from appliance.front.routing import RequestRouter
+from appliance.front.parked import ParkedWorkers
+from appliance.front.worker_ledger import Ledger
 from appliance.front.worker_process import SHUTDOWN_GRACE_S, WorkerProcess
 from appliance.host import faults
 from appliance.host.kernel_log import KernelLog
@@ -56,10 +58,13 @@ class WorkerLife:
                  load_gate: asyncio.Semaphore, router: RequestRouter,
                  on_frame: Callable[[dict[str, Any]], None],
                  on_state: Callable[[ModelState, ModelState], None],
-                 kernel_log: KernelLog | None = None):
+                 kernel_log: KernelLog | None = None, ledger: Ledger | None = None,
+                 spawner: ParkedWorkers | None = None):
         self.model, self.name, self.spec = model, model.name, spec
         self.metrics, self.series = metrics, series
         self.load_gate = load_gate
+        self.ledger = ledger or Ledger()  # the residency owner's: every worker process from spawn to reaped
+        self.spawner = spawner or ParkedWorkers(0, self.ledger)  # a parked spare handed the spec, else a fresh one
         self.router = router
         self._on_frame = on_frame  # a ready worker's frames, routed by the ModelSupervisor
         self._on_state = on_state  # gauges and the Supervisor's waiters follow every state change
@@ -79,6 +84,8 @@ class WorkerLife:
         self.pipeline_load_seconds: float | None = None  # the part of it that built the pipeline (no imports)
         self.last_backoff_s: float | None = None  # the wait before the latest restart (doubles with each crash in a row)
         self.formats: dict[str, Any] | None = None  # the chat formats the worker reported when it became ready
+        self.spawned_at: float | None = None  # the latest worker exists: spawned, or a parked one handed the model
+        self.parked = False  # ... and it was a parked one
 
     # --- state -----------------------------------------------------------------------------------------------
 
@@ -198,13 +205,25 @@ class WorkerLife:
                 if self.stopping:
                     return Exit(ExitReason.STOPPED)
                 spawned = time.monotonic()
+                self.ledger.spawning += 1
                 try:
-                    self.current.process = await WorkerProcess.spawn(self.spec)
+                    self.current.process = await self.spawner.spawn(self.spec)
                 except Exception as exc:  # EMFILE, ENOMEM, EACCES, a missing interpreter: nothing to reap
+                    self.spawner.loaded()
                     return Exit(ExitReason.SPAWN_ERROR, detail=f"cannot start the worker: {describe(exc)}")
-                log.info("model %s: worker %d started%s", self.name, self.pid,
-                         f"; {window.describe(self.spec['window'])}" if self.model.kind in GENERATIVE_KINDS else "")
-                ready = await self._await_ready(spawned)
+                finally:
+                    if self.current.process:
+                        self.ledger.started(self.current.process.pid, self.name, self)
+                    self.ledger.spawning -= 1
+                self.spawned_at = time.monotonic()  # a switch's stages (appliance.front.switches)
+                self.parked = self.current.process.parked
+                handed = " (a parked one, handed the model)" if self.current.process.parked else ""
+                window_line = f"; {window.describe(self.spec['window'])}" if self.model.kind in GENERATIVE_KINDS else ""
+                log.info("model %s: worker %d started%s%s", self.name, self.pid, handed, window_line)
+                try:
+                    ready = await self._await_ready(spawned)
+                finally:
+                    self.spawner.loaded()  # a spare it took is replaced now, off the load's path
             if ready:
                 await self._serve()
             return await self._reap()
@@ -303,6 +322,7 @@ class WorkerLife:
         current = self.current
         returncode = await current.process.reap() if current.process else None
         if current.process:
+            self.ledger.reaped(current.process.pid)
             log.info("model %s: worker %d reaped (exit status %s)", self.name, current.process.pid, returncode)
         self.current = CurrentWorker()
         served = time.monotonic() - current.ready_at if current.ready_at is not None else 0.0

@@ -26,17 +26,20 @@ class WorkerProcess:
         self.proc = proc
         self.channel = channel
         self.pid = proc.pid
+        self.parked = False  # started parked (appliance.front.parked) and handed its model
         self.oom_watch = oom.OomWatch.of(proc.pid)  # asked once it is gone: was it the kernel OOM killer?
 
     @classmethod
-    async def spawn(cls, spec: dict[str, Any]) -> WorkerProcess:
+    async def spawn(cls, spec: dict[str, Any] | None) -> WorkerProcess:
+        """A worker for `spec`; None: a parked one (appliance.front.parked), handed its spec later (hand())."""
         front_end, worker_end = socket.socketpair()
+        model = ["--spec", json.dumps(spec)] if spec is not None else ["--parked"]
         env = dict(os.environ)
         # The worker imports the very code the front runs, installed or from a source tree.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "appliance.worker", "--fd", str(worker_end.fileno()), "--spec", json.dumps(spec),
+                sys.executable, "-m", "appliance.worker", "--fd", str(worker_end.fileno()), *model,
                 pass_fds=(worker_end.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
                 start_new_session=True)  # a terminal's Ctrl-C reaches the front only; the front stops workers
         except BaseException:
@@ -45,6 +48,11 @@ class WorkerProcess:
         finally:
             worker_end.close()
         return cls(proc, await AsyncChannel.open(front_end))
+
+    def hand(self, spec: dict[str, Any]) -> bool:
+        """A parked worker's model: it loads it now. False: its channel is closed (it is gone)."""
+        self.parked = True
+        return self.channel.send(ipc.frame("spec", spec=spec))
 
     def signal(self, sig: int) -> None:
         try:

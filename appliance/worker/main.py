@@ -35,6 +35,9 @@ INTERNAL = faults.Fault("internal", "internal_error", None, True)
 # Test knob: touch this many MiB of host RAM before loading, so a test can make the kernel OOM killer end a load
 # inside a small memory cgroup.  Never set in production.
 LOAD_HOG_ENV = "OPENARC_DEBUG_LOAD_HOG_MB"
+# /proc/PID/comm of a parked worker (appliance.front.parked) and of one that was handed a model.
+PARKED_NAME = "openarc-parked"
+WORKER_NAME = "openarc-worker"
 
 
 def die_with_parent() -> None:
@@ -156,19 +159,44 @@ def read_frames(channel: BlockingChannel, engine: Engine) -> None:
             engine.cancel(message["id"])
 
 
+def set_process_name(name: str) -> None:
+    """The name ps and /proc/PID/comm show (15 bytes at most): a parked worker is told from a model's by it."""
+    PR_SET_NAME = 15
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def parked_until_spec(channel: BlockingChannel) -> dict | None:
+    """A parked worker: OpenVINO GenAI imported ahead (the interpreter's start and the imports are what a switch
+    saves), nothing loaded, no device touched (so one spare serves a model on any device); waits for the model to
+    load. None: the front closed the channel or asked it to leave."""
+    import openvino_genai  # noqa: F401
+    set_process_name(PARKED_NAME)  # imported: warm (a spare taken before this still loads, paying the rest)
+    message = channel.recv()
+    if message is None or message["op"] != "spec":
+        return None
+    set_process_name(WORKER_NAME)
+    return message["spec"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="openarc-worker")
     parser.add_argument("--fd", type=int, required=True)
-    parser.add_argument("--spec", required=True, help="the model's spec as JSON")
+    parser.add_argument("--spec", help="the model's spec as JSON")
+    parser.add_argument("--parked", action="store_true", help="import OpenVINO, then wait for the spec on the channel")
     args = parser.parse_args(argv)
-    spec = json.loads(args.spec)
     die_with_parent()
     faulthandler.enable()
-    from appliance.logs import setup_logging
-    setup_logging(spec.get("log_level", "info"), prefix=f"worker[{spec['name']}] ")
     # Under memory pressure the kernel should end a worker (restarted with backoff), never the front.
     oom.set_oom_score_adj(oom.WORKER_OOM_SCORE_ADJ)
     channel = BlockingChannel(socket.socket(fileno=args.fd))
+    spec = parked_until_spec(channel) if args.parked else json.loads(args.spec)
+    if spec is None:
+        os._exit(0)
+    from appliance.logs import setup_logging
+    setup_logging(spec.get("log_level", "info"), prefix=f"worker[{spec['name']}] ")
     started = time.monotonic()
     try:
         hog = b"\xff" * (int(os.environ.get(LOAD_HOG_ENV, "0")) << 20)

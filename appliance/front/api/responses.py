@@ -117,7 +117,8 @@ def parse_responses(body: Any, store: ResponseStore, key: str,
     flat = FlatTools()
     messages, history, found = conversation(body, history, flat)
     chat = _chat_shaped(body, flat)
-    tools = _renamed(lambda shaped: parse_tools(shaped, list(flat.left_out.values())), chat)
+    tools = _renamed(lambda shaped: _at_origin(lambda: parse_tools(shaped, list(flat.left_out.values())), flat),
+                     chat)
     tool_constraint, output_constraint = tools.constraint(), _renamed(constraint, chat)
     if output_constraint:  # a schema genai cannot compile is refused naming this field
         output_constraint["param"] = _rename(output_constraint["param"])
@@ -218,7 +219,7 @@ def _chat_shaped(body: dict, flat: FlatTools) -> dict[str, Any]:
     elif tools is not None:
         chat["tools"] = tools
     if flat.all or flat.left_out:
-        chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(flat.all)]
+        chat["tools"] = [_chat_tool(tool, flat.where(tool)) for tool in flat.all]
     choice = flat.choice(body.get("tool_choice"))
     if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         choice = {"type": choice["type"], choice["type"]: {"name": choice.get("name")}}
@@ -236,7 +237,22 @@ def _chat_shaped(body: dict, flat: FlatTools) -> dict[str, Any]:
     return chat
 
 
-def _chat_tool(tool: Any, i: int) -> Any:
+FLAT_TOOL = re.compile(r"tools\[(\d+)\]")  # how the chat checks name a tool: by its place in the flat list
+
+
+def _at_origin(check: Callable[[], Any], flat: FlatTools) -> Any:
+    """Run the chat checks on the flat tool list; a refusal names the tool where the request has it."""
+    try:
+        return check()
+    except InvalidRequest as exc:
+        offered = flat.all
+        def origin(words: str) -> str:  # noqa: E306
+            return FLAT_TOOL.sub(lambda m: flat.where(offered[int(m[1])]) if int(m[1]) < len(offered)
+                                 else m[0], words, count=1)
+        raise InvalidRequest(origin(str(exc)), exc.param and origin(exc.param), exc.code) from None
+
+
+def _chat_tool(tool: Any, where: str) -> Any:
     if not isinstance(tool, dict):
         return tool
     if tool.get("type") == "custom":
@@ -248,8 +264,8 @@ def _chat_tool(tool: Any, i: int) -> Any:
             custom["format"] = fmt
         return {"type": "custom", "custom": custom}
     if tool.get("type") != "function":
-        raise InvalidRequest(f"'tools[{i}].type' must be a string (function, custom, namespace, tool_search or a "
-                             f"hosted tool type), got {tool.get('type')!r}", f"tools[{i}].type")
+        raise InvalidRequest(f"'{where}.type' must be a string (function, custom, namespace, tool_search or a "
+                             f"hosted tool type), got {tool.get('type')!r}", f"{where}.type")
     function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
     function.setdefault("strict", True)  # the Responses API's default, unlike chat completions'
     if function["strict"] is None:
@@ -335,7 +351,7 @@ def _loaded_tools(item: dict, where: str, flat: FlatTools) -> dict[str, Any]:
     names = [tool.get("name") for tool in flat.add(tools, f"{where}.tools", loaded=True) if isinstance(tool, dict)]
     loaded = ", ".join(str(name) for name in names) if names else "none"
     return {"role": "tool", "tool_call_id": text(item.get("call_id"), f"{where}.call_id"),
-            "content": f"Tools loaded: {loaded}"}
+            "content": f"Tools loaded: {loaded}", WHERE: where}  # checked like any tool result
 
 
 def check_call_outputs(turns: list[dict[str, Any]]) -> None:

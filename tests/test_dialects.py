@@ -524,6 +524,15 @@ def test_namespaced_names_that_join_alike_are_refused_naming_both():
     assert "'tools[0].tools[0]'" in str(refused.value) and "a__b__c" in str(refused.value)
 
 
+@pytest.mark.parametrize("bad, param", [({"name": "bad name", "input_schema": {"type": "object"}}, "tools[1].name"),
+                                        ({"name": "f", "input_schema": {"type": "object"}, "description": 5},
+                                         "tools[1].description")])
+def test_a_malformed_client_tool_after_a_server_tool_is_named_where_the_request_has_it(bad, param):
+    with pytest.raises(InvalidRequest) as refused:
+        messages_request(tools=[{"type": "web_search_20250305", "name": "web_search"}, bad])
+    assert refused.value.param == param and f"'{param}'" in str(refused.value)
+
+
 def test_client_named_types_are_bounded_metric_labels():
     from appliance.front.api import generate
     assert generate.bounded_label("web_search") == "web_search"

@@ -35,7 +35,8 @@ from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.response_tools import TOOL_SEARCH, FlatTools, ToolNames, joined_name
 from appliance.front.api.route import ErrorShape
 from appliance.front.api.structured import constraint
-from appliance.front.api.tools import CUSTOM_INPUT, assistant_tool_calls, name_tool_results, parse_tools
+from appliance.front.api.tools import (CUSTOM_INPUT, assistant_tool_calls, at_origins, name_tool_results,
+                                      parse_tools)
 from appliance.front.request import Event, RequestFailed
 
 IMAGE_TAGS = re.compile(r"<ov_genai_image_\d+>")
@@ -117,7 +118,8 @@ def parse_responses(body: Any, store: ResponseStore, key: str,
     flat = FlatTools()
     messages, history, found = conversation(body, history, flat)
     chat = _chat_shaped(body, flat)
-    tools = _renamed(lambda shaped: _at_origin(lambda: parse_tools(shaped, list(flat.left_out.values())), flat),
+    origins = [flat.where(tool) for tool in flat.all]
+    tools = _renamed(lambda shaped: at_origins(lambda: parse_tools(shaped, list(flat.left_out.values())), origins),
                      chat)
     tool_constraint, output_constraint = tools.constraint(), _renamed(constraint, chat)
     if output_constraint:  # a schema genai cannot compile is refused naming this field
@@ -235,21 +237,6 @@ def _chat_shaped(body: dict, flat: FlatTools) -> dict[str, Any]:
         if fmt is not None:
             chat["response_format"] = fmt
     return chat
-
-
-FLAT_TOOL = re.compile(r"tools\[(\d+)\]")  # how the chat checks name a tool: by its place in the flat list
-
-
-def _at_origin(check: Callable[[], Any], flat: FlatTools) -> Any:
-    """Run the chat checks on the flat tool list; a refusal names the tool where the request has it."""
-    try:
-        return check()
-    except InvalidRequest as exc:
-        offered = flat.all
-        def origin(words: str) -> str:  # noqa: E306
-            return FLAT_TOOL.sub(lambda m: flat.where(offered[int(m[1])]) if int(m[1]) < len(offered)
-                                 else m[0], words, count=1)
-        raise InvalidRequest(origin(str(exc)), exc.param and origin(exc.param), exc.code) from None
 
 
 def _chat_tool(tool: Any, where: str) -> Any:

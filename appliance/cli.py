@@ -268,6 +268,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             key_env = keys[0].key_env if keys else None
         else:
             args.url = args.url or os.environ.get("OPENARC_URL", "http://127.0.0.1:8000")
+            # the server's root: a client's base URL (ending /v1, as OpenAI SDKs are given it) names it too
+            args.url = args.url.rstrip("/").removesuffix("/v1")
             status, body = call_server(args, "GET", "/v1/models")
             if status == 0:  # nothing answers there
                 body["error"]["hint"] = ("start the server, or pass its config (--config FILE) or its address "

@@ -376,3 +376,7 @@ def test_url_reads_the_window_the_server_reports(served_demo, tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"window {AGENT_WINDOW} tokens (/v1/models context_length)" in done.stdout
     assert f'"context_window": {AGENT_WINDOW}' in done.stdout
+    # the base URL an OpenAI client is given (ending /v1) names the same server
+    done = openarc("codex", "--url", served_demo.base + "/v1/", "--config-only", env=env)
+    assert done.returncode == 0, done.stderr
+    assert f'base_url = "{served_demo.base}/v1"' in done.stdout

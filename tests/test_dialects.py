@@ -533,6 +533,14 @@ def test_a_malformed_client_tool_after_a_server_tool_is_named_where_the_request_
     assert refused.value.param == param and f"'{param}'" in str(refused.value)
 
 
+def test_a_limit_out_of_range_names_its_bounds_exactly():
+    with pytest.raises(InvalidRequest) as refused:
+        responses_request(max_output_tokens=99_999_999_999)
+    assert str(refused.value) == "'max_output_tokens' must be between 1 and 1048576, got 99999999999"
+    with pytest.raises(InvalidRequest, match=r"between 0 and 1, got 1.5"):
+        responses_request(top_p=1.5)
+
+
 def test_client_named_types_are_bounded_metric_labels():
     from appliance.front.api import generate
     assert generate.bounded_label("web_search") == "web_search"

@@ -258,9 +258,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from appliance.launch import command
     from appliance.launch.served import LaunchError, from_config, from_listing, server_root
     environ, home = dict(os.environ), Path.home()
-    if args.restore:
-        return command.restore(args.client, environ, home)
     try:
+        if args.restore:
+            return command.restore(args.client, environ, home)
         if args.url is None and (args.config or os.access(DEFAULT_CONFIG_PATH, os.R_OK)):
             config = load_config(args.config or DEFAULT_CONFIG_PATH)
             keys = config.api_keys()
@@ -268,6 +268,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             key_env = keys[0].key_env if keys else None
         else:
             args.url = args.url or os.environ.get("OPENARC_URL", "http://127.0.0.1:8000")
+            # the server's root: a client's base URL (ending /v1, as OpenAI SDKs are given it) names it too
+            args.url = args.url.rstrip("/").removesuffix("/v1")
             status, body = call_server(args, "GET", "/v1/models")
             if status == 0:  # nothing answers there
                 body["error"]["hint"] = ("start the server, or pass its config (--config FILE) or its address "
@@ -278,7 +280,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             key_env = "OPENARC_API_KEY" if os.environ.get("OPENARC_API_KEY") else None
         return command.launch(args.client, served, where, base_url, key_env, args.model, args.config_only,
                               args.client_args, environ, home)
-    except LaunchError as exc:
+    except (LaunchError, OSError) as exc:  # OSError: a file or folder of the agent's the user cannot write
         print(f"openarc launch: {exc}", file=sys.stderr)
         return 2
 

@@ -271,6 +271,17 @@ def test_every_refusal_leaves_a_line_without_the_body(app):
     assert secret not in logs
 
 
+def test_a_refusal_line_cannot_be_forged_through_the_path(app):
+    """The path is decoded: a client's %0A would start a log line of its own making (a forged refusal, a fake
+    event for whoever reads the log), with or without a key."""
+    forged = "2026-01-01 00:00:00,000 INFO openarc.server: FORGED"
+    status, _, _ = http("GET", app.base + "/v1/nothing%0A" + forged.replace(" ", "%20") + "%0D")
+    assert status == 404
+    lines = app.logs().splitlines()
+    assert not any(line.startswith(forged) for line in lines)
+    assert any("refused GET /v1/nothing" in line and "FORGED" in line for line in lines)  # one line, escaped
+
+
 def test_head_and_get_of_the_root_say_what_answers(app):
     status, headers, _ = http("HEAD", app.base + "/")
     assert status == 200

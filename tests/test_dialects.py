@@ -471,6 +471,76 @@ def test_a_client_tool_search_is_a_function_whose_call_is_a_tool_search_call_and
     assert "response.function_call_arguments.delta" not in names and names.count("response.output_item.done") == 1
 
 
+def searched(call_id: str, tools: list) -> list:
+    return [{"type": "tool_search_call", "call_id": call_id, "execution": "client", "arguments": {"query": "q"}},
+            {"type": "tool_search_output", "call_id": call_id, "execution": "client", "tools": tools}]
+
+
+def test_a_tool_loaded_twice_or_also_in_the_request_is_offered_once():
+    """A model that searches twice and finds the same tool, or finds one the request also carries: every later
+    turn replays both, so refusing the duplicate would end the session."""
+    create = {**NAMESPACE["tools"][0], "name": "create"}
+    req = responses_request(tools=[TOOL_SEARCH, {**NAMESPACE, "name": "calendar", "tools": [create]}], input=[
+        {"role": "user", "content": "Make an event"}, *searched("s1", [{**NAMESPACE, "name": "calendar",
+                                                                        "tools": [create]}]),
+        *searched("s2", [{**NAMESPACE, "name": "calendar", "tools": [create]}, {**create, "name": "top"}]),
+        *searched("s3", [{**create, "name": "top"}])])
+    assert [t["function"]["name"] for t in req.gen.tools.tools] == ["tool_search", "calendar__create", "top"]
+
+
+@pytest.mark.parametrize("tools, input_tools, param", [
+    ([NAMESPACE, {"type": "function", "name": "bad name"}], None, "tools[1].name"),
+    ([{"type": "web_search"}, {"type": "function", "name": "bad name"}], None, "tools[1].name"),
+    ([{"type": "web_search"}, {"type": "function", "name": "f", "parameters": "nope"}], None, "tools[1].parameters"),
+    ([{**NAMESPACE, "tools": [NAMESPACE["tools"][0], {"type": "function", "name": "no good"}]}], None,
+     "tools[0].tools[1].name"),
+    ([TOOL_SEARCH], [{"type": "function", "name": "bad name"}], "input[2].tools[0].name"),
+    ([TOOL_SEARCH, NAMESPACE], [5], "input[2].tools[0]"),
+])
+def test_a_malformed_tool_is_named_where_the_request_has_it(tools, input_tools, param):
+    """The tools the prompt offers are a flat list (namespaces opened, hosted tools left out, loaded tools
+    added), but a refusal names the tool's place in the request."""
+    body = {"tools": tools}
+    if input_tools is not None:
+        body["input"] = [{"role": "user", "content": "Hi"}, *searched("s1", input_tools)]
+    with pytest.raises(InvalidRequest) as refused:
+        responses_request(**body)
+    assert refused.value.param == param and f"'{param}'" in str(refused.value)
+
+
+def test_a_tool_search_output_answers_a_call_made_before_it():
+    with pytest.raises(InvalidRequest) as refused:
+        responses_request(tools=[TOOL_SEARCH], input=[{"role": "user", "content": "Hi"},
+                                                      searched("s1", [])[1]])
+    assert refused.value.param == "input[1].call_id" and refused.value.code == "unknown_call_id"
+
+
+def test_namespaced_names_that_join_alike_are_refused_naming_both():
+    clash = [{**NAMESPACE, "name": "a", "tools": [{"type": "function", "name": "b__c"}]},
+             {**NAMESPACE, "name": "a__b", "tools": [{"type": "function", "name": "c"}]}]
+    with pytest.raises(InvalidRequest) as refused:
+        responses_request(tools=clash)
+    assert refused.value.param == "tools[1].tools[0].name"
+    assert "'tools[0].tools[0]'" in str(refused.value) and "a__b__c" in str(refused.value)
+
+
+@pytest.mark.parametrize("bad, param", [({"name": "bad name", "input_schema": {"type": "object"}}, "tools[1].name"),
+                                        ({"name": "f", "input_schema": {"type": "object"}, "description": 5},
+                                         "tools[1].description")])
+def test_a_malformed_client_tool_after_a_server_tool_is_named_where_the_request_has_it(bad, param):
+    with pytest.raises(InvalidRequest) as refused:
+        messages_request(tools=[{"type": "web_search_20250305", "name": "web_search"}, bad])
+    assert refused.value.param == param and f"'{param}'" in str(refused.value)
+
+
+def test_a_limit_out_of_range_names_its_bounds_exactly():
+    with pytest.raises(InvalidRequest) as refused:
+        responses_request(max_output_tokens=99_999_999_999)
+    assert str(refused.value) == "'max_output_tokens' must be between 1 and 1048576, got 99999999999"
+    with pytest.raises(InvalidRequest, match=r"between 0 and 1, got 1.5"):
+        responses_request(top_p=1.5)
+
+
 def test_client_named_types_are_bounded_metric_labels():
     from appliance.front.api import generate
     assert generate.bounded_label("web_search") == "web_search"

@@ -153,12 +153,51 @@ def test_a_file_that_does_not_parse_is_named_and_left_alone(tmp_path):
     assert not (tmp_path / "state").exists()
 
 
+def test_a_symlinked_config_stays_a_link_and_its_target_gets_the_keys(tmp_path):
+    """Dotfile managers keep the real file elsewhere and link it in: launch and restore write through the link."""
+    homes = Homes(codex=tmp_path, claude=tmp_path, opencode=tmp_path / "oc")
+    homes.opencode.mkdir()
+    real = tmp_path / "dotfiles" / "opencode.json"
+    real.parent.mkdir()
+    real.write_text('{"theme": "mine"}\n')
+    link = homes.opencode / "opencode.json"
+    link.symlink_to(real)
+    files.apply(opencode(target(), homes), tmp_path / "state")
+    assert link.is_symlink() and json.loads(real.read_text())["model"] == "openarc/coder"
+    files.restore("opencode", tmp_path / "state")
+    assert link.is_symlink() and real.read_text() == '{"theme": "mine"}\n'
+
+
+def test_a_read_only_config_is_named_and_left_alone(tmp_path):
+    homes = Homes(codex=tmp_path, claude=tmp_path, opencode=tmp_path)
+    path = tmp_path / "opencode.json"
+    path.write_text('{"theme": "mine"}')
+    path.chmod(0o444)
+    with pytest.raises(LaunchError, match=r"opencode.json: read-only"):
+        files.apply(opencode(target(), homes), tmp_path / "state")
+    assert path.read_text() == '{"theme": "mine"}' and not (tmp_path / "state").exists()
+
+
+def test_restore_changes_nothing_when_one_of_its_files_does_not_parse(tmp_path):
+    homes = Homes(codex=tmp_path / "codex", claude=tmp_path, opencode=tmp_path)
+    files.apply(codex(target(), homes), tmp_path / "state")
+    profile = (homes.codex / "openarc.config.toml").read_text()
+    (homes.codex / "openarc-models.json").write_text("{broken")
+    with pytest.raises(LaunchError, match=r"openarc-models.json: not valid JSON"):
+        files.restore("codex", tmp_path / "state")
+    assert (homes.codex / "openarc.config.toml").read_text() == profile  # nothing half-restored
+    (tmp_path / "state" / "codex.json").write_text("garbage")
+    with pytest.raises(LaunchError, match=r"codex.json: not valid JSON"):
+        files.restore("codex", tmp_path / "state")
+
+
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                          max_size=3), max_leaves=6)
 
 
-@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None,  # file I/O on a loaded machine
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(user=st.dictionaries(st.sampled_from(["model", "provider", "theme", "$schema", "agent"]), json_values,
                             max_size=4), indent=st.sampled_from([None, 2, 4]))
 def test_any_users_json_comes_back_byte_for_byte(tmp_path, user, indent):
@@ -182,7 +221,8 @@ toml_values = st.recursive(st.booleans() | st.integers(-5, 5) | st.text("abc ", 
                                                          max_size=3), max_leaves=6)
 
 
-@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None,  # file I/O on a loaded machine
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(user=st.dictionaries(st.sampled_from(["model", "model_provider", "model_providers", "approval_policy",
                                              "model_catalog_json", "tui"]), toml_values, max_size=4))
 def test_any_users_toml_comes_back_byte_for_byte(tmp_path, user):
@@ -237,6 +277,16 @@ def test_several_chat_models_and_no_model_named_is_a_list_to_pick_from(tmp_path)
                    env={**agent_env(tmp_path / "home"), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0 and '"CLAUDE_CODE_MAX_CONTEXT_TOKENS": "8192"' in done.stdout
     assert "Claude Code needs 65536 or more" in done.stderr
+
+
+def test_restore_of_a_file_that_does_not_parse_is_a_message_not_a_traceback(tmp_path):
+    home = tmp_path / "home"
+    files.apply(opencode(target(), Homes.of({}, home)), files.state_dir({}, home))
+    (home / ".config" / "opencode" / "opencode.json").write_text("{oops")
+    done = openarc("opencode", "--restore", env={**os.environ, "HOME": str(home), "XDG_STATE_HOME": "",
+                                                          "XDG_CONFIG_HOME": ""})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "opencode.json: not valid JSON" in done.stderr
 
 
 def test_no_server_and_no_config_says_what_to_pass(tmp_path):
@@ -326,3 +376,7 @@ def test_url_reads_the_window_the_server_reports(served_demo, tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"window {AGENT_WINDOW} tokens (/v1/models context_length)" in done.stdout
     assert f'"context_window": {AGENT_WINDOW}' in done.stdout
+    # the base URL an OpenAI client is given (ending /v1) names the same server
+    done = openarc("codex", "--url", served_demo.base + "/v1/", "--config-only", env=env)
+    assert done.returncode == 0, done.stderr
+    assert f'base_url = "{served_demo.base}/v1"' in done.stdout

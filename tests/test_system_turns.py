@@ -57,12 +57,14 @@ def test_each_real_template_gets_the_form_it_renders_at_the_place(tokenizer, nam
     assert render(placed(following, form)).startswith(start[:start.index("Mind the tests.")])
 
 
+def strict(messages):  # a template that refuses two user turns in a row and drops system turns after the first
+    roles = [m["role"] for m in messages if m["role"] != "system"]
+    if any(a == b for a, b in zip(roles, roles[1:])):
+        raise ValueError("roles must alternate")
+    return "".join(m["content"] for i, m in enumerate(messages) if m["role"] != "system" or i == 0)
+
+
 def test_a_template_that_takes_no_mid_conversation_turn_at_all_gets_the_merged_form():
-    def strict(messages):  # a template that refuses two user turns in a row and drops system turns after the first
-        roles = [m["role"] for m in messages if m["role"] != "system"]
-        if any(a == b for a, b in zip(roles, roles[1:])):
-            raise ValueError("roles must alternate")
-        return "".join(m["content"] for i, m in enumerate(messages) if m["role"] != "system" or i == 0)
     assert placement(strict) == MERGED
     assert placement(lambda messages: 1 / 0) == MERGED  # a template that renders nothing
 
@@ -88,3 +90,27 @@ def test_the_rewrite_keeps_the_system_prompt_and_every_text_in_order(roles, form
                [m for m in messages if m["role"] not in ("system", "user")]
         moved = [m for m in messages[leading:] if m["role"] == "system"]
         assert sum(INSTRUCTIONS.format(m["content"]) in rendered for m in moved) == len(moved)
+
+
+@pytest.mark.parametrize("roles", [["user", "assistant", "system", "user"],  # a reminder after the answer
+                                   ["user", "assistant", "system"],
+                                   ["user", "assistant", "tool", "system", "system", "assistant", "user"]])
+def test_the_merged_form_never_makes_two_user_turns_of_a_system_turn_after_an_answer(roles):
+    """A template that needs roles to alternate still renders a conversation whose system message came after an
+    assistant turn (a Codex developer message, a Claude Code reminder replayed on the next turn)."""
+    messages = [{"role": "system", "content": "top"}] + [{"role": role, "content": f"<{i}>"}
+                                                         for i, role in enumerate(roles)]
+    text = strict(placed(messages, MERGED))
+    at = [text.index(f"<{i}>") for i in range(len(roles))]
+    assert at == sorted(at)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(ROLES, max_size=12))
+def test_the_merged_form_adds_no_user_turn_next_to_another(roles):
+    messages = [{"role": role, "content": f"<{i}>"} for i, role in enumerate(roles)]
+    leading = next((i for i, role in enumerate(roles) if role != "system"), len(roles))
+    turns = [m["role"] for m in placed(messages, MERGED)[leading:]]
+    given_turns = [role for role in roles[leading:] if role != "system"]
+    pairs = lambda seq: sum(a == b == "user" for a, b in zip(seq, seq[1:]))  # noqa: E731
+    assert pairs(turns) == pairs(given_turns)

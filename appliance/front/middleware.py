@@ -95,10 +95,18 @@ def refusal_logged(request: web.Request, response: web.StreamResponse) -> web.St
         return response
     noted = request.get(REFUSAL) or _error_fields(response)
     key = request.get("api_key")
-    log.info("refused %s %s: %d code=%s param=%s model=%s key=%s", request.method, request.path, response.status,
-             noted.get("code") or "-", noted.get("param") or "-", noted.get("model") or "-",
-             key.name if key is not None else "-")
+    log.info("refused %s %s: %d code=%s param=%s model=%s key=%s", *map(_one_line, (
+        request.method, request.path)), response.status, *map(_one_line, (
+        noted.get("code") or "-", noted.get("param") or "-", noted.get("model") or "-",
+        key.name if key is not None else "-")))
     return response
+
+
+def _one_line(value: Any) -> str:
+    """A field of a log line as one line of printable text: the path is decoded (a client's %0A is a newline) and
+    a param may quote a client's field name, so either could otherwise start a log line of the client's making."""
+    text = str(value)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def _error_fields(response: web.StreamResponse) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
@@ -98,7 +98,39 @@ def _plain(value: Any) -> Any:
     return value.unwrap() if hasattr(value, "unwrap") else value
 
 
+def real(path: Path) -> Path:
+    """Where a file's bytes live: a user's config linked in from a dotfiles folder is written there, through the
+    link (replacing the link itself would cut the user's file off from their dotfiles)."""
+    return Path(os.path.realpath(path))
+
+
+def read_user_file(path: Path, fmt: str) -> tuple[bool, str, Any]:
+    """(existed, text, document) of a file launch is about to change; a LaunchError for one it must not: one
+    that does not parse, or one the user made read-only."""
+    if not path.exists():
+        return False, "", empty(fmt)
+    text = path.read_text()
+    doc = parse(path, fmt, text)
+    # the mode bits too: root may write anything, but a file its owner made read-only is meant to stay as it is
+    if not os.access(path, os.W_OK) or not real(path).stat().st_mode & 0o222:
+        raise LaunchError(f"{path}: read-only; openarc launch changes nothing you made read-only: make it "
+                          f"writable or move it away")
+    return True, text, doc
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads(path.read_text())
+        if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict):
+            return manifest
+        raise ValueError("no files record")
+    except ValueError as exc:
+        raise LaunchError(f"{path}: not valid JSON for openarc launch's record of what it wrote ({exc}); "
+                          f"remove it, and take launch's keys out of the agent's files by hand") from None
+
+
 def write_atomically(path: Path, text: str) -> None:
+    path = real(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as out:
@@ -122,12 +154,10 @@ def apply(setup: Setup, manifests: Path) -> list[str]:
     """Merge the setup's files; returns a line per file saying what was done. Every file is read and checked
     before any is written, and the manifest is written before them, so that --restore knows of every change."""
     manifest_path = manifests / f"{setup.client}.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"files": {}}
+    manifest = read_manifest(manifest_path) if manifest_path.exists() else {"files": {}}
     writes = []
     for edit in setup.files:
-        existed = edit.path.exists()
-        text = edit.path.read_text() if existed else ""
-        doc = parse(edit.path, edit.format, text)
+        existed, text, doc = read_user_file(edit.path, edit.format)
         record = manifest["files"].setdefault(str(edit.path), {"existed": existed, "format": edit.format,
                                                                "backup": None, "keys": {}})
         for keys, value in edit.values.items():
@@ -157,19 +187,20 @@ def restore(client: str, manifests: Path) -> list[str]:
     manifest_path = manifests / f"{client}.json"
     if not manifest_path.exists():
         return [f"nothing to restore: openarc launch {client} has written nothing here ({manifest_path})"]
-    manifest = json.loads(manifest_path.read_text())
-    lines = []
-    for name, record in manifest["files"].items():
-        lines.append(_restore_file(Path(name), record))
+    manifest = read_manifest(manifest_path)
+    # every file read and checked before any is changed: a file that does not parse leaves all of them as they are
+    steps = [_restore_step(Path(name), record) for name, record in manifest["files"].items()]
+    lines = [step() for step in steps]
     manifest_path.unlink()
     return lines
 
 
-def _restore_file(path: Path, record: dict) -> str:
+def _restore_step(path: Path, record: dict) -> Callable[[], str]:
+    """What restoring one file does, decided now (the file read and parsed), done when called."""
     fmt = record["format"]
     if not path.exists():
-        return f"{path}: already gone"
-    doc = parse(path, fmt, path.read_text())
+        return lambda: f"{path}: already gone"
+    _, _, doc = read_user_file(path, fmt)
     changed_by_user = []
     for key_json, entry in reversed(list(record["keys"].items())):
         keys = tuple(json.loads(key_json))
@@ -185,12 +216,10 @@ def _restore_file(path: Path, record: dict) -> str:
             put(doc, keys[:depth], before, fmt)
     backup = Path(record["backup"]) if record["backup"] else None
     if not record["existed"] and not changed_by_user and len(doc) == 0:
-        path.unlink()
-        return f"removed {path}"
+        return lambda: (path.unlink(), f"removed {path}")[1]
     if backup and backup.exists() and _plain(parse(backup, fmt, backup.read_text())) == _plain(doc):
-        os.replace(backup, path)  # byte for byte as it was
-        return f"restored {path} as it was"
-    write_atomically(path, dump(doc, fmt))
+        return lambda: (os.replace(backup, real(path)), f"restored {path} as it was")[1]  # byte for byte
     note = f"; left as you changed them: {', '.join(changed_by_user)}" if changed_by_user else ""
     kept = f"; the copy from before launch stays at {backup}" if backup and backup.exists() else ""
-    return f"took launch's keys out of {path}{note}{kept}"
+    text = dump(doc, fmt)
+    return lambda: (write_atomically(path, text), f"took launch's keys out of {path}{note}{kept}")[1]

@@ -11,7 +11,8 @@ landed (`placement`), and every non-leading system turn is rewritten to that for
 
 - SYSTEM: left as a system turn (the template renders it at its place);
 - USER: a user turn of its own, its text marked as instructions;
-- MERGED: appended to the user turn before it, marked the same way (templates that need roles to alternate).
+- MERGED: appended to the user turn before it, marked the same way (templates that need roles to alternate); after
+  an answer or a tool result, at the start of the next user turn.
 
 Pure functions: the worker probes its template once at load (appliance.worker.prompt) and rewrites each request.
 """
@@ -22,7 +23,7 @@ from typing import Any, Callable
 
 SYSTEM, USER, MERGED = "system", "user", "merged"
 DESCRIPTIONS = {SYSTEM: "a system turn at its place", USER: "a user turn at its place, marked as instructions",
-                MERGED: "instructions appended to the user turn before it"}
+                MERGED: "instructions joined to the user turn next to it"}
 # How a system message's text reads inside a user turn: marked, so the model can tell it from the person's words.
 INSTRUCTIONS = "<system-instructions>\n{}\n</system-instructions>"
 
@@ -75,19 +76,42 @@ def placed(messages: list[dict[str, Any]], form: str) -> list[dict[str, Any]]:
     if form == SYSTEM:
         return messages
     out: list[dict[str, Any]] = []
+    pending: list[str] = []  # MERGED: instructions after a turn that is not the user's, for the next user turn
     opened = False  # a non-system turn came: system turns from here on are mid-conversation
     for message in messages:
         if message.get("role") != "system" or not opened:
             opened = opened or message.get("role") != "system"
+            if pending:
+                message = _flush(out, pending, message)
             out.append(message)
             continue
         instructions = INSTRUCTIONS.format(_text(message.get("content")))
-        if form == MERGED and out and out[-1].get("role") == "user":
+        if form == USER:
+            out.append({"role": "user", "content": instructions})
+        elif out[-1].get("role") == "user" and not pending:
             previous = out[-1]
             out[-1] = {**previous, "content": _joined(previous.get("content"), instructions)}
         else:
-            out.append({"role": "user", "content": instructions})
+            # after an answer or a tool result: a user turn of its own here would sit next to the user turn that
+            # follows, which a template that needs roles to alternate refuses; it opens that turn instead
+            pending.append(instructions)
+    if pending:
+        out.append({"role": "user", "content": "\n\n".join(pending)})
     return out
+
+
+def _flush(out: list[dict[str, Any]], pending: list[str], message: dict[str, Any]) -> dict[str, Any]:
+    """MERGED: the held instructions at the start of the next user turn, else as a user turn of their own before
+    a turn that is not the user's; returns the message to append next."""
+    instructions = "\n\n".join(pending)
+    pending.clear()
+    if message.get("role") == "user":
+        content = message.get("content")
+        if isinstance(content, list):
+            return {**message, "content": [{"type": "text", "text": instructions + "\n\n"}, *content]}
+        return {**message, "content": f"{instructions}\n\n{content}" if content else instructions}
+    out.append({"role": "user", "content": instructions})
+    return message
 
 
 def _text(content: Any) -> str:

@@ -45,8 +45,13 @@ def number(body: dict, key: str, low: float, high: float, integer: bool = False)
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise InvalidRequest(f"'{key}' must be {'an integer' if integer else 'a number'}, got {value!r}", key)
     if not low <= value <= high:
-        raise InvalidRequest(f"'{key}' must be between {low:g} and {high:g}, got {value!r}", key)
+        raise InvalidRequest(f"'{key}' must be between {_bound(low)} and {_bound(high)}, got {value!r}", key)
     return value
+
+
+def _bound(limit: float) -> str:
+    """A bound as a client reads it: an integer whole (1048576, never %g's 1.04858e+06), a fraction as written."""
+    return str(int(limit)) if float(limit).is_integer() else f"{limit:g}"
 
 
 def flag(body: dict, key: str) -> bool:

@@ -32,7 +32,7 @@ from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.route import ErrorShape
 from appliance.front.api.fields import flag, json_object, model_name, number, text, text_parts
 from appliance.front.api.structured import constraint as output_constraint
-from appliance.front.api.tools import ToolRequest, name_tool_results, parse_tools
+from appliance.front.api.tools import ToolRequest, at_origins, name_tool_results, parse_tools
 from appliance.front.request import Event, RequestFailed
 
 MAX_STOP_SEQUENCES = 8
@@ -106,7 +106,8 @@ def parse_conversation(body: Any) -> Conversation:
     skipped: list[str] = []
     messages = _system(body.get("system")) + _messages(body.get("messages"), skipped)
     name_tool_results(messages)
-    tools = parse_tools(*_chat_tools(body))
+    chat, left_out, origins = _chat_tools(body)
+    tools = at_origins(lambda: parse_tools(chat, left_out), origins, ANTHROPIC_TOOL_FIELDS)
     _output_config(body.get("output_config"), "output_config")
     return Conversation(model, messages, tools, {"enable_thinking": _thinking(body)}, skipped)
 
@@ -224,10 +225,16 @@ def _assistant(blocks: list, where: str, skipped: list[str]) -> list[dict[str, A
     return [turn]
 
 
-def _chat_tools(body: dict) -> tuple[dict[str, Any], list[str]]:
-    """tools and tool_choice as chat completions spells them (checked there), and the types of the tools left out
-    (server tools: a tool_choice that forces one is a 400)."""
+# chat completions' names of a tool's fields as Anthropic spells them, for the refusals of the shared checks
+ANTHROPIC_TOOL_FIELDS = ((".function.name", ".name"), (".function.description", ".description"),
+                         (".function.parameters", ".input_schema"), (".function.strict", ".strict"))
+
+
+def _chat_tools(body: dict) -> tuple[dict[str, Any], list[str], list[str]]:
+    """tools and tool_choice as chat completions spells them (checked there), the types of the tools left out
+    (server tools: a tool_choice that forces one is a 400), and where each chat tool is in the request."""
     chat: dict[str, Any] = {}
+    origins: list[str] = []
     tools = body.get("tools")
     left_out: dict[str, str] = {}  # name -> type
     if tools is not None:
@@ -242,6 +249,7 @@ def _chat_tools(body: dict) -> tuple[dict[str, Any], list[str]]:
                 left_out[str(tool.get("name"))] = kind
             else:
                 chat["tools"].append(_chat_tool(tool, f"tools[{i}]"))
+                origins.append(f"tools[{i}]")
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") in ("auto", "none") and not tools:
         choice = None  # Anthropic accepts these without tools; chat completions' check would refuse them
@@ -258,7 +266,7 @@ def _chat_tools(body: dict) -> tuple[dict[str, Any], list[str]]:
         else:
             chat["tool_choice"] = {"any": "required"}.get(choice["type"], choice["type"])
         chat["parallel_tool_calls"] = not flag(choice, "disable_parallel_tool_use")
-    return chat, list(left_out.values())
+    return chat, list(left_out.values()), origins
 
 
 def _chat_tool(tool: Any, where: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.front.api.errors import InvalidRequest
-from appliance.front.api.tools import HOSTED_TOOL_TYPES
+from appliance.front.api.tools import FUNCTION_NAME, HOSTED_TOOL_TYPES
 
 NAMESPACE_SEPARATOR = "__"
 TOOL_SEARCH = "tool_search"  # the tool type, and the function name the model sees for it
@@ -54,10 +54,14 @@ class ToolNames:
 
 @dataclass
 class FlatTools:
-    """A Responses `tools` list as the flat list of function and custom tools the chat checks take."""
+    """A Responses `tools` list as the flat list of function and custom tools the chat checks take. Each flat tool
+    keeps where the request has it (`tools[1]`, `tools[0].tools[2]`, `input[3].tools[0]`): the checks see only the
+    flat list, and a refusal must name the client's own field."""
 
     tools: list[Any] = field(default_factory=list)       # Responses-shaped function / custom tools (names joined)
     loaded: list[Any] = field(default_factory=list)      # the same, loaded by the input's tool_search_output items
+    origins: dict[int, str] = field(default_factory=dict)  # id() of a flat tool -> where the request has it
+    owners: dict[str, tuple[tuple[str | None, str], str]] = field(default_factory=dict)  # name -> (tool, where)
     names: ToolNames = field(default_factory=ToolNames)
     left_out: dict[str, str] = field(default_factory=dict)  # a left-out tool's name (or its type) -> its type
     echo: list[Any] = field(default_factory=list)        # the tools served, as the response object repeats them
@@ -65,8 +69,18 @@ class FlatTools:
 
     @property
     def all(self) -> list[Any]:
-        """Every tool the prompt offers: the request's, then those loaded (so the request's keep their place)."""
-        return self.tools + self.loaded
+        """Every tool the prompt offers, each name once: the request's, then those loaded (so the request's keep
+        their place). A tool loaded again (a second search finding it, or one the request already carries) is
+        the one offered already: the history replays every search, so a duplicate cannot be the client's error."""
+        offered, names = list(self.tools), {_name(tool) for tool in self.tools}
+        for tool in self.loaded:
+            if _name(tool) is None or _name(tool) not in names:
+                offered.append(tool)
+                names.add(_name(tool))
+        return offered
+
+    def where(self, tool: Any) -> str:
+        return self.origins[id(tool)]
 
     def add(self, tools: Any, where: str, loaded: bool = False) -> list[Any]:
         """Flatten `tools` (the request's `tools`, or a tool_search_output's when `loaded`) into this list; the
@@ -79,9 +93,9 @@ class FlatTools:
             if kind == "namespace":
                 self._namespace(tool, f"{where}[{i}]", target)
             elif kind == TOOL_SEARCH and tool.get("execution", "server") == "client":
-                self._tool_search(tool, target)
+                self._offer(target, self._tool_search(tool), f"{where}[{i}]")
             elif kind in SERVED_TYPES or not isinstance(kind, str):
-                target.append(tool)  # checked (and refused if malformed) by the chat checks
+                self._offer(target, tool, f"{where}[{i}]")  # checked (and refused if malformed) by the chat checks
             else:  # a hosted tool, a server-side tool_search, or a type this server does not know
                 self.left_out[str(tool.get("name") or kind)] = kind
                 served = False
@@ -89,11 +103,27 @@ class FlatTools:
                 self.echo.append(tool)
         return target[before:]
 
+    def _offer(self, target: list[Any], tool: Any, where: str, namespace: str | None = None) -> None:
+        """Add a flat tool; a name the model would see for two different tools (a namespace's joined name that is
+        also a plain tool's, or another namespace's) is refused naming both places."""
+        name = _name(tool)
+        if name is not None:
+            owner = (namespace, name)  # the joined name, with the namespace it came from (None: a plain tool)
+            seen = self.owners.setdefault(name, (owner, where))
+            if seen[0] != owner:
+                raise InvalidRequest(f"'{where}.name': {name!r} is the name the model sees for this tool and for "
+                                     f"'{seen[1]}' (a namespace's tools are offered as "
+                                     f"<namespace>{NAMESPACE_SEPARATOR}<name>): rename one", f"{where}.name")
+        target.append(tool)
+        self.origins[id(tool)] = where
+
     def _namespace(self, tool: dict, where: str, target: list[Any]) -> None:
         namespace, members = tool.get("name"), tool.get("tools")
         if not isinstance(namespace, str) or not namespace or not isinstance(members, list):
             raise InvalidRequest(f"'{where}' must be {{\"type\": \"namespace\", \"name\": ..., \"tools\": [...]}}",
                                  where)
+        if not FUNCTION_NAME.match(namespace):
+            raise InvalidRequest(f"'{where}.name' must be 1-128 letters, digits, '_', '.' or '-'", f"{where}.name")
         for j, member in enumerate(members):
             kind = member.get("type") if isinstance(member, dict) else None
             if kind not in SERVED_TYPES:
@@ -101,17 +131,17 @@ class FlatTools:
                 continue
             if not isinstance(member.get("name"), str):
                 raise InvalidRequest(f"'{where}.tools[{j}].name' must be a string", f"{where}.tools[{j}].name")
-            name = joined_name(namespace, member.get("name"))
-            self.names.namespaced[name] = (namespace, member.get("name"))
-            target.append({**member, "name": name})
+            name = joined_name(namespace, member["name"])
+            self._offer(target, {**member, "name": name}, f"{where}.tools[{j}]", namespace)
+            self.names.namespaced.setdefault(name, (namespace, member["name"]))
 
-    def _tool_search(self, tool: dict, target: list[Any]) -> None:
+    def _tool_search(self, tool: dict) -> dict[str, Any]:
         self.names.tool_search = True
         function = {"type": "function", "name": TOOL_SEARCH, "strict": False,
                     "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
         if tool.get("description"):
             function["description"] = tool["description"]
-        target.append(function)
+        return function
 
     def choice(self, choice: Any) -> Any:
         """tool_choice with a namespaced function named by its joined name; a choice forcing a tool this server
@@ -128,3 +158,8 @@ class FlatTools:
                                  f"leaves such tools out of the prompt): force a function or custom tool, or use "
                                  f"auto", "tool_choice")
         return choice
+
+
+def _name(tool: Any) -> str | None:
+    name = tool.get("name") if isinstance(tool, dict) else None
+    return name if isinstance(name, str) else None

@@ -35,7 +35,8 @@ from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.response_tools import TOOL_SEARCH, FlatTools, ToolNames, joined_name
 from appliance.front.api.route import ErrorShape
 from appliance.front.api.structured import constraint
-from appliance.front.api.tools import CUSTOM_INPUT, assistant_tool_calls, name_tool_results, parse_tools
+from appliance.front.api.tools import (CUSTOM_INPUT, assistant_tool_calls, at_origins, name_tool_results,
+                                      parse_tools)
 from appliance.front.request import Event, RequestFailed
 
 IMAGE_TAGS = re.compile(r"<ov_genai_image_\d+>")
@@ -117,7 +118,9 @@ def parse_responses(body: Any, store: ResponseStore, key: str,
     flat = FlatTools()
     messages, history, found = conversation(body, history, flat)
     chat = _chat_shaped(body, flat)
-    tools = _renamed(lambda shaped: parse_tools(shaped, list(flat.left_out.values())), chat)
+    origins = [flat.where(tool) for tool in flat.all]
+    tools = _renamed(lambda shaped: at_origins(lambda: parse_tools(shaped, list(flat.left_out.values())), origins),
+                     chat)
     tool_constraint, output_constraint = tools.constraint(), _renamed(constraint, chat)
     if output_constraint:  # a schema genai cannot compile is refused naming this field
         output_constraint["param"] = _rename(output_constraint["param"])
@@ -218,7 +221,7 @@ def _chat_shaped(body: dict, flat: FlatTools) -> dict[str, Any]:
     elif tools is not None:
         chat["tools"] = tools
     if flat.all or flat.left_out:
-        chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(flat.all)]
+        chat["tools"] = [_chat_tool(tool, flat.where(tool)) for tool in flat.all]
     choice = flat.choice(body.get("tool_choice"))
     if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         choice = {"type": choice["type"], choice["type"]: {"name": choice.get("name")}}
@@ -236,7 +239,7 @@ def _chat_shaped(body: dict, flat: FlatTools) -> dict[str, Any]:
     return chat
 
 
-def _chat_tool(tool: Any, i: int) -> Any:
+def _chat_tool(tool: Any, where: str) -> Any:
     if not isinstance(tool, dict):
         return tool
     if tool.get("type") == "custom":
@@ -248,8 +251,8 @@ def _chat_tool(tool: Any, i: int) -> Any:
             custom["format"] = fmt
         return {"type": "custom", "custom": custom}
     if tool.get("type") != "function":
-        raise InvalidRequest(f"'tools[{i}].type' must be a string (function, custom, namespace, tool_search or a "
-                             f"hosted tool type), got {tool.get('type')!r}", f"tools[{i}].type")
+        raise InvalidRequest(f"'{where}.type' must be a string (function, custom, namespace, tool_search or a "
+                             f"hosted tool type), got {tool.get('type')!r}", f"{where}.type")
     function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
     function.setdefault("strict", True)  # the Responses API's default, unlike chat completions'
     if function["strict"] is None:
@@ -335,7 +338,7 @@ def _loaded_tools(item: dict, where: str, flat: FlatTools) -> dict[str, Any]:
     names = [tool.get("name") for tool in flat.add(tools, f"{where}.tools", loaded=True) if isinstance(tool, dict)]
     loaded = ", ".join(str(name) for name in names) if names else "none"
     return {"role": "tool", "tool_call_id": text(item.get("call_id"), f"{where}.call_id"),
-            "content": f"Tools loaded: {loaded}"}
+            "content": f"Tools loaded: {loaded}", WHERE: where}  # checked like any tool result
 
 
 def check_call_outputs(turns: list[dict[str, Any]]) -> None:

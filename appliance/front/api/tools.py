@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import flag, json_object, text
 from appliance.front.api import grammar_helper, lark_grammar
 from appliance.front.api.bounds import bounded_regex, bounded_schema
+
+T = TypeVar("T")
 
 # OpenAI's names are 1-64 of these; 128 here, as a Responses namespace's tools are named `<namespace>__<name>`
 # (appliance.front.api.response_tools) and Codex's MCP namespaces are long.
@@ -191,6 +193,24 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     if function.get("strict") is not None:
         out["strict"] = flag(function, "strict")
     return {"type": "function", "function": out}
+
+
+FLAT_TOOL = re.compile(r"tools\[(\d+)\]")  # how parse_tools names a tool: by its place in the list it was given
+
+
+def at_origins(check: Callable[[], T], origins: list[str], renames: tuple[tuple[str, str], ...] = ()) -> T:
+    """Run parse_tools on a dialect's tools as a chat-shaped list (some left out, some opened up): a refusal names
+    the tool where the client's request has it (`origins[i]` for the list's tools[i]), in the dialect's words
+    (`renames`)."""
+    try:
+        return check()
+    except InvalidRequest as exc:
+        def origin(words: str) -> str:
+            words = FLAT_TOOL.sub(lambda m: origins[int(m[1])] if int(m[1]) < len(origins) else m[0], words, count=1)
+            for old, new in renames:
+                words = words.replace(old, new)
+            return words
+        raise InvalidRequest(origin(str(exc)), exc.param and origin(exc.param), exc.code) from None
 
 
 def assistant_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:

@@ -148,8 +148,8 @@ def test_a_prompt_over_the_window_gets_anthropic_s_words(app):
                                               messages=[{"role": "user", "content": "Hi " * 60}])
     error = info.value.body["error"]
     assert error["type"] == "invalid_request_error"
-    words = error["message"].split()  # prompt is too long: N tokens > 40 maximum
-    assert words[:4] == ["prompt", "is", "too", "long:"] and words[5:] == ["tokens", ">", "40", "maximum"]
+    words = error["message"].split()  # prompt is too long: N tokens > 39 maximum (the window is 40)
+    assert words[:4] == ["prompt", "is", "too", "long:"] and words[5:] == ["tokens", ">", "39", "maximum"]
     assert int(words[4]) > 40
 
 

@@ -405,10 +405,13 @@ def test_a_prompt_over_the_window_gets_anthropic_s_words_on_messages_only():
     failure = RequestFailed(400, "invalid_request", "This model's maximum context length is 4096 tokens; the prompt "
                             "has 5012 tokens and max_tokens is 64000.", "context_length_exceeded")
     assert ANTHROPIC.body(failure, None) == {"type": "error", "error": {
-        "type": "invalid_request_error", "message": "prompt is too long: 5012 tokens > 4096 maximum"}}
+        "type": "invalid_request_error", "message": "prompt is too long: 5012 tokens > 4095 maximum"}}
     assert RESPONSES.body(failure, None)["error"]["message"] == failure.message  # OpenAI's words elsewhere
     failure.details = {"prompt_tokens": 7000, "max_context": 6000}  # the worker's own figures, where it sends them
-    assert ANTHROPIC.body(failure, None)["error"]["message"] == "prompt is too long: 7000 tokens > 6000 maximum"
+    assert ANTHROPIC.body(failure, None)["error"]["message"] == "prompt is too long: 7000 tokens > 5999 maximum"
+    # a prompt of exactly the window leaves the answer no room: the maximum is one token short of the window
+    failure.details = {"prompt_tokens": 6000, "max_context": 6000}
+    assert ANTHROPIC.body(failure, None)["error"]["message"] == "prompt is too long: 6000 tokens > 5999 maximum"
 
 
 NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
@@ -535,8 +538,10 @@ def test_a_malformed_client_tool_after_a_server_tool_is_named_where_the_request_
 
 def test_a_limit_out_of_range_names_its_bounds_exactly():
     with pytest.raises(InvalidRequest) as refused:
-        responses_request(max_output_tokens=99_999_999_999)
-    assert str(refused.value) == "'max_output_tokens' must be between 1 and 1048576, got 99999999999"
+        responses_request(max_output_tokens=0)
+    assert str(refused.value) == "'max_output_tokens' must be between 1 and 9223372036854775807, got 0"
+    # any larger whole number is a limit the worker fits to the window (issue 42)
+    assert responses_request(max_output_tokens=99_999_999_999).gen.params["max_tokens"] == 99_999_999_999
     with pytest.raises(InvalidRequest, match=r"between 0 and 1, got 1.5"):
         responses_request(top_p=1.5)
 

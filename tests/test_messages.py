@@ -283,6 +283,8 @@ def test_an_unknown_model_and_route_are_anthropic_404s(app):
 
 def test_requests_are_counted_under_the_route(app):
     client(app).messages.create(model="demo", max_tokens=1, messages=QUESTION)
+    with pytest.raises(anthropic.BadRequestError):
+        client(app).messages.create(model="demo", max_tokens=0, messages=QUESTION)
     metrics = samples(app.metrics())
     assert value(metrics, "openarc_requests_total", model="demo", endpoint="messages", status="200") >= 1
     assert value(metrics, "openarc_requests_total", model="demo", endpoint="messages", status="400") >= 1

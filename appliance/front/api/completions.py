@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.front.api.errors import InvalidRequest
-from appliance.front.api.fields import json_object, model_name, number, utf8
+from appliance.front.api.fields import MAX_ANSWER_LIMIT, json_object, model_name, number, utf8
 from appliance.front.api.images import Content, content_text
 from appliance.front.api.sampling import sampling_params
 from appliance.front.api.structured import constraint
@@ -81,7 +81,7 @@ def _common(body: Any, chat: bool) -> tuple[str, dict[str, Any], bool, bool, int
     choices = number(body, "n", 1, MAX_CHOICES, integer=True) or 1
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     params = {
-        "max_tokens": number({"max_tokens": max_tokens}, "max_tokens", 1, 1 << 20, integer=True),
+        "max_tokens": number({"max_tokens": max_tokens}, "max_tokens", 1, MAX_ANSWER_LIMIT, integer=True),
         "temperature": number(body, "temperature", 0, 2),
         "top_p": number(body, "top_p", 0, 1),
         "seed": number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True),

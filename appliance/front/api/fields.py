@@ -37,6 +37,12 @@ def model_name(body: Any) -> str:
     return model
 
 
+# The largest answer limit a request may name (max_tokens and its kin): any whole number a client sends, since the
+# worker fits it to what the window leaves (appliance.config.window.answer_limit); only what no integer field holds
+# is refused.
+MAX_ANSWER_LIMIT = (1 << 63) - 1
+
+
 def number(body: dict, key: str, low: float, high: float, integer: bool = False) -> float | int | None:
     value = body.get(key)
     if value is None:

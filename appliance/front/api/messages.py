@@ -30,7 +30,7 @@ from appliance.front.api.answer_items import CALL_ITEM, REASONING_ITEM, TEXT_ITE
 from appliance.front.api.completions import GenerationRequest
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.route import ErrorShape
-from appliance.front.api.fields import flag, json_object, model_name, number, text, text_parts
+from appliance.front.api.fields import MAX_ANSWER_LIMIT, flag, json_object, model_name, number, text, text_parts
 from appliance.front.api.structured import constraint as output_constraint
 from appliance.front.api.tools import ToolRequest, at_origins, name_tool_results, parse_tools
 from appliance.front.request import Event, RequestFailed
@@ -69,11 +69,12 @@ def anthropic_message(failure: RequestFailed) -> str:
     compact the conversation and retry."""
     if failure.code == "context_length_exceeded":
         figures = getattr(failure, "details", None) or {}  # the worker's figures where its error frame has them
+        # the maximum is the longest prompt that fits: one token short of the window, which the answer needs
         if "prompt_tokens" in figures and "max_context" in figures:
-            return f"prompt is too long: {figures['prompt_tokens']} tokens > {figures['max_context']} maximum"
+            return f"prompt is too long: {figures['prompt_tokens']} tokens > {figures['max_context'] - 1} maximum"
         too_long = TOO_LONG.search(failure.message)  # else read back from its words
         if too_long:
-            return f"prompt is too long: {too_long[2]} tokens > {too_long[1]} maximum"
+            return f"prompt is too long: {too_long[2]} tokens > {int(too_long[1]) - 1} maximum"
     return f"{failure.message} ({failure.hint})" if failure.hint else failure.message
 
 
@@ -119,7 +120,7 @@ def parse_messages(body: Any) -> MessagesRequest:
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         raise InvalidRequest("'max_tokens' is required", "max_tokens")
-    params = {"max_tokens": number(body, "max_tokens", 1, 1 << 20, integer=True),
+    params = {"max_tokens": number(body, "max_tokens", 1, MAX_ANSWER_LIMIT, integer=True),
               "temperature": number(body, "temperature", 0, 1), "top_p": number(body, "top_p", 0, 1),
               "top_k": number(body, "top_k", 1, 1 << 31, integer=True), "stop": _stop_sequences(body),
               "logprobs": False}

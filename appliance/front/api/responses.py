@@ -28,7 +28,7 @@ from appliance.front.api.answer_items import (CALL_ITEM, CUSTOM_CALL_ITEM, REASO
                                               ItemStream)
 from appliance.front.api.completions import GenerationRequest
 from appliance.front.api.errors import InvalidRequest
-from appliance.front.api.fields import flag, json_object, model_name, number, text
+from appliance.front.api.fields import MAX_ANSWER_LIMIT, flag, json_object, model_name, number, text
 from appliance.front.api.images import Content, content_text
 from appliance.front.api.input_parts import chat_parts
 from appliance.front.api.response_store import ResponseStore
@@ -126,7 +126,7 @@ def parse_responses(body: Any, store: ResponseStore, key: str,
         output_constraint["param"] = _rename(output_constraint["param"])
     if tool_constraint and output_constraint:
         raise InvalidRequest("a required or strict function call cannot be combined with 'text.format'", "text.format")
-    params = {"max_tokens": number(body, "max_output_tokens", 1, 1 << 20, integer=True),
+    params = {"max_tokens": number(body, "max_output_tokens", 1, MAX_ANSWER_LIMIT, integer=True),
               "temperature": number(body, "temperature", 0, 2), "top_p": number(body, "top_p", 0, 1),
               "presence_penalty": number(body, "presence_penalty", -2, 2),
               "frequency_penalty": number(body, "frequency_penalty", -2, 2),

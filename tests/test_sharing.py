@@ -256,6 +256,32 @@ def test_tokens_per_minute_reserves_at_admission_and_charges_a_prompt_once(appli
     assert value(samples(app.metrics()), "openarc_prompt_tokens_total", key="alice") == usage["prompt_tokens"]
 
 
+STREAMS = {"/v1/chat/completions": {"messages": CHAT, "max_tokens": 2000},
+           "/v1/completions": {"prompt": "Tell me something.", "max_tokens": 2000},
+           "/v1/messages": {"messages": CHAT, "max_tokens": 2000},
+           "/v1/responses": {"input": "Tell me something.", "max_output_tokens": 2000}}
+
+
+def test_every_generation_route_reserves_its_budget_while_it_runs(keyed):
+    """Each generation route holds its max_tokens against the key while it streams, and gives it back at its end
+    (the routes' early allow-list check admitted the request first and reserved nothing: every route let
+    concurrent requests pass under an empty tokens_per_minute window, and charged no prompt to a hang-up)."""
+    app = keyed
+    for path, body in STREAMS.items():
+        connection = HTTPConnection("127.0.0.1", app.port, timeout=60)
+        connection.request("POST", path, json.dumps({"model": "demo", "stream": True, **body}),
+                           {"Content-Type": "application/json", "Authorization": f"Bearer {SECRETS['KEY_BOB']}"})
+        response = connection.getresponse()
+        assert response.status == 200, (path, response.read())
+        response.readline()  # the stream began
+        try:
+            assert key_use(app, "bob")["tokens_reserved"] >= 1000, path
+        finally:
+            connection.close()
+        wait_until(lambda: key_use(app, "bob")["running"] == 0, 30, f"{path} ended")
+        assert key_use(app, "bob")["tokens_reserved"] == 0, path
+
+
 def test_a_prompt_is_charged_when_its_client_hangs_up_during_prefill(appliance_factory, long_demo_model):
     """The worker began on the prompt, so the key pays for it even though no token came back: its estimate from
     the body is charged at the request's end (the prompt was charged only with its first token)."""

@@ -38,7 +38,7 @@ async def model_for(appliance: ServerView, name: str, call, kinds: tuple[str, ..
     task_model = sup.model.task_model
     if call.is_background and task_model and appliance.supervisor.get(task_model) and call.may_use(task_model):
         name = task_model  # (a key kept off the task model is answered by the model it named)
-    call.admit(budget_of(call.body, sup.model.kind))  # the key's limits: a 429 before any queue place is taken
+    admit(call, sup)  # the key's limits: a 429 before any queue place is taken
     ready = await appliance.supervisor.ready_model(name)
     if ready is None:  # removed by a reload while the request waited
         raise not_found(appliance, name, call.api_key)
@@ -51,8 +51,14 @@ def admit_early(appliance: ServerView, body: Any, call, kinds: tuple[str, ...]) 
     nothing. A body naming no model is its route's parse to refuse; model_for checks again (the same slot)."""
     name = body.get("model") if isinstance(body, dict) else None
     if isinstance(name, str):
-        model_served(appliance, name, call, kinds)
-        call.admit()
+        admit(call, model_served(appliance, name, call, kinds))
+
+
+def admit(call, sup) -> None:
+    """The key's limits admit a request for this model, reserving the tokens its body may use (token_budget). A
+    request is admitted once, by whichever check comes first: each must reserve the same budget (an early check
+    that reserved nothing let concurrent requests all pass under an empty tokens_per_minute window)."""
+    call.admit(budget_of(call.body, sup.model.kind))
 
 
 def model_served(appliance: ServerView, name: str, call, kinds: tuple[str, ...]):

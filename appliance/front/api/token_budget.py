@@ -33,12 +33,15 @@ class TokenBudget:
         return self.prompt + self.completion
 
 
+NO_TOKENS = TokenBudget(0, 0)  # a call that generates and charges no tokens (a load, an unload, a count)
+
+
 def budget_of(body: Any, kind: str) -> TokenBudget:
     """The reservation of a request with this body for a model of this kind: its prompt and completion for the
     generative kinds, its input for embedding and rerank, nothing for the kinds that count no tokens (speech,
     transcription: their workers report seconds and characters)."""
     if kind not in TOKEN_KINDS:
-        return TokenBudget(0, 0)
+        return NO_TOKENS
     prompt = math.ceil(_text_chars(body) / CHARS_PER_TOKEN)
     if kind not in GENERATIVE_KINDS or not isinstance(body, dict):
         return TokenBudget(prompt, 0)

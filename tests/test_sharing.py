@@ -158,6 +158,7 @@ def test_a_background_request_ages_into_a_free_slot_on_a_quiet_model(appliance_f
 @pytest.fixture
 def keyed(appliance_factory, long_demo_model, demo_model):
     config = {"server": {"api_key_env": "KEY_ALICE",  # alice is `default`: the single key still works
+                         "model_aliases": {"gpt-4o": "other"},  # an alias of a model bob may not use
                          "api_keys": [{"name": "bob", "key_env": "KEY_BOB", "models": ["demo", "small*"]},
                                       {"name": "cron", "key_env": "KEY_CRON", "priority": "background",
                                        "requests_per_minute": 2},
@@ -361,6 +362,12 @@ def test_a_keys_models_outside_its_list_are_404_without_leaking_names(keyed):
         status, _, body = http("POST", app.base + f"/openarc/models/other/{verb}", headers=bob)
         assert status == 404 and "have: demo)" in body["error"]["message"], body
     assert app.model_status("other")["state"] == "ready"
+    # an alias of a model outside its list is a 404 naming the alias: it named its target (every route family)
+    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/responses", {"input": "hi"}), ("/v1/messages/count_tokens", {"messages": CHAT}),
+                       ("/v1/embeddings", {"input": "hi"}), ("/v1/audio/speech", {"input": "hi"})):
+        status, _, answer = http("POST", app.base + path, {"model": "gpt-4o", **body}, headers=bob)
+        assert status == 404 and "other" not in json.dumps(answer) and "'gpt-4o'" in json.dumps(answer), (path, answer)
     status, _, listed = http("GET", app.base + "/v1/models", headers={"Authorization": f"Bearer {SECRETS['KEY_ALICE']}"})
     assert [m["id"] for m in listed["data"]] == ["demo", "other"]
 

@@ -4,6 +4,7 @@ tests/test_sharing_policy.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -14,10 +15,12 @@ import time
 from http.client import HTTPConnection
 from pathlib import Path
 
+import aiohttp
 import pytest
 import yaml
 
 from conftest import REPO, http, model_entry, wait_until
+from openresponses_spec import socket_turn, socket_url
 from test_metrics import samples, value
 
 OPEN_WEBUI = json.loads((Path(__file__).parent / "fixtures" / "open-webui-task-prompts.json").read_text())
@@ -485,7 +488,24 @@ def test_a_reload_picks_up_changed_keys_and_keeps_the_old_ones_on_an_unset_varia
         app.proc.send_signal(signal.SIGHUP)
         wait_until(lambda: app.logs().count(marker) > before, 30, marker)
 
-    reload({"api_keys": [{"name": "agent", "key_env": "KEY_BOB"}]}, "reloaded")
+    async def revoked_under_an_open_socket():
+        """A WebSocket opened with alice's key, which the reload revokes: its next response is refused (401) and
+        the socket closed (it kept the key it was opened with, and served a revoked key for as long as it stayed
+        open: a Codex session, hours)."""
+        async with aiohttp.ClientSession() as session, session.ws_connect(
+                socket_url(app.base), headers={"Authorization": f"Bearer {alice}"}) as ws:
+            before = await socket_turn(ws, {"model": "demo", "input": "hi", "max_output_tokens": 2})
+            await asyncio.to_thread(reload, {"api_keys": [{"name": "agent", "key_env": "KEY_BOB"}]}, "reloaded")
+            after = await socket_turn(ws, {"model": "demo", "input": "hi", "max_output_tokens": 2})
+            if after[-1]["type"] != "error":
+                return before[-1], after[-1], None
+            return before[-1], after[-1], (await asyncio.wait_for(ws.receive(), 30)).type
+
+    before, after, closing = asyncio.run(revoked_under_an_open_socket())
+    assert before["type"] in ("response.completed", "response.incomplete"), before
+    assert after["type"] == "error" and after["status"] == 401, after
+    assert after["error"]["code"] == "invalid_api_key", after
+    assert closing in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING), closing
     app.auth = {"Authorization": f"Bearer {bob}"}
     assert chat(app, bob)[0] == 200 and chat(app, alice)[0] == 401
     reload({"api_keys": [{"name": "agent", "key_env": "KEY_NOWHERE"}]}, "reload refused")

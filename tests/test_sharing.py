@@ -307,6 +307,21 @@ def test_a_prompt_is_charged_when_its_client_hangs_up_during_prefill(appliance_f
     assert key_use(app, "sipper")["tokens_last_minute"] > 0
 
 
+def test_a_prompt_the_worker_refuses_is_not_charged(appliance_factory, demo_model):
+    """A prompt over the model's window is the worker's 400 before any prefill: its key is charged nothing (the
+    body's estimate was charged as for a prompt the worker began on, so a client that retries after "prompt too
+    long", as Claude Code does by compacting, was locked out by 429 for a minute)."""
+    config = {"server": {"api_keys": [{"name": "sipper", "key_env": "KEY_SIPPER", "tokens_per_minute": 1000}]},
+              "models": [model_entry("demo", demo_model, max_context=64)]}
+    app = appliance_factory(config, env=SECRETS)
+    long_prompt = [{"role": "user", "content": "word " * 700}]  # ~900 tokens estimated, over the 64-token window
+    for _ in range(3):
+        status, _, body = chat(app, SECRETS["KEY_SIPPER"], messages=long_prompt)
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert key_use(app, "sipper")["tokens_last_minute"] == 0
+    assert chat(app, SECRETS["KEY_SIPPER"])[0] == 200
+
+
 def test_load_and_unload_count_against_the_keys_limits(keyed):
     """A limited key cannot force loads, evictions and drains without bound: its loads and unloads are admitted
     like its requests (they skipped its limits)."""

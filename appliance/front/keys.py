@@ -120,6 +120,11 @@ class Ticket:
             self.prompt_charged = True
             self.count_tokens(n)
 
+    def refused(self) -> None:
+        """Its worker refused it as the client's error (a prompt over the window, a grammar that does not compile),
+        which it checks before any work on the prompt: there is nothing to charge for it."""
+        self.dispatched = False
+
     def settle(self) -> None:
         """The request ended: a prompt the worker began on is charged even if its count never came (the client hung
         up during prefill, or the request failed after it), then the key's slot and reservation are given back."""

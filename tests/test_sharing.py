@@ -307,6 +307,26 @@ def test_a_prompt_is_charged_when_its_client_hangs_up_during_prefill(appliance_f
     assert key_use(app, "sipper")["tokens_last_minute"] > 0
 
 
+def test_a_reservation_is_bounded_by_the_models_window(appliance_factory, long_demo_model):
+    """opencode and Kilo send max_tokens 32000 to any model: a 256-token model cannot use that, so the request
+    reserves at most its window (it reserved 32,000, and held a 2,000-token key's every other request at 429)."""
+    config = {"server": {"api_keys": [{"name": "sipper", "key_env": "KEY_SIPPER", "tokens_per_minute": 2000}]},
+              "models": [model_entry("demo", long_demo_model, max_context=256, max_running=2)]}
+    app = appliance_factory(config, env={**SECRETS, "OPENARC_DEBUG_STEP_DELAY_S": "0.5"})
+    connections = [HTTPConnection("127.0.0.1", app.port, timeout=60) for _ in range(2)]
+    try:
+        for i, connection in enumerate(connections):  # the second is admitted beside the first
+            connection.request("POST", "/v1/chat/completions", json.dumps(
+                {"model": "demo", "max_tokens": 32000, "stream": True, "messages": CHAT}),
+                {"Content-Type": "application/json", "Authorization": f"Bearer {SECRETS['KEY_SIPPER']}"})
+            response = connection.getresponse()
+            assert response.status == 200, response.read()
+            assert 0 < key_use(app, "sipper")["tokens_reserved"] <= (256 + 64) * (i + 1)  # window and prompt
+    finally:
+        for connection in connections:
+            connection.close()
+
+
 def test_a_prompt_the_worker_refuses_is_not_charged(appliance_factory, demo_model):
     """A prompt over the model's window is the worker's 400 before any prefill: its key is charged nothing (the
     body's estimate was charged as for a prompt the worker began on, so a client that retries after "prompt too

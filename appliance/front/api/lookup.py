@@ -58,7 +58,7 @@ def admit(call, sup) -> None:
     """The key's limits admit a request for this model, reserving the tokens its body may use (token_budget). A
     request is admitted once, by whichever check comes first: each must reserve the same budget (an early check
     that reserved nothing let concurrent requests all pass under an empty tokens_per_minute window)."""
-    call.admit(budget_of(call.body, sup.model.kind))
+    call.admit(budget_of(call.body, sup.model.kind, sup.spec.get("max_context")))
 
 
 def model_served(appliance: ServerView, name: str, call, kinds: tuple[str, ...]):

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
          "T": 10**12, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 MAX_BYTES = 1 << 60
+MAX_DIGITS = 40  # a size's number has no more (MAX_BYTES has 19 digits); thousands of them would make int() raise
 _SIZE = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)")
 
 
@@ -26,10 +28,11 @@ def parse_size(value: object) -> int | None:
         size = value
     elif isinstance(value, str) and (match := _SIZE.fullmatch(value.strip())):
         factor = UNITS.get(match[2].upper())
-        number = float(match[1])
-        if factor is None or not math.isfinite(number * factor):
+        if factor is None or len(match[1]) > MAX_DIGITS:
             return None
-        size = int(number * factor)
+        # exact decimal arithmetic: a float lost bytes past 2**53 ("8192.764G" was 8192763999999 bytes) and
+        # rounded a size just past MAX_BYTES down onto it; a fraction of a byte is dropped
+        size = math.floor(Fraction(match[1]) * factor)
     else:
         return None
     return size if 0 <= size <= MAX_BYTES else None

@@ -4,8 +4,10 @@ unloads for idleness; and the config keys of models on demand."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, strategies as st
 
 from appliance.config import ConfigError, parse_config, parse_size
+from appliance.sizes import MAX_BYTES, UNITS
 from appliance.front.lifecycle import ModelState
 from appliance.front.residency import Limits, ModelView, plan, why_waiting
 
@@ -116,8 +118,22 @@ def test_the_keys_parse_with_their_defaults():
     assert [parse_size(s) for s in ("800MiB", "2 GB", 1024, "1.5G", "x", "-1GiB")] == [
         800 << 20, 2 * 10**9, 1024, 1_500_000_000, None, None]
     # not finite, or past any device: no size (int(inf) raised OverflowError out of check-config, serve and reload)
-    for edge in ("inf", "1e400", "nan", "Infinity", "1e400GiB", "1e18TiB", 10**400, 1.5, True, "1e3"):
+    for edge in ("inf", "1e400", "nan", "Infinity", "1e400GiB", "1e18TiB", 10**400, 1.5, True, "1e3", "9" * 5000):
         assert parse_size(edge) is None, edge
+
+
+@given(st.integers(0, MAX_BYTES * 2), st.sampled_from(sorted(UNITS)), st.sampled_from(["", " "]))
+def test_a_size_is_read_exactly_in_whole_bytes(number, unit, space):
+    """A whole number with a unit is exactly that many bytes, however many digits (it went through a float: 2**53 + 1
+    bytes read as 2**53, and 2**60 + 1, past the largest size, was accepted as 2**60)."""
+    size = number * UNITS[unit]
+    assert parse_size(f"{number}{space}{unit}") == (size if size <= MAX_BYTES else None)
+
+
+@given(st.integers(0, 10**6), st.integers(0, 999), st.sampled_from(sorted(UNITS)))
+def test_a_fractional_size_is_its_whole_bytes_rounded_down(whole, thousandths, unit):
+    exact = (whole * 1000 + thousandths) * UNITS[unit] // 1000
+    assert parse_size(f"{whole}.{thousandths:03d}{unit}") == (exact if exact <= MAX_BYTES else None)
 
 
 @pytest.mark.parametrize("server, model, message", [

@@ -4,6 +4,7 @@ tests/test_sharing_policy.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -14,10 +15,12 @@ import time
 from http.client import HTTPConnection
 from pathlib import Path
 
+import aiohttp
 import pytest
 import yaml
 
 from conftest import REPO, http, model_entry, wait_until
+from openresponses_spec import socket_turn, socket_url
 from test_metrics import samples, value
 
 OPEN_WEBUI = json.loads((Path(__file__).parent / "fixtures" / "open-webui-task-prompts.json").read_text())
@@ -158,6 +161,7 @@ def test_a_background_request_ages_into_a_free_slot_on_a_quiet_model(appliance_f
 @pytest.fixture
 def keyed(appliance_factory, long_demo_model, demo_model):
     config = {"server": {"api_key_env": "KEY_ALICE",  # alice is `default`: the single key still works
+                         "model_aliases": {"gpt-4o": "other"},  # an alias of a model bob may not use
                          "api_keys": [{"name": "bob", "key_env": "KEY_BOB", "models": ["demo", "small*"]},
                                       {"name": "cron", "key_env": "KEY_CRON", "priority": "background",
                                        "requests_per_minute": 2},
@@ -256,6 +260,32 @@ def test_tokens_per_minute_reserves_at_admission_and_charges_a_prompt_once(appli
     assert value(samples(app.metrics()), "openarc_prompt_tokens_total", key="alice") == usage["prompt_tokens"]
 
 
+STREAMS = {"/v1/chat/completions": {"messages": CHAT, "max_tokens": 2000},
+           "/v1/completions": {"prompt": "Tell me something.", "max_tokens": 2000},
+           "/v1/messages": {"messages": CHAT, "max_tokens": 2000},
+           "/v1/responses": {"input": "Tell me something.", "max_output_tokens": 2000}}
+
+
+def test_every_generation_route_reserves_its_budget_while_it_runs(keyed):
+    """Each generation route holds its max_tokens against the key while it streams, and gives it back at its end
+    (the routes' early allow-list check admitted the request first and reserved nothing: every route let
+    concurrent requests pass under an empty tokens_per_minute window, and charged no prompt to a hang-up)."""
+    app = keyed
+    for path, body in STREAMS.items():
+        connection = HTTPConnection("127.0.0.1", app.port, timeout=60)
+        connection.request("POST", path, json.dumps({"model": "demo", "stream": True, **body}),
+                           {"Content-Type": "application/json", "Authorization": f"Bearer {SECRETS['KEY_BOB']}"})
+        response = connection.getresponse()
+        assert response.status == 200, (path, response.read())
+        response.readline()  # the stream began
+        try:
+            assert key_use(app, "bob")["tokens_reserved"] >= 1000, path
+        finally:
+            connection.close()
+        wait_until(lambda: key_use(app, "bob")["running"] == 0, 30, f"{path} ended")
+        assert key_use(app, "bob")["tokens_reserved"] == 0, path
+
+
 def test_a_prompt_is_charged_when_its_client_hangs_up_during_prefill(appliance_factory, long_demo_model):
     """The worker began on the prompt, so the key pays for it even though no token came back: its estimate from
     the body is charged at the request's end (the prompt was charged only with its first token)."""
@@ -275,6 +305,41 @@ def test_a_prompt_is_charged_when_its_client_hangs_up_during_prefill(appliance_f
     finally:
         long.close()
     assert key_use(app, "sipper")["tokens_last_minute"] > 0
+
+
+def test_a_reservation_is_bounded_by_the_models_window(appliance_factory, long_demo_model):
+    """opencode and Kilo send max_tokens 32000 to any model: a 256-token model cannot use that, so the request
+    reserves at most its window (it reserved 32,000, and held a 2,000-token key's every other request at 429)."""
+    config = {"server": {"api_keys": [{"name": "sipper", "key_env": "KEY_SIPPER", "tokens_per_minute": 2000}]},
+              "models": [model_entry("demo", long_demo_model, max_context=256, max_running=2)]}
+    app = appliance_factory(config, env={**SECRETS, "OPENARC_DEBUG_STEP_DELAY_S": "0.5"})
+    connections = [HTTPConnection("127.0.0.1", app.port, timeout=60) for _ in range(2)]
+    try:
+        for i, connection in enumerate(connections):  # the second is admitted beside the first
+            connection.request("POST", "/v1/chat/completions", json.dumps(
+                {"model": "demo", "max_tokens": 32000, "stream": True, "messages": CHAT}),
+                {"Content-Type": "application/json", "Authorization": f"Bearer {SECRETS['KEY_SIPPER']}"})
+            response = connection.getresponse()
+            assert response.status == 200, response.read()
+            assert 0 < key_use(app, "sipper")["tokens_reserved"] <= (256 + 64) * (i + 1)  # window and prompt
+    finally:
+        for connection in connections:
+            connection.close()
+
+
+def test_a_prompt_the_worker_refuses_is_not_charged(appliance_factory, demo_model):
+    """A prompt over the model's window is the worker's 400 before any prefill: its key is charged nothing (the
+    body's estimate was charged as for a prompt the worker began on, so a client that retries after "prompt too
+    long", as Claude Code does by compacting, was locked out by 429 for a minute)."""
+    config = {"server": {"api_keys": [{"name": "sipper", "key_env": "KEY_SIPPER", "tokens_per_minute": 1000}]},
+              "models": [model_entry("demo", demo_model, max_context=64)]}
+    app = appliance_factory(config, env=SECRETS)
+    long_prompt = [{"role": "user", "content": "word " * 700}]  # ~900 tokens estimated, over the 64-token window
+    for _ in range(3):
+        status, _, body = chat(app, SECRETS["KEY_SIPPER"], messages=long_prompt)
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert key_use(app, "sipper")["tokens_last_minute"] == 0
+    assert chat(app, SECRETS["KEY_SIPPER"])[0] == 200
 
 
 def test_load_and_unload_count_against_the_keys_limits(keyed):
@@ -335,6 +400,12 @@ def test_a_keys_models_outside_its_list_are_404_without_leaking_names(keyed):
         status, _, body = http("POST", app.base + f"/openarc/models/other/{verb}", headers=bob)
         assert status == 404 and "have: demo)" in body["error"]["message"], body
     assert app.model_status("other")["state"] == "ready"
+    # an alias of a model outside its list is a 404 naming the alias: it named its target (every route family)
+    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/responses", {"input": "hi"}), ("/v1/messages/count_tokens", {"messages": CHAT}),
+                       ("/v1/embeddings", {"input": "hi"}), ("/v1/audio/speech", {"input": "hi"})):
+        status, _, answer = http("POST", app.base + path, {"model": "gpt-4o", **body}, headers=bob)
+        assert status == 404 and "other" not in json.dumps(answer) and "'gpt-4o'" in json.dumps(answer), (path, answer)
     status, _, listed = http("GET", app.base + "/v1/models", headers={"Authorization": f"Bearer {SECRETS['KEY_ALICE']}"})
     assert [m["id"] for m in listed["data"]] == ["demo", "other"]
 
@@ -452,7 +523,24 @@ def test_a_reload_picks_up_changed_keys_and_keeps_the_old_ones_on_an_unset_varia
         app.proc.send_signal(signal.SIGHUP)
         wait_until(lambda: app.logs().count(marker) > before, 30, marker)
 
-    reload({"api_keys": [{"name": "agent", "key_env": "KEY_BOB"}]}, "reloaded")
+    async def revoked_under_an_open_socket():
+        """A WebSocket opened with alice's key, which the reload revokes: its next response is refused (401) and
+        the socket closed (it kept the key it was opened with, and served a revoked key for as long as it stayed
+        open: a Codex session, hours)."""
+        async with aiohttp.ClientSession() as session, session.ws_connect(
+                socket_url(app.base), headers={"Authorization": f"Bearer {alice}"}) as ws:
+            before = await socket_turn(ws, {"model": "demo", "input": "hi", "max_output_tokens": 2})
+            await asyncio.to_thread(reload, {"api_keys": [{"name": "agent", "key_env": "KEY_BOB"}]}, "reloaded")
+            after = await socket_turn(ws, {"model": "demo", "input": "hi", "max_output_tokens": 2})
+            if after[-1]["type"] != "error":
+                return before[-1], after[-1], None
+            return before[-1], after[-1], (await asyncio.wait_for(ws.receive(), 30)).type
+
+    before, after, closing = asyncio.run(revoked_under_an_open_socket())
+    assert before["type"] in ("response.completed", "response.incomplete"), before
+    assert after["type"] == "error" and after["status"] == 401, after
+    assert after["error"]["code"] == "invalid_api_key", after
+    assert closing in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING), closing
     app.auth = {"Authorization": f"Bearer {bob}"}
     assert chat(app, bob)[0] == 200 and chat(app, alice)[0] == 401
     reload({"api_keys": [{"name": "agent", "key_env": "KEY_NOWHERE"}]}, "reload refused")

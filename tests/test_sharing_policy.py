@@ -397,3 +397,14 @@ def test_a_reload_keeps_what_a_key_used():
     ring.named("agent").limits.release()  # the request admitted before the reload ends: its slot is free again
     assert limits.running == 0
     assert ring2.identify("Bearer b", "").name == "agent" and ring2.identify("Bearer a", "") is None
+
+
+@given(st.integers(1, 10**6), st.integers(1, 200), st.integers(0, 20_000), st.integers(16, 200_000))
+def test_a_token_budget_never_exceeds_what_the_models_window_allows(max_tokens, n, chars, window):
+    """No choice can use more than the window, nor a prompt be longer: a budget past (n + 1) windows only holds the
+    key's other requests back (opencode's max_tokens 32000 reserved 32,000 of a 256-token model)."""
+    from appliance.front.api.token_budget import budget_of
+    body = {"messages": [{"role": "user", "content": "x" * chars}], "max_tokens": max_tokens, "n": n}
+    budget, unbounded = budget_of(body, "llm", window), budget_of(body, "llm")
+    assert budget.prompt == min(unbounded.prompt, window)
+    assert budget.completion == min(max_tokens, window) * min(n, 128)

@@ -69,6 +69,10 @@ class KeyRing:
     def named(self, name: str) -> ApiKey | None:
         return next((key for key in self.keys if key.name == name), None)
 
+    def presented(self, headers: Mapping[str, str]) -> ApiKey | None:
+        """The key a request's headers present (identify), or None."""
+        return self.identify(headers.get("Authorization", ""), headers.get("x-api-key", ""))
+
     def identify(self, authorization: str, x_api_key: str) -> ApiKey | None:
         """The key a request presents (OpenAI's `Authorization: Bearer KEY`, the scheme in any case as RFC 7235
         has it; Anthropic's `x-api-key: KEY`), or None. Every key is compared, in constant time, whichever
@@ -115,6 +119,11 @@ class Ticket:
         if not self.prompt_charged:
             self.prompt_charged = True
             self.count_tokens(n)
+
+    def refused(self) -> None:
+        """Its worker refused it as the client's error (a prompt over the window, a grammar that does not compile),
+        which it checks before any work on the prompt: there is nothing to charge for it."""
+        self.dispatched = False
 
     def settle(self) -> None:
         """The request ended: a prompt the worker began on is charged even if its count never came (the client hung

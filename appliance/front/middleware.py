@@ -41,6 +41,7 @@ class MalformedHttp(logging.Filter):
 logging.getLogger("aiohttp.server").addFilter(MalformedHttp())
 
 PROBES = {"/health", "/ready"}
+INVALID_KEY = "invalid or missing API key (Authorization: Bearer ... or x-api-key: ...)"
 OPEN_ROUTES = PROBES | {"/"}  # no key asked (probes carry none), nor on /metrics unless the config says so
 
 
@@ -78,10 +79,9 @@ class Middlewares:
         """The key a request presents (request["api_key"], for the route wrapper), or a 401. Anthropic's clients
         send x-api-key, OpenAI's Authorization: Bearer; the presented key is never logged."""
         if self.appliance.keys and not open_route(request.path, self.appliance.config.server.metrics_require_key):
-            key = self.appliance.keys.identify(request.headers.get("Authorization", ""), request.headers.get("x-api-key", ""))
+            key = self.appliance.keys.presented(request.headers)
             if key is None:
-                return error_shape(request)(401, "invalid or missing API key (Authorization: Bearer ... or "
-                                                 "x-api-key: ...)", "invalid_api_key")
+                return error_shape(request)(401, INVALID_KEY, "invalid_api_key")
             request["api_key"] = key
         return await handler(request)
 

@@ -142,7 +142,7 @@ class ModelSupervisor:
             failure, end = self.life.device_faults.request_error(message)
             if end:  # the device context is lost: the worker is ended too
                 self.life.end_worker(end)
-            self.router.finish(req, failure)
+            self.router.fail(req, failure)
         else:
             self.router.on_frame(req, message)
 

@@ -291,6 +291,13 @@ class RequestRouter:
             series.cached_prompt.inc(cached_tokens)
         ticket.charge_prompt(prompt_tokens)
 
+    def fail(self, req: Request, failure: RequestFailed) -> None:
+        """The worker's error frame for a request. A client's error (4xx) is the worker's refusal before any work on
+        the prompt: the key pays nothing for it (a 400 must not cost a retry a 429)."""
+        if failure.status < 500:
+            req.ticket.refused()
+        self.finish(req, failure)
+
     def finish(self, req: Request, outcome: Event | RequestFailed) -> None:
         self.running.pop(req.id, None)
         req.ended = True

@@ -21,6 +21,7 @@ from appliance.front.api import bounds, lookup, messages
 from appliance.front.api.fields import json_body
 from appliance.front.api.results import one_result
 from appliance.front.api.route import Call, route
+from appliance.front.api.token_budget import NO_TOKENS
 from appliance.front.helper_process import HelperFailed, HelperProcess
 from appliance.front.device_faults import CLIENT_ERROR_KINDS, WINDOW_FIELDS
 from appliance.front.request import RequestFailed
@@ -99,7 +100,7 @@ class CountTokensRoute:
         call.label(body)
         name, count_body = messages.count_frame(body)
         sup = lookup.model_served(self.appliance, name, call, GENERATIVE_KINDS)
-        call.admit()  # the key's limits
+        call.admit(NO_TOKENS)  # the key's limits
         # a prompt no context could hold is not counted: rendering and tokenizing 900 KB held the worker for 2 s
         bounds.prompt_chars_fit(bounds.text_chars(count_body), sup.spec["max_context"], name)
         if sup.life.admits():

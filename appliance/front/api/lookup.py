@@ -34,12 +34,12 @@ async def model_for(appliance: ServerView, name: str, call, kinds: tuple[str, ..
     with a task_model goes to that. The answer keeps the name the client
     asked for. `call`: the request as the route wrapper counts it (appliance.front.api.route.Call)."""
     sup = model_served(appliance, name, call, kinds)
-    name = sup.model.name
+    target = sup.model.name
     task_model = sup.model.task_model
     if call.is_background and task_model and appliance.supervisor.get(task_model) and call.may_use(task_model):
-        name = task_model  # (a key kept off the task model is answered by the model it named)
-    call.admit(budget_of(call.body, sup.model.kind))  # the key's limits: a 429 before any queue place is taken
-    ready = await appliance.supervisor.ready_model(name)
+        target = task_model  # (a key kept off the task model is answered by the model it named)
+    admit(call, sup)  # the key's limits: a 429 before any queue place is taken
+    ready = await appliance.supervisor.ready_model(target)
     if ready is None:  # removed by a reload while the request waited
         raise not_found(appliance, name, call.api_key)
     return ready
@@ -51,19 +51,25 @@ def admit_early(appliance: ServerView, body: Any, call, kinds: tuple[str, ...]) 
     nothing. A body naming no model is its route's parse to refuse; model_for checks again (the same slot)."""
     name = body.get("model") if isinstance(body, dict) else None
     if isinstance(name, str):
-        model_served(appliance, name, call, kinds)
-        call.admit()
+        admit(call, model_served(appliance, name, call, kinds))
+
+
+def admit(call, sup) -> None:
+    """The key's limits admit a request for this model, reserving the tokens its body may use (token_budget). A
+    request is admitted once, by whichever check comes first: each must reserve the same budget (an early check
+    that reserved nothing let concurrent requests all pass under an empty tokens_per_minute window)."""
+    call.admit(budget_of(call.body, sup.model.kind, sup.spec.get("max_context")))
 
 
 def model_served(appliance: ServerView, name: str, call, kinds: tuple[str, ...]):
     """The supervisor of the model a request names (or reaches through an alias), loaded or not, if the
     request's key may use it, it is of a kind the route serves and the server is not draining."""
-    name = configured_name(appliance, name) or name
-    sup = appliance.supervisor.get(name) if call.may_use(name) else None
+    target = configured_name(appliance, name) or name
+    sup = appliance.supervisor.get(target) if call.may_use(target) else None
     if sup is None:
         raise not_found(appliance, name, call.api_key)
     if sup.model.kind not in kinds:
-        raise RequestFailed(400, "invalid_request", f"the model '{name}' is of kind {sup.model.kind}; /v1/{call.endpoint} "
+        raise RequestFailed(400, "invalid_request", f"the model '{target}' is of kind {sup.model.kind}; /v1/{call.endpoint} "
                                                     f"needs a model of kind {' or '.join(kinds)}", "wrong_model_kind")
     if appliance.draining:
         raise shutting_down()
@@ -72,6 +78,7 @@ def model_served(appliance: ServerView, name: str, call, kinds: tuple[str, ...])
 
 def not_found(appliance: ServerView, name: str, key=None) -> RequestFailed:
     """A 404 for a model that does not exist, or that the request's key may not use (the same answer, so a
-    key learns no names beyond its own models)."""
+    key learns no names beyond its own models). `name` is the name the client sent, never what it reaches: an
+    alias's target is a model name the key may not know."""
     have = [model for model in appliance.supervisor.models if key is None or key.may_use(model)]
     return RequestFailed(404, "model_not_found", f"the model '{name}' does not exist (have: {', '.join(have)})")

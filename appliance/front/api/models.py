@@ -10,6 +10,7 @@ from aiohttp import web
 from appliance.front.api.server_view import ServerView
 from appliance.front.api import lookup
 from appliance.front.api.route import Call, route
+from appliance.front.api.token_budget import NO_TOKENS
 from appliance.front.request import shutting_down
 
 
@@ -38,7 +39,7 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
         if not call.may_use(name):
             raise lookup.not_found(appliance, name, call.api_key)
         call.label({"model": name})
-        call.admit()
+        call.admit(NO_TOKENS)
         return name
 
     app.router.add_post("/openarc/models/{name}/load", route(appliance, "openarc/models/load", load))

@@ -43,6 +43,7 @@ from appliance.front.api.images import body_limit
 from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.responses import RESPONSES, ResponseStream, parse_responses
 from appliance.front.api.route import CLIENT_CLOSED, UNHANDLED, Call, as_failure, counted
+from appliance.front.middleware import INVALID_KEY
 from appliance.front.request import Event, RequestFailed
 from appliance.config.kinds import GENERATIVE_KINDS
 
@@ -151,6 +152,10 @@ class Connection:
 
     async def respond(self, body: dict[str, Any]) -> None:
         """One response.create, counted as an HTTP request is (appliance.front.api.route)."""
+        if not self.authorized():
+            await self.refuse(RequestFailed(401, "invalid_api_key", INVALID_KEY))
+            await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"API key revoked")
+            return
         started, status = time.monotonic(), UNHANDLED
         call = Call(self.sockets.appliance, "responses", RESPONSES, self.request)
         sink = SocketSink(self.ws)
@@ -182,6 +187,17 @@ class Connection:
             counted(call, status, started)
             if isinstance(previous, str) and (status != "200" or sink.failed):
                 self.evict(previous)
+
+    def authorized(self) -> bool:
+        """Whether the key the socket was opened with still holds under the current keys, read at each response as
+        an HTTP request's is (a reload may revoke it, change its secret, its models or its limits: the socket then
+        runs under what the key is now, or not at all). request["api_key"] is what Call reads."""
+        ring = self.sockets.appliance.keys
+        key = ring.presented(self.request.headers) if ring else None
+        if ring and key is None:
+            return False
+        self.request["api_key"] = key
+        return True
 
     def _finished(self, req, stream: ResponseStream) -> None:
         self.sockets.route.dialect.finished(req, stream)

@@ -107,9 +107,10 @@ class Call:
     def may_use(self, model: str) -> bool:
         return self.api_key is None or self.api_key.may_use(model)
 
-    def admit(self, budget: TokenBudget = TokenBudget(0, 0)) -> None:
+    def admit(self, budget: TokenBudget) -> None:
         """The request's key admits it (its limits, reserving `budget` of its tokens_per_minute), or a 429 with
         Retry-After; the request's ticket is then what the router queues it with (appliance.front.keys.CURRENT).
+        The budget has no default: a caller that reserved nothing by omission undid the limit.
         Once admitted, a request is not admitted again (a second lookup of its model, after an unload)."""
         if self.ticket is None:
             limits = self.api_key.limits if self.api_key else None

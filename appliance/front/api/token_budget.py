@@ -33,18 +33,24 @@ class TokenBudget:
         return self.prompt + self.completion
 
 
-def budget_of(body: Any, kind: str) -> TokenBudget:
+NO_TOKENS = TokenBudget(0, 0)  # a call that generates and charges no tokens (a load, an unload, a count)
+
+
+def budget_of(body: Any, kind: str, window: int | None = None) -> TokenBudget:
     """The reservation of a request with this body for a model of this kind: its prompt and completion for the
     generative kinds, its input for embedding and rerank, nothing for the kinds that count no tokens (speech,
-    transcription: their workers report seconds and characters)."""
+    transcription: their workers report seconds and characters). `window`: the model's context (None: unknown),
+    which neither a prompt nor a choice's completion can exceed, whatever the body asks (opencode asks 32,000 of
+    any model): a reservation past it only holds the key's other requests back."""
     if kind not in TOKEN_KINDS:
-        return TokenBudget(0, 0)
-    prompt = math.ceil(_text_chars(body) / CHARS_PER_TOKEN)
+        return NO_TOKENS
+    fit = (lambda tokens: tokens) if not window else (lambda tokens: min(tokens, window))
+    prompt = fit(math.ceil(_text_chars(body) / CHARS_PER_TOKEN))
     if kind not in GENERATIVE_KINDS or not isinstance(body, dict):
         return TokenBudget(prompt, 0)
     bound = next((body[name] for name in COMPLETION_FIELDS if _count(body.get(name))), DEFAULT_COMPLETION_TOKENS)
     choices = min(body["n"], MAX_CHOICES) if _count(body.get("n")) else 1
-    return TokenBudget(prompt, bound * choices)
+    return TokenBudget(prompt, fit(bound) * choices)
 
 
 def _count(value: Any) -> bool:

@@ -324,7 +324,10 @@ def test_a_warm_up_generates_nothing_and_is_continued(app):
     ('{"type": "response.create", "model": "demo", "input": "Hi", "background": false}', "background"),
     ('{"type": "response.create", "model": "nope", "input": "Hi"}', None),
     ('{"type": "response.create", "model": "demo", "input": "Hi", "generate": "no"}', "generate"),
-])
+    # nested past the JSON decoder's recursion limit, well inside the size bound: refused like any bad JSON
+    ("[" * 100_000 + "]" * 100_000, None),
+    ('{"type": "response.create", "model": "demo", "input": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
+], ids=lambda sent: sent[:48] if isinstance(sent, str) else None)
 def test_malformed_messages_get_an_error_and_the_socket_goes_on(app, sent, param):
     async def run():
         async with aiohttp.ClientSession() as session, session.ws_connect(socket_url(app.base)) as ws:

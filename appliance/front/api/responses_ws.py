@@ -28,7 +28,6 @@ import collections
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
 import time
 from typing import Any
@@ -38,7 +37,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from appliance.front import keys
 from appliance.front.api import lookup, sse
 from appliance.front.api.errors import InvalidRequest, error_response
-from appliance.front.api.fields import flag
+from appliance.front.api.fields import flag, parse_json
 from appliance.front.api.images import body_limit
 from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.responses import RESPONSES, ResponseStream, parse_responses
@@ -144,6 +143,9 @@ class Connection:
         except asyncio.QueueFull:
             await self.refuse(RequestFailed(429, "rate_limited", f"{MAX_PENDING} responses already wait on this "
                                             "connection behind the running one", "too_many_pending_responses"))
+        except Exception:  # noqa: BLE001 - a fault of ours with one message must not end the connection
+            log.exception("unhandled error reading a WebSocket message")
+            await self.refuse(RequestFailed(500, "internal_error", "internal server error", "internal_error"))
 
     async def _run_pending(self) -> None:
         while True:
@@ -228,9 +230,9 @@ class Connection:
 
 def create_event(data: str) -> dict[str, Any]:
     """A response.create message's body as a streamed /v1/responses request's."""
-    try:
-        body = json.loads(data)
-    except ValueError:
+    try:  # the request bodies' parser: too deep a nesting is bad JSON too, not a RecursionError ending the socket
+        body = parse_json(data)
+    except InvalidRequest:
         raise InvalidRequest("the message is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict) or body.get("type") != "response.create":
         raise InvalidRequest("a message must be a JSON object with \"type\": \"response.create\"", "type")

@@ -14,10 +14,12 @@ import asyncio
 import base64
 import io
 import json
+import signal
 import time
 
 import aiohttp
 import pytest
+import yaml
 from PIL import Image
 
 from conftest import Appliance, http, model_entry, wait_until
@@ -439,3 +441,36 @@ def test_a_stopping_server_closes_its_sockets_going_away(appliance_factory, demo
             return message.type, ws.close_code, time.monotonic() - started
     kind, code, took = asyncio.run(run())
     assert kind == aiohttp.WSMsgType.CLOSE and code == 1001 and took < 15, (kind, code, took)
+
+
+def test_an_open_socket_answers_only_while_its_key_is_configured(appliance_factory, demo_model):
+    """A socket is authenticated at its upgrade and again at each response.create, as an HTTP request would be with
+    the upgrade's headers: a key a reload removed (or gave another secret) gets a 401 and the socket closes (1008);
+    a key the reload kept goes on, under its new settings."""
+    secrets = {"KEY_BOB": "bob-s3cret-ws", "KEY_EVE": "eve-s3cret-ws"}
+    keys = [{"name": "bob", "key_env": "KEY_BOB"}, {"name": "eve", "key_env": "KEY_EVE"}]
+    app = appliance_factory({"server": {"api_keys": keys}, "models": [model_entry("demo", demo_model)]}, env=secrets)
+    turn = {"model": "demo", "input": "Hi", "max_output_tokens": 2}
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            bob = await session.ws_connect(socket_url(app.base), headers={"Authorization": f"Bearer {secrets['KEY_BOB']}"})
+            eve = await session.ws_connect(socket_url(app.base), headers={"x-api-key": secrets["KEY_EVE"]})
+            before = [final(await socket_turn(ws, turn))["status"] for ws in (bob, eve)]
+            marker = app.logs().count("reloaded")
+            app.config_path.write_text(yaml.safe_dump({
+                "server": {"api_keys": [{**keys[0], "models": ["other"]}], "port": app.port, "host": "127.0.0.1"},
+                "models": [model_entry("demo", demo_model)]}))
+            app.proc.send_signal(signal.SIGHUP)
+            wait_until(lambda: app.logs().count("reloaded") > marker, 30, "the reload")
+            revoked = await socket_turn(eve, turn)
+            closed = await asyncio.wait_for(eve.receive(), 30)
+            narrowed = await socket_turn(bob, turn)
+            await bob.close()
+            return before, revoked[-1], closed.type, closed.data, narrowed[-1]
+    before, revoked, closed, code, narrowed = asyncio.run(run())
+    assert before == ["incomplete", "incomplete"]
+    check("WebSocketErrorEvent", revoked)
+    assert revoked["status"] == 401 and revoked["error"]["code"] == "invalid_api_key", revoked
+    assert closed == aiohttp.WSMsgType.CLOSE and code == 1008
+    assert narrowed["status"] == 404 and narrowed["error"]["code"] == "model_not_found", narrowed  # bob: only "other" now

@@ -151,8 +151,28 @@ class Connection:
         while True:
             await self.respond(await self.pending.get())
 
+    def authenticated(self) -> bool:
+        """Whether the upgrade's headers still present a configured key (a reload may have removed it or changed its
+        secret), as they would on an HTTP request now; the request then carries the key as configured now (its
+        models, priority and limits), which the response's Call reads."""
+        ring = self.sockets.appliance.keys
+        if not ring:  # authentication is off
+            self.request.pop("api_key", None)
+            return True
+        headers = self.request.headers
+        key = ring.identify(headers.get("Authorization", ""), headers.get("x-api-key", ""))
+        if key is None:
+            return False
+        self.request["api_key"] = key
+        return True
+
     async def respond(self, body: dict[str, Any]) -> None:
         """One response.create, counted as an HTTP request is (appliance.front.api.route)."""
+        if not self.authenticated():
+            await self.refuse(RequestFailed(401, "authentication", "the API key this socket presented is no longer "
+                                            "configured (a reload removed or changed it)", "invalid_api_key"))
+            await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"API key no longer configured")
+            return
         started, status = time.monotonic(), UNHANDLED
         call = Call(self.sockets.appliance, "responses", RESPONSES, self.request)
         sink = SocketSink(self.ws)

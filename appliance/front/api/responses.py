@@ -405,13 +405,16 @@ def encrypted_reasoning(reasoning: str) -> str:
 
 
 def decrypted_reasoning(encrypted: str) -> str | None:
-    """The reasoning text of our encrypted_content; None for anything else (another server's)."""
+    """The reasoning text of our encrypted_content; None for anything else (another server's, or a damaged one).
+    Only encrypted_reasoning()'s exact output is read: the base64 decoder skips characters outside its alphabet
+    and stray bits, which would turn a damaged item into some other (or an empty) text."""
     if not encrypted.startswith(ENCRYPTED_PREFIX):
         return None
     try:
-        return base64.urlsafe_b64decode(encrypted[len(ENCRYPTED_PREFIX):].encode()).decode()
+        decoded = base64.urlsafe_b64decode(encrypted[len(ENCRYPTED_PREFIX):].encode()).decode()
     except (binascii.Error, ValueError):
         return None
+    return decoded if encrypted_reasoning(decoded) == encrypted else None
 
 
 def usage(done: Event) -> dict[str, Any]:

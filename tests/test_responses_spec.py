@@ -320,6 +320,26 @@ def test_a_warm_up_generates_nothing_and_is_continued(app):
     assert warm["output"] == [] and warm["usage"]["output_tokens"] == 0 and turn["status"] == "completed"
 
 
+def test_a_warm_up_is_held_to_the_model_s_window_as_a_generation_is(app):
+    """Warm-ups chained by previous_response_id grow the conversation a socket keeps: past the window no
+    generation could take (the demo's 128k tokens, at most 64 characters a token: 8.4M characters), the warm-up
+    is refused as the generation would be, and the conversation does not grow in the server's memory."""
+    async def run():
+        async with aiohttp.ClientSession() as session, session.ws_connect(socket_url(app.base)) as ws:
+            previous, replies = None, []
+            for _ in range(11):
+                body = {"model": "demo", "generate": False, "input": "x" * 900_000}
+                reply = await socket_turn(ws, {**body, "previous_response_id": previous} if previous else body)
+                replies.append(reply[-1])
+                if reply[-1]["type"] == "error":
+                    return replies
+                previous = final(reply)["id"]
+            return replies
+    replies = asyncio.run(run())
+    assert [r["type"] for r in replies] == ["response.completed"] * 9 + ["error"], [r["type"] for r in replies]
+    assert replies[-1]["status"] == 400 and replies[-1]["error"]["code"] == "context_length_exceeded", replies[-1]
+
+
 @pytest.mark.parametrize("sent, param", [
     ("not json", None), ('{"type": "session.update"}', "type"), ('[1, 2]', "type"),
     ('{"type": "response.create", "model": "demo", "input": "Hi", "stream": true}', "stream"),

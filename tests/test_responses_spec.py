@@ -443,9 +443,16 @@ def test_a_socket_presents_its_key_and_each_response_meets_its_limits(appliance_
     first, second, third = asyncio.run(connect({"Authorization": f"Bearer {secret}"}))
     assert final(first)["status"] == final(second)["status"] == "incomplete"
     assert third[-1]["status"] == 429 and third[-1]["error"]["type"] == "rate_limit_error", third[-1]
+
+    async def warm_up():  # a response too, that generates nothing: within the same limits
+        async with aiohttp.ClientSession() as session, \
+                session.ws_connect(socket_url(app.base), headers={"Authorization": f"Bearer {secret}"}) as ws:
+            return await socket_turn(ws, {"model": "demo", "input": "Hi", "generate": False})
+    warm = asyncio.run(warm_up())
+    assert warm[-1]["type"] == "error" and warm[-1]["status"] == 429, warm[-1]
     scrape = samples(app.metrics())
     assert value(scrape, "openarc_requests_total", endpoint="responses", key="bob", status="200") == 2
-    assert value(scrape, "openarc_requests_total", endpoint="responses", key="bob", status="429") == 1
+    assert value(scrape, "openarc_requests_total", endpoint="responses", key="bob", status="429") == 2
 
 
 def test_a_stopping_server_closes_its_sockets_going_away(appliance_factory, demo_model):

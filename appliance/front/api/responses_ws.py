@@ -35,7 +35,7 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from appliance.front import keys
-from appliance.front.api import sse
+from appliance.front.api import lookup, sse
 from appliance.front.api.errors import InvalidRequest, error_response
 from appliance.front.api.fields import flag, parse_json
 from appliance.front.api.images import body_limit
@@ -43,6 +43,7 @@ from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.responses import RESPONSES, ResponseStream, parse_responses
 from appliance.front.api.route import CLIENT_CLOSED, UNHANDLED, Call, as_failure, counted
 from appliance.front.request import Event, RequestFailed
+from appliance.config.kinds import GENERATIVE_KINDS
 
 log = logging.getLogger("openarc.front")
 
@@ -213,6 +214,7 @@ class Connection:
 
     async def warm_up(self, call: Call, body: dict[str, Any], sink: SocketSink) -> None:
         """generate: false: the request checked and kept for a continuation; a response with no output."""
+        lookup.admit_early(self.sockets.appliance, body, call, GENERATIVE_KINDS)  # the key's models and limits
         req = self.parse(body, call.key)
         self.route.servable(call, req.gen)  # as a generation would be: its model served, its prompt within the window
         stream = ResponseStream(req)

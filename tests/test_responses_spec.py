@@ -23,8 +23,8 @@ import yaml
 from PIL import Image
 
 from conftest import Appliance, http, model_entry, wait_until
-from openresponses_spec import (TRANSPORTS, check, check_event, final, over_socket, socket_turn, socket_turns,
-                                socket_url, streamed, whole)
+from openresponses_spec import (SCHEMAS, TRANSPORTS, check, check_event, final, over_socket, socket_turn,
+                                socket_turns, socket_url, streamed, whole)
 from test_metrics import samples, value
 
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Get the current weather for a location",
@@ -112,6 +112,24 @@ def test_the_response_repeats_the_settings_it_was_made_with(app):
     set_ = whole(app.base, {"model": "demo", "input": "Hi", **asked})
     assert {key: set_[key] for key in asked} == {**asked, "service_tier": "default"}
     assert set_["usage"]["output_tokens"] <= 7
+
+
+@pytest.mark.parametrize("sent", [
+    {"type": "json_schema", "name": "city", "schema": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    {"type": "json_schema", "name": "city", "description": "A city.", "strict": False,
+     "schema": {"type": "object", "properties": {"city": {"type": "string"}}}},
+])
+def test_a_json_schema_format_is_repeated_with_every_field_the_spec_requires(app, sent):
+    """The spec's JsonSchemaResponseFormat requires description and strict (an unset description is null; strict is
+    what was sent, else true: the schema is always enforced). Its `schema` is typed null in the spec (1e33c10), which
+    no server that repeats the schema meets: that one field is left out of the check."""
+    status, _, reply = http("POST", app.base + "/v1/responses", {"model": "demo", "input": "Hi", "max_output_tokens": 4,
+                                                                  "text": {"format": sent}})
+    assert status == 200, reply
+    echoed = reply["text"]["format"]
+    assert set(SCHEMAS["JsonSchemaResponseFormat"]["required"]) <= set(echoed), echoed
+    assert echoed == {"description": None, "strict": True, **sent}
+    check("ResponseResource", {**reply, "text": {"format": {**echoed, "schema": None}}})
 
 
 @pytest.mark.parametrize("body, param, code", [

@@ -140,7 +140,7 @@ def parse_responses(body: Any, store: ResponseStore, key: str,
     echo = {"instructions": body.get("instructions"), "max_output_tokens": params["max_tokens"],
             **sampling_echo(body, params), "parallel_tool_calls": tools.parallel,
             "tool_choice": body.get("tool_choice") or "auto", "tools": [_response_tool(t) for t in flat.echo],
-            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+            "text": {"format": _format_echo((body.get("text") or {}).get("format"))},
             "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": (reasoning or {}).get("summary")},
             "metadata": body.get("metadata") or {}, "store": keep, "previous_response_id": previous}
     return ResponsesRequest(gen, echo, history, keep, previous, "reasoning.encrypted_content" in include,
@@ -255,6 +255,17 @@ def _chat_tool(tool: Any, i: int) -> Any:
     if function["strict"] is None:
         function["strict"] = True
     return {"type": "function", "function": function}
+
+
+def _format_echo(fmt: Any) -> dict[str, Any]:
+    """text.format as the response object repeats it: a json_schema format with every field the spec requires (no
+    description: null; strict as sent, else true, as for a function tool: the schema is always enforced here)."""
+    if not fmt:
+        return {"type": "text"}
+    if fmt.get("type") != "json_schema":
+        return fmt
+    strict = fmt.get("strict")
+    return {**fmt, "description": fmt.get("description"), "strict": True if strict is None else strict}
 
 
 def _response_tool(tool: dict[str, Any]) -> dict[str, Any]:

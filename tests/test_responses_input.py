@@ -21,7 +21,13 @@ ITEMS = st.one_of(
     st.builds(lambda text: {"type": "message", "role": "user", "content": text}, st.text(max_size=5)),
     st.builds(lambda call_id: {"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"}, IDS),
     st.builds(lambda call_id: {"type": "function_call_output", "call_id": call_id, "output": "ok"}, IDS),
+    st.builds(lambda call_id: {"type": "tool_search_call", "call_id": call_id, "execution": "client",
+                               "arguments": {"query": "q"}}, IDS),
+    st.builds(lambda call_id: {"type": "tool_search_output", "call_id": call_id, "execution": "client",
+                               "tools": []}, IDS),
 )
+CALLS = ("function_call", "tool_search_call")
+OUTPUTS = ("function_call_output", "tool_search_output")
 
 
 def parse(items):
@@ -34,15 +40,15 @@ def test_a_tool_output_is_taken_exactly_when_its_call_came_before(items):
     called: set[str] = set()
     unanswerable = None
     for i, item in enumerate(items):
-        if item["type"] == "function_call":
+        if item["type"] in CALLS:
             called.add(item["call_id"])
-        elif item["type"] == "function_call_output" and item["call_id"] not in called and unanswerable is None:
+        elif item["type"] in OUTPUTS and item["call_id"] not in called and unanswerable is None:
             unanswerable = i
     if unanswerable is None:
         messages = parse(items).gen.messages
         assert all(not key.startswith("_") for m in messages for key in m)  # no mark of the parse is left behind
         assert [m["tool_call_id"] for m in messages if m["role"] == "tool"] == [
-            item["call_id"] for item in items if item["type"] == "function_call_output"]
+            item["call_id"] for item in items if item["type"] in OUTPUTS]
     else:
         with pytest.raises(InvalidRequest) as refused:
             parse(items)

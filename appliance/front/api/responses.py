@@ -346,21 +346,22 @@ def _loaded_tools(item: dict, where: str, flat: FlatTools) -> dict[str, Any]:
     names = [tool.get("name") for tool in flat.add(tools, f"{where}.tools", loaded=True) if isinstance(tool, dict)]
     loaded = ", ".join(str(name) for name in names) if names else "none"
     return {"role": "tool", "tool_call_id": text(item.get("call_id"), f"{where}.call_id"),
-            "content": f"Tools loaded: {loaded}"}
+            "content": f"Tools loaded: {loaded}", WHERE: where}
 
 
 def check_call_outputs(turns: list[dict[str, Any]]) -> None:
-    """Every tool result answers a call made before it (in the input, or in the stored response it chains): one
-    whose call_id matches none would reach the model as an answer to a question nobody asked. The turns lose the
-    mark of where each result came from."""
+    """Every tool result (a function's, a custom tool's, a tool search's) answers a call made before it (in the
+    input, or in the stored response it chains): one whose call_id matches none would reach the model as an answer
+    to a question nobody asked. The turns lose the mark of where each result came from."""
     calls: set[str] = set()
     for turn in turns:
         calls.update(call["id"] for call in turn.get("tool_calls") or ())
         where = turn.pop(WHERE, None)
         turn.pop(COMPACTED, None)
         if turn["role"] == "tool" and where is not None and turn["tool_call_id"] not in calls:
-            raise InvalidRequest(f"'{where}.call_id': no function_call with call_id '{turn['tool_call_id']}' comes "
-                                 "before this output (in the input or the previous response)", f"{where}.call_id",
+            raise InvalidRequest(f"'{where}.call_id': no call with call_id '{turn['tool_call_id']}' (a function_call, "
+                                 "custom_tool_call or tool_search_call) comes before this output (in the input or the "
+                                 "previous response)", f"{where}.call_id",
                                  "unknown_call_id")
 
 

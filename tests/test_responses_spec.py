@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import signal
@@ -521,3 +522,32 @@ def test_an_open_socket_answers_only_while_its_key_is_configured(appliance_facto
     assert closed == aiohttp.WSMsgType.CLOSE and code == 1008
     # bob goes on, under the models the reload gave him: only "other" now
     assert narrowed["status"] == 404 and narrowed["error"]["code"] == "model_not_found", narrowed
+
+
+def test_sockets_whose_peer_stopped_answering_are_closed_and_free_their_key_s_places(appliance_factory, demo_model):
+    """A peer gone silent (a NAT that dropped the connection, a frozen client: here, one that answers no ping) would
+    hold its place among the key's MAX_SOCKETS_PER_KEY for good; the server's heartbeat (shortened here) closes it,
+    while a socket that answers its pings stays open and answers."""
+    from appliance.front.api.responses_ws import MAX_SOCKETS_PER_KEY
+    app = appliance_factory({"models": [model_entry("demo", demo_model)]}, env={"OPENARC_DEBUG_WS_HEARTBEAT_S": "0.5"})
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            alive = await session.ws_connect(socket_url(app.base))  # answers pings while it reads
+            silent = [await session.ws_connect(socket_url(app.base), autoping=False)
+                      for _ in range(MAX_SOCKETS_PER_KEY - 1)]
+            started = time.monotonic()
+            while True:
+                try:
+                    another = await session.ws_connect(socket_url(app.base))
+                    break
+                except aiohttp.WSServerHandshakeError as exc:
+                    assert exc.status == 429 and time.monotonic() - started < 30, "the silent sockets still held"
+                    with contextlib.suppress(asyncio.TimeoutError):  # aiohttp answers a ping inside receive()
+                        await alive.receive(timeout=0.2)
+            answered = final(await socket_turn(alive, {"model": "demo", "input": "Hi", "max_output_tokens": 2}))
+            for ws in [alive, another, *silent]:
+                with contextlib.suppress(ConnectionError):  # the silent ones are closed already
+                    await ws.close()
+            return answered
+    assert asyncio.run(run())["status"] == "incomplete"

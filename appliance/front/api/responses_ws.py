@@ -18,7 +18,8 @@ checked and kept for a continuation, and nothing is generated.
 
 Bounds: a message is at most the server's request-body limit (images included; aiohttp closes with 1009 past it), a
 connection takes at most MAX_MESSAGES messages, a key holds at most MAX_SOCKETS_PER_KEY sockets and the server
-MAX_SOCKETS (a 429, websocket_connection_limit_reached, before the upgrade).
+MAX_SOCKETS (a 429, websocket_connection_limit_reached, before the upgrade); a socket whose peer answers no ping
+within the heartbeat is closed, freeing its place.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
@@ -53,6 +55,9 @@ MAX_MESSAGES = 10_000  # per connection: a client past it opens a new one
 MAX_PENDING = 4  # response.create messages waiting behind the running one
 CACHED_RESPONSES = 16  # per connection, for previous_response_id
 TRANSPORT_FIELDS = ("stream", "stream_options", "background")
+# A peer gone silent (a NAT that dropped the connection, a frozen client) would hold one of its key's places for
+# good: the server pings every HEARTBEAT_S and closes a socket whose pong has not come within half of it.
+HEARTBEAT_S = float(os.environ.get("OPENARC_DEBUG_WS_HEARTBEAT_S") or 30)
 
 
 class ResponsesSockets:
@@ -72,7 +77,8 @@ class ResponsesSockets:
     async def handler(self, request: web.Request) -> web.StreamResponse:
         # no permessage-deflate: the events are small and many, and deflating each (in a thread, past a few KB) costs
         # a turn more time than it saves on loopback or a LAN
-        ws = web.WebSocketResponse(max_msg_size=body_limit(self.appliance.config), compress=False)
+        ws = web.WebSocketResponse(max_msg_size=body_limit(self.appliance.config), compress=False,
+                                   heartbeat=HEARTBEAT_S)
         if not ws.can_prepare(request).ok:
             return error_response(400, "GET /v1/responses is WebSocket mode: connect with a WebSocket upgrade "
                                        "(POST /v1/responses creates a response over HTTP)", "websocket_required")

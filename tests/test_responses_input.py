@@ -8,19 +8,26 @@ from __future__ import annotations
 import base64
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.input_parts import chat_parts
 from appliance.front.api.response_store import ResponseStore
-from appliance.front.api.responses import COMPACTION_PREFIX, encrypted_reasoning, parse_responses
+from appliance.front.api.responses import (COMPACTION_PREFIX, ENCRYPTED_PREFIX, encrypted_reasoning,
+                                           parse_responses)
 
 IDS = st.sampled_from(["call_a", "call_b", "call_c"])
 ITEMS = st.one_of(
     st.builds(lambda text: {"type": "message", "role": "user", "content": text}, st.text(max_size=5)),
     st.builds(lambda call_id: {"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"}, IDS),
     st.builds(lambda call_id: {"type": "function_call_output", "call_id": call_id, "output": "ok"}, IDS),
+    st.builds(lambda call_id: {"type": "tool_search_call", "call_id": call_id, "execution": "client",
+                               "arguments": {"query": "q"}}, IDS),
+    st.builds(lambda call_id: {"type": "tool_search_output", "call_id": call_id, "execution": "client",
+                               "tools": []}, IDS),
 )
+CALLS = ("function_call", "tool_search_call")
+OUTPUTS = ("function_call_output", "tool_search_output")
 
 
 def parse(items):
@@ -33,15 +40,15 @@ def test_a_tool_output_is_taken_exactly_when_its_call_came_before(items):
     called: set[str] = set()
     unanswerable = None
     for i, item in enumerate(items):
-        if item["type"] == "function_call":
+        if item["type"] in CALLS:
             called.add(item["call_id"])
-        elif item["type"] == "function_call_output" and item["call_id"] not in called and unanswerable is None:
+        elif item["type"] in OUTPUTS and item["call_id"] not in called and unanswerable is None:
             unanswerable = i
     if unanswerable is None:
         messages = parse(items).gen.messages
         assert all(not key.startswith("_") for m in messages for key in m)  # no mark of the parse is left behind
         assert [m["tool_call_id"] for m in messages if m["role"] == "tool"] == [
-            item["call_id"] for item in items if item["type"] == "function_call_output"]
+            item["call_id"] for item in items if item["type"] in OUTPUTS]
     else:
         with pytest.raises(InvalidRequest) as refused:
             parse(items)
@@ -125,3 +132,20 @@ def test_a_fault_of_ours_mid_stream_ends_it_with_the_spec_s_error_and_failed_eve
     response = final(sink.sent)
     assert sink.sent[-2]["type"] == "error" and sink.sent[-2]["error"]["code"] == "internal_error"
     assert response["status"] == "failed" and response["error"]["message"] == "internal server error"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_=+/!. é", max_size=24))
+@example("!!!")  # once taken as an empty summary: the decoder skipped what is not base64
+@example("AB==")  # base64 of b"\x00" with stray bits: not what this server wrote
+def test_a_compaction_item_is_taken_exactly_when_this_server_wrote_it(payload):
+    """Only an encrypted_content that encrypted_reasoning() made (its exact encoding) is read back: a damaged or
+    foreign one is a 400, never a summary made of what a lenient decoder kept."""
+    encrypted = ENCRYPTED_PREFIX + payload
+    try:
+        messages = parse([{"type": "compaction", "encrypted_content": encrypted}]).gen.messages
+    except InvalidRequest as refused:
+        assert refused.code == "invalid_compaction" and refused.param == "input[0].encrypted_content"
+        return
+    summary = messages[0]["content"].removeprefix(COMPACTION_PREFIX)
+    assert encrypted_reasoning(summary) == encrypted

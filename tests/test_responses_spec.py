@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
+import signal
 import time
 
 import aiohttp
 import pytest
+import yaml
 from PIL import Image
 
 from conftest import Appliance, http, model_entry, wait_until
-from openresponses_spec import (TRANSPORTS, check, check_event, final, over_socket, socket_turn, socket_turns,
-                                socket_url, streamed, whole)
+from openresponses_spec import (SCHEMAS, TRANSPORTS, check, check_event, final, over_socket, socket_turn,
+                                socket_turns, socket_url, streamed, whole)
 from test_metrics import samples, value
 
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Get the current weather for a location",
@@ -110,6 +113,24 @@ def test_the_response_repeats_the_settings_it_was_made_with(app):
     set_ = whole(app.base, {"model": "demo", "input": "Hi", **asked})
     assert {key: set_[key] for key in asked} == {**asked, "service_tier": "default"}
     assert set_["usage"]["output_tokens"] <= 7
+
+
+@pytest.mark.parametrize("sent", [
+    {"type": "json_schema", "name": "city", "schema": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    {"type": "json_schema", "name": "city", "description": "A city.", "strict": False,
+     "schema": {"type": "object", "properties": {"city": {"type": "string"}}}},
+])
+def test_a_json_schema_format_is_repeated_with_every_field_the_spec_requires(app, sent):
+    """The spec's JsonSchemaResponseFormat requires description and strict (an unset description is null; strict is
+    what was sent, else true: the schema is always enforced). Its `schema` is typed null in the spec (1e33c10), which
+    no server that repeats the schema meets: that one field is left out of the check."""
+    status, _, reply = http("POST", app.base + "/v1/responses", {"model": "demo", "input": "Hi", "max_output_tokens": 4,
+                                                                  "text": {"format": sent}})
+    assert status == 200, reply
+    echoed = reply["text"]["format"]
+    assert set(SCHEMAS["JsonSchemaResponseFormat"]["required"]) <= set(echoed), echoed
+    assert echoed == {"description": None, "strict": True, **sent}
+    check("ResponseResource", {**reply, "text": {"format": {**echoed, "schema": None}}})
 
 
 @pytest.mark.parametrize("body, param, code", [
@@ -318,13 +339,36 @@ def test_a_warm_up_generates_nothing_and_is_continued(app):
     assert warm["output"] == [] and warm["usage"]["output_tokens"] == 0 and turn["status"] == "completed"
 
 
+def test_a_warm_up_is_held_to_the_model_s_window_as_a_generation_is(app):
+    """Warm-ups chained by previous_response_id grow the conversation a socket keeps: past the window no
+    generation could take (the demo's 128k tokens, at most 64 characters a token: 8.4M characters), the warm-up
+    is refused as the generation would be, and the conversation does not grow in the server's memory."""
+    async def run():
+        async with aiohttp.ClientSession() as session, session.ws_connect(socket_url(app.base)) as ws:
+            previous, replies = None, []
+            for _ in range(11):
+                body = {"model": "demo", "generate": False, "input": "x" * 900_000}
+                reply = await socket_turn(ws, {**body, "previous_response_id": previous} if previous else body)
+                replies.append(reply[-1])
+                if reply[-1]["type"] == "error":
+                    return replies
+                previous = final(reply)["id"]
+            return replies
+    replies = asyncio.run(run())
+    assert [r["type"] for r in replies] == ["response.completed"] * 9 + ["error"], [r["type"] for r in replies]
+    assert replies[-1]["status"] == 400 and replies[-1]["error"]["code"] == "context_length_exceeded", replies[-1]
+
+
 @pytest.mark.parametrize("sent, param", [
     ("not json", None), ('{"type": "session.update"}', "type"), ('[1, 2]', "type"),
     ('{"type": "response.create", "model": "demo", "input": "Hi", "stream": true}', "stream"),
     ('{"type": "response.create", "model": "demo", "input": "Hi", "background": false}', "background"),
     ('{"type": "response.create", "model": "nope", "input": "Hi"}', None),
     ('{"type": "response.create", "model": "demo", "input": "Hi", "generate": "no"}', "generate"),
-])
+    # nested past the JSON decoder's recursion limit, well inside the size bound: refused like any bad JSON
+    ("[" * 100_000 + "]" * 100_000, None),
+    ('{"type": "response.create", "model": "demo", "input": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
+], ids=lambda sent: sent[:48] if isinstance(sent, str) else None)
 def test_malformed_messages_get_an_error_and_the_socket_goes_on(app, sent, param):
     async def run():
         async with aiohttp.ClientSession() as session, session.ws_connect(socket_url(app.base)) as ws:
@@ -418,9 +462,16 @@ def test_a_socket_presents_its_key_and_each_response_meets_its_limits(appliance_
     first, second, third = asyncio.run(connect({"Authorization": f"Bearer {secret}"}))
     assert final(first)["status"] == final(second)["status"] == "incomplete"
     assert third[-1]["status"] == 429 and third[-1]["error"]["type"] == "rate_limit_error", third[-1]
+
+    async def warm_up():  # a response too, that generates nothing: within the same limits
+        async with aiohttp.ClientSession() as session, \
+                session.ws_connect(socket_url(app.base), headers={"Authorization": f"Bearer {secret}"}) as ws:
+            return await socket_turn(ws, {"model": "demo", "input": "Hi", "generate": False})
+    warm = asyncio.run(warm_up())
+    assert warm[-1]["type"] == "error" and warm[-1]["status"] == 429, warm[-1]
     scrape = samples(app.metrics())
     assert value(scrape, "openarc_requests_total", endpoint="responses", key="bob", status="200") == 2
-    assert value(scrape, "openarc_requests_total", endpoint="responses", key="bob", status="429") == 1
+    assert value(scrape, "openarc_requests_total", endpoint="responses", key="bob", status="429") == 2
 
 
 def test_a_stopping_server_closes_its_sockets_going_away(appliance_factory, demo_model):
@@ -436,3 +487,67 @@ def test_a_stopping_server_closes_its_sockets_going_away(appliance_factory, demo
             return message.type, ws.close_code, time.monotonic() - started
     kind, code, took = asyncio.run(run())
     assert kind == aiohttp.WSMsgType.CLOSE and code == 1001 and took < 15, (kind, code, took)
+
+
+def test_an_open_socket_answers_only_while_its_key_is_configured(appliance_factory, demo_model):
+    """A socket is authenticated at its upgrade and again at each response.create, as an HTTP request would be with
+    the upgrade's headers: a key a reload removed (or gave another secret) gets a 401 and the socket closes (1008);
+    a key the reload kept goes on, under its new settings."""
+    secrets = {"KEY_BOB": "bob-s3cret-ws", "KEY_EVE": "eve-s3cret-ws"}
+    keys = [{"name": "bob", "key_env": "KEY_BOB"}, {"name": "eve", "key_env": "KEY_EVE"}]
+    app = appliance_factory({"server": {"api_keys": keys}, "models": [model_entry("demo", demo_model)]}, env=secrets)
+    turn = {"model": "demo", "input": "Hi", "max_output_tokens": 2}
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            bob = await session.ws_connect(socket_url(app.base),
+                                           headers={"Authorization": f"Bearer {secrets['KEY_BOB']}"})
+            eve = await session.ws_connect(socket_url(app.base), headers={"x-api-key": secrets["KEY_EVE"]})
+            before = [final(await socket_turn(ws, turn))["status"] for ws in (bob, eve)]
+            marker = app.logs().count("reloaded")
+            app.config_path.write_text(yaml.safe_dump({
+                "server": {"api_keys": [{**keys[0], "models": ["other"]}], "port": app.port, "host": "127.0.0.1"},
+                "models": [model_entry("demo", demo_model)]}))
+            app.proc.send_signal(signal.SIGHUP)
+            wait_until(lambda: app.logs().count("reloaded") > marker, 30, "the reload")
+            revoked = await socket_turn(eve, turn)
+            closed = await asyncio.wait_for(eve.receive(), 30)
+            narrowed = await socket_turn(bob, turn)
+            await bob.close()
+            return before, revoked[-1], closed.type, closed.data, narrowed[-1]
+    before, revoked, closed, code, narrowed = asyncio.run(run())
+    assert before == ["incomplete", "incomplete"]
+    check("WebSocketErrorEvent", revoked)
+    assert revoked["status"] == 401 and revoked["error"]["code"] == "invalid_api_key", revoked
+    assert closed == aiohttp.WSMsgType.CLOSE and code == 1008
+    # bob goes on, under the models the reload gave him: only "other" now
+    assert narrowed["status"] == 404 and narrowed["error"]["code"] == "model_not_found", narrowed
+
+
+def test_sockets_whose_peer_stopped_answering_are_closed_and_free_their_key_s_places(appliance_factory, demo_model):
+    """A peer gone silent (a NAT that dropped the connection, a frozen client: here, one that answers no ping) would
+    hold its place among the key's MAX_SOCKETS_PER_KEY for good; the server's heartbeat (shortened here) closes it,
+    while a socket that answers its pings stays open and answers."""
+    from appliance.front.api.responses_ws import MAX_SOCKETS_PER_KEY
+    app = appliance_factory({"models": [model_entry("demo", demo_model)]}, env={"OPENARC_DEBUG_WS_HEARTBEAT_S": "0.5"})
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            alive = await session.ws_connect(socket_url(app.base))  # answers pings while it reads
+            silent = [await session.ws_connect(socket_url(app.base), autoping=False)
+                      for _ in range(MAX_SOCKETS_PER_KEY - 1)]
+            started = time.monotonic()
+            while True:
+                try:
+                    another = await session.ws_connect(socket_url(app.base))
+                    break
+                except aiohttp.WSServerHandshakeError as exc:
+                    assert exc.status == 429 and time.monotonic() - started < 30, "the silent sockets still held"
+                    with contextlib.suppress(asyncio.TimeoutError):  # aiohttp answers a ping inside receive()
+                        await alive.receive(timeout=0.2)
+            answered = final(await socket_turn(alive, {"model": "demo", "input": "Hi", "max_output_tokens": 2}))
+            for ws in [alive, another, *silent]:
+                with contextlib.suppress(ConnectionError):  # the silent ones are closed already
+                    await ws.close()
+            return answered
+    assert asyncio.run(run())["status"] == "incomplete"

@@ -94,13 +94,20 @@ class DialectRoute:
         async with self.generation.with_images(gen, sup, call) as (sup, place):
             return await self._run(call, req, sink, sup, place)
 
+    def servable(self, call: Call, gen, sup=None):
+        """The served model `gen` names (`sup` if looked up already), once its prompt can fit the model's window: a
+        prompt that cannot costs the worker nothing, and a conversation kept for later (a WebSocket's warm-up) never
+        grows past what a generation could take."""
+        served = sup or lookup.model_served(self.appliance, gen.model, call, GENERATIVE_KINDS)
+        prompt_fits(gen, served.spec["max_context"])
+        return served
+
     async def _run(self, call: Call, req, sink, sup=None, place=None) -> Any:
         """`req` answered into `sink` (a stream) or as one whole object; `sup`: its model, ready (with `place`, the
         queue place its images held), or None: it is looked up (and waited for) as the answer begins, keep-alives
         going out once a stream waits (appliance.front.api.stream_start)."""
         gen = req.gen
-        served = sup or lookup.model_served(self.appliance, gen.model, call, GENERATIVE_KINDS)
-        prompt_fits(gen, served.spec["max_context"])  # a prompt that cannot fit costs the worker nothing
+        served = self.servable(call, gen, sup)
         opened: list = []  # (its model, the request's handle) once it is admitted
 
         async def first():

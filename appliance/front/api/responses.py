@@ -143,7 +143,7 @@ def parse_responses(body: Any, store: ResponseStore, key: str,
     echo = {"instructions": body.get("instructions"), "max_output_tokens": params["max_tokens"],
             **sampling_echo(body, params), "parallel_tool_calls": tools.parallel,
             "tool_choice": body.get("tool_choice") or "auto", "tools": [_response_tool(t) for t in flat.echo],
-            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+            "text": {"format": _format_echo((body.get("text") or {}).get("format"))},
             "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": (reasoning or {}).get("summary")},
             "metadata": body.get("metadata") or {}, "store": keep, "previous_response_id": previous}
     return ResponsesRequest(gen, echo, history, keep, previous, "reasoning.encrypted_content" in include,
@@ -260,6 +260,17 @@ def _chat_tool(tool: Any, where: str) -> Any:
     return {"type": "function", "function": function}
 
 
+def _format_echo(fmt: Any) -> dict[str, Any]:
+    """text.format as the response object repeats it: a json_schema format with every field the spec requires (no
+    description: null; strict as sent, else true, as for a function tool: the schema is always enforced here)."""
+    if not fmt:
+        return {"type": "text"}
+    if fmt.get("type") != "json_schema":
+        return fmt
+    strict = fmt.get("strict")
+    return {**fmt, "description": fmt.get("description"), "strict": True if strict is None else strict}
+
+
 def _response_tool(tool: dict[str, Any]) -> dict[str, Any]:
     """A served tool as the response object repeats it (a namespace or tool_search as it was sent)."""
     if tool.get("type") == "custom":
@@ -342,17 +353,18 @@ def _loaded_tools(item: dict, where: str, flat: FlatTools) -> dict[str, Any]:
 
 
 def check_call_outputs(turns: list[dict[str, Any]]) -> None:
-    """Every tool result answers a call made before it (in the input, or in the stored response it chains): one
-    whose call_id matches none would reach the model as an answer to a question nobody asked. The turns lose the
-    mark of where each result came from."""
+    """Every tool result (a function's, a custom tool's, a tool search's) answers a call made before it (in the
+    input, or in the stored response it chains): one whose call_id matches none would reach the model as an answer
+    to a question nobody asked. The turns lose the mark of where each result came from."""
     calls: set[str] = set()
     for turn in turns:
         calls.update(call["id"] for call in turn.get("tool_calls") or ())
         where = turn.pop(WHERE, None)
         turn.pop(COMPACTED, None)
         if turn["role"] == "tool" and where is not None and turn["tool_call_id"] not in calls:
-            raise InvalidRequest(f"'{where}.call_id': no function_call with call_id '{turn['tool_call_id']}' comes "
-                                 "before this output (in the input or the previous response)", f"{where}.call_id",
+            raise InvalidRequest(f"'{where}.call_id': no call with call_id '{turn['tool_call_id']}' (a function_call, "
+                                 "custom_tool_call or tool_search_call) comes before this output (in the input or the "
+                                 "previous response)", f"{where}.call_id",
                                  "unknown_call_id")
 
 
@@ -408,13 +420,16 @@ def encrypted_reasoning(reasoning: str) -> str:
 
 
 def decrypted_reasoning(encrypted: str) -> str | None:
-    """The reasoning text of our encrypted_content; None for anything else (another server's)."""
+    """The reasoning text of our encrypted_content; None for anything else (another server's, or a damaged one).
+    Only encrypted_reasoning()'s exact output is read: the base64 decoder skips characters outside its alphabet
+    and stray bits, which would turn a damaged item into some other (or an empty) text."""
     if not encrypted.startswith(ENCRYPTED_PREFIX):
         return None
     try:
-        return base64.urlsafe_b64decode(encrypted[len(ENCRYPTED_PREFIX):].encode()).decode()
+        decoded = base64.urlsafe_b64decode(encrypted[len(ENCRYPTED_PREFIX):].encode()).decode()
     except (binascii.Error, ValueError):
         return None
+    return decoded if encrypted_reasoning(decoded) == encrypted else None
 
 
 def usage(done: Event) -> dict[str, Any]:

@@ -18,7 +18,8 @@ checked and kept for a continuation, and nothing is generated.
 
 Bounds: a message is at most the server's request-body limit (images included; aiohttp closes with 1009 past it), a
 connection takes at most MAX_MESSAGES messages, a key holds at most MAX_SOCKETS_PER_KEY sockets and the server
-MAX_SOCKETS (a 429, websocket_connection_limit_reached, before the upgrade).
+MAX_SOCKETS (a 429, websocket_connection_limit_reached, before the upgrade); a socket whose peer answers no ping
+within the heartbeat is closed, freeing its place.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import collections
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -38,7 +39,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from appliance.front import keys
 from appliance.front.api import lookup, sse
 from appliance.front.api.errors import InvalidRequest, error_response
-from appliance.front.api.fields import flag
+from appliance.front.api.fields import flag, parse_json
 from appliance.front.api.images import body_limit
 from appliance.front.api.response_store import ResponseStore
 from appliance.front.api.responses import RESPONSES, ResponseStream, parse_responses
@@ -55,6 +56,9 @@ MAX_MESSAGES = 10_000  # per connection: a client past it opens a new one
 MAX_PENDING = 4  # response.create messages waiting behind the running one
 CACHED_RESPONSES = 16  # per connection, for previous_response_id
 TRANSPORT_FIELDS = ("stream", "stream_options", "background")
+# A peer gone silent (a NAT that dropped the connection, a frozen client) would hold one of its key's places for
+# good: the server pings every HEARTBEAT_S and closes a socket whose pong has not come within half of it.
+HEARTBEAT_S = float(os.environ.get("OPENARC_DEBUG_WS_HEARTBEAT_S") or 30)
 
 
 class ResponsesSockets:
@@ -74,7 +78,8 @@ class ResponsesSockets:
     async def handler(self, request: web.Request) -> web.StreamResponse:
         # no permessage-deflate: the events are small and many, and deflating each (in a thread, past a few KB) costs
         # a turn more time than it saves on loopback or a LAN
-        ws = web.WebSocketResponse(max_msg_size=body_limit(self.appliance.config), compress=False)
+        ws = web.WebSocketResponse(max_msg_size=body_limit(self.appliance.config), compress=False,
+                                   heartbeat=HEARTBEAT_S)
         if not ws.can_prepare(request).ok:
             return error_response(400, "GET /v1/responses is WebSocket mode: connect with a WebSocket upgrade "
                                        "(POST /v1/responses creates a response over HTTP)", "websocket_required")
@@ -145,6 +150,9 @@ class Connection:
         except asyncio.QueueFull:
             await self.refuse(RequestFailed(429, "rate_limited", f"{MAX_PENDING} responses already wait on this "
                                             "connection behind the running one", "too_many_pending_responses"))
+        except Exception:  # noqa: BLE001 - a fault of ours with one message must not end the connection
+            log.exception("unhandled error reading a WebSocket message")
+            await self.refuse(RequestFailed(500, "internal_error", "internal server error", "internal_error"))
 
     async def _run_pending(self) -> None:
         while True:
@@ -208,8 +216,9 @@ class Connection:
 
     async def warm_up(self, call: Call, body: dict[str, Any], sink: SocketSink) -> None:
         """generate: false: the request checked and kept for a continuation; a response with no output."""
+        lookup.admit_early(self.sockets.appliance, body, call, GENERATIVE_KINDS)  # the key's models and limits
         req = self.parse(body, call.key)
-        lookup.model_served(self.sockets.appliance, req.gen.model, call, GENERATIVE_KINDS)
+        self.route.servable(call, req.gen)  # as a generation would be: its model served, its prompt within the window
         stream = ResponseStream(req)
         await sink.send(stream.start(None))
         await sink.send(stream.finish(Event("done", finish_reason="stop"), "stop"))
@@ -244,9 +253,9 @@ class Connection:
 
 def create_event(data: str) -> dict[str, Any]:
     """A response.create message's body as a streamed /v1/responses request's."""
-    try:
-        body = json.loads(data)
-    except ValueError:
+    try:  # the request bodies' parser: too deep a nesting is bad JSON too, not a RecursionError ending the socket
+        body = parse_json(data)
+    except InvalidRequest:
         raise InvalidRequest("the message is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict) or body.get("type") != "response.create":
         raise InvalidRequest("a message must be a JSON object with \"type\": \"response.create\"", "type")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -71,7 +72,7 @@ class HealthRoutes:
             machine = box.Box(os.environ.get(SYSTEM_ROOT_ENV, "/"))
             self.card_facts = await asyncio.get_running_loop().run_in_executor(None, cards.card_facts, machine)
         return web.json_response({"version": __version__, "uptime_s": round(time.time() - appliance.started, 3),
-                                  "draining": appliance.draining, "residency": sup.placement.summary(),
+                                  "draining": appliance.draining, "residency": residency_view(sup, key),
                                   "keys": [k.status() for k in appliance.keys.keys
                                            if key is None or key.operator or k is key],
                                   "cards": cards.status_view(self.card_facts, sentinel.in_force),
@@ -97,3 +98,12 @@ def window_fields(spec: dict) -> dict[str, int]:
     if spec["kind"] not in GENERATIVE_KINDS:
         return {}
     return {"context_length": spec["max_context"], "max_model_len": spec["max_context"]}
+
+
+def residency_view(sup, key) -> dict[str, Any]:
+    """The residency summary as `key` may see it: a named key sees the worker processes of its own models (and the
+    parked spares, which hold no model), never another model's name (docs/sharing.md)."""
+    summary = sup.placement.summary()
+    if key is not None and not key.operator:
+        summary["workers"] = [w for w in summary["workers"] if w.get("model") is None or key.may_use(w["model"])]
+    return summary

@@ -466,7 +466,7 @@ class ResponseStream(ItemStream):
         return type_, {"type": type_, "sequence_number": self.sequence - 1, **data}
 
     def start(self, first: Event) -> Events:
-        if first is not None and first.max_tokens is not None:  # the limit the worker fitted to the window is the one the answer has
+        if isinstance(first, Event) and first.max_tokens is not None:  # the limit the worker fitted to the window is the one the answer has
             self.req.echo["max_output_tokens"] = first.max_tokens
         return [self.event("response.created", response=self.envelope("in_progress")),
                 self.event("response.in_progress", response=self.envelope("in_progress"))]

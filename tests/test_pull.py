@@ -163,7 +163,9 @@ def test_add_appends_an_entry_check_config_accepts_and_serve_serves(hub, demo_di
     checked = subprocess.run([sys.executable, "-m", "appliance", "check-config", str(config)], cwd=REPO,
                              capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stderr
-    assert checked.stdout.strip() == f"{config}: OK: embed (CPU, embedding), chat (CPU)"
+    first, *window = checked.stdout.strip().splitlines()
+    assert first == f"{config}: OK: embed (CPU, embedding), chat (CPU)"
+    assert window and window[0].startswith("openarc: model chat: context window ")  # the window the server serves
     # The file as written is what the server serves.
     app = Appliance(yaml.safe_load(text), tmp_path)
     app.config_path = config

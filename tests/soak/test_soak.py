@@ -315,9 +315,10 @@ def test_chaos_soak(appliance_factory, long_demo_model, demo_model, embedding_mo
         model_entry("alpha", long_demo_model, **victim),
         model_entry("beta", demo_model, **victim),
         # prefix caching off: with it on, genai drops a small request beside one that cannot fit a 4-block cache
-        # (docs/warm-sessions.md, as tests/test_failures.py's oom_config)
+        # (docs/warm-sessions.md, as tests/test_failures.py's oom_config); max_context set past what the 4 blocks
+        # hold, so a long prompt reaches genai's scheduler (left unset, the window is fitted to the cache: a 400)
         model_entry("tight", demo_model, scheduler_config={"num_kv_blocks": 4, "enable_prefix_caching": False},
-                    max_running=2, max_queue=64),
+                    max_running=2, max_queue=64, max_context=4096),
         model_entry("vectors", embedding_model, kind="embedding", **victim),
         model_entry("ranker", rerank_model, kind="rerank", **victim),
         model_entry("gamma", demo_whisper, kind="transcription", **victim)]},

@@ -32,8 +32,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from audio_samples import multipart, tone, wav_bytes
-from bench.hostile import (EBNF_BOMB, NESTED_REPEATS, OPTIONALS_16, REGEX_BOMB, TERMINAL_DAG, custom_tool, deep,
-                           schema_bomb)
+from bench.hostile import (EBNF_BOMB, NAMED_GROUP_REGEX_BOMB, NESTED_REPEATS, OPTIONALS_16, REGEX_BOMB,
+                           TEMPLATE_FANOUT, TERMINAL_DAG, custom_tool, deep, schema_bomb)
 from conftest import Appliance, http, model_entry, pid_alive, wait_until
 
 EXAMPLES = int(os.environ.get("OPENARC_HOSTILE_EXAMPLES") or 12)
@@ -215,6 +215,8 @@ CORPUS: list[tuple[str, str, Any, set[int], str | None]] = [
     ("16-optional grammar", "responses", {**RESPONSES_BODY, "tools": [custom_tool(OPTIONALS_16, True)]}, {400},
      "grammar_too_large"),
     ("terminal DAG grammar", "chat", {**CHAT_BODY, "tools": [custom_tool(TERMINAL_DAG)]}, {400}, "grammar_too_large"),
+    ("template fan-out grammar", "responses", {**RESPONSES_BODY, "tools": [custom_tool(TEMPLATE_FANOUT, True)]},
+     {400}, "grammar_too_large"),
     ("100 MB-expanding schema", "chat", {**CHAT_BODY, "response_format": {"type": "json_schema", "json_schema": {
         "name": "bomb", "schema": schema_bomb()}}}, {400}, "grammar_too_large"),
     ("schema bomb in a strict tool", "chat", {**CHAT_BODY, "tools": [{"type": "function", "function": {
@@ -223,6 +225,8 @@ CORPUS: list[tuple[str, str, Any, set[int], str | None]] = [
         "name": "f", "input_schema": schema_bomb()}]}, {400}, None),
     ("nested-repeat regex", "chat", {**CHAT_BODY, "structured_outputs": {"regex": REGEX_BOMB}}, {400},
      "grammar_too_large"),
+    ("nested-repeat regex in genai's dialect", "chat", {**CHAT_BODY, "structured_outputs": {
+        "regex": NAMED_GROUP_REGEX_BOMB}}, {400}, "grammar_too_large"),
     ("nested-repeat EBNF", "completions", {**ROUTES["completions"].body, "structured_outputs": {"grammar": EBNF_BOMB}},
      {400}, "grammar_too_large"),
     ("nested-repeat schema pattern", "chat", {**CHAT_BODY, "response_format": {"type": "json_schema", "json_schema": {

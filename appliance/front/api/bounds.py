@@ -154,7 +154,7 @@ def regex_size(regex: str) -> int:
     try:
         atoms = lark_grammar.regex_atoms(regex)
     except lark_grammar.GrammarNotConvertible:
-        atoms = written_out(REGEX_TOKEN.finditer(regex), lambda token: 1)
+        atoms = written_out(REGEX_TOKEN.finditer(regex), lambda token: len(token) if token[0] == "[" else 1)
     return atoms if atoms <= lark_grammar.MAX_REGEX_ATOMS else MAX_SCHEMA_CHARS + 1
 
 

@@ -380,7 +380,9 @@ def _item_atoms(op, arg) -> int:
         low, high, sub = arg
         copies = max(low + 1 if high == sre.MAXREPEAT else high, 1)
         return min(_atoms(list(sub)) * copies, _ATOMS_CAP)
-    return 1  # a literal, a class, any character, a refused construct
+    if op is sre.IN:  # a class is as large as its ranges for genai: 3,000 of them in {8} compiled for 9.6 s
+        return max(len(arg), 1)
+    return 1  # a literal, any character, a refused construct
 
 
 def regex_ebnf(regex: str, dotall: bool = False, where: str = "regex") -> str:

@@ -613,3 +613,30 @@ def test_a_key_that_may_not_make_a_request_costs_no_conversion(appliance_factory
     status, reply = ask("other", auth, "d")
     assert status == 429, reply  # over its limit: refused before its (new) grammar was converted
     assert helper_cpu_s(app) - converted < 0.1
+    front = process_cpu_s(app.proc.pid)
+    for model, tag in (("demo", "e"), ("other", "f")):  # a WebSocket warm-up (generate: false) is admitted first too
+        event = ws_warm_up(app, auth, {**RESPONSES_BODY, "model": model, "generate": False,
+                                       "tools": [custom_tool(LARGE_GRAMMAR + f"// {tag}\n", True)]})
+        assert event["type"] == "error", event
+    assert process_cpu_s(app.proc.pid) - front < 0.1, "a refused warm-up's grammar was converted in the front"
+    assert helper_cpu_s(app) - converted < 0.1, "a refused warm-up's grammar was converted"
+
+
+def process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ws_warm_up(app: Appliance, headers: dict, body: dict) -> dict:
+    """The first event a response.create over /v1/responses' WebSocket answers."""
+    import asyncio
+
+    import aiohttp
+
+    async def send() -> dict:
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(app.base.replace("http", "ws") + "/v1/responses", headers=headers) as ws:
+                await ws.send_str(json.dumps({"type": "response.create", **body}))
+                return json.loads((await ws.receive(timeout=ANSWER_BOUND_S)).data)
+
+    return asyncio.run(send())

@@ -36,6 +36,11 @@ OPTIONALS_16 = "start: " + " ".join(f"x{i}?" for i in range(16)) + "\n" + "".joi
 TERMINAL_DAG = "start: A\n" + "".join(f"{a}: {b} {b}\n" for a, b in zip("ABCDEFGHIJKLMNOPQRST", "BCDEFGHIJKLMNOPQRSTU")) \
     + 'U: "abc"\n'  # 20 terminals each using the next twice: lark's own resolution of them took minutes
 REGEX_BOMB = "((a{100}){100}){100}"  # 30 s of genai's compile
+NAMED_GROUP_REGEX_BOMB = "(?<n>" + REGEX_BOMB + ")"  # genai's dialect, not Python's: 12 s of genai's compile
+# 785 bytes: templates each using the next 20 times, seven deep; counting their uses took 20^6 steps (the helper
+# held every client's conversion for its 30 s time bound)
+TEMPLATE_FANOUT = 'start: t1{"a"}\n' + "".join(f"t{i}{{x}}: " + " ".join([f"t{i + 1}{{x}}"] * 20) + "\n"
+                                               for i in range(1, 7)) + "t7{x}: x\n"
 EBNF_BOMB = 'root ::= ((("a"{100}){100}){100})'  # 25 s of genai's compile
 
 
@@ -69,9 +74,11 @@ def bombs() -> list[tuple[str, bytes]]:
            ("/v1/responses", {**responses, "tools": [custom_tool(NESTED_REPEATS, True)]}),
            ("/v1/responses", {**responses, "tools": [custom_tool(OPTIONALS_16, True)]}),
            ("/v1/chat/completions", {**chat, "tools": [custom_tool(TERMINAL_DAG)]}),
+           ("/v1/responses", {**responses, "tools": [custom_tool(TEMPLATE_FANOUT, True)]}),
            ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema", "json_schema": {
                "name": "bomb", "schema": schema_bomb()}}}),
            ("/v1/chat/completions", {**chat, "structured_outputs": {"regex": REGEX_BOMB}}),
+           ("/v1/chat/completions", {**chat, "structured_outputs": {"regex": NAMED_GROUP_REGEX_BOMB}}),
            ("/v1/completions", {"model": "demo", "prompt": "Hi", "max_tokens": 4,
                                 "structured_outputs": {"grammar": EBNF_BOMB}}),
            ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "a" * 900_000}]}),

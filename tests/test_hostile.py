@@ -32,8 +32,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from audio_samples import multipart, tone, wav_bytes
-from bench.hostile import (EBNF_BOMB, NESTED_REPEATS, OPTIONALS_16, REGEX_BOMB, TERMINAL_DAG, custom_tool, deep,
-                           schema_bomb)
+from bench.hostile import (EBNF_BOMB, NAMED_GROUP_REGEX_BOMB, NESTED_REPEATS, OPTIONALS_16, REGEX_BOMB,
+                           TEMPLATE_FANOUT, TERMINAL_DAG, custom_tool, deep, schema_bomb)
 from conftest import Appliance, http, model_entry, pid_alive, wait_until
 
 EXAMPLES = int(os.environ.get("OPENARC_HOSTILE_EXAMPLES") or 12)
@@ -215,6 +215,8 @@ CORPUS: list[tuple[str, str, Any, set[int], str | None]] = [
     ("16-optional grammar", "responses", {**RESPONSES_BODY, "tools": [custom_tool(OPTIONALS_16, True)]}, {400},
      "grammar_too_large"),
     ("terminal DAG grammar", "chat", {**CHAT_BODY, "tools": [custom_tool(TERMINAL_DAG)]}, {400}, "grammar_too_large"),
+    ("template fan-out grammar", "responses", {**RESPONSES_BODY, "tools": [custom_tool(TEMPLATE_FANOUT, True)]},
+     {400}, "grammar_too_large"),
     ("100 MB-expanding schema", "chat", {**CHAT_BODY, "response_format": {"type": "json_schema", "json_schema": {
         "name": "bomb", "schema": schema_bomb()}}}, {400}, "grammar_too_large"),
     ("schema bomb in a strict tool", "chat", {**CHAT_BODY, "tools": [{"type": "function", "function": {
@@ -223,6 +225,8 @@ CORPUS: list[tuple[str, str, Any, set[int], str | None]] = [
         "name": "f", "input_schema": schema_bomb()}]}, {400}, None),
     ("nested-repeat regex", "chat", {**CHAT_BODY, "structured_outputs": {"regex": REGEX_BOMB}}, {400},
      "grammar_too_large"),
+    ("nested-repeat regex in genai's dialect", "chat", {**CHAT_BODY, "structured_outputs": {
+        "regex": NAMED_GROUP_REGEX_BOMB}}, {400}, "grammar_too_large"),
     ("nested-repeat EBNF", "completions", {**ROUTES["completions"].body, "structured_outputs": {"grammar": EBNF_BOMB}},
      {400}, "grammar_too_large"),
     ("nested-repeat schema pattern", "chat", {**CHAT_BODY, "response_format": {"type": "json_schema", "json_schema": {
@@ -609,3 +613,30 @@ def test_a_key_that_may_not_make_a_request_costs_no_conversion(appliance_factory
     status, reply = ask("other", auth, "d")
     assert status == 429, reply  # over its limit: refused before its (new) grammar was converted
     assert helper_cpu_s(app) - converted < 0.1
+    front = process_cpu_s(app.proc.pid)
+    for model, tag in (("demo", "e"), ("other", "f")):  # a WebSocket warm-up (generate: false) is admitted first too
+        event = ws_warm_up(app, auth, {**RESPONSES_BODY, "model": model, "generate": False,
+                                       "tools": [custom_tool(LARGE_GRAMMAR + f"// {tag}\n", True)]})
+        assert event["type"] == "error", event
+    assert process_cpu_s(app.proc.pid) - front < 0.1, "a refused warm-up's grammar was converted in the front"
+    assert helper_cpu_s(app) - converted < 0.1, "a refused warm-up's grammar was converted"
+
+
+def process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ws_warm_up(app: Appliance, headers: dict, body: dict) -> dict:
+    """The first event a response.create over /v1/responses' WebSocket answers."""
+    import asyncio
+
+    import aiohttp
+
+    async def send() -> dict:
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(app.base.replace("http", "ws") + "/v1/responses", headers=headers) as ws:
+                await ws.send_str(json.dumps({"type": "response.create", **body}))
+                return json.loads((await ws.receive(timeout=ANSWER_BOUND_S)).data)
+
+    return asyncio.run(send())

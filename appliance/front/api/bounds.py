@@ -27,7 +27,7 @@ MAX_CHARS_PER_TOKEN = 64
 def bounded_regex(regex: str, where: str) -> str:
     """The regex, if written out (lark_grammar.regex_atoms) it stays within lark_grammar.MAX_REGEX_ATOMS; else a
     400 naming `where`. A regex Python cannot parse is left to genai to judge (its dialect is not Python's)."""
-    if _regex_size(regex) > lark_grammar.MAX_REGEX_ATOMS:
+    if regex_size(regex) > lark_grammar.MAX_REGEX_ATOMS:
         raise InvalidRequest(f"'{where}': the regex is more than {lark_grammar.MAX_REGEX_ATOMS} characters once "
                              "its repeats are written out (nested {m,n} repeats multiply)", where, TOO_LARGE)
     return regex
@@ -36,6 +36,10 @@ def bounded_regex(regex: str, where: str) -> str:
 EBNF_RULE = re.compile(r"(?m)^[ \t]*([A-Za-z_][\w.-]*)[ \t]*::=")
 EBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}|[()]'
                         r"|[A-Za-z_][\w.-]*|#[^\n]*|\S", re.S)
+
+
+# A regex's tokens for the lexical count: an escape, a class, a {m,n} repeat (groups 1-3), a bracket, a character
+REGEX_TOKEN = re.compile(r"\\.|\[\^?\]?(?:[^\]\\]|\\.)*\]|\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}|.", re.S)
 
 
 def bounded_grammar(grammar: str, where: str) -> str:
@@ -52,7 +56,6 @@ def grammar_atoms(grammar: str) -> int:
     """The symbols of an EBNF grammar's `root` with its {m,n} repeats written out and the rules it uses written
     in place (a rule used inside itself counts once): what genai expands (three nested {100} repeats took it
     25 s). An upper bound: alternatives add up. Saturates just past MAX_REGEX_ATOMS."""
-    cap = lark_grammar.MAX_REGEX_ATOMS + 1
     starts = list(EBNF_RULE.finditer(grammar))
     bodies = {m.group(1): grammar[m.end(): following.start() if following else len(grammar)]
               for m, following in zip(starts, starts[1:] + [None])}
@@ -65,23 +68,35 @@ def grammar_atoms(grammar: str) -> int:
         return sizes[name]
 
     def body(text: str) -> int:
-        groups: list[list[int]] = [[]]
-        for match in EBNF_TOKEN.finditer(text):
-            token = match.group(0)
-            if token == "(":
-                groups.append([])
-            elif token == ")" and len(groups) > 1:
-                inner = groups.pop()
-                groups[-1].append(min(sum(inner), cap))
-            elif match.group(1) is not None and groups[-1]:
-                low, comma, high = int(match.group(1)), match.group(2), match.group(3)
-                copies = max(low + 1 if comma and not high else int(high or low), 1)
-                groups[-1][-1] = min(groups[-1][-1] * copies, cap)
-            elif token[0] in "\"[" or token in bodies:
-                groups[-1].append(rule(token) if token in bodies else 1)
-        return min(sum(sum(group) for group in groups), cap)
+        return written_out(EBNF_TOKEN.finditer(text), lambda token: rule(token) if token in bodies else
+                           1 if token[0] in "\"[" else 0)
 
     return rule("root") if "root" in bodies else body(grammar)
+
+
+def written_out(tokens: Any, atoms: Any) -> int:
+    """The atoms of a token sequence with its groups' {m,n} repeats written out (nested repeats multiply), from
+    matches whose groups 1-3 are a repeat's low, comma and high, `(` and `)` tokens, and atoms(token) for any
+    other; saturates just past MAX_REGEX_ATOMS. Lexical: it needs no parser to agree with genai's."""
+    cap = lark_grammar.MAX_REGEX_ATOMS + 1
+    groups: list[list[int]] = [[]]
+    for match in tokens:
+        token = match.group(0)
+        if token == "(":
+            groups.append([])
+        elif token == ")" and len(groups) > 1:
+            inner = groups.pop()
+            groups[-1].append(min(sum(inner), cap))
+        elif match.group(1) is not None and groups[-1]:
+            low, comma, high = int(match.group(1)), match.group(2), match.group(3)
+            copies = max(low + 1 if comma and not high else int(high or low), 1)
+            groups[-1][-1] = min(groups[-1][-1] * copies, cap)
+        elif match.group(1) is None:
+            groups[-1].append(atoms(token))
+    while len(groups) > 1:  # an unclosed group: still counted
+        inner = groups.pop()
+        groups[-1].append(min(sum(inner), cap))
+    return min(sum(groups[0]), cap)
 
 
 def bounded_schema(schema: Any, where: str) -> Any:
@@ -115,9 +130,9 @@ def schema_size(root: Any) -> int:
                     if key == "$ref" and isinstance(value, str) and value.startswith("#"):
                         total += ref_size(value)
                     elif key == "pattern" and isinstance(value, str):
-                        total += _regex_size(value)
+                        total += regex_size(value)
                     elif key == "patternProperties" and isinstance(value, dict):
-                        total += sum(_regex_size(pattern) for pattern in value)
+                        total += sum(regex_size(pattern) for pattern in value)
                         pending += value.values()
                     else:
                         pending.append(value)
@@ -131,13 +146,15 @@ def schema_size(root: Any) -> int:
     return size(root)
 
 
-def _regex_size(regex: str) -> int:
+def regex_size(regex: str) -> int:
     """A regex's atoms written out; past MAX_REGEX_ATOMS, more than any schema may be (a pattern is as
-    much a regex constraint as structured_outputs.regex)."""
+    much a regex constraint as structured_outputs.regex). Python's parse counts it where Python reads it; one in
+    genai's dialect only (`(?<name>...)`, `\\p{L}`) is counted lexically: genai compiled `(?<n>((a{100}){100}){100})`,
+    which Python cannot read, for 12 s in the worker."""
     try:
         atoms = lark_grammar.regex_atoms(regex)
     except lark_grammar.GrammarNotConvertible:
-        return len(regex)
+        atoms = written_out(REGEX_TOKEN.finditer(regex), lambda token: len(token) if token[0] == "[" else 1)
     return atoms if atoms <= lark_grammar.MAX_REGEX_ATOMS else MAX_SCHEMA_CHARS + 1
 
 

@@ -84,8 +84,7 @@ class DialectRoute:
 
     async def answer(self, call: Call, parse, body: Any, sink) -> Any:
         """One request (`call.label(body)` done): the sink's end for a stream, else the whole object's response."""
-        lookup.admit_early(self.appliance, body, call, GENERATIVE_KINDS)  # before any costly work on the body
-        await CONVERTER.convert(lark_grammars(body))  # parse() then finds its custom tools' grammars converted
+        await self.prepare(call, body)
         req = parse(body, call.key)
         gen = req.gen
         if not gen.content.images:  # its model is looked up as its stream begins (stream_start)
@@ -101,6 +100,13 @@ class DialectRoute:
         served = sup or lookup.model_served(self.appliance, gen.model, call, GENERATIVE_KINDS)
         prompt_fits(gen, served.spec["max_context"])
         return served
+
+    async def prepare(self, call: Call, body: Any) -> None:
+        """What every parse of a body waits for: its key admitted, then its custom tools' grammars converted in the
+        helper process (parse() finds them there; one it did not find is converted on the caller's thread, the
+        front's event loop)."""
+        lookup.admit_early(self.appliance, body, call, GENERATIVE_KINDS)  # before any costly work on the body
+        await CONVERTER.convert(lark_grammars(body))
 
     async def _run(self, call: Call, req, sink, sup=None, place=None) -> Any:
         """`req` answered into `sink` (a stream) or as one whole object; `sup`: its model, ready (with `place`, the

@@ -31,6 +31,11 @@ MAX_REGEX_ATOMS = 16 << 10  # a regex with its repeats written out; all of a gra
 # Symbols of the rules lark's compile writes out: each `x?` doubles a rule's alternatives (16 of them: 2.3 s and
 # 2.9 MB of lark, each two more x4). 10 optionals in one rule are 10,240 symbols, converted in a few ms.
 MAX_RULE_SYMBOLS = 32 << 10
+# Tree nodes the expansion count visits: a template's body is counted at each use, so templates using the next
+# one many times would have the count itself walk width^depth nodes (a 785-byte grammar held the helper, and every
+# other client's conversion, for its whole time bound). A grammar without templates visits at most about one node
+# per character of its definition.
+MAX_COUNT_STEPS = 2 * MAX_DEFINITION_CHARS
 MAX_NESTING = 32  # ( [ { in a definition: lark's validation walks a nested expression once per level (300: 8 s)
 START = "start"
 WHITESPACE = " \t\n\r\f\v"
@@ -180,10 +185,15 @@ class _ExpansionCounter:
         self.templates = templates
         self.extra = 0  # symbols of the rules that x*, x+ and templates add
         self.depth = 0
+        self.steps = 0  # nodes visited, uses of templates included: the count's own work is bounded too
 
     def count(self, tree: Any, env: dict[str, tuple[int, int]]) -> tuple[int, int]:
         from lark import Token, Tree
 
+        self.steps += 1
+        if self.steps > MAX_COUNT_STEPS:
+            raise GrammarTooLarge(f"the Lark grammar's rules, with each use of a template written out, are more "
+                                  f"than {MAX_COUNT_STEPS} items (templates using templates multiply)")
         if not isinstance(tree, Tree):  # a symbol, or a token (an operator, a number)
             return env.get(getattr(tree, "name", None), (1, 1)) if not isinstance(tree, Token) else (1, 0)
         kind, children = tree.data, [c for c in tree.children if not isinstance(c, Token) or tree.data == "expr"]
@@ -215,7 +225,7 @@ class _ExpansionCounter:
         if op == "?":
             return self._cap(a + 1), n
         if op in ("*", "+"):
-            self.extra = self._cap(self.extra + 2 * a * (n + 1))
+            self._add_extra(2 * a * (n + 1))
             return (2, 1) if op == "*" else (1, 1)
         low = int(children[2])
         high = int(children[3]) if len(children) > 3 else low
@@ -237,8 +247,16 @@ class _ExpansionCounter:
         inner = {param: self.count(arg, env) for param, arg in zip(params, children[1:])}
         a, n = self.count(body, inner)
         self.depth -= 1
-        self.extra = self._cap(self.extra + a * max(n, 1))
+        self._add_extra(a * max(n, 1))
         return 1, 1
+
+    def _add_extra(self, symbols: int) -> None:
+        """Symbols of a rule x*, x+ or a template's use adds; past the limit the grammar is refused now (the
+        rule's own count would refuse it after all its uses were walked)."""
+        self.extra = self._cap(self.extra + symbols)
+        if self.extra >= self.CAP:
+            raise GrammarTooLarge(f"the Lark grammar's rules expand into more than {MAX_RULE_SYMBOLS} symbols "
+                                  "(each use of a template, x* and x+ adds a rule)")
 
     def _cap(self, n: int) -> int:
         return min(n, self.CAP)
@@ -362,7 +380,9 @@ def _item_atoms(op, arg) -> int:
         low, high, sub = arg
         copies = max(low + 1 if high == sre.MAXREPEAT else high, 1)
         return min(_atoms(list(sub)) * copies, _ATOMS_CAP)
-    return 1  # a literal, a class, any character, a refused construct
+    if op is sre.IN:  # a class is as large as its ranges for genai: 3,000 of them in {8} compiled for 9.6 s
+        return max(len(arg), 1)
+    return 1  # a literal, any character, a refused construct
 
 
 def regex_ebnf(regex: str, dotall: bool = False, where: str = "regex") -> str:

@@ -215,8 +215,9 @@ class Connection:
         return parse_responses(body, self.sockets.store, key, lambda response_id: self.history(key, response_id))
 
     async def warm_up(self, call: Call, body: dict[str, Any], sink: SocketSink) -> None:
-        """generate: false: the request checked and kept for a continuation; a response with no output."""
-        lookup.admit_early(self.sockets.appliance, body, call, GENERATIVE_KINDS)  # the key's models and limits
+        """generate: false: the request checked and kept for a continuation; a response with no output. Admitted and
+        its grammars converted as a generating one's are (parsing them on the event loop held every client)."""
+        await self.route.prepare(call, body)
         req = self.parse(body, call.key)
         self.route.servable(call, req.gen)  # as a generation would be: its model served, its prompt within the window
         stream = ResponseStream(req)

@@ -112,7 +112,9 @@ def test_codex_streamed_custom_call_deltas_add_up_and_the_next_turn_is_accepted(
     [call] = [item for item in final.output if item.type == "custom_tool_call"]
     deltas = [e.delta for e in events if e.type == "response.custom_tool_call_input.delta"]
     [done] = [e for e in events if e.type == "response.custom_tool_call_input.done"]
-    assert "".join(deltas) == done.input == call.input and len(deltas) > 1
+    # the deltas add up (how many there are depends on timing: the front merges the token frames that queued up
+    # while the client read, which under load can be all of them)
+    assert deltas and "".join(deltas) == done.input == call.input
     assert valid_prefix(APPLY_PATCH, call.input)
     # Codex's next turn: store false, its previous output replayed inline, the call's output after it
     replay = [item.model_dump(exclude_none=True) for item in final.output]

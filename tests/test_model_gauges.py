@@ -47,13 +47,13 @@ def test_only_the_serving_worker_writes_the_models_gauges(tmp_path, demo_model):
         sup = Supervisor(config, Metrics())
         old = ready_model(sup)
         old._on_frame(telemetry(100, 0.5))
-        new = sup.new_model(config.models[0])  # the replacement, as Supervisor._replace makes it
+        new = sup.placement._new(config.models[0])  # the replacement, as the placement makes it for a reload
         new.reports = False
         new.life.enter(ModelState.LOADING)
         new.life.enter(ModelState.READY)
         new._on_frame(telemetry(200, 0.1))
         assert gauges(sup) == (100, 0.5)  # the old worker still serves
-        sup._switch(old, new)
+        sup.placement._switch(old, new)
         new._on_frame(telemetry(300, 0.2))
         old.life.enter(ModelState.DRAINING)
         old._on_frame(telemetry(150, 0.7))  # the replaced worker drains its last requests

@@ -300,7 +300,7 @@ def test_watchdog_pings_reach_systemd_and_a_wedged_server_is_restarted(image_sto
 
 
 # Kill the model's worker with a signal, once (seconds=0) or again and again for a while (bounded); print each
-# pid killed. Crashing it again and again keeps /ready at 503 while the front itself stays responsive and
+# pid killed. The parked spare (server.parked_workers) holds no model and is left alone. Crashing it again and again keeps /ready at 503 while the front itself stays responsive and
 # keeps pinging the watchdog.
 KILL_WORKER = """
 import os, signal, time
@@ -310,7 +310,10 @@ while True:
         if int(pid) == os.getpid():  # this script's own argv names the worker too
             continue
         try:
-            if b"appliance.worker" in open(f"/proc/{{pid}}/cmdline", "rb").read():
+            cmdline = open(f"/proc/{{pid}}/cmdline", "rb").read()
+            # a parked spare holds no model until it is handed one (its name is openarc-worker from then on)
+            spare = b"--parked" in cmdline and open(f"/proc/{{pid}}/comm").read().strip() != "openarc-worker"
+            if b"appliance.worker" in cmdline and not spare:
                 os.kill(int(pid), signal.{signal})
                 print(pid, flush=True)
         except OSError:

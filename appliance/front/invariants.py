@@ -92,8 +92,10 @@ def _names(owner) -> list[str]:
 
 def _limits(owner) -> list[str]:
     """max_loaded and the declared budgets, beyond which only the documented excess goes."""
-    held = [sup for sup in owner.supervisors() if sup.state in OCCUPYING or sup in owner.replacements.values()
-            or (sup.state is ModelState.UNLOADED and sup.life.task)]
+    # a supervisor holds a slot while its life runs (a worker starting, serving or draining): one the server's stop
+    # drains that never started a worker (an unloaded model) holds nothing
+    held = [sup for sup in owner.supervisors() if sup in owner.replacements.values()
+            or ((sup.state in OCCUPYING or sup.state is ModelState.UNLOADED) and sup.life.task)]
     # a side-by-side reload's second copy: the replacement, the old one it replaced, or one dropped, until gone
     excess = [sup for sup in held if (owner.leaving.get(sup) or "").startswith((REPLACED, DROPPED))]
     excess += list(owner.replacements.values())

@@ -46,7 +46,8 @@ RESTART = {"backoff_initial_s": 0.05, "backoff_max_s": 0.2, "max_failures": 500,
 # ~2 ms per engine step: a signal lands mid-generation, a disconnect lands mid-stream.
 STEP_DELAY = {"OPENARC_DEBUG_STEP_DELAY_S": "0.002"}
 # What each status may carry; a stream that fails after its headers has status 200 and an error event.
-ALLOWED = {200: {None, "worker_crash", "stall", "scheduler_out_of_memory"}, 429: {"overloaded"},
+# 200 with "overloaded": a stream that waited for its model past its headers (keep-alives) and met a full queue
+ALLOWED = {200: {None, "worker_crash", "stall", "scheduler_out_of_memory", "overloaded"}, 429: {"overloaded"},
            500: {"scheduler_out_of_memory"}, 503: {"worker_crash", "model_unavailable"}, 504: {"stall"}}
 ERROR_KINDS = {"overloaded": "overloaded", "model_unavailable": "model_unavailable", "worker_crash": "worker_crash",
                "stall": "stall", "scheduler_out_of_memory": "scheduler_oom"}

@@ -59,11 +59,15 @@ def _count(value: Any) -> bool:
 
 def _text_chars(value: Any) -> int:
     """Characters of the body's text (messages, prompt, input, tools, ...); data URLs (images, audio) and the
-    field names are left out: their cost is not the text's."""
-    if isinstance(value, str):
-        return 0 if value.startswith("data:") else len(value)
-    if isinstance(value, dict):
-        return sum(_text_chars(v) for k, v in value.items() if k != "model")
-    if isinstance(value, list):
-        return sum(_text_chars(v) for v in value)
-    return 0
+    field names are left out: their cost is not the text's. Iterative: admission reads a body before any route has
+    refused its depth."""
+    pending, total = [value], 0
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += 0 if item.startswith("data:") else len(item)
+        elif isinstance(item, dict):
+            pending.extend(v for k, v in item.items() if k != "model")
+        elif isinstance(item, list):
+            pending.extend(item)
+    return total

@@ -25,6 +25,12 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 STARTUP_TIMEOUT_S = 120  # only catches a hang: the demo model loads in well under a second
 
 
+
+def parked_spare(stat: str, cmdline: bytes) -> bool:
+    """Whether a process (its /proc stat and cmdline) is the front's parked spare worker (appliance.front.parked),
+    which holds no model until it is handed one (its process name is openarc-worker from then on)."""
+    return b"\0--parked" in cmdline and stat[stat.index("(") + 1:stat.rindex(")")] != "openarc-worker"
+
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory) -> Path:
     """The demo model as the tests know it: stops by itself after 48 tokens, 64 at most by default."""

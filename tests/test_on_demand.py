@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from audio_samples import multipart, tone, wav_bytes
-from conftest import REPO, http, model_entry, pid_alive, quick_side_bench, wait_until
+from conftest import REPO, http, model_entry, parked_spare, pid_alive, quick_side_bench, wait_until
 
 HANG_BOUND_S = 60  # catches hangs only
 CHAT = [{"role": "user", "content": "Say something."}]
@@ -43,8 +43,7 @@ def worker_pids(app) -> list[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[-1].split()
-        # a parked spare holds no model until it is handed one (its name is openarc-worker from then on)
-        parked = b"\0--parked" in cmdline and stat[stat.index("(") + 1:stat.rindex(")")] != "openarc-worker"
+        parked = parked_spare(stat, cmdline)
         # a model's worker is `python -m appliance.worker --fd N --spec ...` (the token counter, a module under it)
         if int(fields[1]) == app.proc.pid and fields[0] != "Z" and b"\0appliance.worker\0" in cmdline and not parked:
             pids.append(int(entry.name))

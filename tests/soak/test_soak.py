@@ -26,7 +26,7 @@ from pathlib import Path
 import openai
 
 from audio_samples import TRANSCRIPT, tone, wav_bytes
-from conftest import http, model_entry, pid_alive, wait_until
+from conftest import http, model_entry, parked_spare, pid_alive, wait_until
 from test_failures import LONG_PROMPT
 from test_lifecycle import steal_fd, worker_channel_fd
 from test_metrics import samples, value
@@ -258,15 +258,18 @@ def inject_faults(app, seed: int, sent: collections.Counter, errors: list, fault
 # --- the run and its checks ------------------------------------------------------------------------------
 
 def worker_children(front_pid: int) -> set[int]:
-    """Every live process whose parent is the front and that runs appliance.worker."""
+    """Every live process whose parent is the front and that runs appliance.worker with a model (not the parked
+    spare, which holds none)."""
     found = set()
     for proc in Path("/proc").iterdir():
         try:
             cmdline = (proc / "cmdline").read_bytes()
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            stat = (proc / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if b"\0appliance.worker\0" in cmdline and ppid == front_pid and pid_alive(int(proc.name)):
+        if b"\0appliance.worker\0" in cmdline and ppid == front_pid and pid_alive(int(proc.name)) \
+                and not parked_spare(stat, cmdline):
             found.add(int(proc.name))
     return found
 

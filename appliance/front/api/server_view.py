@@ -8,11 +8,10 @@ together, a stop sets `draining`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from appliance.config import Config
-    from appliance.front.api.count_tokens import PromptCounter
     from appliance.front.gpu_watch import GpuWatch
     from appliance.front.keys import KeyRing
     from appliance.front.metrics import Metrics
@@ -27,7 +26,9 @@ class ServerView(Protocol):
     gpu: GpuWatch  # /openarc/status's GPU mitigations
     draining: bool  # the server is stopping: new requests are refused
     started: float  # Unix time the front started
-    prompt_counter: PromptCounter  # the token counter process: counts and waiting streams' window checks
+    # the token counter process (appliance.front.api.count_tokens.PromptCounter, not imported here: that module's
+    # route takes a ServerView): counts, and the window checks of waiting streams
+    prompt_counter: Any
 
     def unhealthy_reason(self) -> str | None:
         """Why /health fails (None: healthy)."""

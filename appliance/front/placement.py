@@ -31,22 +31,24 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import time
 from typing import Any
 
 from appliance.config import Config, ModelConfig
-from appliance.front import invariants, residency
+from appliance.front import cards, invariants, residency
 from appliance.front.lifecycle import Changes, ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.model_supervisor import ModelSupervisor
 from appliance.front.parked import ParkedWorkers
 from appliance.front.request import RequestFailed
-from appliance.front.residency_book import HANDOFF_GRACE_S, STANDING, ResidencyBook, Usage, measure_footprint
+from appliance.front.residency_book import HANDOFF_GRACE_S, STANDING, ResidencyBook, Usage
 from appliance.front.residency_states import Act, Event, Phase, step
 from appliance.front.switches import SwitchClock, log_text, stages, status_view
 from appliance.front.worker_ledger import Ledger
+from appliance.host import gpus
 from appliance.host.kernel_log import KernelLog
 
 log = logging.getLogger("openarc.supervisor")
@@ -59,8 +61,11 @@ UNLOAD_WHY = {"idle": "idle for idle_unload_s={:g}s", "evicted": "evicted to mak
 class Placement(ResidencyBook):
     """Every model's supervisors, their workers and which models are resident: one owner."""
 
-    def __init__(self, config: Config, metrics: Metrics, kernel_log: KernelLog | None = None):
+    def __init__(self, config: Config, metrics: Metrics, kernel_log: KernelLog | None = None,
+                 host_gpus: list[gpus.GpuInfo] | None = None):
         self.config = config
+        self.gpus = gpus.list_gpus() if host_gpus is None else host_gpus  # the cards a placed model may go on
+        self.cards = cards.cards_of(self.gpus, config.server.memory_budget_bytes)
         self.metrics = metrics
         self.kernel_log = kernel_log
         self.load_gate = asyncio.Semaphore(config.server.load_concurrency)
@@ -72,6 +77,7 @@ class Placement(ResidencyBook):
         self.replacements: dict[str, ModelSupervisor] = {}  # loading beside the model they will replace
         self.leaving: dict[ModelSupervisor, str] = {}  # draining or stopping, and why: they hold their slot until gone
         self.usage: dict[str, Usage] = {}
+        self.asked: dict[str, str] = {}  # model -> its device as configured (auto, or GPU on several cards: placed)
         self.wants: dict[str, dict[object, tuple[float, str]]] = {}  # model -> its waiters' (arrival, load reason)
         self.impossible: dict[str, str] = {}  # the latest plan's: wanted models that cannot fit now, and why
         self.evicting_for: dict[str, float] = {}  # the head of the line -> when evictions to make room for it began
@@ -102,6 +108,7 @@ class Placement(ResidencyBook):
     def add(self, model: ModelConfig) -> ModelSupervisor:
         """A configured model's first supervisor: unloaded when on demand, else stopped until its load at start."""
         sup = self.models[model.name] = self._new(model)
+        self.asked[model.name] = model.device
         self.phases[model.name] = Phase.ABSENT
         if model.load == "on_demand":
             sup.life.lifecycle.enter(ModelState.UNLOADED)
@@ -181,9 +188,14 @@ class Placement(ResidencyBook):
             getattr(self, f"_act_{act.value}")(name, **context)
         self.changed()
 
-    def _act_start(self, name: str, reason: str = "demand", **_) -> None:
+    def _act_start(self, name: str, reason: str = "demand", device: str | None = None, placed: str | None = None,
+                   **_) -> None:
         sup, usage = self.models[name], self.usage[name]
+        if device is None and (chosen := self.card_now(sup.model)) is not None:  # a load at start: placed here
+            device, placed = chosen
+        sup = self._placed_on(sup, device)
         usage.load_reason, usage.refusal = reason, None
+        usage.placed = placed if device else None
         self.unwant(name, STANDING)  # the load it stood for begins
         self.metrics.model_loads.labels(model=name, reason=reason).inc()
         if reason != "start":
@@ -196,6 +208,18 @@ class Placement(ResidencyBook):
         self.evicting_for.pop(name, None)
         sup.start()
         self._chore(self._loaded(sup), f"load:{name}")
+
+    def _placed_on(self, sup: ModelSupervisor, device: str | None) -> ModelSupervisor:
+        """The placer chose a card for this unloaded (never started) supervisor: a fresh one with that device serves
+        the name (its settings, its worker's spec, its card's faults all follow the device)."""
+        if device is None or device == sup.model.device:
+            return sup
+        placed = self._fresh(sup, dataclasses.replace(sup.model, device=device))
+        placed.reports, sup.reports = sup.reports, False
+        self.models[sup.name] = placed
+        self.metrics.set_state(sup.name, placed.state.value)
+        self._chore(sup.stop(0), f"drop:{sup.name}")  # never started: no worker, no slot, nothing to drain
+        return placed
 
     def _act_retire(self, name: str, why: str, drain_s: float | None = None, **_) -> None:
         old = self.models[name]
@@ -236,7 +260,7 @@ class Placement(ResidencyBook):
     def _act_promote(self, name: str, **_) -> None:
         old, new = self.models[name], self.replacements.pop(name)
         self._switch(old, new)
-        self.usage[name].measured = measure_footprint(new) or self.usage[name].measured
+        self.measure(new)
         self._leave(old, invariants.REPLACED, None)
 
     def _act_stop_in_place(self, name: str, why: str, drain_s: float | None = None, **_) -> None:
@@ -330,7 +354,11 @@ class Placement(ResidencyBook):
         loads once the old one's slot is free; unloaded, the new settings apply at its next load. Returns once
         the switch is done and the old worker gone (or the replacement was overtaken)."""
         name, old = model.name, self.models[model.name]
-        new = self._new(model)
+        self.asked[name] = model.device
+        chosen = self.card_now(model, old.model.device)
+        new = self._new(dataclasses.replace(model, device=chosen[0]) if chosen else model)
+        if chosen:
+            self.usage[name].placed = chosen[1]
         new.reports = False
         self.metrics.set_state(name, old.state.value)  # creating the new one's series reset it
         self.send(name, Event.RELOAD_RESTART if model.reload == "restart" else Event.RELOAD_SIDE_BY_SIDE, new=new,
@@ -380,7 +408,7 @@ class Placement(ResidencyBook):
         clock = self.switches.get(sup)
         if sup.state is ModelState.READY:
             usage.last_used = time.monotonic()
-            usage.measured = measure_footprint(sup) or usage.measured
+            self.measure(sup)
             if clock is not None:
                 clock.spawned, clock.ready = sup.life.spawned_at, sup.life.current.ready_at
                 clock.parked, clock.construction = sup.life.parked, sup.life.pipeline_load_seconds
@@ -446,7 +474,7 @@ class Placement(ResidencyBook):
                 self.begin_unload(name, reason)  # at once: the next plan sees it leaving
         if plan.load:
             reason = min((self.wants.get(plan.load) or {None: (0.0, "demand")}).values())[1]
-            self.send(plan.load, Event.LOAD, reason=reason)
+            self.send(plan.load, Event.LOAD, reason=reason, device=plan.device, placed=plan.placed)
 
     async def _until_replan(self, plan: residency.Plan) -> None:
         """Until something the plan looks at changes (replan: a state, a want, a waiter counted, a model gone idle,
@@ -473,6 +501,7 @@ class Placement(ResidencyBook):
         leaves as the plan decides, not at once)."""
         before = self.limits()
         self.config = config
+        self.cards = cards.cards_of(self.gpus, config.server.memory_budget_bytes)
         self.parked.resize(config.server.parked_workers)
         self.limits_lowered = self.limits_lowered or self.limits() != before
         self.replan.set()
@@ -514,6 +543,7 @@ class Placement(ResidencyBook):
         return {"load": sup.model.load, "idle_unload_s": sup.model.idle_unload_s,
                 "memory": {"bytes": size, "source": source}, "last_used": last_used,
                 "loaded_by": usage.load_reason if sup.state not in (ModelState.UNLOADED, ModelState.STOPPED) else None,
+                "placement": self.placement_status(name),
                 "last_switch": self.last_switch.get(name)}
 
     def occupied(self) -> int:

@@ -14,9 +14,9 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from appliance.config import Config
+from appliance.config import Config, ModelConfig
 from appliance.config.devices import budget_device
-from appliance.front import residency
+from appliance.front import cards, residency
 from appliance.front.lifecycle import ModelState
 from appliance.front.model_supervisor import ModelSupervisor
 from appliance.front.request import RequestFailed
@@ -38,6 +38,8 @@ class Usage:
 
     last_used: float = 0.0               # monotonic: the model last went idle, was handed a request, or loaded
     measured: int | None = None          # its footprint measured at its last load (worker RSS, or VRAM on a GPU)
+    measured_draft: int | None = None    # its draft's share on the draft's own card (draft_model.device elsewhere)
+    placed: str | None = None            # why the placer put its current load on its card (None: not placed)
     load_reason: str = "start"           # why its current load happened (openarc_model_loads_total's reason)
     refusal: RequestFailed | None = None  # its last load failed: answered at once...
     retry_at: float = 0.0                # ... until then (the restart policy's backoff)
@@ -57,6 +59,8 @@ class ResidencyBook:
     wants: dict[str, dict[object, tuple[float, str]]]  # model -> its waiters' (arrival, load reason)
     impossible: dict[str, str]  # the latest plan's: wanted models that cannot fit now, and why
     replan: asyncio.Event
+    cards: tuple[cards.Card, ...]  # the GPU cards a placed model may go on
+    asked: dict[str, str]  # model -> its device as configured
 
     # --- wants ---------------------------------------------------------------------------------------------
 
@@ -96,7 +100,43 @@ class ResidencyBook:
     # --- the plan, made and carried out ----------------------------------------------------------------------
 
     def limits(self) -> residency.Limits:
-        return residency.Limits(self.config.server.max_loaded, self.config.server.memory_budget_bytes)
+        return residency.Limits(self.config.server.max_loaded,
+                                cards.budgets(self.cards, self.config.server.memory_budget_bytes))
+
+    def view_devices(self, sup: ModelSupervisor) -> dict:
+        """The device fields of a model's view: its device, the cards it may be placed on, its draft's card."""
+        device = budget_device(sup.model.device)
+        draft = sup.model.draft_model
+        draft_device = budget_device(draft.device) if draft and draft.device else None
+        elsewhere = draft_device is not None and draft_device != device
+        return {"device": device, "cards": cards.placeable(self.asked.get(sup.name, sup.model.device), self.cards),
+                "draft_device": draft_device if elsewhere else None,
+                "draft_footprint": self.usage[sup.name].measured_draft if elsewhere else None}
+
+    def card_now(self, model: ModelConfig, current: str | None = None) -> tuple[str, str] | None:
+        """(card, why) for a placed model's load the plan did not place (a load at start, a reload's new
+        settings): the card it is on now, else the one the placer would choose now; None: its device is fixed."""
+        choices = cards.placeable(self.asked.get(model.name, model.device), self.cards)
+        if not choices:
+            return None
+        if current in choices:
+            return current, f"placed on {current}, where the model was before its reload"
+        head = residency.ModelView(model.name, ModelState.UNLOADED, model.device, self.footprint(model.name)[0],
+                                   cards=choices)
+        occupied = [v for v in self.views(time.monotonic()) if v.state in residency.OCCUPYING]
+        chosen = residency.place(head, occupied, occupied, self.limits())
+        return (chosen[0].device, chosen[3]) if chosen else (choices[0], f"placed on {choices[0]}: no card has room")
+
+    def placement_status(self, name: str) -> dict:
+        """Where the model is and why: /openarc/status's `placement`."""
+        sup, usage = self.models[name], self.usage[name]
+        asked = self.asked.get(name, sup.model.device)
+        if not cards.placeable(asked, self.cards):
+            return {"device": sup.model.device, "why": f"device: {asked} as configured"}
+        placed = sup.model.device if sup.model.device != asked else None
+        return {"device": placed, "why": usage.placed if placed else
+                f"device: {asked}: the placer picks one of {', '.join(cards.placeable(asked, self.cards))} at its "
+                "next load"}
 
     def views(self, now: float) -> list[residency.ModelView]:
         """Every model as the policy sees it now (reads only: a status or a 503's text may call it any time): the
@@ -110,13 +150,15 @@ class ResidencyBook:
             # Waiters still in line for a model just refused are about to be answered: they do not want a load.
             wants = None if usage.refused(now) else self.wants.get(name)
             views.append(residency.ModelView(
-                name, state, budget_device(sup.model.device), self.footprint(name)[0], busy,
-                now if busy else usage.last_used, min(since for since, _ in wants.values()) if wants else None,
-                sup.model.load == "at_start", sup.model.idle_unload_s))
-        views += [residency.ModelView(f"{sup.name} (replacement)", ModelState.LOADING, budget_device(sup.model.device),
-                                      self.footprint(sup.name, sup)[0]) for sup in self.replacements.values()]
-        views += [residency.ModelView(f"{sup.name} (leaving)", ModelState.DRAINING, budget_device(sup.model.device),
-                                      self.footprint(sup.name, sup)[0]) for sup in self.swapped_out()]
+                name, state, footprint=self.footprint(name)[0], busy=busy, last_used=now if busy else usage.last_used,
+                wanted_since=min(since for since, _ in wants.values()) if wants else None,
+                pinned=sup.model.load == "at_start", idle_unload_s=sup.model.idle_unload_s, **self.view_devices(sup)))
+        views += [residency.ModelView(f"{sup.name} (replacement)", ModelState.LOADING,
+                                      footprint=self.footprint(sup.name, sup)[0], **self.view_devices(sup))
+                  for sup in self.replacements.values()]
+        views += [residency.ModelView(f"{sup.name} (leaving)", ModelState.DRAINING,
+                                      footprint=self.footprint(sup.name, sup)[0], **self.view_devices(sup))
+                  for sup in self.swapped_out()]
         return views
 
     def swapped_out(self) -> list[ModelSupervisor]:
@@ -141,11 +183,27 @@ class ResidencyBook:
         return (measured, "measured") if measured is not None else (None, "unknown")
 
 
-def measure_footprint(sup: ModelSupervisor) -> int | None:
-    """A loaded model's footprint on its device: the VRAM its worker holds on a GPU (DRM fdinfo), its RSS on the
-    CPU; None when it cannot be read (a GPU without fdinfo memory keys)."""
+    def measure(self, sup: ModelSupervisor) -> None:
+        """A load just ended ready: its footprint (and its draft's share on another card) as measured now."""
+        usage = self.usage[sup.name]
+        main, draft = measure_footprint(sup)
+        usage.measured = main or usage.measured
+        usage.measured_draft = draft or usage.measured_draft
+
+
+def measure_footprint(sup: ModelSupervisor) -> tuple[int | None, int | None]:
+    """A loaded model's footprint on its device, and its draft's on another card: the VRAM its worker holds on a GPU
+    (DRM fdinfo), its RSS on the CPU; None when it cannot be read (a GPU without fdinfo memory keys)."""
     if sup.life.pid is None:
-        return None
+        return None, None
     if budget_device(sup.model.device).startswith("GPU"):
-        return sum(device_memory.device_memory_used([sup.life.pid]).values()) or None
-    return telemetry.process_rss_bytes(sup.life.pid) or None
+        return split_by_card(device_memory.device_memory_used([sup.life.pid]), sup.life.device_faults.card)
+    return telemetry.process_rss_bytes(sup.life.pid) or None, None
+
+
+def split_by_card(used: dict[str, int], own: str | None) -> tuple[int | None, int | None]:
+    """(bytes on the worker's own card, bytes on its other cards: a draft's) from its fdinfo per card; where its own
+    card's PCI address is unknown (no ready frame said it), all of it counts on its own card."""
+    if own is None or own not in used:
+        return sum(used.values()) or None, None
+    return used[own] or None, sum(size for card, size in used.items() if card != own) or None

@@ -88,11 +88,19 @@ def test_the_card_with_the_most_room_left_is_chosen_and_status_says_why(a770_b58
 
 def test_a_placed_model_evicts_on_one_card_only_and_prefers_the_card_needing_fewer_evictions():
     limits = Limits(0, {"GPU.0": 12 * GIB, "GPU.1": 12 * GIB})
-    models = [ModelView("a", S.READY, "GPU.0", 5 * GIB, last_used=1), ModelView("b", S.READY, "GPU.0", 5 * GIB,
-              last_used=2), ModelView("c", S.READY, "GPU.1", 8 * GIB, last_used=3),
+    models = [ModelView("a", S.READY, "GPU.0", 4 * GIB, last_used=1), ModelView("b", S.READY, "GPU.0", 4 * GIB,
+              last_used=2), ModelView("x", S.READY, "GPU.0", 3 * GIB, last_used=2.5),
+              ModelView("c", S.READY, "GPU.1", 8 * GIB, last_used=3),
               ModelView("m", S.UNLOADED, "auto", 6 * GIB, wanted_since=5, cards=("GPU.0", "GPU.1"))]
     p = plan(models, limits, now=10)
     assert (p.load, p.evict, p.waits_for_room) == (None, ("c",), "m")  # one eviction on GPU.1, not two on GPU.0
+
+
+def test_between_cards_needing_one_eviction_each_the_least_recently_used_model_goes():
+    limits = Limits(0, {"GPU.0": 1 * GIB, "GPU.1": 1 * GIB})
+    models = [ModelView("a", S.READY, "GPU.0", 700 << 20, last_used=8), ModelView("b", S.READY, "GPU.1", 700 << 20,
+              last_used=3), ModelView("c", S.UNLOADED, "auto", 700 << 20, wanted_since=9, cards=("GPU.0", "GPU.1"))]
+    assert plan(models, limits, now=10).evict == ("b",)
 
 
 def test_a_model_that_fits_no_card_is_impossible_one_that_fits_one_card_is_not():

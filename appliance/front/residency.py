@@ -113,8 +113,8 @@ def place(head: ModelView, staying: list[ModelView], everyone: list[ModelView],
     """Where `head` goes: (head on its card, the evictions on that card it needs first, whether it fits beside
     every occupied slot now (drains included), why that card); None when no card has room even after evictions.
     A model with one device has one choice; a placed one takes the card needing the fewest evictions, then one it
-    fits on now, then the one left with the most room (then the fewest bytes in use, the fewest models, the lowest
-    index)."""
+    fits on now, then the one whose evicted models were used least recently, then the one left with the most room
+    (then the fewest bytes in use, the fewest models, the lowest index)."""
     options = []
     for card in head.cards or (head.device,):
         on = replace(head, device=card)
@@ -124,8 +124,9 @@ def place(head: ModelView, staying: list[ModelView], everyone: list[ModelView],
             now_fits = not evict and _fits(on, everyone, limits)
             used = sum(m.needs().get(card, 0) for m in after)
             count = sum(card in m.needs() for m in after)  # unknown footprints: spread by count
-            options.append(((len(evict), not now_fits, -_room(on, after, limits), used, count, card), on, evict,
-                            now_fits))
+            latest = max((m.last_used for m in staying if m.name in evict), default=0.0)  # evict the staler card's
+            options.append(((len(evict), not now_fits, latest, -_room(on, after, limits), used, count, card), on,
+                            evict, now_fits))
     if not options:
         return None
     _, on, evict, now_fits = min(options, key=lambda option: option[0])

@@ -175,3 +175,23 @@ def test_the_owner_places_a_model_at_start_and_status_says_where_and_why(two_b58
         assert placement.limits().memory_budget == {"GPU.0": 12 * GIB, "GPU.1": 12 * GIB}
 
     asyncio.run(scenario())
+
+
+def test_an_auto_model_is_placed_and_served_end_to_end_on_a_box_without_a_gpu(appliance_factory, demo_model):
+    """This box has no GPU: `device: auto` places on the CPU, through the same path as a card (the unloaded
+    supervisor replaced by one on the chosen device before its worker starts), at start and on demand; status says
+    where and why, and the owner's invariants hold throughout (the factory fails on a logged BUG)."""
+    from conftest import model_entry
+    app = appliance_factory({"models": [model_entry("first", demo_model, device="auto"),
+                                        model_entry("later", demo_model, device="auto", load="on_demand")]})
+    first = app.model_status("first")
+    assert (first["state"], first["device"]) == ("ready", "CPU")
+    assert first["placement"] == {"device": "CPU", "why": "placed on CPU (footprint unknown); CPU: no budget"}
+    assert app.model_status("later")["placement"] == {
+        "device": None, "why": "device: auto: the placer picks one of CPU at its next load"}
+    reply = app.client().chat.completions.create(model="later", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=3)
+    assert reply.usage.completion_tokens == 3
+    later = app.model_status("later")
+    assert (later["device"], later["placement"]["device"]) == ("CPU", "CPU")
+    assert later["placement"]["why"].startswith("placed on CPU (footprint ")

@@ -195,3 +195,20 @@ def test_an_auto_model_is_placed_and_served_end_to_end_on_a_box_without_a_gpu(ap
     later = app.model_status("later")
     assert (later["device"], later["placement"]["device"]) == ("CPU", "CPU")
     assert later["placement"]["why"].startswith("placed on CPU (footprint ")
+
+
+def test_a_draft_on_the_other_card_is_measured_apart_from_the_worker_fdinfo(tmp_path):
+    """A worker with its model on the A770 (0000:03:00.0) and its draft on the B580 (0000:07:00.0, the recorded
+    xe client moved to that card's address): its fdinfo splits into the main model's bytes and the draft's."""
+    from appliance.front.residency_book import split_by_card
+    from appliance.host.device_memory import device_memory_used
+    from doctor_roots import FIXTURES
+
+    fdinfo = tmp_path / "proc" / "4242" / "fdinfo"
+    fdinfo.mkdir(parents=True)
+    (fdinfo / "7").write_text((FIXTURES / "gpu/fdinfo/i915-a770-compute.txt").read_text())
+    (fdinfo / "9").write_text((FIXTURES / "gpu/fdinfo/xe-b580-llm.txt").read_text()
+                              .replace("drm-pdev:\t0000:03:00.0", "drm-pdev:\t0000:07:00.0"))
+    used = device_memory_used([4242], tmp_path / "proc")
+    assert split_by_card(used, "0000:03:00.0") == (7342084 << 10, 8388612 << 10)
+    assert split_by_card(used, None) == ((7342084 + 8388612) << 10, None)  # its own card unknown: all of it there

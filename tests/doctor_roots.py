@@ -59,8 +59,8 @@ def build_cards_root(root: Path, *uevents: str, vram: dict[int, int] | None = No
     """A box's sysfs with several Arc cards (recorded uevents under tests/fixtures/gpu/sysfs), card N the N-th
     given; `vram` writes card N's xe tile0/physical_vram_size_bytes (a backport driver's: mainline has none)."""
     for card, uevent in enumerate(uevents):
-        _pci_device(root, (FIXTURES / "gpu/sysfs" / uevent).read_text(), (DOCTOR / "resource-b580-rebar.txt").read_text(),
-                    True, card)
+        resource = (DOCTOR / "resource-b580-rebar.txt").read_text()
+        _pci_device(root, (FIXTURES / "gpu/sysfs" / uevent).read_text(), resource, True, card)
     for card, size in (vram or {}).items():
         _write(root, f"/sys/class/drm/card{card}/device/tile0/physical_vram_size_bytes", f"{size}\n")
     return root

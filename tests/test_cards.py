@@ -212,3 +212,25 @@ def test_a_draft_on_the_other_card_is_measured_apart_from_the_worker_fdinfo(tmp_
     used = device_memory_used([4242], tmp_path / "proc")
     assert split_by_card(used, "0000:03:00.0") == (7342084 << 10, 8388612 << 10)
     assert split_by_card(used, None) == ((7342084 + 8388612) << 10, None)  # its own card unknown: all of it there
+
+
+def test_the_owner_counts_a_draft_on_another_card_against_that_card(two_b580):
+    """Placement's view of a model whose draft_model.device is the other card: the draft's measured share is
+    there, so a model wanting that card sees it; with the draft on its model's card, nothing moves."""
+    from appliance.front.metrics import Metrics
+    from appliance.front.placement import Placement
+
+    def model(draft_device):
+        return {"name": "main", "path": "/main", "device": "GPU.0", "load": "on_demand",
+                "draft_model": {"path": "/draft", "device": draft_device}}
+
+    async def scenario(draft_device):
+        config = parse_config({"server": {"memory_budget": {"GPU.0": "12GiB", "GPU.1": "12GiB"}},
+                               "models": [model(draft_device)]}, "o.yaml")
+        placement = Placement(config, Metrics(), host_gpus=two_b580)
+        placement.usage["main"].measured, placement.usage["main"].measured_draft = 8 * GIB, 3 * GIB
+        (view,) = placement.views(now=1.0)
+        return view.needs()
+
+    assert asyncio.run(scenario("GPU.1")) == {"GPU.0": 8 * GIB, "GPU.1": 3 * GIB}
+    assert asyncio.run(scenario("GPU.0")) == {"GPU.0": 8 * GIB}

@@ -33,8 +33,8 @@ def a770_b580(tmp_path):
 
 def test_the_cards_of_two_b580s_are_named_in_pci_order_with_their_configured_budgets(two_b580):
     cards = cards_of(two_b580, {"GPU.0": 11 * GIB, "GPU.1": 10 * GIB})
-    assert cards == (Card("GPU.0", 11 * GIB, "Intel Arc B580 at 0000:07:00.0"),
-                     Card("GPU.1", 10 * GIB, "Intel Arc B580 at 0000:0a:00.0"))
+    assert cards == (Card("GPU.0", 11 * GIB, "Intel Arc B580 at 0000:07:00.0", "0000:07:00.0"),
+                     Card("GPU.1", 10 * GIB, "Intel Arc B580 at 0000:0a:00.0", "0000:0a:00.0"))
 
 
 def test_a_card_without_a_configured_budget_falls_back_to_the_vram_sysfs_shows_else_has_none(a770_b580):
@@ -116,7 +116,7 @@ def test_a_model_that_fits_no_card_is_impossible_one_that_fits_one_card_is_not()
 
 def test_a_draft_on_another_card_counts_there():
     limits = Limits(0, {"GPU.0": 12 * GIB, "GPU.1": 12 * GIB})
-    main = ModelView("main", S.READY, "GPU.0", 8 * GIB, last_used=1, draft_device="GPU.1", draft_footprint=4 * GIB)
+    main = ModelView("main", S.READY, "GPU.0", 8 * GIB, last_used=1, elsewhere=(("GPU.1", 4 * GIB),))
     other = ModelView("other", S.UNLOADED, "GPU.1", 9 * GIB, wanted_since=5)
     p = plan([main, other], limits, now=10)
     assert (p.load, p.evict) == (None, ("main",))  # 4 + 9 GiB > 12 GiB on GPU.1: the draft's card is short
@@ -210,27 +210,31 @@ def test_a_draft_on_the_other_card_is_measured_apart_from_the_worker_fdinfo(tmp_
     (fdinfo / "9").write_text((FIXTURES / "gpu/fdinfo/xe-b580-llm.txt").read_text()
                               .replace("drm-pdev:\t0000:03:00.0", "drm-pdev:\t0000:07:00.0"))
     used = device_memory_used([4242], tmp_path / "proc")
-    assert split_by_card(used, "0000:03:00.0") == (7342084 << 10, 8388612 << 10)
-    assert split_by_card(used, None) == ((7342084 + 8388612) << 10, None)  # its own card unknown: all of it there
+    names = {"0000:03:00.0": "GPU.0", "0000:07:00.0": "GPU.1"}  # the A770 + B580 root's cards
+    assert split_by_card(used, "0000:03:00.0", names) == (7342084 << 10, {"GPU.1": 8388612 << 10})
+    assert split_by_card(used, "0000:03:00.0", {}, "GPU.1") == (7342084 << 10, {"GPU.1": 8388612 << 10})
+    assert split_by_card(used, "0000:03:00.0", {}) == ((7342084 + 8388612) << 10, {})  # unnamed: on its own card
+    assert split_by_card(used, None, names) == ((7342084 + 8388612) << 10, {})  # its own card unknown: all there
 
 
-def test_the_owner_counts_a_draft_on_another_card_against_that_card(two_b580):
-    """Placement's view of a model whose draft_model.device is the other card: the draft's measured share is
-    there, so a model wanting that card sees it; with the draft on its model's card, nothing moves."""
+def test_the_owner_counts_what_a_model_holds_on_its_other_cards_there(two_b580):
+    """Placement's view of a model whose draft_model.device is the other card, and of a split: their measured
+    shares on the other card count there; a share measured on a card the model does not name counts nowhere."""
     from appliance.front.metrics import Metrics
     from appliance.front.placement import Placement
 
-    def model(draft_device):
-        return {"name": "main", "path": "/main", "device": "GPU.0", "load": "on_demand",
-                "draft_model": {"path": "/draft", "device": draft_device}}
+    draft = {"name": "m", "path": "/main", "device": "GPU.0", "load": "on_demand",
+             "draft_model": {"path": "/draft", "device": "GPU.1"}}
+    split = {"name": "m", "path": "/main", "device": "HETERO:GPU.0,GPU.1", "load": "on_demand"}
+    alone = {"name": "m", "path": "/main", "device": "GPU.0", "load": "on_demand"}
 
-    async def scenario(draft_device):
+    async def needs(model):
         config = parse_config({"server": {"memory_budget": {"GPU.0": "12GiB", "GPU.1": "12GiB"}},
-                               "models": [model(draft_device)]}, "o.yaml")
+                               "models": [model]}, "o.yaml")
         placement = Placement(config, Metrics(), host_gpus=two_b580)
-        placement.usage["main"].measured, placement.usage["main"].measured_draft = 8 * GIB, 3 * GIB
+        placement.usage["m"].measured, placement.usage["m"].measured_elsewhere = 8 * GIB, {"GPU.1": 3 * GIB}
         (view,) = placement.views(now=1.0)
         return view.needs()
 
-    assert asyncio.run(scenario("GPU.1")) == {"GPU.0": 8 * GIB, "GPU.1": 3 * GIB}
-    assert asyncio.run(scenario("GPU.0")) == {"GPU.0": 8 * GIB}
+    assert asyncio.run(needs(draft)) == asyncio.run(needs(split)) == {"GPU.0": 8 * GIB, "GPU.1": 3 * GIB}
+    assert asyncio.run(needs(alone)) == {"GPU.0": 8 * GIB}

@@ -27,6 +27,7 @@ class Card:
     name: str               # OpenVINO's name: GPU.0, GPU.1, ...
     budget: int | None      # bytes the placer may fill: server.memory_budget's, else the VRAM sysfs shows, else None
     label: str              # what status shows of it: "Intel Arc B580 at 0000:03:00.0", or the name alone
+    bdf: str | None = None  # its PCI address (how a worker's fdinfo names it), where sysfs shows the card
 
 
 def cards_of(gpus: list[GpuInfo], budgets: dict[str, int]) -> tuple[Card, ...]:
@@ -34,7 +35,7 @@ def cards_of(gpus: list[GpuInfo], budgets: dict[str, int]) -> tuple[Card, ...]:
     and any GPU.N server.memory_budget names beyond them (a container that sees no sysfs of its cards)."""
     intel = sorted((gpu for gpu in gpus if gpu.vendor_id == INTEL_VENDOR_ID), key=lambda gpu: gpu.bdf or gpu.card)
     cards = {f"GPU.{index}": Card(f"GPU.{index}", budgets.get(f"GPU.{index}", gpu.memory_total_bytes),
-                                  f"{gpu.name} at {gpu.bdf}" if gpu.bdf else gpu.name)
+                                  f"{gpu.name} at {gpu.bdf}" if gpu.bdf else gpu.name, gpu.bdf)
              for index, gpu in enumerate(intel)}
     for name, budget in budgets.items():
         if name.startswith("GPU.") and name not in cards:

@@ -22,7 +22,8 @@ The rules, in the order they are applied:
   where it fits with the fewest evictions, then where the most room is left (appliance.front.cards says what a
   card's budget is). An eviction for it happens on the chosen card only: a model on another card is never evicted
   for it (unless max_loaded, which counts every card, is what is short).
-- A draft model on another card than its main model (draft_model.device) counts its share on that card.
+- A draft model on another card than its main model (draft_model.device), or a split's other cards, count their
+  measured share on those cards.
 """
 
 from __future__ import annotations
@@ -50,14 +51,14 @@ class ModelView:
     pinned: bool = False            # load: at_start: never evicted to make room for another model
     idle_unload_s: float = 0.0      # 0: never unloaded for idleness
     cards: tuple[str, ...] = ()     # the cards the placer may put it on (device: auto, or GPU with several cards)
-    draft_device: str | None = None  # its draft model's card, where that is another device than `device`
-    draft_footprint: int | None = None  # the draft's bytes on draft_device (measured)
+    # bytes it holds on other devices (measured): its draft's card (draft_model.device), a split's other cards
+    elsewhere: tuple[tuple[str, int], ...] = ()
 
     def needs(self) -> dict[str, int]:
-        """Bytes it holds (or will hold) per device: its own, and its draft's on another card."""
+        """Bytes it holds (or will hold) per device: on its own, and elsewhere."""
         needs = {self.device: self.footprint or 0}
-        if self.draft_device:
-            needs[self.draft_device] = needs.get(self.draft_device, 0) + (self.draft_footprint or 0)
+        for device, size in self.elsewhere:
+            needs[device] = needs.get(device, 0) + size
         return needs
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from appliance.config import Config, ModelConfig
-from appliance.config.devices import budget_device
+from appliance.config.devices import DEVICE_IN_STRING, budget_device
 from appliance.front import cards, residency
 from appliance.front.lifecycle import ModelState
 from appliance.front.model_supervisor import ModelSupervisor
@@ -38,7 +38,8 @@ class Usage:
 
     last_used: float = 0.0               # monotonic: the model last went idle, was handed a request, or loaded
     measured: int | None = None          # its footprint measured at its last load (worker RSS, or VRAM on a GPU)
-    measured_draft: int | None = None    # its draft's share on the draft's own card (draft_model.device elsewhere)
+    # what its worker held on other cards at its last load: its draft's card, a split's other cards
+    measured_elsewhere: dict[str, int] = field(default_factory=dict)
     placed: str | None = None            # why the placer put its current load on its card (None: not placed)
     load_reason: str = "start"           # why its current load happened (openarc_model_loads_total's reason)
     refusal: RequestFailed | None = None  # its last load failed: answered at once...
@@ -104,14 +105,13 @@ class ResidencyBook:
                                 cards.budgets(self.cards, self.config.server.memory_budget_bytes))
 
     def view_devices(self, sup: ModelSupervisor) -> dict:
-        """The device fields of a model's view: its device, the cards it may be placed on, its draft's card."""
+        """The device fields of a model's view: its device, the cards it may be placed on, what it holds on the
+        other devices it names (its draft's, a split's)."""
         device = budget_device(sup.model.device)
-        draft = sup.model.draft_model
-        draft_device = budget_device(draft.device) if draft and draft.device else None
-        elsewhere = draft_device is not None and draft_device != device
+        others = other_devices(sup.model)
         return {"device": device, "cards": cards.placeable(self.asked.get(sup.name, sup.model.device), self.cards),
-                "draft_device": draft_device if elsewhere else None,
-                "draft_footprint": self.usage[sup.name].measured_draft if elsewhere else None}
+                "elsewhere": tuple((d, size) for d, size in self.usage[sup.name].measured_elsewhere.items()
+                                   if d in others)}
 
     def card_now(self, model: ModelConfig, current: str | None = None) -> tuple[str, str] | None:
         """(card, why) for a placed model's load the plan did not place (a load at start, a reload's new
@@ -182,28 +182,52 @@ class ResidencyBook:
         measured = self.usage[name].measured
         return (measured, "measured") if measured is not None else (None, "unknown")
 
-
     def measure(self, sup: ModelSupervisor) -> None:
-        """A load just ended ready: its footprint (and its draft's share on another card) as measured now."""
+        """A load just ended ready: its footprint, and what it holds on other cards, as measured now."""
         usage = self.usage[sup.name]
-        main, draft = measure_footprint(sup)
+        main, elsewhere = measure_footprint(sup, self.cards)
         usage.measured = main or usage.measured
-        usage.measured_draft = draft or usage.measured_draft
+        usage.measured_elsewhere = elsewhere or usage.measured_elsewhere
 
 
-def measure_footprint(sup: ModelSupervisor) -> tuple[int | None, int | None]:
-    """A loaded model's footprint on its device, and its draft's on another card: the VRAM its worker holds on a GPU
-    (DRM fdinfo), its RSS on the CPU; None when it cannot be read (a GPU without fdinfo memory keys)."""
+def other_devices(model: ModelConfig) -> set[str]:
+    """The devices a model holds memory on besides its own: its draft's, a split's other cards (budget keys)."""
+    named = DEVICE_IN_STRING.findall(model.device)
+    if model.draft_model and model.draft_model.device:
+        named += DEVICE_IN_STRING.findall(model.draft_model.device)
+    return {budget_device(name) for name in named} - {budget_device(model.device)}
+
+
+def measure_footprint(sup: ModelSupervisor, known: tuple[cards.Card, ...]) -> tuple[int | None, dict[str, int]]:
+    """A loaded model's footprint on its device, and on its other cards: the VRAM its worker holds on a GPU (DRM
+    fdinfo, per card), its RSS on the CPU; None when it cannot be read (a GPU without fdinfo memory keys)."""
     if sup.life.pid is None:
-        return None, None
-    if budget_device(sup.model.device).startswith("GPU"):
-        return split_by_card(device_memory.device_memory_used([sup.life.pid]), sup.life.device_faults.card)
-    return telemetry.process_rss_bytes(sup.life.pid) or None, None
+        return None, {}
+    device = budget_device(sup.model.device)
+    if not device.startswith("GPU"):
+        return telemetry.process_rss_bytes(sup.life.pid) or None, {}
+    names = {card.bdf: card.name for card in known if card.bdf}
+    # its own card: as its worker's ready frame said it, else (a split names no single card) as sysfs has it
+    own = sup.life.device_faults.card or next((bdf for bdf, name in names.items() if name == device), None)
+    others = other_devices(sup.model)
+    fallback = next(iter(others)) if len(others) == 1 else None  # a card sysfs does not show: the one other device
+    return split_by_card(device_memory.device_memory_used([sup.life.pid]), own, names, fallback)
 
 
-def split_by_card(used: dict[str, int], own: str | None) -> tuple[int | None, int | None]:
-    """(bytes on the worker's own card, bytes on its other cards: a draft's) from its fdinfo per card; where its own
-    card's PCI address is unknown (no ready frame said it), all of it counts on its own card."""
-    if own is None or own not in used:
-        return sum(used.values()) or None, None
-    return used[own] or None, sum(size for card, size in used.items() if card != own) or None
+def split_by_card(used: dict[str, int], own: str | None, names: dict[str, str],
+                  fallback: str | None = None) -> tuple[int | None, dict[str, int]]:
+    """(bytes on the worker's own card, {device: bytes} on its other cards) from its fdinfo per card (PCI address ->
+    bytes). Another card is named as sysfs names it, else `fallback`; where neither names it, or its own card is
+    unknown, the bytes count on its own card (the safe side for the card it was given)."""
+    if own not in used:
+        return sum(used.values()) or None, {}
+    main, elsewhere = used[own], {}
+    for pdev, size in used.items():
+        if pdev == own:
+            continue
+        name = names.get(pdev, fallback)
+        if name is None:
+            main += size
+        else:
+            elsewhere[name] = elsewhere.get(name, 0) + size
+    return main or None, elsewhere

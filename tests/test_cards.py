@@ -181,7 +181,7 @@ def test_an_auto_model_is_placed_and_served_end_to_end_on_a_box_without_a_gpu(ap
     """This box has no GPU: `device: auto` places on the CPU, through the same path as a card (the unloaded
     supervisor replaced by one on the chosen device before its worker starts), at start and on demand; status says
     where and why, and the owner's invariants hold throughout (the factory fails on a logged BUG)."""
-    from conftest import model_entry
+    from conftest import http, model_entry
     app = appliance_factory({"models": [model_entry("first", demo_model, device="auto"),
                                         model_entry("later", demo_model, device="auto", load="on_demand")]})
     first = app.model_status("first")
@@ -195,6 +195,10 @@ def test_an_auto_model_is_placed_and_served_end_to_end_on_a_box_without_a_gpu(ap
     later = app.model_status("later")
     assert (later["device"], later["placement"]["device"]) == ("CPU", "CPU")
     assert later["placement"]["why"].startswith("placed on CPU (footprint ")
+    status, _, _ = http("POST", app.base + "/openarc/models/later/unload", headers=app.auth)
+    assert status == 200
+    assert app.wait_model("later", "unloaded")["placement"] == {
+        "device": None, "why": "device: auto: the placer picks one of CPU at its next load (last on CPU)"}
 
 
 def test_a_draft_on_the_other_card_is_measured_apart_from_the_worker_fdinfo(tmp_path):

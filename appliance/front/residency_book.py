@@ -133,10 +133,11 @@ class ResidencyBook:
         asked = self.asked.get(name, sup.model.device)
         if not cards.placeable(asked, self.cards):
             return {"device": sup.model.device, "why": f"device: {asked} as configured"}
-        placed = sup.model.device if sup.model.device != asked else None
-        return {"device": placed, "why": usage.placed if placed else
-                f"device: {asked}: the placer picks one of {', '.join(cards.placeable(asked, self.cards))} at its "
-                "next load"}
+        if sup.state not in (ModelState.UNLOADED, ModelState.STOPPED) and usage.placed:
+            return {"device": sup.model.device, "why": usage.placed}
+        before = f" (last on {sup.model.device})" if sup.model.device != asked else ""
+        return {"device": None, "why": f"device: {asked}: the placer picks one of "
+                                       f"{', '.join(cards.placeable(asked, self.cards))} at its next load{before}"}
 
     def views(self, now: float) -> list[residency.ModelView]:
         """Every model as the policy sees it now (reads only: a status or a 503's text may call it any time): the

@@ -19,8 +19,8 @@ The rules, in the order they are applied:
   is never evicted: then the head waits (its requests are bounded by ready_wait_s).
 - A model whose footprint alone exceeds its device's budget can never load: its waiters are answered at once.
 - A model the placer places (`device: auto`, or bare `GPU` on a box with several cards: its `cards`) goes on the card
-  where it fits with the fewest evictions, then where the most room is left (appliance.front.cards says what a
-  card's budget is). An eviction for it happens on the chosen card only: a model on another card is never evicted
+  where it fits with the fewest evictions, then where those evicted are stalest, then where the most room is left
+  (appliance.front.cards says what a card's budget is). An eviction for it happens on the chosen card only: a model on another card is never evicted
   for it (unless max_loaded, which counts every card, is what is short).
 - A draft model on another card than its main model (draft_model.device), or a split's other cards, count their
   measured share on those cards.

@@ -51,7 +51,19 @@ def _pci_device(root: Path, uevent: str, resource: str, bound: bool, card: int =
     (root / "sys/class/drm").mkdir(parents=True, exist_ok=True)
     for minor in (f"card{card}", f"renderD{128 + card}"):
         (pci_dir / "drm" / minor).mkdir(parents=True)
+        os.symlink("../..", pci_dir / "drm" / minor / "device")  # as the kernel links a minor to its PCI device
         os.symlink(f"../../devices/pci0000:00/0000:00:01.0/{bdf}/drm/{minor}", root / "sys/class/drm" / minor)
+
+
+def build_cards_root(root: Path, *uevents: str, vram: dict[int, int] | None = None) -> Path:
+    """A box's sysfs with several Arc cards (recorded uevents under tests/fixtures/gpu/sysfs), card N the N-th
+    given; `vram` writes card N's xe tile0/physical_vram_size_bytes (a backport driver's: mainline has none)."""
+    for card, uevent in enumerate(uevents):
+        resource = (DOCTOR / "resource-b580-rebar.txt").read_text()
+        _pci_device(root, (FIXTURES / "gpu/sysfs" / uevent).read_text(), resource, True, card)
+    for card, size in (vram or {}).items():
+        _write(root, f"/sys/class/drm/card{card}/device/tile0/physical_vram_size_bytes", f"{size}\n")
+    return root
 
 
 def _dev_dri(root: Path, listing: str, card: int) -> None:

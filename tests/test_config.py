@@ -76,7 +76,8 @@ def test_runtime_config_overrides_first_class_options(tmp_path):
     ({"server": {"port": 70000}}, "server.port: expected a port number 1-65535"),
     ({"models": [{"name": "a"}]}, "models[0].path: required key is missing (a string)"),
     ({"models": [{"name": "a", "path": "/a", "device": "cpu"}]},
-     "models[0].device: expected an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case)"),
+     "models[0].device: expected an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case), "
+     "or auto (the placer picks the card with room)"),
     ({"models": [{"name": "a", "path": "/a", "pipeline": "paged"}]},
      "models[0].pipeline: expected one of 'continuous_batching', 'stateful', got 'paged'"),
     ({"models": [{"name": "a", "path": "/a", "scheduler_config": {"num_blocks": 4}}]},
@@ -186,7 +187,8 @@ def test_check_config_prints_every_error_at_once(tmp_path, demo_model):
         "server.log_levle: unknown key (did you mean 'log_level'?)",
         "server.port: expected an integer, got '8000'",
         "models[0].devise: unknown key (did you mean 'device'?)",
-        "models[2].device: expected an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case)",
+        "models[2].device: expected an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case), "
+        "or auto (the placer picks the card with room)",
         f"models[1].path: expected an OpenVINO model directory; {str(tmp_path / 'no-such-model')!r} does not exist "
         "(model 'lost')")]
 

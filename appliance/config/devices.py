@@ -18,6 +18,10 @@ from appliance.config.validator import ConfigError
 # composite forms, reject anything else here rather than as a C++ exception at load time.
 DEVICE_PATTERN = re.compile(r"^(CPU|NPU|GPU(\.\d+)?|(AUTO|MULTI|HETERO|BATCH)(:[A-Z0-9.,:]+)?)$")
 
+# The device that asks the placer to choose the card (appliance.front.cards): lower case, so that it is never
+# taken for OpenVINO's own AUTO plugin (which picks a device per compiled model, not per card with room).
+PLACED = "auto"
+
 # A GPU a device string names: "GPU.1", or bare "GPU" (OpenVINO's name for GPU.0), also inside composite
 # devices ("HETERO:GPU.1,CPU").
 GPU_IN_DEVICE = re.compile(r"\bGPU(?:\.(\d+))?\b")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance.config.validator import Problems, checked, key_name
-from appliance.config.devices import DEVICE_PATTERN, budget_device
+from appliance.config.devices import DEVICE_PATTERN, PLACED, budget_device
 from appliance.config.model_checks import tokenizer_mismatch
 from appliance.config.kinds import GENERATIVE_KINDS, KIND_ONLY_KEYS, kinds_of
 from appliance.sizes import parse_size
@@ -96,8 +96,9 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
                 "letters, digits, '.', '_' or '-' (it names a systemd instance and a metric label)")
         require(m.name not in seen, f"{at}.name", f"a unique model name ({m.name!r} appears twice)")
         seen.add(m.name)
-        require(DEVICE_PATTERN.match(m.device) is not None, f"{at}.device",
-                "an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case)")
+        require(m.device == PLACED or DEVICE_PATTERN.match(m.device) is not None, f"{at}.device",
+                "an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case), or auto (the "
+                "placer picks the card with room)")
         require(m.port is None or 0 < m.port < 65536, f"{at}.port", "a port number 1-65535")
         for key in ("max_context", "default_max_tokens", "max_running", "max_inputs"):
             require(getattr(m, key) is None or getattr(m, key) >= 1, f"{at}.{key}", "at least 1")

@@ -31,60 +31,41 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from appliance.config import Config, ModelConfig
-from appliance.config.devices import budget_device
-from appliance.front import invariants, residency
+from appliance.front import cards, invariants, residency
 from appliance.front.lifecycle import Changes, ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.model_supervisor import ModelSupervisor
 from appliance.front.parked import ParkedWorkers
 from appliance.front.request import RequestFailed
+from appliance.front.residency_book import HANDOFF_GRACE_S, STANDING, ResidencyBook, Usage
 from appliance.front.residency_states import Act, Event, Phase, step
 from appliance.front.switches import SwitchClock, log_text, stages, status_view
 from appliance.front.worker_ledger import Ledger
-from appliance.host import device_memory, telemetry
+from appliance.host import gpus
 from appliance.host.kernel_log import KernelLog
 
 log = logging.getLogger("openarc.supervisor")
 
-# A request handed its model opens its request on it in the same step, or reserves a place in its queue first (an
-# upload being read): the reserved place counts as busy. This grace covers a hand-out that does neither yet: until
-# its request opens or reserves (RequestRouter.handouts), at most this long, the model counts as busy, so it is not
-# evicted under that request. A request that opened leaves nothing behind it: the model is idle when it ends.
-HANDOFF_GRACE_S = 5.0
-# The key of a want no request waits on: a load that goes on without its requester (ready_wait_s ran out, or is 0;
-# a restart reload). It stands until the model's load begins or is refused.
-STANDING = "standing"
 DEBUG_INVARIANTS_ENV = "OPENARC_DEBUG_INVARIANTS"
 UNLOAD_WHY = {"idle": "idle for idle_unload_s={:g}s", "evicted": "evicted to make room for another model",
               "api": "asked through the API"}
 
 
-@dataclass
-class Usage:
-    """What the residency plan knows of a model across its loads (a ModelSupervisor lives for one load)."""
-
-    last_used: float = 0.0               # monotonic: the model last went idle, was handed a request, or loaded
-    measured: int | None = None          # its footprint measured at its last load (worker RSS, or VRAM on a GPU)
-    load_reason: str = "start"           # why its current load happened (openarc_model_loads_total's reason)
-    refusal: RequestFailed | None = None  # its last load failed: answered at once...
-    retry_at: float = 0.0                # ... until then (the restart policy's backoff)
-
-    def refused(self, now: float) -> bool:
-        return self.refusal is not None and now < self.retry_at
-
-
-class Placement:
+class Placement(ResidencyBook):
     """Every model's supervisors, their workers and which models are resident: one owner."""
 
-    def __init__(self, config: Config, metrics: Metrics, kernel_log: KernelLog | None = None):
+    def __init__(self, config: Config, metrics: Metrics, kernel_log: KernelLog | None = None,
+                 host_gpus: list[gpus.GpuInfo] | None = None):
         self.config = config
+        self.gpus = gpus.list_gpus() if host_gpus is None else host_gpus  # the cards a placed model may go on
+        self.cards = cards.cards_of(self.gpus, config.server.memory_budget_bytes)
         self.metrics = metrics
         self.kernel_log = kernel_log
         self.load_gate = asyncio.Semaphore(config.server.load_concurrency)
@@ -96,6 +77,7 @@ class Placement:
         self.replacements: dict[str, ModelSupervisor] = {}  # loading beside the model they will replace
         self.leaving: dict[ModelSupervisor, str] = {}  # draining or stopping, and why: they hold their slot until gone
         self.usage: dict[str, Usage] = {}
+        self.asked: dict[str, str] = {}  # model -> its device as configured (auto, or GPU on several cards: placed)
         self.wants: dict[str, dict[object, tuple[float, str]]] = {}  # model -> its waiters' (arrival, load reason)
         self.impossible: dict[str, str] = {}  # the latest plan's: wanted models that cannot fit now, and why
         self.evicting_for: dict[str, float] = {}  # the head of the line -> when evictions to make room for it began
@@ -126,6 +108,7 @@ class Placement:
     def add(self, model: ModelConfig) -> ModelSupervisor:
         """A configured model's first supervisor: unloaded when on demand, else stopped until its load at start."""
         sup = self.models[model.name] = self._new(model)
+        self.asked[model.name] = model.device
         self.phases[model.name] = Phase.ABSENT
         if model.load == "on_demand":
             sup.life.lifecycle.enter(ModelState.UNLOADED)
@@ -205,9 +188,14 @@ class Placement:
             getattr(self, f"_act_{act.value}")(name, **context)
         self.changed()
 
-    def _act_start(self, name: str, reason: str = "demand", **_) -> None:
+    def _act_start(self, name: str, reason: str = "demand", device: str | None = None, placed: str | None = None,
+                   **_) -> None:
         sup, usage = self.models[name], self.usage[name]
+        if device is None and (chosen := self.card_now(sup.model)) is not None:  # a load at start: placed here
+            device, placed = chosen
+        sup = self._placed_on(sup, device)
         usage.load_reason, usage.refusal = reason, None
+        usage.placed = placed if device else None
         self.unwant(name, STANDING)  # the load it stood for begins
         self.metrics.model_loads.labels(model=name, reason=reason).inc()
         if reason != "start":
@@ -220,6 +208,18 @@ class Placement:
         self.evicting_for.pop(name, None)
         sup.start()
         self._chore(self._loaded(sup), f"load:{name}")
+
+    def _placed_on(self, sup: ModelSupervisor, device: str | None) -> ModelSupervisor:
+        """The placer chose a card for this unloaded (never started) supervisor: a fresh one with that device serves
+        the name (its settings, its worker's spec, its card's faults all follow the device)."""
+        if device is None or device == sup.model.device:
+            return sup
+        placed = self._fresh(sup, dataclasses.replace(sup.model, device=device))
+        placed.reports, sup.reports = sup.reports, False
+        self.models[sup.name] = placed
+        self.metrics.set_state(sup.name, placed.state.value)
+        self._chore(sup.stop(0), f"drop:{sup.name}")  # never started: no worker, no slot, nothing to drain
+        return placed
 
     def _act_retire(self, name: str, why: str, drain_s: float | None = None, **_) -> None:
         old = self.models[name]
@@ -260,7 +260,7 @@ class Placement:
     def _act_promote(self, name: str, **_) -> None:
         old, new = self.models[name], self.replacements.pop(name)
         self._switch(old, new)
-        self.usage[name].measured = measure_footprint(new) or self.usage[name].measured
+        self.measure(new)
         self._leave(old, invariants.REPLACED, None)
 
     def _act_stop_in_place(self, name: str, why: str, drain_s: float | None = None, **_) -> None:
@@ -354,7 +354,11 @@ class Placement:
         loads once the old one's slot is free; unloaded, the new settings apply at its next load. Returns once
         the switch is done and the old worker gone (or the replacement was overtaken)."""
         name, old = model.name, self.models[model.name]
-        new = self._new(model)
+        self.asked[name] = model.device
+        chosen = self.card_now(model, old.model.device)
+        new = self._new(dataclasses.replace(model, device=chosen[0]) if chosen else model)
+        if chosen:
+            self.usage[name].placed = chosen[1]
         new.reports = False
         self.metrics.set_state(name, old.state.value)  # creating the new one's series reset it
         self.send(name, Event.RELOAD_RESTART if model.reload == "restart" else Event.RELOAD_SIDE_BY_SIDE, new=new,
@@ -404,7 +408,7 @@ class Placement:
         clock = self.switches.get(sup)
         if sup.state is ModelState.READY:
             usage.last_used = time.monotonic()
-            usage.measured = measure_footprint(sup) or usage.measured
+            self.measure(sup)
             if clock is not None:
                 clock.spawned, clock.ready = sup.life.spawned_at, sup.life.current.ready_at
                 clock.parked, clock.construction = sup.life.parked, sup.life.pipeline_load_seconds
@@ -443,88 +447,6 @@ class Placement:
         self.unwant(name, STANDING)  # no retry nobody asked for
         self.changed()  # its waiters answer now
 
-    # --- wants ---------------------------------------------------------------------------------------------
-
-    def want(self, name: str, waiter: object, reason: str) -> None:
-        """A request waits for this unloaded model: answered at once (RequestFailed) if its last load failed lately
-        or it cannot fit under the limits now, else counted for the residency plan."""
-        refusal = self.refusal(name)
-        if refusal is not None:
-            raise refusal
-        wants = self.wants.setdefault(name, {})
-        if waiter not in wants:
-            wants[waiter] = (time.monotonic(), reason)
-            self.replan.set()
-
-    def unwant(self, name: str, waiter: object) -> None:
-        wants = self.wants.get(name, {})
-        if wants.pop(waiter, None) is not None:
-            if not wants:
-                del self.wants[name]
-            self.replan.set()
-
-    def refusal(self, name: str) -> RequestFailed | None:
-        """Why a request for this unloaded model is answered now instead of waiting for its load, if it is."""
-        usage, now = self.usage[name], time.monotonic()
-        if usage.refused(now):
-            failure = usage.refusal
-            return RequestFailed(failure.status, failure.kind, failure.message, failure.code, failure.hint,
-                                 failure.retry_after and max(1.0, usage.retry_at - now))
-        if name in self.impossible:
-            source = self.footprint(name)[1]
-            advice = ("raise the budget, or declare models[].memory if the measure was wrong, and reload"
-                      if source == "measured" else "raise the budget and reload")
-            return RequestFailed(503, "model_unavailable", f"model {name} cannot load here: {self.impossible[name]} "
-                                 f"({source} footprint; {advice})")
-        return None
-
-    # --- the plan, made and carried out ----------------------------------------------------------------------
-
-    def limits(self) -> residency.Limits:
-        return residency.Limits(self.config.server.max_loaded, self.config.server.memory_budget_bytes)
-
-    def views(self, now: float) -> list[residency.ModelView]:
-        """Every model as the policy sees it now (reads only: a status or a 503's text may call it any time): the
-        serving ones, the replacements loading (they hold a slot), and those leaving (until their worker is gone)."""
-        views = []
-        for name, sup in self.models.items():
-            usage = self.usage[name]
-            busy = self.busy(sup, now)
-            # start() was called and its task has not run yet: it is loading, not wanted again
-            state = ModelState.LOADING if sup.state is ModelState.UNLOADED and sup.life.task else sup.state
-            # Waiters still in line for a model just refused are about to be answered: they do not want a load.
-            wants = None if usage.refused(now) else self.wants.get(name)
-            views.append(residency.ModelView(
-                name, state, budget_device(sup.model.device), self.footprint(name)[0], busy,
-                now if busy else usage.last_used, min(since for since, _ in wants.values()) if wants else None,
-                sup.model.load == "at_start", sup.model.idle_unload_s))
-        views += [residency.ModelView(f"{sup.name} (replacement)", ModelState.LOADING, budget_device(sup.model.device),
-                                      self.footprint(sup.name, sup)[0]) for sup in self.replacements.values()]
-        views += [residency.ModelView(f"{sup.name} (leaving)", ModelState.DRAINING, budget_device(sup.model.device),
-                                      self.footprint(sup.name, sup)[0]) for sup in self.swapped_out()]
-        return views
-
-    def swapped_out(self) -> list[ModelSupervisor]:
-        """The leaving supervisors that no longer serve their name (one stopping under its name is in models)."""
-        return [sup for sup in self.leaving if self.models.get(sup.name) is not sup]
-
-    def busy(self, sup: ModelSupervisor, now: float) -> int:
-        """Requests running, queued, reserved (an upload being read holds its place) or waiting for the model; a
-        request handed it that has not opened yet counts one, for at most HANDOFF_GRACE_S."""
-        router = sup.router
-        busy = len(router.running) + len(router.waiting) + router.reserved + router.awaiting_ready
-        return busy + sum(now - at < HANDOFF_GRACE_S for at in router.handouts.values())
-
-    def footprint(self, name: str, sup: ModelSupervisor | None = None) -> tuple[int | None, str]:
-        """The model's memory on its device (as `sup`'s settings declare it, the serving one's by default) and
-        where the figure comes from: declared, measured or unknown."""
-        sup = sup or self.models.get(name)
-        declared = sup.model.memory_bytes if sup is not None else None
-        if declared is not None:
-            return declared, "declared"
-        measured = self.usage[name].measured
-        return (measured, "measured") if measured is not None else (None, "unknown")
-
     async def _place(self) -> None:
         """Make the residency plan and carry it out, again whenever something it looks at changes."""
         while True:
@@ -552,7 +474,7 @@ class Placement:
                 self.begin_unload(name, reason)  # at once: the next plan sees it leaving
         if plan.load:
             reason = min((self.wants.get(plan.load) or {None: (0.0, "demand")}).values())[1]
-            self.send(plan.load, Event.LOAD, reason=reason)
+            self.send(plan.load, Event.LOAD, reason=reason, device=plan.device, placed=plan.placed)
 
     async def _until_replan(self, plan: residency.Plan) -> None:
         """Until something the plan looks at changes (replan: a state, a want, a waiter counted, a model gone idle,
@@ -579,6 +501,7 @@ class Placement:
         leaves as the plan decides, not at once)."""
         before = self.limits()
         self.config = config
+        self.cards = cards.cards_of(self.gpus, config.server.memory_budget_bytes)
         self.parked.resize(config.server.parked_workers)
         self.limits_lowered = self.limits_lowered or self.limits() != before
         self.replan.set()
@@ -620,6 +543,7 @@ class Placement:
         return {"load": sup.model.load, "idle_unload_s": sup.model.idle_unload_s,
                 "memory": {"bytes": size, "source": source}, "last_used": last_used,
                 "loaded_by": usage.load_reason if sup.state not in (ModelState.UNLOADED, ModelState.STOPPED) else None,
+                "placement": self.placement_status(name),
                 "last_switch": self.last_switch.get(name)}
 
     def occupied(self) -> int:
@@ -650,12 +574,3 @@ class Placement:
             task.cancel()
         await asyncio.gather(*self.chores, return_exceptions=True)
 
-
-def measure_footprint(sup: ModelSupervisor) -> int | None:
-    """A loaded model's footprint on its device: the VRAM its worker holds on a GPU (DRM fdinfo), its RSS on the
-    CPU; None when it cannot be read (a GPU without fdinfo memory keys)."""
-    if sup.life.pid is None:
-        return None
-    if budget_device(sup.model.device).startswith("GPU"):
-        return sum(device_memory.device_memory_used([sup.life.pid]).values()) or None
-    return telemetry.process_rss_bytes(sup.life.pid) or None

@@ -18,12 +18,18 @@ The rules, in the order they are applied:
   as few as needed; the load starts once their drains have ended. A model with a request running, queued or waiting
   is never evicted: then the head waits (its requests are bounded by ready_wait_s).
 - A model whose footprint alone exceeds its device's budget can never load: its waiters are answered at once.
+- A model the placer places (`device: auto`, or bare `GPU` on a box with several cards: its `cards`) goes on the card
+  where it fits with the fewest evictions, then where those evicted are stalest, then where the most room is left
+  (appliance.front.cards says what a card's budget is). An eviction for it happens on the chosen card only: a model on another card is never evicted
+  for it (unless max_loaded, which counts every card, is what is short).
+- A draft model on another card than its main model (draft_model.device), or a split's other cards, count their
+  measured share on those cards.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from appliance.front.lifecycle import ModelState
 from appliance.sizes import format_size
@@ -44,6 +50,16 @@ class ModelView:
     wanted_since: float | None = None  # when the oldest request waiting for its load arrived (None: nobody waits)
     pinned: bool = False            # load: at_start: never evicted to make room for another model
     idle_unload_s: float = 0.0      # 0: never unloaded for idleness
+    cards: tuple[str, ...] = ()     # the cards the placer may put it on (device: auto, or GPU with several cards)
+    # bytes it holds on other devices (measured): its draft's card (draft_model.device), a split's other cards
+    elsewhere: tuple[tuple[str, int], ...] = ()
+
+    def needs(self) -> dict[str, int]:
+        """Bytes it holds (or will hold) per device: on its own, and elsewhere."""
+        needs = {self.device: self.footprint or 0}
+        for device, size in self.elsewhere:
+            needs[device] = needs.get(device, 0) + size
+        return needs
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,8 @@ class Limits:
 @dataclass(frozen=True)
 class Plan:
     load: str | None = None                  # start loading this model now
+    device: str | None = None                # ... on this card (a placed model), or on its own device (None)
+    placed: str | None = None                # why that card: the head's room on each card it may go on
     evict: tuple[str, ...] = ()              # drain and stop these first, to make room for `waits_for_room`
     idle: tuple[str, ...] = ()               # drain and stop these: idle for their idle_unload_s
     waits_for_room: str | None = None        # the head of the line, waiting for evictions or for a model to go idle
@@ -81,13 +99,61 @@ def plan(models: list[ModelView], limits: Limits, now: float) -> Plan:
     # Slots being freed (draining, or unloaded for idleness by this plan) still hold memory until their drain ends.
     leaving = {m.name for m in models if m.state is ModelState.DRAINING} | set(idle)
     staying = [m for m in models if m.state in OCCUPYING and m.name not in leaving]
-    if _fits(head, staying, limits):
-        load = head.name if _fits(head, everyone, limits) else None  # else: wait for the drains to end
-        return Plan(load=load, idle=idle, impossible=impossible, recheck_s=recheck,
-                    waits_for_room=None if load else head.name)
-    evict = _evictions(head, staying, limits)
-    return Plan(evict=evict, idle=idle, impossible=impossible, recheck_s=recheck,
-                waits_for_room=head.name)
+    choice = place(head, staying, everyone, limits)
+    if choice is None:
+        return Plan(idle=idle, impossible=impossible, recheck_s=recheck, waits_for_room=head.name)
+    placed, evict, now_fits, why = choice
+    load = head.name if not evict and now_fits else None  # else: wait for the evictions' (or drains') end
+    return Plan(load=load, device=placed.device if head.cards and load else None, placed=why if head.cards else None,
+                evict=evict, idle=idle, impossible=impossible, recheck_s=recheck,
+                waits_for_room=None if load else head.name)
+
+
+def place(head: ModelView, staying: list[ModelView], everyone: list[ModelView],
+          limits: Limits) -> tuple[ModelView, tuple[str, ...], bool, str] | None:
+    """Where `head` goes: (head on its card, the evictions on that card it needs first, whether it fits beside
+    every occupied slot now (drains included), why that card); None when no card has room even after evictions.
+    A model with one device has one choice; a placed one takes the card needing the fewest evictions, then one it
+    fits on now, then the one whose evicted models were used least recently, then the one left with the most room
+    (then the fewest bytes in use, the fewest models, the lowest index)."""
+    options = []
+    for card in head.cards or (head.device,):
+        on = replace(head, device=card)
+        evict = () if _fits(on, staying, limits) else _evictions(on, staying, limits)
+        if evict or _fits(on, staying, limits):
+            after = [m for m in staying if m.name not in evict]
+            now_fits = not evict and _fits(on, everyone, limits)
+            used = sum(m.needs().get(card, 0) for m in after)
+            count = sum(card in m.needs() for m in after)  # unknown footprints: spread by count
+            latest = max((m.last_used for m in staying if m.name in evict), default=0.0)  # evict the staler card's
+            options.append(((len(evict), not now_fits, latest, -_room(on, after, limits), used, count, card), on,
+                            evict, now_fits))
+    if not options:
+        return None
+    _, on, evict, now_fits = min(options, key=lambda option: option[0])
+    return on, evict, now_fits, _why_card(head, on.device, staying, limits, evict)
+
+
+def _room(new: ModelView, occupied: list[ModelView], limits: Limits) -> float:
+    """Bytes left on new's card once it loads beside `occupied` (infinite: the card has no budget)."""
+    budget = limits.memory_budget.get(new.device)
+    if budget is None:
+        return math.inf
+    return budget - sum(m.needs().get(new.device, 0) for m in occupied) - (new.footprint or 0)
+
+
+def _why_card(head: ModelView, card: str, staying: list[ModelView], limits: Limits, evict: tuple[str, ...]) -> str:
+    """Status's reason for a placed model's card: its room there and on the other cards it may go on."""
+    def free(name: str) -> str:
+        budget = limits.memory_budget.get(name)
+        if budget is None:
+            return f"{name}: no budget"
+        used = sum(m.needs().get(name, 0) for m in staying)
+        return f"{name}: {format_size(max(0, budget - used))} free of {format_size(budget)}"
+    size = format_size(head.footprint) if head.footprint is not None else "unknown"
+    evicted = f"; evicting {', '.join(evict)} there" if evict else ""
+    return (f"placed on {card} (footprint {size}{evicted}); "
+            + ", ".join(free(name) for name in head.cards or (head.device,)))
 
 
 def _idle_unloads(models: list[ModelView], now: float) -> tuple[tuple[str, ...], float | None]:
@@ -105,39 +171,44 @@ def _idle_unloads(models: list[ModelView], now: float) -> tuple[tuple[str, ...],
 
 
 def _never_fits(model: ModelView, limits: Limits) -> str | None:
-    budget = limits.memory_budget.get(model.device)
-    if budget is not None and model.footprint is not None and model.footprint > budget:
-        return (f"its footprint ({format_size(model.footprint)}) exceeds server.memory_budget "
-                f"{model.device}: {format_size(budget)}")
-    return None
+    """Why the model fits none of its cards even alone (its own device, or each card it may be placed on)."""
+    reasons = []
+    for card in model.cards or (model.device,):
+        on = replace(model, device=card)
+        over = [(device, need, limits.memory_budget[device]) for device, need in on.needs().items()
+                if device in limits.memory_budget and need > limits.memory_budget[device]]
+        if not over or model.footprint is None:
+            return None
+        reasons += [f"server.memory_budget {device}: {format_size(budget)}" for device, _, budget in over]
+    return f"its footprint ({format_size(model.footprint)}) exceeds {' and '.join(dict.fromkeys(reasons))}"
 
 
 def _fits(new: ModelView, occupied: list[ModelView], limits: Limits) -> bool:
-    return not any(_short(new, occupied, limits))
+    slots, short = _short(new, occupied, limits)
+    return not (slots or short)
 
 
-def _short(new: ModelView, occupied: list[ModelView], limits: Limits) -> tuple[bool, bool]:
-    """(short of a slot, short of memory on new's device) to load `new` beside `occupied`."""
+def _short(new: ModelView, occupied: list[ModelView], limits: Limits) -> tuple[bool, set[str]]:
+    """(short of a slot, the devices short of memory) to load `new` beside `occupied`. An unknown footprint
+    counts 0: only max_loaded bounds it."""
     slots = bool(limits.max_loaded) and len(occupied) + 1 > limits.max_loaded
-    budget = limits.memory_budget.get(new.device)
-    if budget is None:
-        return slots, False
-    used = sum(m.footprint or 0 for m in occupied if m.device == new.device)
-    return slots, used + (new.footprint or 0) > budget  # an unknown footprint counts 0: only max_loaded bounds it
+    short = {device for device, need in new.needs().items() if device in limits.memory_budget
+             and sum(m.needs().get(device, 0) for m in occupied) + need > limits.memory_budget[device]}
+    return slots, short
 
 
 def _evictions(head: ModelView, staying: list[ModelView], limits: Limits) -> tuple[str, ...]:
     """The fewest least recently used idle models whose leaving makes room for `head`; () when none would. A model
-    whose leaving frees nothing that is short (memory on another device while slots are plenty) is left alone."""
+    whose leaving frees nothing that is short (memory on another card while slots are plenty) is left alone."""
     candidates = sorted((m for m in staying if m.state is ModelState.READY and not m.busy and not m.pinned
                          and m.name != head.name), key=lambda m: (m.last_used, m.name))
     remaining = list(staying)
     chosen = []
     for victim in candidates:
-        slots, memory = _short(head, remaining, limits)
-        if not (slots or memory):
+        slots, short = _short(head, remaining, limits)
+        if not (slots or short):
             break
-        if slots or victim.device == head.device:
+        if slots or short & set(victim.needs()):
             remaining.remove(victim)
             chosen.append(victim.name)
     return tuple(chosen) if _fits(head, remaining, limits) else ()

@@ -24,6 +24,7 @@ import time
 from appliance.host import device_memory, faults, gpus, oom, telemetry
 from appliance.worker.engines import load_engine
 from appliance.worker.engines.base import Engine
+from appliance.worker.split_verdict import split_devices
 from appliance.ipc import BlockingChannel, frame
 
 log = logging.getLogger("openarc.worker")
@@ -32,6 +33,8 @@ EXIT_LOAD_FAILED = 3
 EXIT_INTERNAL_ERROR = 70  # EX_SOFTWARE: a bug in the worker; the supervisor restarts it
 TELEMETRY_INTERVAL_S = 2.0
 INTERNAL = faults.Fault("internal", "internal_error", None, True)
+SPLIT_HINT = ("a model split over several cards loads only once it answers as on one card and holds memory on each "
+              "(docs/operations.md, Two or more cards); serve it on one card (device: auto) instead")
 # Test knob: touch this many MiB of host RAM before loading, so a test can make the kernel OOM killer end a load
 # inside a small memory cgroup.  Never set in production.
 LOAD_HOG_ENV = "OPENARC_DEBUG_LOAD_HOG_MB"
@@ -159,6 +162,21 @@ def read_frames(channel: BlockingChannel, engine: Engine) -> None:
             engine.cancel(message["id"])
 
 
+def refuse_unproven_split(channel: BlockingChannel, spec: dict) -> None:
+    """A model split over several devices loads only after its probe passed (appliance.worker.split_verdict);
+    refused, the worker says why and leaves before its engine loads."""
+    if not split_devices(spec["device"]):
+        return
+    from appliance.worker.split_probe import probe
+    result = probe(spec)
+    if result.ok:
+        log.info("%s", result.evidence)
+        return
+    log.error("%s", result.evidence)
+    channel.send(frame("fatal", kind="split_refused", hint=SPLIT_HINT, message=result.evidence))
+    os._exit(EXIT_LOAD_FAILED)
+
+
 def set_process_name(name: str) -> None:
     """The name ps and /proc/PID/comm show (15 bytes at most): a parked worker is told from a model's by it."""
     PR_SET_NAME = 15
@@ -202,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         hog = b"\xff" * (int(os.environ.get(LOAD_HOG_ENV, "0")) << 20)
         import openvino_genai  # noqa: F401  imported before the clock starts: pipeline_load_seconds is the load alone
         loading = time.monotonic()
+        refuse_unproven_split(channel, spec)
         engine = load_engine(spec, channel)
         pipeline_seconds = time.monotonic() - loading
         del hog

@@ -282,6 +282,9 @@ class ServerConfig:
     # demand, a restart after a crash) takes one and costs the pipeline's construction only. 0: none.
     parked_workers: int = 1
     cache_dir: str | None = None
+    # The compiled-model cache's bound (appliance.host.compile_cache): a size ("40GiB") or a share of the cache
+    # directory's disk ("10%"); beyond it the least recently used stale blobs go first.
+    cache_max_size: str | int = "10%"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     image_fetch: ImageFetch = field(default_factory=ImageFetch)
     # /v1/responses with store on: the last N responses of each model stay in memory for previous_response_id.
@@ -298,6 +301,18 @@ class ServerConfig:
         """The configured model a name that is no model's own reaches through model_aliases, or None."""
         return next((target for pattern, target in self.model_aliases.items() if fnmatch.fnmatchcase(name, pattern)),
                     None)
+
+    @property
+    def cache_bound(self) -> tuple[float | None, int | None]:
+        """cache_max_size as (share of the disk, None) or (None, bytes); (None, None) when it is neither."""
+        value = self.cache_max_size
+        if isinstance(value, str) and value.strip().endswith("%"):
+            try:
+                share = float(value.strip()[:-1]) / 100
+            except ValueError:
+                return None, None
+            return (share, None) if 0 < share <= 1 else (None, None)
+        return None, parse_size(value)
 
     @property
     def memory_budget_bytes(self) -> dict[str, int]:

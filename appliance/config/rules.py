@@ -79,6 +79,8 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
     require(s.max_body_bytes >= 1024, "server.max_body_bytes", "at least 1024")
     require(s.load_concurrency >= 1, "server.load_concurrency", "at least 1")
     require(s.parked_workers >= 0, "server.parked_workers", "a non-negative integer (0: none)")
+    require(s.cache_bound != (None, None), "server.cache_max_size",
+            f"a size such as 40GiB or a share of the cache directory's disk such as 10% (got {s.cache_max_size!r})")
     require(s.drain_timeout_s >= 0, "server.drain_timeout_s", "a non-negative number")
     require(s.stream_keepalive_s > 0, "server.stream_keepalive_s", "a positive number of seconds")
     f = s.image_fetch

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import time
 from typing import Callable
@@ -21,6 +22,8 @@ from aiohttp import web
 from appliance.config import Config, ConfigError
 from appliance.front import listen
 from appliance.front.app import make_app
+from appliance.front.api.health import SYSTEM_ROOT_ENV
+from appliance.front.cache_keeper import CacheKeeper
 from appliance.front.api.count_tokens import PromptCounter
 from appliance.front.gpu_watch import GpuWatch
 from appliance.front.keys import KeyRing
@@ -28,6 +31,7 @@ from appliance.front.lifecycle import ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.supervisor import Supervisor
 from appliance.host import oom
+from appliance.host.doctor import build_info
 from appliance.host.notify import LoopHealth, Notifier, watchdog_loop
 
 log = logging.getLogger("openarc.server")
@@ -54,6 +58,8 @@ class Appliance:
         self.prompt_counter = PromptCounter()
         self.draining = False
         self.started = time.time()
+        self.cards: list = []  # the Intel cards as doctor sees them (read at serve())
+        self.build: dict[str, str] = {}  # openarc_build_info's labels (read at serve())
         self.background: list[asyncio.Task] = []
         self.reloads: set[asyncio.Task] = set()  # SIGHUP reloads in progress or queued: shutdown awaits them
         self.sites: list[web.BaseSite] = []
@@ -109,13 +115,18 @@ class Appliance:
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         runner = web.AppRunner(make_app(self), handler_cancellation=True, access_log=None)
         await runner.setup()
+        self.cards, self.build = await loop.run_in_executor(None, build_info.read_machine,
+                                                            os.environ.get(SYSTEM_ROOT_ENV, "/"))
+        self.metrics.set_build_info(self.build)
+        log.info("build: %s", build_info.describe(self.build))
         self.sites = await listen.start_sites(runner, host, port, also_bind)
         oom.set_oom_score_adj(oom.FRONT_OOM_SCORE_ADJ)  # before the workers: they raise theirs from here
         self.supervisor.start()
         self.background = [asyncio.create_task(c) for c in (
             self.loop_health.run(),
             watchdog_loop(self.notifier, self.healthy, self.trigger_reason, self.status_line),
-            self.gpu.watch())]
+            self.gpu.watch(),
+            CacheKeeper(self.supervisor).run())]
         loads = asyncio.create_task(self.await_first_loads())
         await asyncio.wait([loads, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         status = 0

@@ -258,7 +258,8 @@ class WorkerLife:
             return False
         self.load_seconds = message["load_seconds"]
         self.pipeline_load_seconds = message.get("pipeline_load_seconds")
-        self.series.model_load.observe(time.monotonic() - spawned)
+        loads = self.series.model_load  # by where the compiled model came from (a worker that does not say: compiled)
+        loads.get(message.get("load_source"), loads["compiled"]).observe(time.monotonic() - spawned)
         if self.stopping:  # stopped while it loaded: it has been asked to leave, and serves nothing
             return False
         self.current.ready_at = time.monotonic()

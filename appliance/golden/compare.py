@@ -62,8 +62,8 @@ def answer_difference(want: Answer, got: Answer, tolerance: float) -> str | None
 def token_difference(want: list[str], got: list[str]) -> str | None:
     """'differs at token N: recorded X, got Y' for the first token that differs (END where one answer stopped)."""
     for i in range(max(len(want), len(got))):
-        a = want[i] if i < len(want) else END
-        b = got[i] if i < len(got) else END
+        a = want[i] if i < len(want) else None  # None: that answer ended (a token may read "<end>")
+        b = got[i] if i < len(got) else None
         if a != b:
             return f"differs at token {i + 1}: recorded {_token(a)}, got {_token(b)}"
     return None
@@ -78,8 +78,8 @@ def vector_difference(want: list[float], got: list[float], tolerance: float) -> 
     return None
 
 
-def _token(text: str) -> str:
-    return text if text == END else repr(text)
+def _token(text: str | None) -> str:
+    return END if text is None else repr(text)
 
 
 def _short(text: str, limit: int = 40) -> str:

@@ -1,5 +1,5 @@
-"""`openarc`: serve, check-config, doctor, pull, demo-model, health, keys, models / load / unload against a
-running server, and launch (a coding agent set up for a served model)."""
+"""`openarc`: serve, check-config, doctor, pull, demo-model, golden (record, check), health, keys, models / load /
+unload against a running server, and launch (a coding agent set up for a served model)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,64 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # An address given on the command line is bound even under socket activation (listen.start_sites).
     also_bind = bool(args.host or args.port)
     return asyncio.run(appliance.serve(config.server.host, config.server.port, also_bind))
+
+
+def cmd_golden(args: argparse.Namespace) -> int:
+    """record: each model's answers to its probes, written to golden.yaml beside the config; check: the same probes
+    judged against that record, one line per model, exit 1 if one differs (appliance.golden)."""
+    from appliance import __version__
+    from appliance.golden import record as golden
+    from appliance.golden.compare import LOAD, compare
+    config = resolve_config(args.config, None)
+    path = golden.golden_path(config.source)
+    if path is None:
+        print(f"openarc golden: the record is written beside the config: give one (--config FILE; "
+              f"{DEFAULT_CONFIG_PATH} does not exist)", file=sys.stderr)
+        return 2
+    unknown = [name for name in args.models if name not in {m.name for m in config.models}]
+    if unknown:
+        print(f"openarc golden: {config.source}: no model named {', '.join(unknown)} "
+              f"(have: {', '.join(m.name for m in config.models)})", file=sys.stderr)
+        return 2
+    setup_logging("warning")
+    try:
+        records = golden.load(path)
+    except golden.RecordError as exc:
+        if args.action == "check":
+            print(f"openarc golden: {exc}", file=sys.stderr)
+            return 2
+        records = {}  # recording again replaces a broken file
+    names = args.models or [m.name for m in config.models]
+    if args.action == "check":
+        names = [name for name in names if name in records]
+        if not names:
+            print(f"openarc golden: {path}: no record of {', '.join(args.models) or 'any model'}; "
+                  "run `openarc golden record` first", file=sys.stderr)
+            return 1
+    prepare_demo_model(config)
+    from appliance.front.canary import record_of
+    from appliance.front.golden_run import observe_model
+    failed, recorded = False, {}
+    for name in names:
+        observed = asyncio.run(observe_model(config, name))
+        if isinstance(observed, str):  # it did not load
+            print(f"{name}: {LOAD}: {observed}")
+            failed = True
+        elif args.action == "record":
+            recorded[name] = record_of(records, name, observed)
+            print(f"{name}: recorded {len(observed.answers)} answers, {observed.speed:.1f} {observed.speed_unit}, "
+                  f"load {observed.load_seconds or 0:.2f} s")
+        else:
+            want = records[name]
+            difference = compare(name, want, observed, config.server.canary_min_speed)
+            print(f"{name}: {'DIFFERS: ' + str(difference) if difference else 'OK'} ({observed.speed:.1f} "
+                  f"{observed.speed_unit}, recorded {want.speed:.1f}; load {observed.load_seconds or 0:.2f} s, "
+                  f"recorded {want.load_seconds or 0:.2f} s)")
+            failed = failed or difference is not None
+    if recorded:
+        golden.save(path, recorded, __version__)
+        print(f"openarc golden: wrote {path}")
+    return 1 if failed else 0
 
 
 def device_check(available: list[str]):
@@ -333,6 +391,17 @@ def parser() -> argparse.ArgumentParser:
                                        "else openarc.container; its User= is the user checked)")
     doctor.add_argument("--root", default="/", help="the machine's files under this directory (a recorded root)")
     doctor.set_defaults(func=cmd_doctor)
+    golden_cmd = sub.add_parser("golden", help="golden answers: record each model's answers to fixed probes beside "
+                                               "the config (golden.yaml), or check the models against that record")
+    actions = golden_cmd.add_subparsers(dest="action", required=True)
+    for action, help_text in (("record", "write each model's answers, tokens/s and load time to golden.yaml"),
+                              ("check", "compare each recorded model's answers now with the record; print what "
+                                        "differs; exit 1 if anything does")):
+        golden_action = actions.add_parser(action, help=help_text)
+        golden_action.add_argument("models", nargs="*", metavar="MODEL", help="only these models (default: all)")
+        golden_action.add_argument("--config", help=f"config file (default {DEFAULT_CONFIG_PATH}); the record is "
+                                                    "golden.yaml beside it")
+        golden_action.set_defaults(func=cmd_golden)
     keys = sub.add_parser("keys", help="list the config's API keys: names, priority classes, limits and models "
                                        "(never their values)")
     keys.add_argument("--config", help=f"config file (default {DEFAULT_CONFIG_PATH})")

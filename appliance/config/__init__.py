@@ -296,6 +296,12 @@ class ServerConfig:
     # Other names clients may ask for: glob pattern -> a configured model ({"claude-*": coder}), tried in order
     # after the exact names (Claude Code asks for claude-* models whatever the server holds).
     model_aliases: dict[str, str] = field(default_factory=dict)
+    # The golden-answer check before a model serves, for each model with a record in golden.yaml beside this file
+    # (`openarc golden record`; docs/updating.md): gate refuses a model that answers otherwise, and a start whose
+    # model fails exits without READY (systemd, podman auto-update roll back); warn logs it and serves; off: none.
+    canary: Literal["off", "warn", "gate"] = "warn"
+    # The check fails too below this share of the recorded speed (tokens/s; 0: speed is not checked).
+    canary_min_speed: float = 0.5
 
     def alias_target(self, name: str) -> str | None:
         """The configured model a name that is no model's own reaches through model_aliases, or None."""

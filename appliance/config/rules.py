@@ -89,6 +89,8 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
     require(all(h and "/" not in h for h in f.allow_hosts), "server.image_fetch.allow_hosts",
             "host names (host or host:port, no scheme or path)")
     require(s.stored_responses >= 0, "server.stored_responses", "a non-negative number (0: none kept)")
+    require(0 <= s.canary_min_speed <= 1, "server.canary_min_speed",
+            "a share of the recorded speed from 0 to 1 (0: speed is not checked)")
     seen: set[str] = set()
     for i, m in enumerate(config.models):
         if m is None:  # its problems are reported already

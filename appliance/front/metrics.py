@@ -118,6 +118,10 @@ class Metrics:
         self.worker_exits = Counter("openarc_worker_exits", "Worker lives that ended, by why (appliance.front.lifecycle."
                                     "ExitReason: crash, stall, spawn_error, load_timeout, stopped, ...)",
                                     ["model", "reason"], registry=r)
+        self.canary_failures = Counter("openarc_canary_failures", "Golden-answer checks a model failed after it "
+                                       "loaded (server.canary), by why: answer (a different answer), speed (below "
+                                       "canary_min_speed of the record), error (a probe failed, the record unreadable)",
+                                       ["model", "reason"], registry=r)
         self.worker_restarts = Counter("openarc_worker_restarts", "Worker processes started after the first",
                                        ["model"], registry=r)
         self.worker_up = Gauge("openarc_worker_up", "1 while the model's worker is ready", ["model"], registry=r)

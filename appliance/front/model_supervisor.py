@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable
 
 from appliance import ipc
 from appliance.config import Config, ModelConfig
+from appliance.front.canary import Canary
 from appliance.front.lifecycle import Exit, ExitReason, ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.request import Event, Request
@@ -36,7 +37,7 @@ class ModelSupervisor:
 
     def __init__(self, model: ModelConfig, config: Config, metrics: Metrics, load_gate: asyncio.Semaphore,
                  on_change: Callable[[ModelSupervisor, ModelState], None] = lambda *_: None, kernel_log: KernelLog | None = None,
-                 ledger: Ledger | None = None, spawner: ParkedWorkers | None = None):
+                 ledger: Ledger | None = None, spawner: ParkedWorkers | None = None, canary: Canary | None = None):
         self.model = model
         self.name = model.name
         self.metrics = metrics
@@ -44,7 +45,7 @@ class ModelSupervisor:
         self._on_change = on_change  # the Supervisor's "some model changed state" signal
         self.router = RequestRouter(model, self.series)
         self.life = WorkerLife(model, worker_spec(model, config), metrics, self.series, load_gate, self.router,
-                               self._on_frame, self._state_changed, kernel_log, ledger, spawner)
+                               self._on_frame, self._state_changed, kernel_log, ledger, spawner, canary)
 
     # --- the model, as the Supervisor sees it -------------------------------------------------------------
 

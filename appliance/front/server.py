@@ -37,6 +37,8 @@ from appliance.host.notify import LoopHealth, Notifier, watchdog_loop
 log = logging.getLogger("openarc.server")
 
 LOAD_EXTEND_EVERY_S = 20.0  # well inside notify.LOAD_EXTEND_USEC
+# The exit status of a start that a model's golden-answer check failed under server.canary: gate (1: no model loaded).
+CANARY_EXIT = 3
 
 
 class Appliance:
@@ -79,6 +81,21 @@ class Appliance:
         if self.supervisor.all_failed():
             return "every model of this service is failed: " + self.status_line()
         return None
+
+    def canary_refusal(self) -> str | None:
+        """Under server.canary: gate, why this start must not become ready: the first model the canary refused."""
+        canary = self.supervisor.placement.canary
+        failed = [d for name, d in canary.failures.items() if name in self.supervisor.models]
+        if canary.mode != "gate" or not failed:
+            return None
+        return f"canary failed (server.canary: gate), not ready: {failed[0]}"
+
+    def not_ready_reason(self) -> str | None:
+        """Why /ready answers 503 beside a model's state: a check under way or failed (server.canary)."""
+        checking = [m.name for m in self.supervisor.models.values() if m.state is ModelState.LOADING
+                    and m.life.current.ready_at is not None]
+        return self.canary_refusal() or (f"canary: checking {', '.join(checking)} against the golden record"
+                                         if checking else None)
 
     def healthy(self) -> bool:
         """The watchdog pings while this holds; /health fails on its reason, and on a trigger_reason() too."""
@@ -132,6 +149,11 @@ class Appliance:
         status = 0
         if stop.is_set():
             loads.cancel()
+        elif (refused := self.canary_refusal()) is not None:
+            # One line in the journal, naming the model and what differs; no READY=1: systemd marks the start
+            # failed, and podman auto-update rolls the image back.
+            log.error("%s", refused)
+            status = CANARY_EXIT
         elif self.supervisor.all_failed():
             # Not READY: the start fails, and the journal says why, instead of a "running" unit that serves nothing.
             log.error("no model could be loaded: %s", self.status_line())

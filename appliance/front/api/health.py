@@ -58,6 +58,9 @@ class HealthRoutes:
         answer = {"ready": ready, "draining": self.appliance.draining}
         if not self.appliance.keys:
             answer["models"] = {name: m.state.value for name, m in self.appliance.supervisor.models.items()}
+            reason = None if ready else self.appliance.not_ready_reason()  # it names models: no key, no name
+            if reason:
+                answer["reason"] = reason
         return web.json_response(answer, status=200 if ready else 503)
 
     async def status(self, request: web.Request) -> web.Response:

@@ -34,3 +34,6 @@ class ServerView(Protocol):
 
     def unhealthy_reason(self) -> str | None:
         """Why /health fails (None: healthy)."""
+
+    def not_ready_reason(self) -> str | None:
+        """Why /ready fails beside the models' states: the canary (None: no such reason)."""

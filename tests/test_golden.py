@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import signal
-import math
 import socket
 import subprocess
 import sys
@@ -273,3 +272,13 @@ def test_a_reload_whose_new_worker_differs_keeps_the_old_one_serving(recorded, t
     assert 'openarc_canary_failures_total{model="chat",reason="answer"} 1.0' in app.metrics()
     assert app.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=4).choices[0].message.content
+
+
+def test_gate_fails_a_start_whose_recorded_model_does_not_load(recorded, tmp_path, appliance_factory, demo_model,
+                                                               embedding_model):
+    config = serve_config(tmp_path, recorded, "gate", demo_model, embedding_model)
+    config["models"][0].update(path=str(tmp_path / "gone"), restart={"max_failures": 1})  # an update lost its files
+    app = appliance_factory(config, wait_ready=False)
+    assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
+    refusal = [line for line in app.logs().splitlines() if "canary failed" in line]
+    assert len(refusal) == 1 and "not ready: model chat did not load: " in refusal[0], refusal

@@ -11,7 +11,7 @@ first differing token; warn serves and logs; an on-demand model that fails is re
 from __future__ import annotations
 
 import copy
-import math
+import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 
 from appliance.golden.compare import ANSWER, END, SPEED, compare, token_difference
 from appliance.golden.record import Answer, ModelRecord, RecordError, load, save
-from conftest import REPO, http, model_entry
+from conftest import REPO, http, model_entry, wait_until
 
 EXIT_BOUND_S = 120  # catches a hang only
 
@@ -190,8 +190,15 @@ def test_golden_check_prints_what_differs_and_fails(recorded, tmp_path, demo_mod
 def test_gate_never_sends_ready_and_exits_with_one_line(recorded, tmp_path, appliance_factory, demo_model,
                                                         embedding_model):
     notify = NotifySocket(tmp_path)
+    # slowed steps: the check lasts seconds, long enough to ask /ready while it runs
     app = appliance_factory(serve_config(tmp_path, edited(recorded, other_answer), "gate", demo_model,
-                                         embedding_model), env={"NOTIFY_SOCKET": notify.path}, wait_ready=False)
+                                         embedding_model), env={"NOTIFY_SOCKET": notify.path,
+                                                                "OPENARC_DEBUG_STEP_DELAY_S": "0.05"}, wait_ready=False)
+
+    def checking():
+        status, _, body = http("GET", app.base + "/ready", timeout=5)
+        return status == 503 and body.get("reason") == "canary: checking chat against the golden record" and body
+    assert wait_until(checking, EXIT_BOUND_S, "checking")["models"]["chat"] == "loading"
     assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
     messages = notify.messages()
     assert messages and not any("READY=1" in m.split("\n") for m in messages), messages
@@ -247,3 +254,31 @@ def test_warn_serves_and_logs_each_difference(recorded, tmp_path, appliance_fact
 def test_off_checks_nothing(recorded, tmp_path, appliance_factory, demo_model, embedding_model):
     app = appliance_factory(serve_config(tmp_path, edited(recorded, other_answer), "off", demo_model, embedding_model))
     assert "canary" not in app.logs() and "openarc_canary_failures_total{" not in app.metrics()
+
+
+def test_a_reload_whose_new_worker_differs_keeps_the_old_one_serving(recorded, tmp_path, appliance_factory,
+                                                                     demo_model, embedding_model):
+    """Under gate, a model a reload replaces side by side is checked before the switch: a replacement that answers
+    otherwise is dropped, and the worker that passed keeps serving."""
+    config = serve_config(tmp_path, recorded, "gate", demo_model, embedding_model)
+    app = appliance_factory(config)
+    pid = app.worker_pid("chat")
+    (tmp_path / "golden.yaml").write_text(yaml.safe_dump(edited(recorded, other_answer)))
+    config["models"][0]["max_queue"] = 16  # a changed setting: the reload replaces the model
+    app.config_path.write_text(yaml.safe_dump(config))
+    app.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "still serving the previous ones" in app.logs(), EXIT_BOUND_S, "the replacement dropped")
+    assert app.worker_pid("chat") == pid and app.model_status("chat")["state"] == "ready"
+    assert 'openarc_canary_failures_total{model="chat",reason="answer"} 1.0' in app.metrics()
+    assert app.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4).choices[0].message.content
+
+
+def test_gate_fails_a_start_whose_recorded_model_does_not_load(recorded, tmp_path, appliance_factory, demo_model,
+                                                               embedding_model):
+    config = serve_config(tmp_path, recorded, "gate", demo_model, embedding_model)
+    config["models"][0].update(path=str(tmp_path / "gone"), restart={"max_failures": 1})  # an update lost its files
+    app = appliance_factory(config, wait_ready=False)
+    assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
+    refusal = [line for line in app.logs().splitlines() if "canary failed" in line]
+    assert len(refusal) == 1 and "not ready: model chat did not load: " in refusal[0], refusal

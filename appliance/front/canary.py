@@ -31,7 +31,7 @@ from appliance.front.metrics import Metrics
 from appliance.front.request import Event, RequestFailed
 from appliance.front.routing import RequestRouter
 from appliance.golden import probes
-from appliance.golden.compare import ERROR, Difference, compare
+from appliance.golden.compare import ERROR, LOAD, Difference, compare
 from appliance.golden.record import Answer, ModelRecord, RecordError, golden_path, load
 from appliance.model_files import voice_files
 
@@ -78,6 +78,11 @@ class Canary:
         if self.mode == "warn":
             log.warning("canary (server.canary: warn, serving anyway): %s", difference)
         return difference
+
+    def load_failed(self, name: str, error: str | None) -> None:
+        """A model with a record that did not load: a failed check too (it is counted once, until it loads)."""
+        self.failures[name] = Difference(LOAD, f"model {name} did not load: {error}")
+        self.metrics.canary_failures.labels(model=name, reason=LOAD).inc()
 
     async def _check(self, model: ModelConfig, router: RequestRouter, load_seconds: float | None) -> Difference | None:
         try:

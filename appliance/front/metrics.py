@@ -120,7 +120,8 @@ class Metrics:
                                     ["model", "reason"], registry=r)
         self.canary_failures = Counter("openarc_canary_failures", "Golden-answer checks a model failed after it "
                                        "loaded (server.canary), by why: answer (a different answer), speed (below "
-                                       "canary_min_speed of the record), error (a probe failed, the record unreadable)",
+                                       "canary_min_speed of the record), error (a probe failed, the record unreadable), "
+                                       "load (a model with a record that failed without loading)",
                                        ["model", "reason"], registry=r)
         self.worker_restarts = Counter("openarc_worker_restarts", "Worker processes started after the first",
                                        ["model"], registry=r)

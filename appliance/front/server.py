@@ -83,12 +83,13 @@ class Appliance:
         return None
 
     def canary_refusal(self) -> str | None:
-        """Under server.canary: gate, why this start must not become ready: the first model the canary refused."""
+        """Under server.canary: gate, why this server must not be ready: the first model (in the config's order)
+        whose check failed, or that has a record and did not load (it never got to its check)."""
         canary = self.supervisor.placement.canary
-        failed = [d for name, d in canary.failures.items() if name in self.supervisor.models]
-        if canary.mode != "gate" or not failed:
+        if canary.mode != "gate":
             return None
-        return f"canary failed (server.canary: gate), not ready: {failed[0]}"
+        failed = next((canary.failures[name] for name in self.supervisor.models if name in canary.failures), None)
+        return f"canary failed (server.canary: gate), not ready: {failed}" if failed else None
 
     def not_ready_reason(self) -> str | None:
         """Why /ready answers 503 beside a model's state: a check under way or failed (server.canary)."""

@@ -389,6 +389,8 @@ class WorkerLife:
         if backoff is None:
             self.enter(ModelState.FAILED, f"restart budget used up ({self.model.restart.max_failures} failures "
                                           f"within {self.model.restart.window_s:g}s); last: {self.last_error}", hint)
+            if not exit.ever_ready and self.canary and self.canary.wants(self.name):  # it never got to its check
+                self.canary.load_failed(self.name, self.last_error)
             return None
         self.enter(ModelState.RESTARTING)
         self.last_backoff_s = backoff

@@ -10,6 +10,7 @@ appliance.front.api, which look models up through appliance.front.api.lookup), a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -39,6 +40,10 @@ log = logging.getLogger("openarc.server")
 LOAD_EXTEND_EVERY_S = 20.0  # well inside notify.LOAD_EXTEND_USEC
 # The exit status of a start that a model's golden-answer check failed under server.canary: gate (1: no model loaded).
 CANARY_EXIT = 3
+# How long a start the canary refused goes on answering before it exits: /ready 503 with the reason, /metrics with
+# openarc_canary_failures_total counted. Longer than one scrape of the shipped Prometheus config (15 s), so the
+# failure reaches Prometheus before podman auto-update rolls the image back (docs/updating.md).
+CANARY_LINGER_S = 20.0
 
 
 class Appliance:
@@ -154,6 +159,9 @@ class Appliance:
             # One line in the journal, naming the model and what differs; no READY=1: systemd marks the start
             # failed, and podman auto-update rolls the image back.
             log.error("%s", refused)
+            self.notifier.status(refused)
+            with contextlib.suppress(asyncio.TimeoutError):  # SIGTERM ends the wait
+                await asyncio.wait_for(stop.wait(), CANARY_LINGER_S)
             status = CANARY_EXIT
         elif self.supervisor.all_failed():
             # Not READY: the start fails, and the journal says why, instead of a "running" unit that serves nothing.

@@ -76,7 +76,6 @@ def cmd_golden(args: argparse.Namespace) -> int:
     judged against that record, one line per model, exit 1 if one differs (appliance.golden)."""
     from appliance import __version__
     from appliance.golden import record as golden
-    from appliance.golden.compare import LOAD, compare
     config = resolve_config(args.config, None)
     path = golden.golden_path(config.source)
     if path is None:
@@ -88,7 +87,6 @@ def cmd_golden(args: argparse.Namespace) -> int:
         print(f"openarc golden: {config.source}: no model named {', '.join(unknown)} "
               f"(have: {', '.join(m.name for m in config.models)})", file=sys.stderr)
         return 2
-    setup_logging("warning")
     try:
         records = golden.load(path)
     except golden.RecordError as exc:
@@ -97,36 +95,40 @@ def cmd_golden(args: argparse.Namespace) -> int:
             return 2
         records = {}  # recording again replaces a broken file
     names = args.models or [m.name for m in config.models]
-    if args.action == "check":
-        names = [name for name in names if name in records]
-        if not names:
-            print(f"openarc golden: {path}: no record of {', '.join(args.models) or 'any model'}; "
-                  "run `openarc golden record` first", file=sys.stderr)
-            return 1
+    if args.action == "check" and not (names := [name for name in names if name in records]):
+        print(f"openarc golden: {path}: no record of {', '.join(args.models) or 'any model'}; "
+              "run `openarc golden record` first", file=sys.stderr)
+        return 1
+    setup_logging("warning")
     prepare_demo_model(config)
-    from appliance.front.canary import record_of
     from appliance.front.golden_run import observe_model
     failed, recorded = False, {}
     for name in names:
         observed = asyncio.run(observe_model(config, name))
         if isinstance(observed, str):  # it did not load
-            print(f"{name}: {LOAD}: {observed}")
-            failed = True
+            line, failed = f"load: {observed}", True
         elif args.action == "record":
-            recorded[name] = record_of(records, name, observed)
-            print(f"{name}: recorded {len(observed.answers)} answers, {observed.speed:.1f} {observed.speed_unit}, "
-                  f"load {observed.load_seconds or 0:.2f} s")
+            recorded[name] = golden.renewed(records, name, observed)
+            line = (f"recorded {len(observed.answers)} answers, {observed.speed:.1f} {observed.speed_unit}, "
+                    f"load {observed.load_seconds or 0:.2f} s")
         else:
-            want = records[name]
-            difference = compare(name, want, observed, config.server.canary_min_speed)
-            print(f"{name}: {'DIFFERS: ' + str(difference) if difference else 'OK'} ({observed.speed:.1f} "
-                  f"{observed.speed_unit}, recorded {want.speed:.1f}; load {observed.load_seconds or 0:.2f} s, "
-                  f"recorded {want.load_seconds or 0:.2f} s)")
-            failed = failed or difference is not None
+            line, differs = golden_verdict(name, records[name], observed, config.server.canary_min_speed)
+            failed = failed or differs
+        print(f"{name}: {line}")
     if recorded:
         golden.save(path, recorded, __version__)
         print(f"openarc golden: wrote {path}")
     return 1 if failed else 0
+
+
+def golden_verdict(name: str, want, observed, min_speed: float) -> tuple[str, bool]:
+    """`openarc golden check`'s line for one model (OK, or what differs, with the speeds and loads beside the
+    recorded ones), and whether it differs."""
+    from appliance.golden.compare import compare
+    difference = compare(name, want, observed, min_speed)
+    return (f"{'DIFFERS: ' + str(difference) if difference else 'OK'} ({observed.speed:.1f} {observed.speed_unit}, "
+            f"recorded {want.speed:.1f}; load {observed.load_seconds or 0:.2f} s, recorded {want.load_seconds or 0:.2f} "
+            "s)"), difference is not None
 
 
 def device_check(available: list[str]):

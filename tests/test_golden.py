@@ -184,7 +184,6 @@ def test_golden_check_prints_what_differs_and_fails(recorded, tmp_path, demo_mod
     assert lines[0].startswith("chat: DIFFERS: model chat: probe 1 ('Name three colours.'): differs at token 3: "
                                f"recorded ' a different token', got {want!r} ("), lines
     assert lines[1].startswith("emb: OK ("), lines
-    assert golden("check", "emb", "--config", str(config)).returncode == 0
 
 
 def test_gate_never_sends_ready_and_exits_with_one_line(recorded, tmp_path, appliance_factory, demo_model,

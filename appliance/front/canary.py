@@ -13,7 +13,6 @@ model's router queues it to its worker like any client's (appliance.front.routin
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import json
 import logging
@@ -176,9 +175,3 @@ async def _events(router: RequestRouter, frame: dict[str, Any], op: str) -> list
         return [event async for event in router.events(handle)]
     finally:
         router.close(handle)
-
-
-def record_of(records: dict[str, ModelRecord], name: str, observed: ModelRecord) -> ModelRecord:
-    """A new record of a model, keeping the tolerance an operator set in its old one."""
-    old = records.get(name)
-    return dataclasses.replace(observed, tolerance=old.tolerance) if old else observed

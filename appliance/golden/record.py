@@ -73,6 +73,12 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
+def renewed(records: dict[str, ModelRecord], name: str, observed: ModelRecord) -> ModelRecord:
+    """A new record of a model, keeping the tolerance an operator set in its old one."""
+    old = records.get(name)
+    return dataclasses.replace(observed, tolerance=old.tolerance) if old else observed
+
+
 def golden_path(config_source: str) -> Path | None:
     """The record beside the config file; None for the built-in demo config, which has no file."""
     if config_source.startswith("<"):

@@ -65,6 +65,17 @@ def test_stale_means_another_runtime_or_a_model_no_longer_configured():
     assert Entry(Path("x"), "", "", 1, 0).stale(RUNTIME, CONFIGURED)  # the flat layout of before
 
 
+def test_a_model_whose_name_is_no_path_is_still_its_own_directory(tmp_path):
+    """A configured name with a slash or a space lives under a path-safe directory, and is not taken for stale."""
+    spec = {"name": "team/qwen 7b", "properties": {"CACHE_DIR": str(tmp_path)}, "draft_model": None}
+    directory = compile_cache.place(spec, RUNTIME)
+    assert directory == tmp_path / RUNTIME / "team_qwen_7b" and spec["properties"]["CACHE_DIR"] == str(directory)
+    blob(directory, "1.blob", 10, time.time())
+    (entry,) = compile_cache.scan(tmp_path)
+    assert not entry.stale(RUNTIME, ["team/qwen 7b"])
+    assert compile_cache.plan([entry], 0, RUNTIME, ["team/qwen 7b"], loaded=["team/qwen 7b"]) == []
+
+
 def test_load_source_tells_a_cache_hit_from_a_compile():
     blob = {"/c/1.blob": (100, 5)}
     assert compile_cache.load_source(blob, blob) == "cache"

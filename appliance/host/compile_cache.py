@@ -46,7 +46,7 @@ class Entry:
 
     def stale(self, runtime: str, configured: Iterable[str]) -> bool:
         """Written by another runtime, or for a model no longer configured: no load of this server reads it."""
-        return self.runtime != runtime or self.model not in configured
+        return self.runtime != runtime or self.model not in dir_names(configured)
 
 
 def runtime_name(openvino: str, compute_runtime: str) -> str:
@@ -60,8 +60,14 @@ def current_runtime(root: str | Path = "/") -> str:
     return runtime_name(build_info.package_version("openvino"), installed)
 
 
+def dir_names(models: Iterable[str]) -> set[str]:
+    """Models' names as their cache directories are named (an Entry's `model`)."""
+    return {UNSAFE.sub("_", model) for model in models}
+
+
 def model_dir(cache_dir: str | Path, runtime: str, model: str) -> Path:
-    return Path(cache_dir) / runtime / UNSAFE.sub("_", model)
+    (name,) = dir_names([model])
+    return Path(cache_dir) / runtime / name
 
 
 def place(spec: dict, runtime: str) -> Path | None:
@@ -138,7 +144,7 @@ def scan(cache_dir: str | Path) -> list[Entry]:
 
 
 def stale_bytes(entries: list[Entry], runtime: str, configured: Iterable[str]) -> int:
-    configured = set(configured)
+    configured = dir_names(configured)
     return sum(entry.size for entry in entries if entry.stale(runtime, configured))
 
 
@@ -149,7 +155,7 @@ def plan(entries: list[Entry], bound: int, runtime: str, configured: Iterable[st
     """The entries to delete so the cache fits `bound` bytes: none while it fits; else stale entries before live
     ones, each least recently used first, stopping as soon as it fits. A live entry of a model `loaded` now is never
     chosen (its next load would compile again at once): the cache may stay over its bound by those alone."""
-    configured, loaded = set(configured), set(loaded)
+    configured, loaded = dir_names(configured), dir_names(loaded)
     total = sum(entry.size for entry in entries)
     candidates = sorted((entry for entry in entries
                          if entry.stale(runtime, configured) or entry.model not in loaded),

@@ -98,8 +98,7 @@ class Appliance:
 
     def not_ready_reason(self) -> str | None:
         """Why /ready answers 503 beside a model's state: a check under way or failed (server.canary)."""
-        checking = [m.name for m in self.supervisor.models.values() if m.state is ModelState.LOADING
-                    and m.life.current.ready_at is not None]
+        checking = [m.name for m in self.supervisor.models.values() if m.life.checking]
         return self.canary_refusal() or (f"canary: checking {', '.join(checking)} against the golden record"
                                          if checking else None)
 

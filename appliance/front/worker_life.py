@@ -100,6 +100,11 @@ class WorkerLife:
         return self.current.process.pid if self.current.process else None
 
     @property
+    def checking(self) -> bool:
+        """The worker has loaded and the canary checks it (appliance.front.canary): the model is still LOADING."""
+        return self.state is ModelState.LOADING and self.current.ready_at is not None
+
+    @property
     def stopping(self) -> bool:
         return self.stop_requested.is_set()
 
@@ -305,6 +310,7 @@ class WorkerLife:
         if difference is not None and self.canary.mode == "gate":
             self.end_worker(Exit(ExitReason.CANARY_FAILED, detail=str(difference)))
         else:
+            self.router.first_output = None  # the probes' output is no client's: a switch ends at a client's first
             self.enter(ModelState.READY)
 
     def _worker_gone(self) -> RequestFailed:

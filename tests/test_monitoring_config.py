@@ -67,6 +67,7 @@ OPENARC_METRICS = {
     "openarc_images_total": ("counter", ("model",)),
     "openarc_image_rejections_total": ("counter", ("model", "reason")),
     "openarc_draft_tokens_total": ("counter", ("model", "outcome")),
+    "openarc_canary_failures_total": ("counter", ("model", "reason")),
     "openarc_build_info": ("gauge", ("version", "openvino", "genai", "kernel", "gpu_driver", "compute_runtime", "card")),
 }
 MODEL_STATES = ("loading", "ready", "restarting", "draining", "failed", "stopped", "unloaded")

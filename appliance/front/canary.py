@@ -127,7 +127,8 @@ async def _chat(model: ModelConfig, router: RequestRouter, spool: str) -> tuple[
 
 
 async def _embedding(model: ModelConfig, router: RequestRouter, spool: str) -> tuple[list[Answer], int]:
-    req = embeddings.parse({"model": model.name, "input": list(probes.EMBEDDING_TEXTS)})
+    # truncate: a model configured with a window shorter than a probe still answers it (as the record did)
+    req = embeddings.parse({"model": model.name, "input": list(probes.EMBEDDING_TEXTS), "truncate": True})
     result = await _result(router, model, req.body)
     vectors = [json.loads(v) if isinstance(v, str) else v for v in result["embeddings"]]
     return [Answer(text, vector=[round(x, 6) for x in vector[:probes.VECTOR_VALUES]])
@@ -135,7 +136,8 @@ async def _embedding(model: ModelConfig, router: RequestRouter, spool: str) -> t
 
 
 async def _rerank(model: ModelConfig, router: RequestRouter, spool: str) -> tuple[list[Answer], int]:
-    req = rerank.parse({"model": model.name, "query": probes.RERANK_QUERY, "documents": list(probes.RERANK_DOCUMENTS)})
+    req = rerank.parse({"model": model.name, "query": probes.RERANK_QUERY, "documents": list(probes.RERANK_DOCUMENTS),
+                        "truncate": True})
     result = await _result(router, model, req.body)
     return [Answer(probes.RERANK_QUERY, vector=[round(s, 6) for s in result["scores"]])], 1
 

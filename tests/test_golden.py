@@ -244,7 +244,7 @@ def test_warn_serves_and_logs_each_difference(recorded, tmp_path, appliance_fact
     reply = app.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4)
     assert reply.choices[0].message.content
-    warnings = [line for line in app.logs().splitlines() if "canary (server.canary: warn, serving anyway)" in line]
+    warnings = [line for line in app.logs().splitlines() if "canary (server.canary: warn): " in line]
     assert len(warnings) == 2 and any("model chat: probe 1" in w and "differs at token 3" in w for w in warnings) \
         and any("model emb: " in w and "below canary_min_speed 0.5 of the recorded 1000000000.0 probes/s" in w
                 for w in warnings), warnings

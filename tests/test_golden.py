@@ -11,6 +11,7 @@ first differing token; warn serves and logs; an on-demand model that fails is re
 from __future__ import annotations
 
 import copy
+import re
 import signal
 import socket
 import subprocess
@@ -174,15 +175,17 @@ class NotifySocket:
 
 
 def test_golden_check_prints_what_differs_and_fails(recorded, tmp_path, demo_model, embedding_model):
+    """The chat model rebuilt from another seed (other weights, as an update that changed the model's output):
+    `golden check` names the first token that differs; the unchanged embedding model passes."""
+    from appliance.demo.catalog import build_demo_model
+    other = build_demo_model(tmp_path / "other", eos_after=48, max_new_tokens=64, seed=1)
     config = tmp_path / "openarc.yaml"
-    config.write_text(yaml.safe_dump(serve_config(tmp_path, edited(recorded, other_answer), "gate", demo_model,
-                                                  embedding_model)))
+    config.write_text(yaml.safe_dump(serve_config(tmp_path, recorded, "gate", other, embedding_model)))
     done = golden("check", "--config", str(config))
     assert done.returncode == 1, done.stdout + done.stderr
-    want = recorded["models"]["chat"]["answers"][0]["tokens"][2]
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("chat: DIFFERS: model chat: probe 1 ('Name three colours.'): differs at token 3: "
-                               f"recorded ' a different token', got {want!r} ("), lines
+    assert re.fullmatch(r"chat: DIFFERS: model chat: probe 1 \('Name three colours\.'\): differs at token \d+: "
+                        r"recorded '[^']*', got '[^']*' \(.* tokens/s, recorded .*\)", lines[0]), lines
     assert lines[1].startswith("emb: OK ("), lines
 
 
@@ -241,7 +244,7 @@ def test_warn_serves_and_logs_each_difference(recorded, tmp_path, appliance_fact
     reply = app.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4)
     assert reply.choices[0].message.content
-    warnings = [line for line in app.logs().splitlines() if "canary (server.canary: warn, serving anyway)" in line]
+    warnings = [line for line in app.logs().splitlines() if "canary (server.canary: warn): " in line]
     assert len(warnings) == 2 and any("model chat: probe 1" in w and "differs at token 3" in w for w in warnings) \
         and any("model emb: " in w and "below canary_min_speed 0.5 of the recorded 1000000000.0 probes/s" in w
                 for w in warnings), warnings

@@ -30,7 +30,7 @@ from appliance.front.metrics import Metrics
 from appliance.front.request import Event, RequestFailed
 from appliance.front.routing import RequestRouter
 from appliance.golden import probes
-from appliance.golden.compare import ERROR, LOAD, Difference, compare
+from appliance.golden.compare import ERROR, Difference, compare
 from appliance.golden.record import Answer, ModelRecord, RecordError, golden_path, load
 from appliance.model_files import voice_files
 
@@ -64,31 +64,15 @@ class Canary:
         path = golden_path(self.config_of().source)
         return load(path) if path else {}
 
-    async def vet(self, model: ModelConfig, router: RequestRouter, load_seconds: float | None) -> Difference | None:
-        """Check one freshly loaded worker against its record (bounded by the model's load_timeout_s): the
-        difference, counted and logged per the mode, or None when it passes."""
-        difference = await self._check(model, router, load_seconds)
-        if difference is None:
-            self.failures.pop(model.name, None)
-            log.info("canary: model %s answers as recorded", model.name)
-            return None
-        self.failures[model.name] = difference
-        self.metrics.canary_failures.labels(model=model.name, reason=difference.reason).inc()
-        if self.mode == "warn":
-            log.warning("canary (server.canary: warn, serving anyway): %s", difference)
-        return difference
-
-    def load_failed(self, name: str, error: str | None) -> None:
-        """A model with a record that did not load: a failed check too (it is counted once, until it loads)."""
-        self.failures[name] = Difference(LOAD, f"model {name} did not load: {error}")
-        self.metrics.canary_failures.labels(model=name, reason=LOAD).inc()
-
-    async def _check(self, model: ModelConfig, router: RequestRouter, load_seconds: float | None) -> Difference | None:
+    async def check(self, model: ModelConfig, router: RequestRouter, load_seconds: float | None) -> Difference | None:
+        """Check one freshly loaded worker against its record (bounded by the model's load_timeout_s): the first
+        difference, or None when it passes. Judged by judge(), unless the worker's life ended meanwhile."""
         try:
-            recorded = self._records()[model.name]
+            recorded = self._records().get(model.name)
         except RecordError as exc:
             return Difference(ERROR, f"model {model.name}: {exc}")
-        config = self.config_of()
+        if recorded is None:  # its record was taken out since it loaded
+            return None
         try:
             observed = await asyncio.wait_for(observe(model, router, load_seconds), model.load_timeout_s)
         except asyncio.TimeoutError:
@@ -96,7 +80,19 @@ class Canary:
                                      f"{model.load_timeout_s:g}")
         except RequestFailed as exc:
             return Difference(ERROR, f"model {model.name}: a probe failed: {exc.message}")
-        return compare(model.name, recorded, observed, config.server.canary_min_speed)
+        return compare(model.name, recorded, observed, self.config_of().server.canary_min_speed)
+
+    def judge(self, name: str, difference: Difference | None) -> None:
+        """A check's outcome: a pass clears the model's failure; a failure is kept (the start's gate reads it),
+        counted, and under warn logged (under gate the refused model's error says it)."""
+        if difference is None:
+            self.failures.pop(name, None)
+            log.info("canary: model %s answers as recorded", name)
+            return
+        self.failures[name] = difference
+        self.metrics.canary_failures.labels(model=name, reason=difference.reason).inc()
+        if self.mode == "warn":
+            log.warning("canary (server.canary: warn): %s", difference)
 
 
 async def observe(model: ModelConfig, router: RequestRouter, load_seconds: float | None) -> ModelRecord:
@@ -127,7 +123,8 @@ async def _chat(model: ModelConfig, router: RequestRouter, spool: str) -> tuple[
 
 
 async def _embedding(model: ModelConfig, router: RequestRouter, spool: str) -> tuple[list[Answer], int]:
-    req = embeddings.parse({"model": model.name, "input": list(probes.EMBEDDING_TEXTS)})
+    # truncate: a model configured with a window shorter than a probe still answers it (as the record did)
+    req = embeddings.parse({"model": model.name, "input": list(probes.EMBEDDING_TEXTS), "truncate": True})
     result = await _result(router, model, req.body)
     vectors = [json.loads(v) if isinstance(v, str) else v for v in result["embeddings"]]
     return [Answer(text, vector=[round(x, 6) for x in vector[:probes.VECTOR_VALUES]])
@@ -135,7 +132,8 @@ async def _embedding(model: ModelConfig, router: RequestRouter, spool: str) -> t
 
 
 async def _rerank(model: ModelConfig, router: RequestRouter, spool: str) -> tuple[list[Answer], int]:
-    req = rerank.parse({"model": model.name, "query": probes.RERANK_QUERY, "documents": list(probes.RERANK_DOCUMENTS)})
+    req = rerank.parse({"model": model.name, "query": probes.RERANK_QUERY, "documents": list(probes.RERANK_DOCUMENTS),
+                        "truncate": True})
     result = await _result(router, model, req.body)
     return [Answer(probes.RERANK_QUERY, vector=[round(s, 6) for s in result["scores"]])], 1
 

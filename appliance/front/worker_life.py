@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from appliance.config import ModelConfig
 from appliance.front.canary import Canary
+from appliance.golden.compare import ERROR, LOAD, Difference
 from appliance.front.device_faults import DeviceFaults
 from appliance.front.lifecycle import (CRASH_REASONS, FINAL_REASONS, Exit, ExitReason, Lifecycle, ModelState,
                                        RestartBudget, describe, describe_exit)
@@ -301,12 +302,13 @@ class WorkerLife:
         """The canary's check of the worker that just loaded: READY when it passes (or under warn); under gate a
         worker that answers otherwise is ended, and the model refused with the difference as its error."""
         try:
-            difference = await self.canary.vet(self.model, self.router, self.load_seconds)
+            difference = await self.canary.check(self.model, self.router, self.load_seconds)
         except Exception as exc:  # a bug in the check must not leave the model loading for good
             log.exception("model %s: the canary check failed", self.name)
-            difference = f"the canary check itself failed: {describe(exc)}"
+            difference = Difference(ERROR, f"model {self.name}: the check itself failed: {describe(exc)}")
         if self.stopping or self.state is not ModelState.LOADING:
-            return
+            return  # stopped while checked: the probes it cut short say nothing of the model
+        self.canary.judge(self.name, difference)
         if difference is not None and self.canary.mode == "gate":
             self.end_worker(Exit(ExitReason.CANARY_FAILED, detail=str(difference)))
         else:
@@ -396,7 +398,7 @@ class WorkerLife:
             self.enter(ModelState.FAILED, f"restart budget used up ({self.model.restart.max_failures} failures "
                                           f"within {self.model.restart.window_s:g}s); last: {self.last_error}", hint)
             if not exit.ever_ready and self.canary and self.canary.wants(self.name):  # it never got to its check
-                self.canary.load_failed(self.name, self.last_error)
+                self.canary.judge(self.name, Difference(LOAD, f"model {self.name} did not load: {self.last_error}"))
             return None
         self.enter(ModelState.RESTARTING)
         self.last_backoff_s = backoff

@@ -177,8 +177,9 @@ class NotifySocket:
 def test_golden_check_prints_what_differs_and_fails(recorded, tmp_path, demo_model, embedding_model):
     """The chat model rebuilt from another seed (other weights, as an update that changed the model's output):
     `golden check` names the first token that differs; the unchanged embedding model passes."""
-    from appliance.demo.catalog import build_demo_model
-    other = build_demo_model(tmp_path / "other", eos_after=48, max_new_tokens=64, seed=1)
+    other = tmp_path / "other"
+    subprocess.run([sys.executable, "-m", "appliance", "demo-model", str(other), "--seed", "1", "--eos-after", "48",
+                    "--max-new-tokens", "64"], cwd=REPO, check=True, capture_output=True, timeout=EXIT_BOUND_S)
     config = tmp_path / "openarc.yaml"
     config.write_text(yaml.safe_dump(serve_config(tmp_path, recorded, "gate", other, embedding_model)))
     done = golden("check", "--config", str(config))

@@ -205,6 +205,7 @@ def test_gate_never_sends_ready_and_exits_with_one_line(recorded, tmp_path, appl
     assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
     messages = notify.messages()
     assert messages and not any("READY=1" in m.split("\n") for m in messages), messages
+    assert any("chat: loading, checking its golden answers" in m for m in messages), messages  # systemctl status
     want = recorded["models"]["chat"]["answers"][0]["tokens"][2]
     errors = [line for line in app.logs().splitlines() if " ERROR " in line]
     assert len(errors) == 1, errors
@@ -221,7 +222,7 @@ def test_gate_with_matching_answers_says_ready_and_refuses_an_on_demand_model_th
     app = appliance_factory(serve_config(tmp_path, edited(recorded, other_vector), "gate", demo_model,
                                          embedding_model, load="on_demand"), env={"NOTIFY_SOCKET": notify.path})
     assert any("READY=1" in m.split("\n") for m in notify.messages())
-    assert "canary: model chat answers as recorded" in app.logs()
+    assert "canary: model chat answers as recorded" in app.logs() and app.model_status("chat")["canary_failure"] is None
     assert app.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=4).choices[0].message.content
     # The on-demand model is checked on its first load; it answers otherwise: refused with the evidence.
@@ -249,6 +250,7 @@ def test_warn_serves_and_logs_each_difference(recorded, tmp_path, appliance_fact
     assert len(warnings) == 2 and any("model chat: probe 1" in w and "differs at token 3" in w for w in warnings) \
         and any("model emb: " in w and "below canary_min_speed 0.5 of the recorded 1000000000.0 probes/s" in w
                 for w in warnings), warnings
+    assert "differs at token 3" in app.model_status("chat")["canary_failure"]
     metrics = app.metrics()
     assert 'openarc_canary_failures_total{model="chat",reason="answer"} 1.0' in metrics
     assert 'openarc_canary_failures_total{model="emb",reason="speed"} 1.0' in metrics

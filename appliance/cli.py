@@ -126,9 +126,9 @@ def golden_verdict(name: str, want, observed, min_speed: float) -> tuple[str, bo
     recorded ones), and whether it differs."""
     from appliance.golden.compare import compare
     difference = compare(name, want, observed, min_speed)
-    return (f"{'DIFFERS: ' + str(difference) if difference else 'OK'} ({observed.speed:.1f} {observed.speed_unit}, "
-            f"recorded {want.speed:.1f}; load {observed.load_seconds or 0:.2f} s, recorded {want.load_seconds or 0:.2f} "
-            "s)"), difference is not None
+    verdict = f"DIFFERS: {difference}" if difference else "OK"
+    return (f"{verdict} ({observed.speed:.1f} {observed.speed_unit}, recorded {want.speed:.1f}; "
+            f"load {observed.load_seconds or 0:.2f} s, recorded {want.load_seconds or 0:.2f} s)"), difference is not None
 
 
 def device_check(available: list[str]):
@@ -177,7 +177,8 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     shared = ("eos_after", "max_new_tokens", "logit_scale")  # the demo VLM walks the chat demo's phrases
     pair = ("layers", "draft_miss", "prompt_phrases")  # the chat demo's speculative-decoding pair
     # eos_after 0 is a value (never stop); an unset flag is None, an absent --prompt-phrases False
-    given = [key for key in shared + pair if getattr(args, key) is not None and getattr(args, key) is not False]
+    given = [key for key in (*shared, *pair, "seed")
+             if getattr(args, key) is not None and getattr(args, key) is not False]
     params = {key: getattr(args, key) for key in given}
     if set(given) & set(shared) and args.kind not in ("llm", "vlm"):
         print("openarc: --eos-after, --max-new-tokens and --logit-scale apply to --kind llm and vlm only", file=sys.stderr)
@@ -373,6 +374,8 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("dir", nargs="?", help="where to build it (default: the cache, reused if present)")
     demo.add_argument("--kind", choices=MODEL_KINDS, default="llm",
                       help="the worker kind it is a model for (default llm, the chat demo)")
+    demo.add_argument("--seed", type=int, help="the random weights (0): another seed, another model with other answers "
+                                               "(what `openarc golden check` tells apart)")
     demo.add_argument("--eos-after", type=int, help="llm: generated tokens before the model stops by itself (48)")
     demo.add_argument("--max-new-tokens", type=int, help="llm: generation_config.json max_new_tokens (64)")
     demo.add_argument("--logit-scale", type=float, help="llm: how far the chosen token leads (64: sampling equals "

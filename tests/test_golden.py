@@ -177,8 +177,9 @@ class NotifySocket:
 def test_golden_check_prints_what_differs_and_fails(recorded, tmp_path, demo_model, embedding_model):
     """The chat model rebuilt from another seed (other weights, as an update that changed the model's output):
     `golden check` names the first token that differs; the unchanged embedding model passes."""
-    from appliance.demo.catalog import build_demo_model
-    other = build_demo_model(tmp_path / "other", eos_after=48, max_new_tokens=64, seed=1)
+    other = tmp_path / "other"
+    subprocess.run([sys.executable, "-m", "appliance", "demo-model", str(other), "--seed", "1", "--eos-after", "48",
+                    "--max-new-tokens", "64"], cwd=REPO, check=True, capture_output=True, timeout=EXIT_BOUND_S)
     config = tmp_path / "openarc.yaml"
     config.write_text(yaml.safe_dump(serve_config(tmp_path, recorded, "gate", other, embedding_model)))
     done = golden("check", "--config", str(config))
@@ -204,6 +205,7 @@ def test_gate_never_sends_ready_and_exits_with_one_line(recorded, tmp_path, appl
     assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
     messages = notify.messages()
     assert messages and not any("READY=1" in m.split("\n") for m in messages), messages
+    assert any("chat: loading, checking its golden answers" in m for m in messages), messages  # systemctl status
     want = recorded["models"]["chat"]["answers"][0]["tokens"][2]
     errors = [line for line in app.logs().splitlines() if " ERROR " in line]
     assert len(errors) == 1, errors
@@ -220,7 +222,7 @@ def test_gate_with_matching_answers_says_ready_and_refuses_an_on_demand_model_th
     app = appliance_factory(serve_config(tmp_path, edited(recorded, other_vector), "gate", demo_model,
                                          embedding_model, load="on_demand"), env={"NOTIFY_SOCKET": notify.path})
     assert any("READY=1" in m.split("\n") for m in notify.messages())
-    assert "canary: model chat answers as recorded" in app.logs()
+    assert "canary: model chat answers as recorded" in app.logs() and app.model_status("chat")["canary_failure"] is None
     assert app.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=4).choices[0].message.content
     # The on-demand model is checked on its first load; it answers otherwise: refused with the evidence.
@@ -248,6 +250,7 @@ def test_warn_serves_and_logs_each_difference(recorded, tmp_path, appliance_fact
     assert len(warnings) == 2 and any("model chat: probe 1" in w and "differs at token 3" in w for w in warnings) \
         and any("model emb: " in w and "below canary_min_speed 0.5 of the recorded 1000000000.0 probes/s" in w
                 for w in warnings), warnings
+    assert "differs at token 3" in app.model_status("chat")["canary_failure"]
     metrics = app.metrics()
     assert 'openarc_canary_failures_total{model="chat",reason="answer"} 1.0' in metrics
     assert 'openarc_canary_failures_total{model="emb",reason="speed"} 1.0' in metrics

@@ -23,7 +23,8 @@ async def observe_model(config: Config, name: str) -> ModelRecord | str:
     model = alone.models[0]  # a load that fails is reported, not retried
     model = dataclasses.replace(model, restart=dataclasses.replace(model.restart, max_failures=1))
     alone = dataclasses.replace(alone, models=[model],
-                                server=dataclasses.replace(alone.server, canary="off", parked_workers=0, log_level="warning"))
+                                server=dataclasses.replace(alone.server, canary="off", parked_workers=0,
+                                                           log_level="warning"))
     supervisor = Supervisor(alone, Metrics())
     supervisor.start()
     try:

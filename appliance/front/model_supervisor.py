@@ -80,6 +80,7 @@ class ModelSupervisor:
                 "last_error": life.last_error, "hint": life.last_hint,
                 "last_exit": life.last_exit.reason.value if life.last_exit else None,
                 "load_seconds": life.load_seconds, "pipeline_load_seconds": life.pipeline_load_seconds,
+                "canary_failure": self.canary_failure(),
                 # chat formats: as the worker resolved them (configured, else detected), or as configured until then
                 "tool_parser": formats.get("tool_parser", self.model.tool_parser),
                 "reasoning_parser": formats.get("reasoning_parser", self.model.reasoning_parser),
@@ -88,6 +89,11 @@ class ModelSupervisor:
                 "requests_waiting": self.router.queued(),
                 **({"speculative": self.model.speculative, **self.series.draft.status()} if self.model.kind == "llm"
                    else {})}
+
+    def canary_failure(self) -> str | None:
+        """The model's latest failed golden-answer check (appliance.front.canary), until one passes."""
+        failure = self.life.canary.failures.get(self.name) if self.life.canary else None
+        return str(failure) if failure else None
 
     def _state_changed(self, old: ModelState, new: ModelState) -> None:
         if self.reports:

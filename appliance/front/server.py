@@ -74,7 +74,7 @@ class Appliance:
     def status_line(self) -> str:
         parts = []
         for m in self.supervisor.models.values():
-            part = f"{m.name}: {m.state.value}"
+            part = f"{m.name}: {m.state.value}" + (", checking its golden answers" if m.life.checking else "")
             if m.life.restarts:
                 part += f", {m.life.restarts} restarts"
             if m.state is not ModelState.READY and m.life.last_error:

@@ -30,8 +30,8 @@ def clip_f32() -> bytes:
     """The transcription probe's audio as the worker reads it: little-endian float32 mono samples at CLIP_RATE
     (what the front's audio decoder writes for an upload). The same bytes on every box: computed, not sampled."""
     count = int(CLIP_SECONDS * CLIP_RATE)
-    samples = (0.3 * math.sin(2 * math.pi * 440 * i / CLIP_RATE) * (0.6 + 0.4 * math.sin(2 * math.pi * 3 * i / CLIP_RATE))
-               for i in range(count))
+    seconds = (i / CLIP_RATE for i in range(count))
+    samples = (0.3 * math.sin(2 * math.pi * 440 * t) * (0.6 + 0.4 * math.sin(2 * math.pi * 3 * t)) for t in seconds)
     return struct.pack(f"<{count}f", *samples)
 
 

@@ -130,8 +130,9 @@ def save(path: Path, records: dict[str, ModelRecord], version: str) -> None:
     data = {"format": FORMAT,
             "recorded_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "openarc": version, "models": {name: kept[name].as_dict() for name in sorted(kept)}}
-    header = ("# Golden answers of openarc's models, written by `openarc golden record` and checked by `openarc golden\n"
-              "# check` and the canary before READY (server.canary). An edited answer is what the check expects.\n")
+    header = ("# Golden answers of openarc's models, written by `openarc golden record` and checked by\n"
+              "# `openarc golden check` and the canary before READY (server.canary). An edited answer is what the\n"
+              "# check expects.\n")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as out:

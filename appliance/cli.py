@@ -1,5 +1,5 @@
-"""`openarc`: serve, check-config, doctor, pull, demo-model, health, keys, models / load / unload against a
-running server, and launch (a coding agent set up for a served model)."""
+"""`openarc`: serve, check-config, doctor, pull, demo-model, golden (record, check), health, keys, models / load /
+unload against a running server, and launch (a coding agent set up for a served model)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,66 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(appliance.serve(config.server.host, config.server.port, also_bind))
 
 
+def cmd_golden(args: argparse.Namespace) -> int:
+    """record: each model's answers to its probes, written to golden.yaml beside the config; check: the same probes
+    judged against that record, one line per model, exit 1 if one differs (appliance.golden)."""
+    from appliance import __version__
+    from appliance.golden import record as golden
+    config = resolve_config(args.config, None)
+    path = golden.golden_path(config.source)
+    if path is None:
+        print(f"openarc golden: the record is written beside the config: give one (--config FILE; "
+              f"{DEFAULT_CONFIG_PATH} does not exist)", file=sys.stderr)
+        return 2
+    unknown = [name for name in args.models if name not in {m.name for m in config.models}]
+    if unknown:
+        print(f"openarc golden: {config.source}: no model named {', '.join(unknown)} "
+              f"(have: {', '.join(m.name for m in config.models)})", file=sys.stderr)
+        return 2
+    try:
+        records = golden.load(path)
+    except golden.RecordError as exc:
+        if args.action == "check":
+            print(f"openarc golden: {exc}", file=sys.stderr)
+            return 2
+        records = {}  # recording again replaces a broken file
+    names = args.models or [m.name for m in config.models]
+    if args.action == "check" and not (names := [name for name in names if name in records]):
+        print(f"openarc golden: {path}: no record of {', '.join(args.models) or 'any model'}; "
+              "run `openarc golden record` first", file=sys.stderr)
+        return 1
+    setup_logging("warning")
+    prepare_demo_model(config)
+    from appliance.front.golden_run import observe_model
+    failed, recorded = False, {}
+    for name in names:
+        observed = asyncio.run(observe_model(config, name))
+        if isinstance(observed, str):  # it did not load
+            line, failed = f"load: {observed}", True
+        elif args.action == "record":
+            recorded[name] = golden.renewed(records, name, observed)
+            line = (f"recorded {len(observed.answers)} answers, {observed.speed:.1f} {observed.speed_unit}, "
+                    f"load {observed.load_seconds or 0:.2f} s")
+        else:
+            line, differs = golden_verdict(name, records[name], observed, config.server.canary_min_speed)
+            failed = failed or differs
+        print(f"{name}: {line}")
+    if recorded:
+        golden.save(path, recorded, __version__)
+        print(f"openarc golden: wrote {path}")
+    return 1 if failed else 0
+
+
+def golden_verdict(name: str, want, observed, min_speed: float) -> tuple[str, bool]:
+    """`openarc golden check`'s line for one model (OK, or what differs, with the speeds and loads beside the
+    recorded ones), and whether it differs."""
+    from appliance.golden.compare import compare
+    difference = compare(name, want, observed, min_speed)
+    verdict = f"DIFFERS: {difference}" if difference else "OK"
+    return (f"{verdict} ({observed.speed:.1f} {observed.speed_unit}, recorded {want.speed:.1f}; "
+            f"load {observed.load_seconds or 0:.2f} s, recorded {want.load_seconds or 0:.2f} s)"), difference is not None
+
+
 def device_check(available: list[str]):
     """--strict: each device a model names is one OpenVINO lists on this machine."""
     def check(model: ModelConfig) -> tuple[str, str] | None:
@@ -117,7 +177,8 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     shared = ("eos_after", "max_new_tokens", "logit_scale")  # the demo VLM walks the chat demo's phrases
     pair = ("layers", "draft_miss", "prompt_phrases")  # the chat demo's speculative-decoding pair
     # eos_after 0 is a value (never stop); an unset flag is None, an absent --prompt-phrases False
-    given = [key for key in shared + pair if getattr(args, key) is not None and getattr(args, key) is not False]
+    given = [key for key in (*shared, *pair, "seed")
+             if getattr(args, key) is not None and getattr(args, key) is not False]
     params = {key: getattr(args, key) for key in given}
     if set(given) & set(shared) and args.kind not in ("llm", "vlm"):
         print("openarc: --eos-after, --max-new-tokens and --logit-scale apply to --kind llm and vlm only", file=sys.stderr)
@@ -313,6 +374,8 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("dir", nargs="?", help="where to build it (default: the cache, reused if present)")
     demo.add_argument("--kind", choices=MODEL_KINDS, default="llm",
                       help="the worker kind it is a model for (default llm, the chat demo)")
+    demo.add_argument("--seed", type=int, help="the random weights (0): another seed, another model with other answers "
+                                               "(what `openarc golden check` tells apart)")
     demo.add_argument("--eos-after", type=int, help="llm: generated tokens before the model stops by itself (48)")
     demo.add_argument("--max-new-tokens", type=int, help="llm: generation_config.json max_new_tokens (64)")
     demo.add_argument("--logit-scale", type=float, help="llm: how far the chosen token leads (64: sampling equals "
@@ -333,6 +396,17 @@ def parser() -> argparse.ArgumentParser:
                                        "else openarc.container; its User= is the user checked)")
     doctor.add_argument("--root", default="/", help="the machine's files under this directory (a recorded root)")
     doctor.set_defaults(func=cmd_doctor)
+    golden_cmd = sub.add_parser("golden", help="golden answers: record each model's answers to fixed probes beside "
+                                               "the config (golden.yaml), or check the models against that record")
+    actions = golden_cmd.add_subparsers(dest="action", required=True)
+    for action, help_text in (("record", "write each model's answers, tokens/s and load time to golden.yaml"),
+                              ("check", "compare each recorded model's answers now with the record; print what "
+                                        "differs; exit 1 if anything does")):
+        golden_action = actions.add_parser(action, help=help_text)
+        golden_action.add_argument("models", nargs="*", metavar="MODEL", help="only these models (default: all)")
+        golden_action.add_argument("--config", help=f"config file (default {DEFAULT_CONFIG_PATH}); the record is "
+                                                    "golden.yaml beside it")
+        golden_action.set_defaults(func=cmd_golden)
     keys = sub.add_parser("keys", help="list the config's API keys: names, priority classes, limits and models "
                                        "(never their values)")
     keys.add_argument("--config", help=f"config file (default {DEFAULT_CONFIG_PATH})")

@@ -53,10 +53,11 @@ OPS: dict[str, Op] = {
     "spec": _op("front", "spec", doc="to a parked worker (started with --parked, OpenVINO imported, nothing loaded): "
                 "the model to load now, as --spec would have given it"),
     # worker -> front
-    "ready": _op("worker", "load_seconds", "formats pipeline_load_seconds device_bdf",
+    "ready": _op("worker", "load_seconds", "formats pipeline_load_seconds device_bdf load_source",
                  "the pipeline is loaded; its own load time (and the pipeline's part of it), its chat formats "
-                 "(tool_parser, reasoning_parser), and the PCI address of its GPU (to match kernel-logged resets to "
-                 "the card)"),
+                 "(tool_parser, reasoning_parser), the PCI address of its GPU (to match kernel-logged resets to "
+                 "the card), and whether the load came from the compiled-model cache or compiled "
+                 "(appliance.host.compile_cache.load_source)"),
     "fatal": _op("worker", "kind message", "hint",
                  "the worker cannot go on (a load error, or an internal error after loading) and exits"),
     "tokens": _op("worker", "id text n", "logprobs prompt_tokens cached_tokens max_tokens",

@@ -330,7 +330,10 @@ async def load_seconds_sum(session: aiohttp.ClientSession, base: str, model: str
     family = (await scrape(session, base)).get("openarc_model_load_seconds")
     if family is None:
         raise RuntimeError("no openarc_model_load_seconds in /metrics")
-    values = {s.name: s.value for s in family.samples if s.labels.get("model") == model}
+    values: dict[str, float] = {}
+    for s in family.samples:  # summed over its sources (cache, compiled)
+        if s.labels.get("model") == model:
+            values[s.name] = values.get(s.name, 0.0) + s.value
     return values["openarc_model_load_seconds_sum"], values["openarc_model_load_seconds_count"]
 
 

@@ -120,6 +120,9 @@ def test_runtime_config_overrides_first_class_options(tmp_path):
      "server.model_aliases.claude-*: 'coder' is not a configured model (have: a)"),
     ({"server": {"model_aliases": {"gpt-5*": 5}}, "models": [{"name": "a", "path": "/a"}]},
      "server.model_aliases.gpt-5*"),
+    ({"server": {"canary": "sometimes"}}, "server.canary: expected one of 'off', 'warn', 'gate', got 'sometimes'"),
+    ({"server": {"canary_min_speed": 2}},
+     "server.canary_min_speed: expected a share of the recorded speed from 0 to 1 (0: speed is not checked)"),
     ("- just\n- a list\n", "top level: expected a mapping"),
     ("server: {port: 80\n", "not valid YAML (line 2, column 1)"),
 ])
@@ -381,3 +384,12 @@ def test_check_config_and_doctor_say_what_a_window_costs(tmp_path, demo_model):
     checks = {c.detail.split(":")[0]: c for c in config_checks.window_checks(load_config(path))}
     assert checks["model own"].status == "ok" and checks["model priced"].status == "ok"
     assert checks["model untrained"].status == checks["model cramped"].status == "warn"
+
+
+def test_an_unquoted_off_is_the_word_off(tmp_path):
+    """YAML 1.1 reads `off` as false: a choice that has the word off takes it as meant (server.canary,
+    models[].gpu_mitigations)."""
+    config = load_config(write(tmp_path, "server: {canary: off}\nmodels: [{name: a, path: /a, gpu_mitigations: off}]\n"))
+    assert config.server.canary == "off" and config.models[0].gpu_mitigations == "off"
+    assert load_config(write(tmp_path, "server: {}\n")).server.canary == "warn"
+    assert "server.canary: expected one of 'off', 'warn', 'gate', got True" in error_of(tmp_path, "server: {canary: on}\n")

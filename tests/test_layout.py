@@ -30,6 +30,8 @@ FORBIDDEN = {
     "appliance.config": OPENVINO + ("aiohttp", "appliance.front", "appliance.worker", "appliance.demo"),
     # `openarc launch`: the CLI's alone; it reads a config or a server's answer and writes an agent's files
     "appliance.launch": OPENVINO + ("aiohttp", "appliance.front", "appliance.worker", "appliance.demo"),
+    # golden answers: the probes, the record file and the comparison, pure; the front runs the probes
+    "appliance.golden": OPENVINO + ("aiohttp", "appliance.front", "appliance.worker", "appliance.demo"),
 }
 # Modules at the top are shared by both processes (or are the CLI, which starts either): what they import is
 # checked by the rooms above, and the list is closed so that a new top-level module must say why it is there.
@@ -40,7 +42,7 @@ SHARED = {"__init__", "__main__", "chat_formats", "cli", "ipc", "logs",
           "pull",
           # byte sizes: the config's, the host's fdinfo readers' and the front's messages read and write them alike
           "sizes"}
-ROOMS = {"front", "worker", "demo", "host", "config", "launch"}
+ROOMS = {"front", "worker", "demo", "host", "config", "launch", "golden"}
 
 
 def module_name(path: Path) -> str:

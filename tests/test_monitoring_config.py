@@ -46,7 +46,7 @@ OPENARC_METRICS = {
     "openarc_inter_token_latency_seconds": ("histogram", ("model",)),
     "openarc_request_duration_seconds": ("histogram", ("model", "endpoint")),
     "openarc_queue_time_seconds": ("histogram", ("model", "priority")),
-    "openarc_model_load_seconds": ("histogram", ("model",)),
+    "openarc_model_load_seconds": ("histogram", ("model", "source")),
     "openarc_event_loop_lag_seconds": ("gauge", ()),
     "openarc_model_info": ("gauge", ("model", "kind")),
     "openarc_tool_calls_total": ("counter", ("model",)),
@@ -67,6 +67,8 @@ OPENARC_METRICS = {
     "openarc_images_total": ("counter", ("model",)),
     "openarc_image_rejections_total": ("counter", ("model", "reason")),
     "openarc_draft_tokens_total": ("counter", ("model", "outcome")),
+    "openarc_canary_failures_total": ("counter", ("model", "reason")),
+    "openarc_build_info": ("gauge", ("version", "openvino", "genai", "kernel", "gpu_driver", "compute_runtime", "card")),
 }
 MODEL_STATES = ("loading", "ready", "restarting", "draining", "failed", "stopped", "unloaded")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -336,6 +338,19 @@ def test_dashboard_covers_every_metric_and_latency_quantile(dashboard):
             assert f"histogram_quantile({quantile}, sum by (model, le) (rate({histogram}_bucket" in exprs
 
 
+def test_dashboard_header_shows_the_build_every_server_runs(dashboard):
+    """Issue 38: the build info sits in the dashboard's header, every label of it, so a regression lines up with the
+    update that brought it; and the load-time panel tells a load from the cache from a compile."""
+    overview, header = dashboard["panels"][:2]
+    assert overview["title"] == "Overview" and header["title"] == "Build" and header["gridPos"]["y"] == 1
+    (target,) = header["targets"]
+    assert "openarc_build_info" in target["expr"]
+    for label in OPENARC_METRICS["openarc_build_info"][1]:
+        assert f"{{{{{label}}}}}" in target["legendFormat"] and label in target["expr"], label
+    (load,) = [panel for panel in all_panels(dashboard) if panel["title"] == "Model load time"]
+    assert "sum by (model, source)" in load["targets"][0]["expr"] and "{{source}}" in load["targets"][0]["legendFormat"]
+
+
 # --- dashboard PromQL, checked and evaluated by promtool ----------------------------------
 
 # What Grafana puts in place of its variables; `$model` as "All" is `.*`.
@@ -376,7 +391,9 @@ SAMPLE_LABELS = {"model": "demo", "endpoint": "/v1/chat/completions", "status": 
                  "signal": "SIGSEGV", "reason": "crash", "device": "GPU.0", "outcome": "accepted",
                  "source": "cache", "type": "web_search",
                  "region": "vram", "card": "0000:03:00.0", "mitigation": "sdpa_off", "key": "alice",
-                 "priority": "interactive", "stage": "total"}
+                 "priority": "interactive", "stage": "total", "version": "0.1.0", "openvino": "2026.4.1",
+                 "genai": "2026.4.1.0", "kernel": "6.8.0-51-generic", "gpu_driver": "i915",
+                 "compute_runtime": "25.35.35096.9-1~24.04~ppa3"}
 SCRAPE_LABELS = {"job": "openarc", "instance": "127.0.0.1:8000"}
 SAMPLE_MINUTES = 90
 HISTOGRAM_BUCKETS = ("0.1", "1", "+Inf")

@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -548,3 +549,86 @@ def test_kube_quadlet_plays_the_deployment_and_stops_cleanly(image_store, demo_m
             ns.show("openarc-kube", "ExecMainStatus"), ns.journal("openarc-kube")[-5000:])
         assert ns.show("openarc-kube", "Result") == "success"
         assert ns.run(["podman", "ps", "-a", "-q"]).stdout.strip() == ""
+
+
+# --- podman auto-update: a canary that fails rolls the image back --------------------------------------------
+
+UPDATE_IMAGE = "localhost/openarc-update:latest"
+# The box's config: one model, its golden answers checked before READY=1. canary_min_speed 0.1: v1 passes however
+# loaded this machine is; the bad image is a hundred times slower than its record.
+ROLLBACK_CONFIG = {"server": {"canary": "gate", "canary_min_speed": 0.1},
+                   "models": [{"name": "demo", "path": "/models/demo", "device": "CPU"}]}
+# Images built on the box under one tag (no registry here: AutoUpdate=local, docs/updating.md). v2 is the update that
+# breaks quietly: the same answers at a fraction of the tokens/s (the test knob that delays each generation step,
+# standing in for a runtime that slowed the kernels); v3 is a good update.
+BUILDS = {"v1": "FROM localhost/openarc:latest\nLABEL org.openarc.test.build=v1\n",
+          "v2": "FROM localhost/openarc:latest\nLABEL org.openarc.test.build=v2\nENV OPENARC_DEBUG_STEP_DELAY_S=0.25\n",
+          "v3": "FROM localhost/openarc:latest\nLABEL org.openarc.test.build=v3\n"}
+CANARY_FAILED = 'openarc_canary_failures_total{model="demo",reason="speed"} 1.0'
+
+
+def build_update(ns, name: str) -> str:
+    """Build one of BUILDS under UPDATE_IMAGE in the namespace's writable store; its image id."""
+    ns.run(["podman", "build", "--quiet", "-t", UPDATE_IMAGE, f"/root/build/{name}"], timeout=120)
+    return ns.run(["podman", "image", "inspect", "--format", "{{.Id}}", UPDATE_IMAGE]).stdout.strip()
+
+
+def running_image(ns) -> str:
+    return ns.run(["podman", "inspect", "--format", "{{.Image}}", "openarc-demo"], check=False).stdout.strip()
+
+
+def canary_failure_scraped(ns) -> str | None:
+    """The running container's /metrics when it counts the canary's failure (the failed start lingers for it)."""
+    done = ns.run(["podman", "exec", "openarc-demo", "curl", "-s", "http://127.0.0.1:8000/metrics"], check=False)
+    return done.stdout if CANARY_FAILED in done.stdout else None
+
+
+def auto_update(ns) -> list[str]:
+    """`podman auto-update` (rollback on, its default): one "unit image updated" line per container."""
+    done = ns.run(["podman", "auto-update", "--format", "{{.Unit}} {{.Image}} {{.Updated}}"], check=False, timeout=600)
+    print(f"podman auto-update exited {done.returncode}:\n{done.stdout}{done.stderr}")
+    return done.stdout.splitlines()
+
+
+def test_auto_update_rolls_back_an_image_whose_canary_fails_and_keeps_one_that_passes(image_store, tmp_path,
+                                                                                       demo_model):
+    config_dir = tmp_path / "etc-openarc"
+    config_dir.mkdir()
+    (config_dir / "openarc.yaml").write_text(yaml.safe_dump(ROLLBACK_CONFIG))
+    extra = {"/etc/openarc": config_dir, "/var/lib/openarc/models/demo": demo_model,
+             **{f"/root/build/{name}/Containerfile": text for name, text in BUILDS.items()}}
+    # What a box with images built on it runs: the shipped quadlet with its commented AutoUpdate=local on.
+    dropin = f"Image={UPDATE_IMAGE}\nAutoUpdate=local\n"
+    with booted(image_store, tmp_path, container_dropin=dropin, extra_files=extra) as ns:
+        ns.run(["chmod", "-R", "a+rX", "/var/lib/openarc/models"])  # the server runs as UID 990
+        v1 = build_update(ns, "v1")
+        # The golden answers, recorded by v1 on this box (as docs/updating.md says: on a box known to be good).
+        ns.run(["podman", "run", "--rm", "--network=none", "--user", "0", "-v", "/etc/openarc:/etc/openarc",
+                "-v", "/var/lib/openarc/models:/models:ro", UPDATE_IMAGE, "golden", "record",
+                "--config", "/etc/openarc/openarc.yaml"], timeout=300)
+        start(ns)  # READY=1 only after the canary passed
+        assert running_image(ns) == v1 and exec_python(ns, CHAT).returncode == 0
+        assert "canary: model demo answers as recorded" in ns.journal("openarc@demo")
+
+        # A bad update under the same tag: the restarted unit never becomes ready, podman rolls it back.
+        v2 = build_update(ns, "v2")
+        with ThreadPoolExecutor(1) as pool:
+            update = pool.submit(auto_update, ns)
+            # The failed start lingers (server.CANARY_LINGER_S) with the failure on /metrics, for Prometheus.
+            ns.wait_for(lambda: canary_failure_scraped(ns), timeout=300, interval=1, what="the canary failure on /metrics")
+            lines = update.result()
+        assert lines == [f"openarc@demo.service {UPDATE_IMAGE} rolled back"], lines
+        journal = ns.journal("openarc@demo")
+        failure = [line for line in journal.splitlines() if "canary failed (server.canary: gate), not ready" in line]
+        assert len(failure) == 1 and "model demo: " in failure[0] and "below canary_min_speed 0.1" in failure[0], failure
+        # The service answers from v1 again, and the tag is v1's once more.
+        ns.wait_for(lambda: ns.show("openarc@demo", "ActiveState") == "active", timeout=120, what="the unit active")
+        assert running_image(ns) == v1 != v2
+        assert ns.run(["podman", "image", "inspect", "--format", "{{.Id}}", UPDATE_IMAGE]).stdout.strip() == v1
+        assert exec_python(ns, CHAT).returncode == 0
+
+        # A good update goes through.
+        v3 = build_update(ns, "v3")
+        assert auto_update(ns) == [f"openarc@demo.service {UPDATE_IMAGE} true"]
+        assert running_image(ns) == v3 and exec_python(ns, CHAT).returncode == 0
+        assert ns.show("openarc@demo", "ActiveState") == "active"

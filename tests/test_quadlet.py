@@ -52,6 +52,8 @@ INSTANCE_OPTIONS = [
     ("--health-startup-interval", "5s"),
     ("--health-startup-timeout", "10s"),
     ("--env", "WATCHDOG_USEC"),
+    # AutoUpdate=registry: `podman auto-update` updates it, and rolls back a start that fails (docs/updating.md)
+    ("--label", "io.containers.autoupdate=registry"),
 ]
 INSTANCE_COMMAND = ["serve", "--model", "demo", "--host", "0.0.0.0", "--port", "8000"]
 IMAGE = "localhost/openarc:latest"
@@ -59,7 +61,8 @@ IMAGE = "localhost/openarc:latest"
 # podman run options quadlet emits, by whether they take a value; anything else fails the parse loudly.
 VALUE_OPTIONS = {"--name", "--stop-timeout", "--device", "--group-add", "--volume", "--publish", "--env",
                  "--health-cmd", "--health-interval", "--health-on-failure", "--health-retries",
-                 "--health-timeout", "--health-startup-cmd", "--health-startup-interval", "--health-startup-timeout", "--security-opt", "--cidfile", "--cgroups", "--sdnotify"}
+                 "--health-timeout", "--health-startup-cmd", "--health-startup-interval", "--health-startup-timeout", "--security-opt", "--cidfile", "--cgroups", "--sdnotify",
+                 "--label"}
 FLAG_OPTIONS = {"--replace", "--rm", "--detach"}
 SHORT_OPTIONS = {"-v": "--volume", "-d": "--detach"}
 
@@ -275,6 +278,17 @@ def verify(quadlet_root: Path, rendered: Rendered, service: str, tmp_path: Path)
 def test_rendered_unit_passes_systemd_analyze_verify(quadlet_root, tmp_path, service):
     done = verify(quadlet_root, render(quadlet_root, tmp_path), service, tmp_path)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_auto_update_policy_is_registry_with_local_one_uncommented_line_away(quadlet_root, tmp_path):
+    """Issue 38: the quadlets ship AutoUpdate=registry, and the commented `local` for an image built on the box
+    renders once switched on (tests/test_podman_e2e.py rolls a bad local image back with it)."""
+    for name in QUADLET_FILES:
+        text = (CONTAINERS / name).read_text()
+        assert "\nAutoUpdate=registry\n" in text and "\n#AutoUpdate=local\n" in text, name
+    dropin = {"openarc@.container.d/local.conf": "[Container]\nAutoUpdate=local\n"}
+    run = rendered_run(render(quadlet_root, tmp_path, extra=dropin), "openarc@demo.service", "demo")
+    assert run.values("--label") == ["io.containers.autoupdate=local"]
 
 
 # --- the checks above would catch typos ------------------------------------------------------------------

@@ -282,6 +282,9 @@ class ServerConfig:
     # demand, a restart after a crash) takes one and costs the pipeline's construction only. 0: none.
     parked_workers: int = 1
     cache_dir: str | None = None
+    # The compiled-model cache's bound (appliance.host.compile_cache): a size ("40GiB") or a share of the cache
+    # directory's disk ("10%"); beyond it the least recently used stale blobs go first.
+    cache_max_size: str | int = "10%"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     image_fetch: ImageFetch = field(default_factory=ImageFetch)
     # /v1/responses with store on: the last N responses of each model stay in memory for previous_response_id.
@@ -293,11 +296,29 @@ class ServerConfig:
     # Other names clients may ask for: glob pattern -> a configured model ({"claude-*": coder}), tried in order
     # after the exact names (Claude Code asks for claude-* models whatever the server holds).
     model_aliases: dict[str, str] = field(default_factory=dict)
+    # The golden-answer check before a model serves, for each model with a record in golden.yaml beside this file
+    # (`openarc golden record`; docs/updating.md): gate refuses a model that answers otherwise, and a start whose
+    # model fails exits without READY (systemd, podman auto-update roll back); warn logs it and serves; off: none.
+    canary: Literal["off", "warn", "gate"] = "warn"
+    # The check fails too below this share of the recorded speed (tokens/s; 0: speed is not checked).
+    canary_min_speed: float = 0.5
 
     def alias_target(self, name: str) -> str | None:
         """The configured model a name that is no model's own reaches through model_aliases, or None."""
         return next((target for pattern, target in self.model_aliases.items() if fnmatch.fnmatchcase(name, pattern)),
                     None)
+
+    @property
+    def cache_bound(self) -> tuple[float | None, int | None]:
+        """cache_max_size as (share of the disk, None) or (None, bytes); (None, None) when it is neither."""
+        value = self.cache_max_size
+        if isinstance(value, str) and value.strip().endswith("%"):
+            try:
+                share = float(value.strip()[:-1]) / 100
+            except ValueError:
+                return None, None
+            return (share, None) if 0 < share <= 1 else (None, None)
+        return None, parse_size(value)
 
     @property
     def memory_budget_bytes(self) -> dict[str, int]:

@@ -79,6 +79,8 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
     require(s.max_body_bytes >= 1024, "server.max_body_bytes", "at least 1024")
     require(s.load_concurrency >= 1, "server.load_concurrency", "at least 1")
     require(s.parked_workers >= 0, "server.parked_workers", "a non-negative integer (0: none)")
+    require(s.cache_bound != (None, None), "server.cache_max_size",
+            f"a size such as 40GiB or a share of the cache directory's disk such as 10% (got {s.cache_max_size!r})")
     require(s.drain_timeout_s >= 0, "server.drain_timeout_s", "a non-negative number")
     require(s.stream_keepalive_s > 0, "server.stream_keepalive_s", "a positive number of seconds")
     f = s.image_fetch
@@ -87,6 +89,8 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
     require(all(h and "/" not in h for h in f.allow_hosts), "server.image_fetch.allow_hosts",
             "host names (host or host:port, no scheme or path)")
     require(s.stored_responses >= 0, "server.stored_responses", "a non-negative number (0: none kept)")
+    require(0 <= s.canary_min_speed <= 1, "server.canary_min_speed",
+            "a share of the recorded speed from 0 to 1 (0: speed is not checked)")
     seen: set[str] = set()
     for i, m in enumerate(config.models):
         if m is None:  # its problems are reported already

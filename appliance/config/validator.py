@@ -74,6 +74,10 @@ def _convert(value: Any, tp: Any, where: str, problems: Problems | None = None) 
     elif origin is Literal:
         if value in typing.get_args(tp):
             return value
+        # YAML 1.1 (PyYAML) reads an unquoted `off` or `on` as a boolean: a choice spelled so means the word
+        word = {False: "off", True: "on"}.get(value) if isinstance(value, bool) else None
+        if word in typing.get_args(tp):
+            return word
     elif origin is list:
         if isinstance(value, list):
             (item_tp,) = typing.get_args(tp)

@@ -109,9 +109,12 @@ class ExitReason(enum.Enum):
     DEVICE_LOST = "device_lost"            # it exited 75: the GPU context is gone, a fresh process gets a new one
     OOM_KILL = "oom_kill"                  # the kernel's OOM killer took it
     SUPERVISOR_ERROR = "supervisor_error"  # a bug in the front's supervision of it; killed
+    CANARY_FAILED = "canary_failed"        # it loaded, and answered its golden probes otherwise (server.canary: gate)
     STOPPED = "stopped"                    # the front asked it to leave
 
 
+# Ends a restart would meet again: the model is failed at once (a reload, after a fix, tries it again).
+FINAL_REASONS = frozenset({ExitReason.CANARY_FAILED})
 # Ends that the worker or the kernel chose, not the front: these count as crashes.
 CRASH_REASONS = frozenset({ExitReason.CRASH, ExitReason.WORKER_ERROR, ExitReason.DEVICE_LOST, ExitReason.OOM_KILL})
 
@@ -162,6 +165,8 @@ def describe_exit(exit: Exit) -> str:
         text = f"worker exited: device lost ({how}); a fresh worker gets a new device context"
     elif exit.reason is ExitReason.OOM_KILL:
         text = f"worker exited: killed by the kernel OOM killer ({how})"
+    elif exit.reason is ExitReason.CANARY_FAILED:  # the front ended it: its signal says nothing
+        text = "the golden-answer check failed (server.canary: gate)"
     else:
         text = f"worker ended: {exit.reason.value}" + (f" ({how})" if how else "")
     return text + (f": {exit.detail}" if exit.detail else "")

@@ -15,10 +15,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from appliance.config.window import BOUND_DEFAULT, BOUND_REQUEST, BOUND_WINDOW
 from appliance.front.lifecycle import ModelState
 from appliance.front.priority import CLASSES
+from appliance.host.doctor import build_info
 
 MODEL_STATES = tuple(state.value for state in ModelState)
 LOAD_REASONS = ("start", "demand", "api", "reload")
 UNLOAD_REASONS = ("idle", "evicted", "api")
+LOAD_SOURCES = ("cache", "compiled")  # a load found its compiled blobs, or compiled (appliance.host.compile_cache)
 CUT_REASONS = (BOUND_REQUEST, BOUND_DEFAULT, BOUND_WINDOW)  # what ends an answer with finish_reason "length"
 
 
@@ -54,7 +56,7 @@ class ModelMetrics:
     ttft: Any  # source="computed": most of the prompt computed
     ttft_cached: Any  # source="cache": at least half of the prompt served by the prefix cache
     itl: Any
-    model_load: Any
+    model_load: dict[str, Any]  # by where the compiled model came from (LOAD_SOURCES)
     kv_cache_usage: Any
     embedding_inputs: Any
     audio_seconds: Any
@@ -79,7 +81,8 @@ class TokenSeries:
 
 
 # ModelMetrics fields that are not one child labelled by model alone.
-SPECIAL_SERIES = frozenset({"draft", "queue_time", "answers_cut", "token_series", "ttft", "ttft_cached"})
+SPECIAL_SERIES = frozenset({"draft", "queue_time", "answers_cut", "token_series", "ttft", "ttft_cached",
+                            "model_load"})
 
 
 class Metrics:
@@ -115,6 +118,11 @@ class Metrics:
         self.worker_exits = Counter("openarc_worker_exits", "Worker lives that ended, by why (appliance.front.lifecycle."
                                     "ExitReason: crash, stall, spawn_error, load_timeout, stopped, ...)",
                                     ["model", "reason"], registry=r)
+        self.canary_failures = Counter("openarc_canary_failures", "Golden-answer checks a model failed after it "
+                                       "loaded (server.canary), by why: answer (a different answer), speed (below "
+                                       "canary_min_speed of the record), error (a probe failed, the record unreadable), "
+                                       "load (a model with a record that failed without loading)",
+                                       ["model", "reason"], registry=r)
         self.worker_restarts = Counter("openarc_worker_restarts", "Worker processes started after the first",
                                        ["model"], registry=r)
         self.worker_up = Gauge("openarc_worker_up", "1 while the model's worker is ready", ["model"], registry=r)
@@ -158,7 +166,9 @@ class Metrics:
         self.kv_cache_usage = Gauge("openarc_kv_cache_usage_ratio",
                                     "Share of the model's KV-cache blocks in use by running requests, 0 to 1",
                                     ["model"], registry=r)
-        self.model_load = Histogram("openarc_model_load_seconds", "Time to load a model in its worker", ["model"],
+        self.model_load = Histogram("openarc_model_load_seconds", "Time to load a model in its worker, by where its "
+                                    "compiled model came from: cache (OpenVINO's compiled-model cache held it) or "
+                                    "compiled", ["model", "source"],
                                     buckets=(.1, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200), registry=r)
         self.embedding_inputs = Counter("openarc_embedding_inputs", "Texts embedded (inputs of /v1/embeddings)",
                                         ["model"], registry=r)
@@ -196,6 +206,11 @@ class Metrics:
                                       "models) cost, by stage: eviction_wait, old_exit, spawn or handover (a parked "
                                       "worker), startup, construction, first_token, total", ["model", "stage"],
                                       buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        # Always 1: what this server runs on, to line a regression up with the update that brought it
+        # (appliance.host.doctor.build_info).
+        self.build_info = Gauge("openarc_build_info", "openarc's version and what it runs on: OpenVINO, GenAI, "
+                                "the kernel, the GPU's kernel driver, the compute runtime and the card",
+                                list(build_info.LABELS), registry=r)
         self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",
                                     registry=r)
 
@@ -213,12 +228,13 @@ class Metrics:
         series["ttft_cached"] = self.ttft.labels(model=model, source="cache")
         draft = DraftTokens(*(self.draft_tokens.labels(model=model, outcome=o) for o in ("accepted", "rejected")))
         queue_time = {priority: self.queue_time.labels(model=model, priority=priority) for priority in CLASSES}
+        model_load = {source: self.model_load.labels(model=model, source=source) for source in LOAD_SOURCES}
         answers_cut = {reason: self.answers_cut.labels(model=model, reason=reason) for reason in CUT_REASONS}
         for reason in LOAD_REASONS:
             self.model_loads.labels(model=model, reason=reason)
         for reason in UNLOAD_REASONS:
             self.model_unloads.labels(model=model, reason=reason)
-        return ModelMetrics(**series, draft=draft, queue_time=queue_time, answers_cut=answers_cut,
+        return ModelMetrics(**series, draft=draft, queue_time=queue_time, answers_cut=answers_cut, model_load=model_load,
                             token_series=self._token_series(model))
 
     def _token_series(self, model: str):
@@ -232,6 +248,10 @@ class Metrics:
                     self.generation_tokens.labels(model=model, key=key, priority=priority))
             return labelled[key, priority]
         return tokens
+
+    def set_build_info(self, labels: dict[str, str]) -> None:
+        self.build_info.clear()
+        self.build_info.labels(**labels).set(1)
 
     def set_device_memory(self, model: str, regions: dict[str, int]) -> None:
         """A worker's {vram, system} resident bytes (its telemetry frame's device_memory_regions)."""

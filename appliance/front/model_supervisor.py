@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable
 
 from appliance import ipc
 from appliance.config import Config, ModelConfig
+from appliance.front.canary import Canary
 from appliance.front.lifecycle import Exit, ExitReason, ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.request import Event, Request
@@ -36,7 +37,7 @@ class ModelSupervisor:
 
     def __init__(self, model: ModelConfig, config: Config, metrics: Metrics, load_gate: asyncio.Semaphore,
                  on_change: Callable[[ModelSupervisor, ModelState], None] = lambda *_: None, kernel_log: KernelLog | None = None,
-                 ledger: Ledger | None = None, spawner: ParkedWorkers | None = None):
+                 ledger: Ledger | None = None, spawner: ParkedWorkers | None = None, canary: Canary | None = None):
         self.model = model
         self.name = model.name
         self.metrics = metrics
@@ -44,7 +45,7 @@ class ModelSupervisor:
         self._on_change = on_change  # the Supervisor's "some model changed state" signal
         self.router = RequestRouter(model, self.series)
         self.life = WorkerLife(model, worker_spec(model, config), metrics, self.series, load_gate, self.router,
-                               self._on_frame, self._state_changed, kernel_log, ledger, spawner)
+                               self._on_frame, self._state_changed, kernel_log, ledger, spawner, canary)
 
     # --- the model, as the Supervisor sees it -------------------------------------------------------------
 
@@ -79,6 +80,7 @@ class ModelSupervisor:
                 "last_error": life.last_error, "hint": life.last_hint,
                 "last_exit": life.last_exit.reason.value if life.last_exit else None,
                 "load_seconds": life.load_seconds, "pipeline_load_seconds": life.pipeline_load_seconds,
+                "canary_failure": self.canary_failure(),
                 # chat formats: as the worker resolved them (configured, else detected), or as configured until then
                 "tool_parser": formats.get("tool_parser", self.model.tool_parser),
                 "reasoning_parser": formats.get("reasoning_parser", self.model.reasoning_parser),
@@ -87,6 +89,11 @@ class ModelSupervisor:
                 "requests_waiting": self.router.queued(),
                 **({"speculative": self.model.speculative, **self.series.draft.status()} if self.model.kind == "llm"
                    else {})}
+
+    def canary_failure(self) -> str | None:
+        """The model's latest failed golden-answer check (appliance.front.canary), until one passes."""
+        failure = self.life.canary.failures.get(self.name) if self.life.canary else None
+        return str(failure) if failure else None
 
     def _state_changed(self, old: ModelState, new: ModelState) -> None:
         if self.reports:

@@ -39,6 +39,7 @@ from typing import Any
 
 from appliance.config import Config, ModelConfig
 from appliance.front import cards, invariants, residency
+from appliance.front.canary import Canary
 from appliance.front.lifecycle import Changes, ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.model_supervisor import ModelSupervisor
@@ -70,6 +71,7 @@ class Placement(ResidencyBook):
         self.kernel_log = kernel_log
         self.load_gate = asyncio.Semaphore(config.server.load_concurrency)
         self.changes = Changes()  # some model changed state: waiters look again
+        self.canary = Canary(lambda: self.config, metrics)  # every model's check before READY (server.canary)
         self.ledger = Ledger()
         self.parked = ParkedWorkers(config.server.parked_workers, self.ledger)  # spares every worker spawn may take
         self.phases: dict[str, Phase] = {}
@@ -99,7 +101,7 @@ class Placement(ResidencyBook):
 
     def _new(self, model: ModelConfig) -> ModelSupervisor:
         sup = ModelSupervisor(model, self.config, self.metrics, self.load_gate, self._supervisor_changed,
-                              self.kernel_log, self.ledger, self.parked)
+                              self.kernel_log, self.ledger, self.parked, self.canary)
         self.usage.setdefault(sup.name, Usage())
         sup.router.on_idle = lambda: self._went_idle(sup.name)
         sup.router.on_first_output = lambda: self._switch_done(sup)

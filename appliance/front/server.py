@@ -10,8 +10,10 @@ appliance.front.api, which look models up through appliance.front.api.lookup), a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import time
 from typing import Callable
@@ -21,6 +23,8 @@ from aiohttp import web
 from appliance.config import Config, ConfigError
 from appliance.front import listen
 from appliance.front.app import make_app
+from appliance.front.api.health import SYSTEM_ROOT_ENV
+from appliance.front.cache_keeper import CacheKeeper
 from appliance.front.api.count_tokens import PromptCounter
 from appliance.front.gpu_watch import GpuWatch
 from appliance.front.keys import KeyRing
@@ -28,11 +32,18 @@ from appliance.front.lifecycle import ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.supervisor import Supervisor
 from appliance.host import oom
+from appliance.host.doctor import build_info
 from appliance.host.notify import LoopHealth, Notifier, watchdog_loop
 
 log = logging.getLogger("openarc.server")
 
 LOAD_EXTEND_EVERY_S = 20.0  # well inside notify.LOAD_EXTEND_USEC
+# The exit status of a start that a model's golden-answer check failed under server.canary: gate (1: no model loaded).
+CANARY_EXIT = 3
+# How long a start the canary refused goes on answering before it exits: /ready 503 with the reason, /metrics with
+# openarc_canary_failures_total counted. Longer than one scrape of the shipped Prometheus config (15 s), so the
+# failure reaches Prometheus before podman auto-update rolls the image back (docs/updating.md).
+CANARY_LINGER_S = 20.0
 
 
 class Appliance:
@@ -54,6 +65,8 @@ class Appliance:
         self.prompt_counter = PromptCounter()
         self.draining = False
         self.started = time.time()
+        self.cards: list = []  # the Intel cards as doctor sees them (read at serve())
+        self.build: dict[str, str] = {}  # openarc_build_info's labels (read at serve())
         self.background: list[asyncio.Task] = []
         self.reloads: set[asyncio.Task] = set()  # SIGHUP reloads in progress or queued: shutdown awaits them
         self.sites: list[web.BaseSite] = []
@@ -61,7 +74,7 @@ class Appliance:
     def status_line(self) -> str:
         parts = []
         for m in self.supervisor.models.values():
-            part = f"{m.name}: {m.state.value}"
+            part = f"{m.name}: {m.state.value}" + (", checking its golden answers" if m.life.checking else "")
             if m.life.restarts:
                 part += f", {m.life.restarts} restarts"
             if m.state is not ModelState.READY and m.life.last_error:
@@ -73,6 +86,21 @@ class Appliance:
         if self.supervisor.all_failed():
             return "every model of this service is failed: " + self.status_line()
         return None
+
+    def canary_refusal(self) -> str | None:
+        """Under server.canary: gate, why this server must not be ready: the first model (in the config's order)
+        whose check failed, or that has a record and did not load (it never got to its check)."""
+        canary = self.supervisor.placement.canary
+        if canary.mode != "gate":
+            return None
+        failed = next((canary.failures[name] for name in self.supervisor.models if name in canary.failures), None)
+        return f"canary failed (server.canary: gate), not ready: {failed}" if failed else None
+
+    def not_ready_reason(self) -> str | None:
+        """Why /ready answers 503 beside a model's state: a check under way or failed (server.canary)."""
+        checking = [m.name for m in self.supervisor.models.values() if m.life.checking]
+        return self.canary_refusal() or (f"canary: checking {', '.join(checking)} against the golden record"
+                                         if checking else None)
 
     def healthy(self) -> bool:
         """The watchdog pings while this holds; /health fails on its reason, and on a trigger_reason() too."""
@@ -109,18 +137,31 @@ class Appliance:
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         runner = web.AppRunner(make_app(self), handler_cancellation=True, access_log=None)
         await runner.setup()
+        self.cards, self.build = await loop.run_in_executor(None, build_info.read_machine,
+                                                            os.environ.get(SYSTEM_ROOT_ENV, "/"))
+        self.metrics.set_build_info(self.build)
+        log.info("build: %s", build_info.describe(self.build))
         self.sites = await listen.start_sites(runner, host, port, also_bind)
         oom.set_oom_score_adj(oom.FRONT_OOM_SCORE_ADJ)  # before the workers: they raise theirs from here
         self.supervisor.start()
         self.background = [asyncio.create_task(c) for c in (
             self.loop_health.run(),
             watchdog_loop(self.notifier, self.healthy, self.trigger_reason, self.status_line),
-            self.gpu.watch())]
+            self.gpu.watch(),
+            CacheKeeper(self.supervisor).run())]
         loads = asyncio.create_task(self.await_first_loads())
         await asyncio.wait([loads, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         status = 0
         if stop.is_set():
             loads.cancel()
+        elif (refused := self.canary_refusal()) is not None:
+            # One line in the journal, naming the model and what differs; no READY=1: systemd marks the start
+            # failed, and podman auto-update rolls the image back.
+            log.error("%s", refused)
+            self.notifier.status(refused)
+            with contextlib.suppress(asyncio.TimeoutError):  # SIGTERM ends the wait
+                await asyncio.wait_for(stop.wait(), CANARY_LINGER_S)
+            status = CANARY_EXIT
         elif self.supervisor.all_failed():
             # Not READY: the start fails, and the journal says why, instead of a "running" unit that serves nothing.
             log.error("no model could be loaded: %s", self.status_line())

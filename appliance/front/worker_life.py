@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from appliance.config import ModelConfig
+from appliance.front.canary import Canary
+from appliance.golden.compare import ERROR, LOAD, Difference
 from appliance.front.device_faults import DeviceFaults
-from appliance.front.lifecycle import (CRASH_REASONS, Exit, ExitReason, Lifecycle, ModelState, RestartBudget, describe,
-                                       describe_exit)
+from appliance.front.lifecycle import (CRASH_REASONS, FINAL_REASONS, Exit, ExitReason, Lifecycle, ModelState,
+                                       RestartBudget, describe, describe_exit)
 from appliance.front.metrics import Metrics, ModelMetrics
 from appliance.front.request import RequestFailed
 from appliance.front.routing import RequestRouter
@@ -59,8 +61,9 @@ class WorkerLife:
                  on_frame: Callable[[dict[str, Any]], None],
                  on_state: Callable[[ModelState, ModelState], None],
                  kernel_log: KernelLog | None = None, ledger: Ledger | None = None,
-                 spawner: ParkedWorkers | None = None):
+                 spawner: ParkedWorkers | None = None, canary: Canary | None = None):
         self.model, self.name, self.spec = model, model.name, spec
+        self.canary = canary  # checks a loaded worker's answers against the golden record before it is READY
         self.metrics, self.series = metrics, series
         self.load_gate = load_gate
         self.ledger = ledger or Ledger()  # the residency owner's: every worker process from spawn to reaped
@@ -96,6 +99,11 @@ class WorkerLife:
     @property
     def pid(self) -> int | None:
         return self.current.process.pid if self.current.process else None
+
+    @property
+    def checking(self) -> bool:
+        """The worker has loaded and the canary checks it (appliance.front.canary): the model is still LOADING."""
+        return self.state is ModelState.LOADING and self.current.ready_at is not None
 
     @property
     def stopping(self) -> bool:
@@ -258,13 +266,13 @@ class WorkerLife:
             return False
         self.load_seconds = message["load_seconds"]
         self.pipeline_load_seconds = message.get("pipeline_load_seconds")
-        self.series.model_load.observe(time.monotonic() - spawned)
+        loads = self.series.model_load  # by where the compiled model came from (a worker that does not say: compiled)
+        loads.get(message.get("load_source"), loads["compiled"]).observe(time.monotonic() - spawned)
         if self.stopping:  # stopped while it loaded: it has been asked to leave, and serves nothing
             return False
         self.current.ready_at = time.monotonic()
         self.formats = message.get("formats") or {}
         self.device_faults.card = message.get("device_bdf") or self.device_faults.card
-        self.enter(ModelState.READY)
         return True
 
     async def _serve(self) -> None:
@@ -272,6 +280,11 @@ class WorkerLife:
         channel = self.current.process.channel
         self.router.attach(channel)
         monitor = asyncio.create_task(self._monitor())
+        # A model with a golden record stays LOADING while its probes run on this worker (no request is admitted,
+        # its waiters wait, a side-by-side replacement is not switched to); READY only once they pass, or warn.
+        vetting = asyncio.create_task(self._vet()) if self.canary and self.canary.wants(self.name) else None
+        if vetting is None:
+            self.enter(ModelState.READY)
         try:
             while (message := await channel.recv()) is not None:
                 self._on_frame(message)
@@ -279,9 +292,28 @@ class WorkerLife:
             self.end_worker(Exit(ExitReason.PROTOCOL_ERROR, detail=f"the worker sent a malformed frame: {describe(exc)}"))
         finally:
             monitor.cancel()
+            if vetting:
+                vetting.cancel()
             # Leave READY before anything awaits, so no request is admitted to a worker that is gone.
             self._leave_ready()
             self.router.detach(self._worker_gone())
+
+    async def _vet(self) -> None:
+        """The canary's check of the worker that just loaded: READY when it passes (or under warn); under gate a
+        worker that answers otherwise is ended, and the model refused with the difference as its error."""
+        try:
+            difference = await self.canary.check(self.model, self.router, self.load_seconds)
+        except Exception as exc:  # a bug in the check must not leave the model loading for good
+            log.exception("model %s: the canary check failed", self.name)
+            difference = Difference(ERROR, f"model {self.name}: the check itself failed: {describe(exc)}")
+        if self.stopping or self.state is not ModelState.LOADING:
+            return  # stopped while checked: the probes it cut short say nothing of the model
+        self.canary.judge(self.name, difference)
+        if difference is not None and self.canary.mode == "gate":
+            self.end_worker(Exit(ExitReason.CANARY_FAILED, detail=str(difference)))
+        else:
+            self.router.first_output = None  # the probes' output is no client's: a switch ends at a client's first
+            self.enter(ModelState.READY)
 
     def _worker_gone(self) -> RequestFailed:
         return RequestFailed(503, "worker_crash", f"the worker of model {self.name} died; it is being restarted",
@@ -347,6 +379,9 @@ class WorkerLife:
         if exit.reason is ExitReason.STOPPED or self.stopping:
             log.info("model %s: worker ended (%s)", self.name, exit.reason.value)
             return None
+        if exit.reason in FINAL_REASONS:  # a restart would answer the same: refused until a reload
+            self.enter(ModelState.FAILED, describe_exit(exit))
+            return None
         fault = faults.classify_exit(exit.returncode or 0, during_load=not exit.ever_ready,
                                      oom_killed=exit.reason is ExitReason.OOM_KILL)
         if exit.reason in CRASH_REASONS:
@@ -362,6 +397,8 @@ class WorkerLife:
         if backoff is None:
             self.enter(ModelState.FAILED, f"restart budget used up ({self.model.restart.max_failures} failures "
                                           f"within {self.model.restart.window_s:g}s); last: {self.last_error}", hint)
+            if not exit.ever_ready and self.canary and self.canary.wants(self.name):  # it never got to its check
+                self.canary.judge(self.name, Difference(LOAD, f"model {self.name} did not load: {self.last_error}"))
             return None
         self.enter(ModelState.RESTARTING)
         self.last_backoff_s = backoff

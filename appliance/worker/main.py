@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from appliance.host import device_memory, faults, gpus, oom, telemetry
+from appliance.host import compile_cache, device_memory, faults, gpus, oom, telemetry
 from appliance.worker.engines import load_engine
 from appliance.worker.engines.base import Engine
 from appliance.worker.split_verdict import split_devices
@@ -219,10 +219,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         hog = b"\xff" * (int(os.environ.get(LOAD_HOG_ENV, "0")) << 20)
         import openvino_genai  # noqa: F401  imported before the clock starts: pipeline_load_seconds is the load alone
+        cache_dir = compile_cache.place(spec, compile_cache.current_runtime())  # this runtime's, this model's
+        cached_before = compile_cache.snapshot(cache_dir)
         loading = time.monotonic()
         refuse_unproven_split(channel, spec)
         engine = load_engine(spec, channel)
         pipeline_seconds = time.monotonic() - loading
+        load_source = compile_cache.load_source(cached_before, compile_cache.snapshot(cache_dir))
+        compile_cache.mark_used(cache_dir)  # the pruning's "least recently used"
         del hog
     except Exception as exc:
         message = str(exc).strip() or type(exc).__name__
@@ -234,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     engine.pci_family = probe.family
     card = {"device_bdf": probe.bdf} if probe.bdf else {}
     channel.send(frame("ready", load_seconds=time.monotonic() - started, pipeline_load_seconds=pipeline_seconds,
-                       **engine.ready_info(), **card))
+                       load_source=load_source, **engine.ready_info(), **card))
     threading.Thread(target=run_guarded, args=(channel, "engine", engine.run, engine), name="engine",
                      daemon=True).start()
     for name, target in engine.threads():

@@ -8,8 +8,6 @@ no API key (appliance.front.middleware.OPEN_ROUTES); /metrics takes one if serve
 
 from __future__ import annotations
 
-import asyncio
-import os
 import time
 from typing import Any
 
@@ -18,10 +16,10 @@ from aiohttp import web
 from appliance.front.api.server_view import ServerView
 from appliance import __version__
 from appliance.config.kinds import GENERATIVE_KINDS
-from appliance.host.doctor import box, cards
+from appliance.host.doctor import cards
 
-# Test knob: read the machine's files (sysfs, the kernel's boot log) for /openarc/status's cards under this root, as
-# `openarc doctor --root` does. Never set in production.
+# Test knob: read the machine's files (sysfs, the kernel's boot log, the package database) for /openarc/status's
+# cards and build info under this root, as `openarc doctor --root` does. Never set in production.
 SYSTEM_ROOT_ENV = "OPENARC_DEBUG_SYSTEM_ROOT"
 
 
@@ -38,7 +36,6 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
 class HealthRoutes:
     def __init__(self, appliance: ServerView):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, keys, metrics, draining, health
-        self.card_facts: list[cards.CardFacts] | None = None  # what doctor checks per card, read once
 
     async def root(self, request: web.Request) -> web.Response:
         """What answers here: a client probing the root (Claude Code's `HEAD /`) or a person with a browser."""
@@ -61,6 +58,9 @@ class HealthRoutes:
         answer = {"ready": ready, "draining": self.appliance.draining}
         if not self.appliance.keys:
             answer["models"] = {name: m.state.value for name, m in self.appliance.supervisor.models.items()}
+            reason = None if ready else self.appliance.not_ready_reason()  # it names models: no key, no name
+            if reason:
+                answer["reason"] = reason
         return web.json_response(answer, status=200 if ready else 503)
 
     async def status(self, request: web.Request) -> web.Response:
@@ -68,14 +68,12 @@ class HealthRoutes:
         operator's key, server.api_key_env, sees every key); everything while no key is configured."""
         appliance, sup, sentinel = self.appliance, self.appliance.supervisor, self.appliance.gpu.sentinel
         key = request.get("api_key")
-        if self.card_facts is None:  # the same facts `openarc doctor` judges (sysfs, the kernel's boot lines)
-            machine = box.Box(os.environ.get(SYSTEM_ROOT_ENV, "/"))
-            self.card_facts = await asyncio.get_running_loop().run_in_executor(None, cards.card_facts, machine)
         return web.json_response({"version": __version__, "uptime_s": round(time.time() - appliance.started, 3),
+                                  "build": appliance.build,
                                   "draining": appliance.draining, "residency": residency_view(sup, key),
                                   "keys": [k.status() for k in appliance.keys.keys
                                            if key is None or key.operator or k is key],
-                                  "cards": cards.status_view(self.card_facts, sentinel.in_force),
+                                  "cards": cards.status_view(appliance.cards, sentinel.in_force),
                                   "gpu_mitigations": sentinel.status(),
                                   "models": [{**m.status(), **sup.placement.status(m.name)}
                                              for m in sup.models.values() if key is None or key.may_use(m.name)]})

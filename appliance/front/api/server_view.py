@@ -26,9 +26,14 @@ class ServerView(Protocol):
     gpu: GpuWatch  # /openarc/status's GPU mitigations
     draining: bool  # the server is stopping: new requests are refused
     started: float  # Unix time the front started
+    cards: list  # the Intel cards as `openarc doctor` sees them (appliance.host.doctor.cards.CardFacts), read once
+    build: dict[str, str]  # openarc_build_info's labels (appliance.host.doctor.build_info)
     # the token counter process (appliance.front.api.count_tokens.PromptCounter, not imported here: that module's
     # route takes a ServerView): counts, and the window checks of waiting streams
     prompt_counter: Any
 
     def unhealthy_reason(self) -> str | None:
         """Why /health fails (None: healthy)."""
+
+    def not_ready_reason(self) -> str | None:
+        """Why /ready fails beside the models' states: the canary (None: no such reason)."""

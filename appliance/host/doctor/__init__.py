@@ -6,7 +6,8 @@ caller passes in: `gpu_access` (render nodes and who may open them), `runtime` (
 versions), `openvino_devices` (what OpenVINO lists, from a child process), `cards` (per card: driver, generation and
 kernel, Resizable BAR, GuC/HuC firmware; the running server's /openarc/status shows the same facts), `config_checks`
 (the config, its memory arithmetic, the model directories), `service_unit` (the systemd unit or quadlet and the user
-it runs as), `disk` (room for models and the compiled-model cache).
+it runs as), `disk` (room for models and the compiled-model cache, the cache's size against its bound and its stale share), and
+`build_info` (what the box runs: the same line as the server's openarc_build_info).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def diagnose(root: str | Path = "/", config_path: str | None = None, unit: str |
     """Every check, in the order a user fixes things: the unit and its user, the GPU's nodes, the runtime, what
     OpenVINO sees, each card, then the config and its models, then disk. `openvino` is the device listing
     (openvino_devices.query's result); None asks a child process (or reads a recorded root's)."""
-    from appliance.host.doctor import (box, cards, config_checks, disk, gpu_access, openvino_devices, runtime,
-                                       service_unit)
+    from appliance.host.doctor import (box, build_info, cards, config_checks, disk, gpu_access, openvino_devices,
+                                       runtime, service_unit)
     machine = box.Box(root)
     found_unit = service_unit.find_unit(machine, unit)
     user = service_unit.service_user(machine, found_unit)
@@ -59,7 +60,8 @@ def diagnose(root: str | Path = "/", config_path: str | None = None, unit: str |
               *gpu_access.checks(machine, user, card_facts),
               *runtime.checks(machine),
               *openvino_devices.checks(listing),
-              *cards.checks(machine, card_facts)]
+              *cards.checks(machine, card_facts),
+              ok("build", build_info.describe(build_info.read(machine, card_facts)))]
     config = None
     if config_path:
         config, problems = config_checks.load(config_path, machine)

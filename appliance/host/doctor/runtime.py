@@ -46,6 +46,12 @@ def known_bad(packages: dict[str, str]) -> list[tuple[str, str, KnownBad]]:
             if name in entry.packages and version.startswith(entry.version)]
 
 
+def installed_version(packages: dict[str, str]) -> str | None:
+    """The compute runtime's version: that of the first of RUNTIME_PACKAGES installed (None: none is, e.g. a runtime
+    installed outside the package manager)."""
+    return next((packages[name] for name in RUNTIME_PACKAGES if name in packages), None)
+
+
 def _opencl_icd(box: Box) -> tuple[str | None, str | None]:
     """(icd file naming Intel's runtime, its library if found on the box)."""
     for name in box.listdir("/etc/OpenCL/vendors"):

@@ -1,0 +1,289 @@
+"""Golden answers and the canary before READY (docs/updating.md).
+
+The comparison is a pure function, tested on generated records: identical passes, the first differing token is
+named, vectors pass within their tolerance, speed fails below canary_min_speed of the record. The file round-trips
+any token text. Then the real thing: `openarc golden record` on the demo models, a record edited to hold another
+answer (what a runtime update that changes the model's output looks like to the check), and `openarc serve` under
+each mode: gate never says READY=1 (a real notify socket listens) and exits with one line naming the model and the
+first differing token; warn serves and logs; an on-demand model that fails is refused with the evidence.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import yaml
+from hypothesis import given, settings, strategies as st
+
+from appliance.golden.compare import ANSWER, END, SPEED, compare, token_difference
+from appliance.golden.record import Answer, ModelRecord, RecordError, load, save
+from conftest import REPO, http, model_entry, wait_until
+
+EXIT_BOUND_S = 120  # catches a hang only
+
+
+# --- the comparison, a pure function ---------------------------------------------------------------------------
+
+tokens = st.lists(st.text(max_size=6), min_size=1, max_size=12)
+speeds = st.floats(min_value=0.01, max_value=1e5, allow_nan=False)
+
+
+def chat_record(answers: list[list[str]], speed: float = 100.0) -> ModelRecord:
+    return ModelRecord("llm", [Answer(f"prompt {i}", tokens=t) for i, t in enumerate(answers)], speed=speed)
+
+
+@given(st.lists(tokens, min_size=1, max_size=3), speeds, st.floats(min_value=0, max_value=1))
+def test_an_identical_answer_passes(answers, speed, min_speed):
+    record = chat_record(answers, speed)
+    assert compare("m", record, copy.deepcopy(record), min_speed) is None
+
+
+@given(tokens, st.data())
+def test_the_first_differing_token_is_named(want, data):
+    at = data.draw(st.integers(0, len(want) - 1))
+    other = data.draw(st.text(max_size=6).filter(lambda t: t != want[at]))
+    tail = data.draw(st.lists(st.text(max_size=6), max_size=3))
+    got = want[:at] + [other] + tail
+    difference = compare("chat", chat_record([want]), chat_record([got]), 0)
+    assert difference.reason == ANSWER
+    assert difference.detail == (f"model chat: probe 1 ('prompt 0'): differs at token {at + 1}: "
+                                 f"recorded {want[at]!r}, got {other!r}")
+
+
+@given(tokens, st.integers(0, 11))
+def test_an_answer_cut_short_or_running_on_differs_where_one_ends(want, cut):
+    cut = min(cut, len(want) - 1)
+    assert token_difference(want, want[:cut]) == f"differs at token {cut + 1}: recorded {want[cut]!r}, got {END}"
+    assert token_difference(want[:cut], want) == f"differs at token {cut + 1}: recorded {END}, got {want[cut]!r}"
+
+
+vectors = st.lists(st.floats(min_value=-1, max_value=1, allow_nan=False), min_size=1, max_size=16)
+
+
+@given(vectors, st.floats(min_value=1e-4, max_value=0.1), st.data())
+def test_vectors_pass_within_the_tolerance_and_fail_beyond_it(vector, tolerance, data):
+    recorded = ModelRecord("embedding", [Answer("text", vector=vector)], speed=10, tolerance=tolerance)
+    near = [x + data.draw(st.floats(min_value=-0.9, max_value=0.9)) * tolerance for x in vector]
+    assert compare("e", recorded, ModelRecord("embedding", [Answer("text", vector=near)], speed=10), 0) is None
+    at = data.draw(st.integers(0, len(vector) - 1))
+    far = list(vector)
+    far[at] += 1.5 * tolerance
+    difference = compare("e", recorded, ModelRecord("embedding", [Answer("text", vector=far)], speed=10), 0)
+    assert difference.reason == ANSWER and f"differs at value {at + 1}: " in difference.detail
+
+
+@given(speeds, speeds, st.floats(min_value=0, max_value=1))
+def test_speed_fails_below_its_share_of_the_record(recorded_speed, speed, min_speed):
+    difference = compare("m", chat_record([["a"]], recorded_speed), chat_record([["a"]], speed), min_speed)
+    if min_speed > 0 and speed < min_speed * recorded_speed:
+        assert difference.reason == SPEED and f"below canary_min_speed {min_speed:g}" in difference.detail
+    else:
+        assert difference is None
+
+
+def test_tts_length_and_checksum_and_a_stale_probe_list():
+    recorded = ModelRecord("tts", [Answer("hi", samples=800, checksum="ab")], speed=1)
+    assert "audio of 900 samples, recorded 800" in compare(
+        "t", recorded, ModelRecord("tts", [Answer("hi", samples=900, checksum="ab")], speed=1), 0).detail
+    assert "checksum is cd, recorded ab" in compare(
+        "t", recorded, ModelRecord("tts", [Answer("hi", samples=800, checksum="cd")], speed=1), 0).detail
+    assert "record again" in compare("t", recorded, ModelRecord("tts", [Answer("bye", samples=800)], speed=1), 0).detail
+
+
+# --- the record file -----------------------------------------------------------------------------------------------
+
+@settings(max_examples=30)
+@given(st.lists(st.text(), min_size=1, max_size=8), vectors)
+def test_the_file_keeps_any_token_text_and_vector(tmp_path_factory, answer, vector):
+    path = tmp_path_factory.mktemp("golden") / "golden.yaml"
+    records = {"chat": chat_record([answer], 12.5),
+               "emb": ModelRecord("embedding", [Answer("t", vector=vector)], speed=3, speed_unit="probes/s")}
+    save(path, records, "test")
+    assert load(path) == records
+
+
+def test_a_broken_record_names_the_file_and_key(tmp_path):
+    path = tmp_path / "golden.yaml"
+    path.write_text("format: 1\nmodels:\n  chat: {kind: llm, answers: [{tokens: [a]}]}\n")
+    with pytest.raises(RecordError, match=f"^{path}: models.chat.answers\\[0\\]: expected probe"):
+        load(path)
+    path.write_text("format: 9\nmodels: {}\n")
+    with pytest.raises(RecordError, match=f"^{path}: format: expected 1"):
+        load(path)
+    assert load(tmp_path / "absent.yaml") == {}
+
+
+# --- the real thing: demo models, `openarc golden`, `openarc serve` ----------------------------------------------
+
+def golden(*args: str, timeout: float = EXIT_BOUND_S) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "appliance", "golden", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, demo_model, embedding_model) -> dict:
+    """The demo chat model's (chat) and the embedding demo's (emb) golden record, made once by `golden record`."""
+    where = tmp_path_factory.mktemp("recorded")
+    config = where / "openarc.yaml"
+    config.write_text(yaml.safe_dump({"models": [model_entry("chat", demo_model),
+                                                 model_entry("emb", embedding_model, kind="embedding")]}))
+    done = golden("record", "--config", str(config))
+    assert done.returncode == 0, done.stderr
+    assert f"openarc golden: wrote {where / 'golden.yaml'}" in done.stdout
+    return yaml.safe_load((where / "golden.yaml").read_text())
+
+
+def edited(record: dict, edit) -> dict:
+    record = copy.deepcopy(record)
+    edit(record["models"])
+    return record
+
+
+def other_answer(models: dict) -> None:
+    """Chat's first answer, its third token changed: what a runtime that changed the model's output gives."""
+    models["chat"]["answers"][0]["tokens"][2] = " a different token"
+
+
+def serve_config(tmp_path, record: dict, canary: str, demo_model, embedding_model, **emb) -> dict:
+    (tmp_path / "golden.yaml").write_text(yaml.safe_dump(record))  # beside the config the appliance writes there
+    return {"server": {"canary": canary, "canary_min_speed": 0},
+            "models": [model_entry("chat", demo_model), model_entry("emb", embedding_model, kind="embedding", **emb)]}
+
+
+class NotifySocket:
+    """A real sd_notify socket, as systemd's: every message the server sends."""
+
+    def __init__(self, tmp_path):
+        self.path = str(tmp_path / "notify")
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.socket.bind(self.path)
+        self.socket.setblocking(False)
+
+    def messages(self) -> list[str]:
+        found = []
+        while True:
+            try:
+                found.append(self.socket.recv(65536).decode())
+            except BlockingIOError:
+                return found
+
+
+def test_golden_check_prints_what_differs_and_fails(recorded, tmp_path, demo_model, embedding_model):
+    """The chat model rebuilt from another seed (other weights, as an update that changed the model's output):
+    `golden check` names the first token that differs; the unchanged embedding model passes."""
+    other = tmp_path / "other"
+    subprocess.run([sys.executable, "-m", "appliance", "demo-model", str(other), "--seed", "1", "--eos-after", "48",
+                    "--max-new-tokens", "64"], cwd=REPO, check=True, capture_output=True, timeout=EXIT_BOUND_S)
+    config = tmp_path / "openarc.yaml"
+    config.write_text(yaml.safe_dump(serve_config(tmp_path, recorded, "gate", other, embedding_model)))
+    done = golden("check", "--config", str(config))
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert re.fullmatch(r"chat: DIFFERS: model chat: probe 1 \('Name three colours\.'\): differs at token \d+: "
+                        r"recorded '[^']*', got '[^']*' \(.* tokens/s, recorded .*\)", lines[0]), lines
+    assert lines[1].startswith("emb: OK ("), lines
+
+
+def test_gate_never_sends_ready_and_exits_with_one_line(recorded, tmp_path, appliance_factory, demo_model,
+                                                        embedding_model):
+    notify = NotifySocket(tmp_path)
+    # slowed steps: the check lasts seconds, long enough to ask /ready while it runs
+    app = appliance_factory(serve_config(tmp_path, edited(recorded, other_answer), "gate", demo_model,
+                                         embedding_model), env={"NOTIFY_SOCKET": notify.path,
+                                                                "OPENARC_DEBUG_STEP_DELAY_S": "0.05"}, wait_ready=False)
+
+    def checking():
+        status, _, body = http("GET", app.base + "/ready", timeout=5)
+        return status == 503 and body.get("reason") == "canary: checking chat against the golden record" and body
+    assert wait_until(checking, EXIT_BOUND_S, "checking")["models"]["chat"] == "loading"
+    assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
+    messages = notify.messages()
+    assert messages and not any("READY=1" in m.split("\n") for m in messages), messages
+    assert any("chat: loading, checking its golden answers" in m for m in messages), messages  # systemctl status
+    want = recorded["models"]["chat"]["answers"][0]["tokens"][2]
+    errors = [line for line in app.logs().splitlines() if " ERROR " in line]
+    assert len(errors) == 1, errors
+    assert errors[0].endswith("canary failed (server.canary: gate), not ready: model chat: probe 1 ('Name three "
+                              f"colours.'): differs at token 3: recorded ' a different token', got {want!r}"), errors
+
+
+def test_gate_with_matching_answers_says_ready_and_refuses_an_on_demand_model_that_differs(
+        recorded, tmp_path, appliance_factory, demo_model, embedding_model):
+    def other_vector(models):
+        models["emb"]["answers"][1]["vector"][4] += 0.5  # far beyond its tolerance, 0.01
+
+    notify = NotifySocket(tmp_path)
+    app = appliance_factory(serve_config(tmp_path, edited(recorded, other_vector), "gate", demo_model,
+                                         embedding_model, load="on_demand"), env={"NOTIFY_SOCKET": notify.path})
+    assert any("READY=1" in m.split("\n") for m in notify.messages())
+    assert "canary: model chat answers as recorded" in app.logs() and app.model_status("chat")["canary_failure"] is None
+    assert app.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4).choices[0].message.content
+    # The on-demand model is checked on its first load; it answers otherwise: refused with the evidence.
+    status, _, body = http("POST", app.base + "/v1/embeddings", {"model": "emb", "input": "x"})
+    evidence = "model emb: probe 2 ('openarc serves models on Intel GPUs.'): differs at value 5: recorded"
+    assert status == 503 and evidence in body["error"]["message"], body
+    assert app.model_status("emb")["state"] == "failed"
+    assert 'openarc_canary_failures_total{model="emb",reason="answer"} 1.0' in app.metrics()
+    status, _, body = http("GET", app.base + "/ready")
+    assert status == 200, body  # an on-demand model's failure is its own requests' business
+
+
+def test_warn_serves_and_logs_each_difference(recorded, tmp_path, appliance_factory, demo_model, embedding_model):
+    def slower_than_recorded(models):
+        other_answer(models)
+        models["emb"]["speed"] = 1e9  # no embedding model is this fast
+
+    config = serve_config(tmp_path, edited(recorded, slower_than_recorded), "warn", demo_model, embedding_model)
+    config["server"]["canary_min_speed"] = 0.5
+    app = appliance_factory(config)
+    reply = app.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4)
+    assert reply.choices[0].message.content
+    warnings = [line for line in app.logs().splitlines() if "canary (server.canary: warn): " in line]
+    assert len(warnings) == 2 and any("model chat: probe 1" in w and "differs at token 3" in w for w in warnings) \
+        and any("model emb: " in w and "below canary_min_speed 0.5 of the recorded 1000000000.0 probes/s" in w
+                for w in warnings), warnings
+    assert "differs at token 3" in app.model_status("chat")["canary_failure"]
+    metrics = app.metrics()
+    assert 'openarc_canary_failures_total{model="chat",reason="answer"} 1.0' in metrics
+    assert 'openarc_canary_failures_total{model="emb",reason="speed"} 1.0' in metrics
+
+
+def test_off_checks_nothing(recorded, tmp_path, appliance_factory, demo_model, embedding_model):
+    app = appliance_factory(serve_config(tmp_path, edited(recorded, other_answer), "off", demo_model, embedding_model))
+    assert "canary" not in app.logs() and "openarc_canary_failures_total{" not in app.metrics()
+
+
+def test_a_reload_whose_new_worker_differs_keeps_the_old_one_serving(recorded, tmp_path, appliance_factory,
+                                                                     demo_model, embedding_model):
+    """Under gate, a model a reload replaces side by side is checked before the switch: a replacement that answers
+    otherwise is dropped, and the worker that passed keeps serving."""
+    config = serve_config(tmp_path, recorded, "gate", demo_model, embedding_model)
+    app = appliance_factory(config)
+    pid = app.worker_pid("chat")
+    (tmp_path / "golden.yaml").write_text(yaml.safe_dump(edited(recorded, other_answer)))
+    config["models"][0]["max_queue"] = 16  # a changed setting: the reload replaces the model
+    app.config_path.write_text(yaml.safe_dump(config))
+    app.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "still serving the previous ones" in app.logs(), EXIT_BOUND_S, "the replacement dropped")
+    assert app.worker_pid("chat") == pid and app.model_status("chat")["state"] == "ready"
+    assert 'openarc_canary_failures_total{model="chat",reason="answer"} 1.0' in app.metrics()
+    assert app.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4).choices[0].message.content
+
+
+def test_gate_fails_a_start_whose_recorded_model_does_not_load(recorded, tmp_path, appliance_factory, demo_model,
+                                                               embedding_model):
+    config = serve_config(tmp_path, recorded, "gate", demo_model, embedding_model)
+    config["models"][0].update(path=str(tmp_path / "gone"), restart={"max_failures": 1})  # an update lost its files
+    app = appliance_factory(config, wait_ready=False)
+    assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
+    refusal = [line for line in app.logs().splitlines() if "canary failed" in line]
+    assert len(refusal) == 1 and "not ready: model chat did not load: " in refusal[0], refusal

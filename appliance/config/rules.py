@@ -286,7 +286,7 @@ def _adapter_problems(model: ModelConfig, at: str) -> list[str]:
                         f"{len(model.adapters)}")
     for name, entry in model.adapter_entries().items():
         if MODEL_NAME.fullmatch(name) is None:
-            problems.append(f"{at}.adapters.{name}: expected a name of letters, digits, '.', '_' or '-' (it is served "
+            problems.append(f"{at}.adapters.{key_name(name)}: expected a name of letters, digits, '.', '_' or '-' (it is served "
                             f"as {model.name}:NAME and labels metrics)")
         if not entry.alpha > 0:
             problems.append(f"{at}.adapters.{name}.alpha: expected a positive weight, got {entry.alpha}")

@@ -23,9 +23,12 @@ class Adapters:
         self.loaded: dict[str, tuple[Any, float]] = {}
         for name, entry in (spec.get("adapters") or {}).items():
             self.load(name, entry["path"], entry["alpha"])
+        # the adapter a BASE config names at alpha 0 (config_for), kept when it is unloaded
+        self.anchor = next(iter(self.loaded.values()))[0] if self.loaded else None
 
     def __bool__(self) -> bool:
-        return bool(self.loaded)
+        """Whether the pipeline was built with LoRA (adapters unloaded since leave it so)."""
+        return self.anchor is not None
 
     def __contains__(self, name: str) -> bool:
         return name == BASE or name in self.loaded
@@ -57,7 +60,7 @@ class Adapters:
         its flag in a loop, src/cpp/src/lora/adapter.cpp). One adapter a config avoids both."""
         import openvino_genai
         if group == BASE:
-            adapter, alpha = next(iter(self.loaded.values()))[0], 0.0
+            adapter, alpha = self.anchor, 0.0
         else:
             adapter, alpha = self.loaded[group]
         return openvino_genai.AdapterConfig(adapter, alpha)

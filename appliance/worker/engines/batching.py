@@ -19,7 +19,7 @@ from appliance.worker import adapter_rotation, prefix_cache
 from appliance.worker.engines import speculative
 from appliance.worker.engines.adapters import Adapters
 from appliance.worker.engines.llm import LLMEngine, Request
-from appliance.worker.prompt import Refused
+from appliance.worker.prompt import INVALID_REQUEST, Refused
 
 log = logging.getLogger("openarc.worker")
 
@@ -92,6 +92,13 @@ class BatchingEngine(LLMEngine):
         while waiting and self._may_join(group):
             self.joined += 1
             self.on_generate_prepared(waiting.popleft(), joined=True)
+
+    def unload_adapter(self, name: str) -> None:
+        """Requests running with it finish with it (genai holds the adapter while a config names it); those waiting
+        for its turn fail, as a request naming it after the unload would."""
+        super().unload_adapter(name)
+        for req in self.held.pop(name, ()):
+            self.fail(req.id, INVALID_REQUEST, f"the adapter {name!r} was unloaded before the request ran")
 
     def _apply(self, group: str) -> None:
         import numpy as np

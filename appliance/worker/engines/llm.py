@@ -153,6 +153,9 @@ class LLMEngine(Engine):
     def submit(self, message: dict[str, Any]) -> None:
         """(channel reader thread) A request with a constraint not compiled yet goes by the probe thread; a
         `request` op (count a conversation's prompt tokens) is counted here, where tokenizing releases the GIL."""
+        if message["op"] == "request" and "adapter" in message["body"]:  # an admin load or unload
+            self.inbox.put(("adapter", message))
+            return
         if message["op"] == "request":
             self.inbox.put(("count", self.prompts.count(message["id"], message["body"])))
             return
@@ -175,6 +178,24 @@ class LLMEngine(Engine):
 
     def on_count(self, reply: dict[str, Any]) -> None:
         self.post(reply)
+
+    def on_adapter(self, message: dict[str, Any]) -> None:
+        """(engine thread, between two steps) Load or unload a LoRA adapter (POST/DELETE
+        /openarc/models/NAME/adapters); a file genai cannot read is the caller's 400."""
+        adapter = message["body"]["adapter"]
+        try:
+            if adapter["action"] == "load":
+                self.adapters.load(adapter["name"], adapter["path"], adapter["alpha"])
+            else:
+                self.unload_adapter(adapter["name"])
+        except Exception as exc:
+            self.post(Refused(INVALID_REQUEST, f"the adapter cannot be loaded: {genai_message(exc)}")
+                      .frame(message["id"]))
+            return
+        self.post(frame("result", id=message["id"], result={"adapters": sorted(self.adapters.loaded)}, counts={}))
+
+    def unload_adapter(self, name: str) -> None:
+        self.adapters.unload(name)
 
     def _probe_loop(self) -> None:
         """(probe thread) Compile each new constraint, then admit its request. An exception outside the compile

@@ -25,6 +25,7 @@ log = logging.getLogger("openarc.worker")
 
 # LoRA: requests a group takes after its turn began while another group waits (appliance.worker.adapter_rotation).
 TURN_REQUESTS = 8
+DRAIN_STEPS = 8  # steps a switch waits for genai to drop cancelled requests (one is enough), then generate() says why
 
 
 class BatchingEngine(LLMEngine):
@@ -107,6 +108,12 @@ class BatchingEngine(LLMEngine):
         config = openvino_genai.GenerationConfig()
         config.max_new_tokens = 1
         config.adapters = self.adapters.config_for(group)
+        # generate() refuses while genai holds any request: one cancelled since the last step (a client gone, a stop
+        # sequence) leaves at the next step
+        for _ in range(DRAIN_STEPS):
+            if not self.pipe.has_non_finished_requests():
+                break
+            self.pipe.step()
         token = self.tokenizer.get_eos_token_id()
         self.pipe.generate([ov.Tensor(np.array([[token]], dtype=np.int64))], [config])
         log.debug("adapter group %r applied", group)

@@ -388,7 +388,7 @@ def test_metrics_say_which_adapters_run_in_vllms_shape_and_count_by_adapter(serv
     try:
         next(iter(stream))  # running now
         (running,) = lora_info(server.metrics(), "demo")
-        assert 'running_lora_adapters="title"' in running and 'max_lora="3"' in running, running
+        assert 'running_lora_adapters="demo:title"' in running and 'max_lora="3"' in running, running
     finally:
         stream.close()
     assert chat(server, "demo:upper", "counted")[0] == 200

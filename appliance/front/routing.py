@@ -227,8 +227,12 @@ class RequestRouter:
         self.series.requests_running.set(len(self.running))
         self.series.requests_waiting.set(self.queued())
         if self.model.adapters:  # the endpoint picker's LoRA affinity reads which adapters run and wait here
-            self.series.lora_info([adapter_of(req) for req in self.running.values()],
-                                  [adapter_of(req) for req in self.waiting], self.model.max_adapters)
+            self.series.lora_info(self._served_adapters(self.running.values()), self._served_adapters(self.waiting),
+                                  self.model.max_adapters)
+
+    def _served_adapters(self, requests) -> list[str]:
+        """The served names (BASE:ADAPTER, what a client and the endpoint picker name) of the adapters requests use."""
+        return [f"{self.model.name}:{adapter}" for adapter in map(adapter_of, requests) if adapter]
 
     def queued(self) -> int:
         """Requests waiting: in the queue, for the model to be ready, or for their body to be read."""

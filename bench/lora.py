@@ -13,7 +13,6 @@ the figure is the median, the spread the range of the repeats. `python -m bench`
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import shutil
 import statistics
@@ -120,13 +119,8 @@ def figures(rates: dict[str, list[float]], tokens: int) -> list[Figure]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few requests: checks the bench, measures little")
-    parser.add_argument("--engine-threads", type=int, metavar="N", help="INFERENCE_NUM_THREADS of every model")
-    parser.add_argument("--out", type=Path, default=report.RESULTS, help="where lora.{json,md} go")
-    args = parser.parse_args(argv)
-    properties = {"INFERENCE_NUM_THREADS": args.engine_threads} if args.engine_threads else {}
-    meta, found = asyncio.run(measure(args.quick, properties))
+    args = report.side_bench_parser("python -m bench.lora", __doc__, "lora").parse_args(argv)
+    meta, found = asyncio.run(measure(args.quick, report.engine_properties(args)))
     print(report.write_side_bench(args.out, "lora", meta, found, ("name", "measured", "baseline", "verdict")),
           end="", flush=True)
 

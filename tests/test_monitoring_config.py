@@ -67,6 +67,10 @@ OPENARC_METRICS = {
     "openarc_images_total": ("counter", ("model",)),
     "openarc_image_rejections_total": ("counter", ("model", "reason")),
     "openarc_draft_tokens_total": ("counter", ("model", "outcome")),
+    "openarc_lora_requests_info": ("gauge", ("model", "running_lora_adapters", "waiting_lora_adapters", "max_lora")),
+    "openarc_adapter_requests_total": ("counter", ("model", "adapter")),
+    "openarc_adapter_prompt_tokens_total": ("counter", ("model", "adapter")),
+    "openarc_adapter_generation_tokens_total": ("counter", ("model", "adapter")),
 }
 MODEL_STATES = ("loading", "ready", "restarting", "draining", "failed", "stopped", "unloaded")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -376,7 +380,8 @@ SAMPLE_LABELS = {"model": "demo", "endpoint": "/v1/chat/completions", "status": 
                  "signal": "SIGSEGV", "reason": "crash", "device": "GPU.0", "outcome": "accepted",
                  "source": "cache", "type": "web_search",
                  "region": "vram", "card": "0000:03:00.0", "mitigation": "sdpa_off", "key": "alice",
-                 "priority": "interactive", "stage": "total"}
+                 "priority": "interactive", "stage": "total", "adapter": "sql", "running_lora_adapters": "demo:sql",
+                 "waiting_lora_adapters": "", "max_lora": "4"}
 SCRAPE_LABELS = {"job": "openarc", "instance": "127.0.0.1:8000"}
 SAMPLE_MINUTES = 90
 HISTOGRAM_BUCKETS = ("0.1", "1", "+Inf")

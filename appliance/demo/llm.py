@@ -173,9 +173,14 @@ def _write_model_files(out: pathlib.Path, *, eos_after: int, max_new_tokens: int
     hf_tokenizer.save_pretrained(out)
     bpe_ends_line = _bpe_ends_line(bpe_spec)
     next_token = _next_token_table(bpe_ends_line, len(plain), eos_after, draft_miss)
-    # a family phrase is followed by what follows its plain phrase (which an adapter turns into the family's)
-    next_token = np.concatenate([next_token, *(next_token[-len(plain):] for _ in FAMILIES)])
-    ov.save_model(_build_llm(next_token, len(bpe_ends_line), rng, logit_scale, layers), out / "openvino_model.xml")
+    # A family phrase is followed by what follows its plain phrase (which an adapter turns into the family's), and
+    # shares its plain twin's embedding and nudge: the random draws are those of the model without families, so
+    # the base answers as it did before they existed, constrained answers included.
+    plain_ids = np.arange(len(next_token))
+    twin_of = np.concatenate([plain_ids, *(plain_ids[-len(plain):] for _ in FAMILIES)])
+    next_token = next_token[twin_of]
+    ov.save_model(_build_llm(next_token, len(bpe_ends_line), rng, logit_scale, layers, twin_of),
+                  out / "openvino_model.xml")
     write_json(out / "config.json", _hf_config(vocab_size, layers))
     write_json(out / "generation_config.json", {
         "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "max_new_tokens": max_new_tokens, "do_sample": False,
@@ -308,7 +313,7 @@ def _token_codes(vocab_size: int) -> np.ndarray:
 
 
 def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generator, logit_scale: float = LOGIT_SCALE,
-               layers: int = LAYERS):
+               layers: int = LAYERS, twin_of: np.ndarray | None = None):
     """Llama-like stateful decoder with the inputs, outputs and KV-cache pattern GenAI expects (so it also
     converts to PagedAttention), whose logits pick `_next_token`'s choice by a wide margin."""
     import openvino as ov
@@ -320,13 +325,15 @@ def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generato
     attention_mask = ops.parameter([-1, -1], ov.Type.i64, name="attention_mask")
     position_ids = ops.parameter([-1, -1], ov.Type.i64, name="position_ids")
     beam_idx = ops.parameter([-1], ov.Type.i32, name="beam_idx")
-    x = ops.gather(weight(len(next_token), HIDDEN, std=1.0), input_ids, 0)
+    twin_of = np.arange(len(next_token)) if twin_of is None else twin_of  # token -> the token whose rows it shares
+    embedding = rng.normal(0.0, 1.0, (twin_of.max() + 1, HIDDEN)).astype(np.float32)[twin_of]
+    x = ops.gather(ops.constant(embedding), input_ids, 0)
     mask = _attention_mask(input_ids, attention_mask)
     caches = []  # (past_key_values.N.* parameter, present.N.* result)
     for layer in range(layers):
         x = _decoder_layer(x, layer, mask, beam_idx, weight, caches)
     nxt = _next_token(input_ids, position_ids, next_token, phrase_base)
-    logits = ops.result(_logits(x, nxt, len(next_token), phrase_base, rng, logit_scale))
+    logits = ops.result(_logits(x, nxt, len(next_token), phrase_base, rng, logit_scale, twin_of))
     logits.get_output_tensor(0).set_names({"logits"})
 
     return stateful_model(logits, [input_ids, attention_mask, position_ids, beam_idx], caches, "openarc-demo",
@@ -375,14 +382,16 @@ def linear(x, weight, name: str):
     return node
 
 
-def _logits(x, nxt, vocab_size: int, phrase_base: int, rng: np.random.Generator, logit_scale: float = LOGIT_SCALE):
+def _logits(x, nxt, vocab_size: int, phrase_base: int, rng: np.random.Generator, logit_scale: float = LOGIT_SCALE,
+            twin_of: np.ndarray | None = None):
     """One MatMul (the shape GenAI slices to the last token).  Row i of `choose` (scaled code, PHRASE_BONUS)
     meets row j of `lm_head` (code, is-phrase flag, random weights) as
     logit_scale * (2 if i == j else <= 1) + PHRASE_BONUS * (j is a phrase) + a transformer nudge below 0.2."""
     codes = _token_codes(vocab_size)
     is_phrase = (np.arange(vocab_size) >= phrase_base).astype(np.float32)[:, None]
     choose = np.concatenate([logit_scale * codes, np.full_like(is_phrase, PHRASE_BONUS)], 1)
-    nudge = rng.normal(0.0, HIDDEN ** -0.5, (vocab_size, HIDDEN)).astype(np.float32)
+    twin_of = np.arange(vocab_size) if twin_of is None else twin_of
+    nudge = rng.normal(0.0, HIDDEN ** -0.5, (twin_of.max() + 1, HIDDEN)).astype(np.float32)[twin_of]
     lm_head = np.concatenate([codes, is_phrase, nudge], 1)
     nudge_features = ops.multiply(_rms_norm(x), ops.constant(np.float32(1 / 64)))
     features = ops.concat([ops.gather(ops.constant(choose), nxt, 0), nudge_features], -1)

@@ -39,7 +39,7 @@ def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
                                "properties": as_model.ov_properties(config.ov_cache_dir())}
     if model.kind == "llm":
         spec["speculative"] = model.speculative_defaults()
-    if model.kind == "llm":  # by name: the adapter file and its weight (appliance.worker.engines.adapters)
+    if "adapters" in spec:  # (every kind that takes adapters) by name: the adapter's file and its weight, as JSON
         spec["adapters"] = {name: {"path": str(adapter_file(entry.path)), "alpha": entry.alpha}
                             for name, entry in model.adapter_entries().items()}
     if "scheduler_config" in spec:

@@ -57,7 +57,9 @@ async def model_for(appliance: ServerView, name: str, call, kinds: tuple[str, ..
     sup = model_served(appliance, name, call, kinds)
     target = sup.model.name
     task_model = sup.model.task_model
-    if call.is_background and task_model and appliance.supervisor.get(task_model) and call.may_use(task_model):
+    adapter = adapter_name(name)[1]  # an adapter's answer is its own: never the task model's
+    if call.is_background and task_model and not adapter and appliance.supervisor.get(task_model) \
+            and call.may_use(task_model):
         target = task_model  # (a key kept off the task model is answered by the model it named)
     admit(call, sup)  # the key's limits: a 429 before any queue place is taken
     ready = await appliance.supervisor.ready_model(target)

@@ -1,5 +1,5 @@
 """`python -m bench.lora [--quick]`: what mixing LoRA adapters costs on one card, on the demo model and its demo
-adapters (appliance.demo.llm.write_adapter): 16 clients on the base model alone, then 16 clients spread over 1, 2
+adapters (appliance.demo.llm.write_adapter), 12 layers deep: 16 clients on the base model alone, then 16 clients spread over 1, 2
 and 4 adapters of the same model, aggregate tokens per second.
 
 OpenVINO GenAI's continuous batching runs one adapter set at a time and changes it only when its batch has
@@ -27,6 +27,7 @@ from bench.launcher import OwnAppliance
 from bench.report import Figure
 
 CLIENTS = 16
+LAYERS = 12
 ADAPTERS = {"upper": "upper", "title": "title", "upper2": "upper", "title2": "title"}  # served name -> demo family
 SIZES = {True: (48, 2, 1), False: (48, 8, 3)}  # quick, full: (tokens a reply, requests a client, repeats)
 ROWS = {  # row -> (model, adapters the clients spread over)
@@ -87,7 +88,8 @@ async def measure(quick: bool, properties: dict | None = None) -> tuple[dict, li
     tokens, requests, repeats = SIZES[quick]
     with tempfile.TemporaryDirectory(prefix="openarc-bench-lora-") as tmp:
         workdir = Path(tmp)
-        model = build_demo_model(workdir / "models" / "demo", eos_after=0, max_new_tokens=4096)
+        # 12 layers, as the speculative demo's main model: a step costs enough that batch size shows, as on a card
+        model = build_demo_model(workdir / "models" / "demo", eos_after=0, max_new_tokens=4096, layers=LAYERS)
         adapters = build_adapters(model, workdir / "models")
         app = OwnAppliance(model, workdir, models=served_models(model, adapters, properties or {}))
         rates: dict[str, list[float]] = {row: [] for row in ROWS}

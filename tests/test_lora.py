@@ -351,6 +351,14 @@ def test_runtime_load_serves_the_adapter_and_unload_makes_its_name_a_404(server,
     assert http("DELETE", url + "/shout", headers=server.auth)[0] == 404
     assert chat(server, "demo:upper", "hello") == (200, expected)  # the others serve on
 
+    # the stateful pipeline takes one at runtime too (each request applies its own)
+    seq = server.base + "/openarc/models/seq/adapters"
+    assert http("POST", seq, {"name": "t", "path": str(lora_dir / "title")}, headers=server.auth)[0] == 201
+    title = in_process("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", "title", max_new_tokens=12)
+    assert chat(server, "seq:t", "hello") == (200, title)
+    assert chat(server, "seq", "hello") == (200, expected.lower().capitalize())
+    assert http("DELETE", seq + "/t", headers=server.auth)[0] == 200
+
 
 def test_runtime_load_refuses_bad_paths_with_a_400_naming_the_problem(server, lora_dir, tmp_path):
     url = server.base + "/openarc/models/demo/adapters"

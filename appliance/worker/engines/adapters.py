@@ -5,8 +5,8 @@ What genai 2026.4 allows (measured on the demo model, docs/lora.md): the LoRA is
 pipeline is constructed with `adapters=AdapterConfig(...)` (dynamic mode: each adapted MatMul gains state tensors);
 a pipeline built without adapters ignores any given later. An adapter read after construction works if it adapts
 the same layers. The stateful LLMPipeline applies GenerationConfig.adapters on every generate(); the continuous
-batching pipeline only in generate(), never in add_request(), so appliance.worker.adapter_rotation decides when
-its one adapter set changes.
+batching pipeline only in generate(), never in add_request(), and generate() is refused while requests run, so
+appliance.worker.adapter_rotation decides when its one adapter set changes (tests/test_lora.py holds these facts).
 """
 
 from __future__ import annotations

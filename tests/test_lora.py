@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from appliance.config import ConfigError, parse_config, path_check
 from appliance.worker.adapter_rotation import BASE, may_join, next_group
-from conftest import Appliance, http, model_entry
+from appliance.worker.engines.base import STEP_DELAY_ENV
+from conftest import Appliance, http, model_entry, wait_until
 
 KEY_ENV = "TEST_OPENARC_LORA_KEY"
 KEY = "lora-test-key"
@@ -286,7 +287,8 @@ def server(tmp_path_factory, demo_model, lora_dir):
         model_entry("seq", demo_model, pipeline="stateful", adapters={"upper": str(lora_dir / "upper")}),
         model_entry("plain", demo_model),
     ]}
-    app = Appliance(config, tmp_path_factory.mktemp("lora"), env={KEY_ENV: KEY}).start()
+    # each engine step takes 10 ms at least: a 40-token answer runs long enough for the metrics test to see it run
+    app = Appliance(config, tmp_path_factory.mktemp("lora"), env={KEY_ENV: KEY, STEP_DELAY_ENV: "0.01"}).start()
     yield app
     app.stop()
 
@@ -394,9 +396,10 @@ def test_metrics_say_which_adapters_run_in_vllms_shape_and_count_by_adapter(serv
     stream = client.chat.completions.create(model="demo:title", messages=[{"role": "user", "content": "hello"}],
                                             max_tokens=40, stream=True)
     try:
-        next(iter(stream))  # running now
-        (running,) = lora_info(server.metrics(), "demo")
-        assert 'running_lora_adapters="demo:title"' in running and 'max_lora="3"' in running, running
+        next(iter(stream))  # running now, for 40 steps of 10 ms at least
+        running = wait_until(lambda: [line for line in lora_info(server.metrics(), "demo")
+                                      if 'running_lora_adapters="demo:title"' in line], 5, "demo:title running")
+        assert 'max_lora="3"' in running[0], running
     finally:
         stream.close()
     assert chat(server, "demo:upper", "counted")[0] == 200

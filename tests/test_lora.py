@@ -8,7 +8,9 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -341,6 +343,12 @@ def test_runtime_load_serves_the_adapter_and_unload_makes_its_name_a_404(server,
     assert chat(server, "demo:shout", "hello") == (200, expected)
     models = http("GET", server.base + "/v1/models", headers=server.auth)[2]["data"]
     assert any(m["id"] == "demo:shout" and m["parent"] == "demo" for m in models)
+
+    # a worker restarted after a crash loads the runtime adapter again (it is in the worker's spec)
+    old_pid = server.worker_pid("demo")
+    os.kill(old_pid, signal.SIGKILL)
+    server.wait_model("demo", "ready", new_pid_not=old_pid)
+    assert chat(server, "demo:shout", "hello") == (200, expected)
 
     status, _, body = http("POST", url, {"name": "more", "path": str(lora_dir / "upper")}, headers=server.auth)
     assert status == 409 and "max_adapters (3)" in body["error"]["message"]

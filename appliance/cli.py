@@ -189,7 +189,20 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     if args.kind not in demo_model.DEMO_KINDS:
         print(f"openarc: no demo model of kind {args.kind!r} yet", file=sys.stderr)
         return 2
-    if args.dir:
+    if args.adapter and args.kind != "llm":
+        print("openarc: --adapter applies to --kind llm only", file=sys.stderr)
+        return 2
+    if args.adapter:  # the base comes from the cache (same parameters); the adapter goes to DIR or the cache
+        try:
+            if args.dir:
+                base = demo_model.ensure_demo_model(demo_model.default_cache_dir(), "llm", **params)
+                path = demo_model.build_demo_adapter(Path(args.dir), args.adapter, base)
+            else:
+                path = demo_model.ensure_demo_adapter(demo_model.default_cache_dir(), args.adapter, **params)
+        except (ValueError, FileExistsError) as exc:
+            print(f"openarc: {exc}", file=sys.stderr)
+            return 2
+    elif args.dir:
         path = demo_model.build_demo_model(Path(args.dir), args.kind, **params)
     else:
         path = demo_model.ensure_demo_model(demo_model.default_cache_dir(), args.kind, **params)
@@ -385,6 +398,9 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--draft-miss", type=int, help="llm: a draft that guesses every Nth token wrong (0: never)")
     demo.add_argument("--prompt-phrases", action="store_true",
                       help="llm: the model's answer text in a prompt encodes to its own tokens (prompt lookup)")
+    demo.add_argument("--adapter", metavar="FAMILY",
+                      help="llm: build the demo model's LoRA adapter of this phrase family instead (upper: answers in "
+                           "upper case; title: every word capitalised), for the demo model of the same flags")
     demo.set_defaults(func=cmd_demo_model)
     doctor = sub.add_parser("doctor", help="check this box before the first request: GPU nodes and permissions, "
                                            "compute runtime, OpenVINO's devices, each card, the config, the unit, "

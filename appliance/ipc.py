@@ -40,10 +40,10 @@ def _op(sender: str, required: str = "", optional: str = "", doc: str = "") -> O
 
 OPS: dict[str, Op] = {
     # front -> worker
-    "generate": _op("front", "id kind params stream", "messages prompt tools template_kwargs constraint images",
+    "generate": _op("front", "id kind params stream", "messages prompt tools template_kwargs constraint images adapter",
                     "run one request: kind chat (messages, tools, chat_template_kwargs; images: the pixel files of "
                     "a VLM's, appliance.front.api.images) or completion (prompt), with its sampling params and "
-                    "output constraint"),
+                    "output constraint; adapter: the LoRA adapter it names (BASE:ADAPTER), by name"),
     "request": _op("front", "id kind body",
                    "run one request of a one-answer kind (embedding, rerank, transcription, tts): body holds the fields "
                    "its route validated, read by appliance.worker.engines.<kind>; to an llm worker: count the "

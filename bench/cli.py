@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 
 from appliance.host.telemetry import process_rss_bytes
-from bench import client, figures, hostile, phases, report, sessions, sidebyside, speculative, workload
+from bench import client, figures, hostile, lora, phases, report, sessions, sidebyside, speculative, workload
 from bench.launcher import FAULT_MODEL, PERF_MODEL, RESTART, STALL_TIMEOUT_S, OwnAppliance
 from bench.phases import CpuWatch, Server, process_tree
 
@@ -45,6 +45,9 @@ NOTES = [
     "Speculative decoding rows: bench.speculative's, on the demo pair (a 12-layer main model, 1-layer drafts sharing "
     "its tokenizer), one client, the same prompts for every model, speed-up against the plain model in the same "
     "run; the acceptance ratio is the server's own (/openarc/status).",
+    "LoRA rows: bench.lora's, on the demo model and its demo adapters: 16 clients on the base alone, then spread "
+    "over 1, 2 and 4 adapters of one model (genai runs one adapter set at a time: the worker rotates between "
+    "adapters, draining the batch at each switch); the median of the repeats, their range as the spread.",
     "Hostile storm row: bench.hostile's headline, on its own appliance serving the demo model: one honest client's "
     "chat latency (16 tokens) beside N clients replaying the hostile suite's corpus of known bombs, over the same "
     "client alone; its full table (p90, the hostile answers, 5xx) is `python -m bench.hostile`.",
@@ -274,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec_dir.mkdir()
                 found += asyncio.run(speculative.measure(spec_dir, args.quick, args.properties, args.demo_cache))[1]
                 found += [f for f in asyncio.run(sessions.measure(args.quick))[1] if f.name == sessions.HEADLINE]
+                found += asyncio.run(lora.measure(args.quick, args.properties))[1]
             found += [f for f in asyncio.run(hostile.measure(args.quick))[1] if f.name == hostile.HEADLINE]
     names = ", ".join(f"{s.name} ({s.base})" for s in run.servers[1:])
     meta = {"date": report.now(), "mode": plan_name, "duration_s": time.monotonic() - started,

@@ -100,6 +100,20 @@ def write(out: Path, meta: dict, figures: list[Figure], notes: list[str], side_b
     return table
 
 
+def side_bench_parser(prog: str, doc: str, name: str) -> argparse.ArgumentParser:
+    """The flags every side bench takes (`python -m bench.NAME`): --quick, --engine-threads, --out."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few requests: checks the bench, measures little")
+    parser.add_argument("--engine-threads", type=int, metavar="N", help="INFERENCE_NUM_THREADS of every model")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"where {name}.{{json,md}} go")
+    return parser
+
+
+def engine_properties(args: argparse.Namespace) -> dict:
+    """The OpenVINO properties a side bench's --engine-threads asks for."""
+    return {"INFERENCE_NUM_THREADS": args.engine_threads} if args.engine_threads else {}
+
+
 def write_side_bench(out: Path, stem: str, meta: dict, figures: list[Figure], columns: tuple[str, ...]) -> str:
     """A side bench's (bench.constrained, bench.embeddings) figures: a table of the Figure fields `columns` as
     <stem>.md, everything as <stem>.json; returns the table."""

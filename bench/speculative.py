@@ -12,7 +12,6 @@ plain model in the same run. The acceptance ratio is the server's own (/openarc/
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import tempfile
@@ -160,14 +159,11 @@ def figures(found: dict[tuple[str, bool], Tally], drafts: dict[str, tuple[int, i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few requests: checks the bench, measures nothing")
-    parser.add_argument("--engine-threads", type=int, metavar="N", help="INFERENCE_NUM_THREADS of every model")
-    parser.add_argument("--out", type=Path, default=report.RESULTS, help="where speculative.{json,md} go")
+    parser = report.side_bench_parser("python -m bench.speculative", __doc__, "speculative")
     parser.add_argument("--demo-cache", type=Path, help="where the demo pair is built or found (default: a temporary "
                                                         "directory; a host without transformers needs one built)")
     args = parser.parse_args(argv)
-    properties = {"INFERENCE_NUM_THREADS": args.engine_threads} if args.engine_threads else {}
+    properties = report.engine_properties(args)
     with tempfile.TemporaryDirectory(prefix="openarc-bench-") as tmp:
         meta, found = asyncio.run(measure(Path(tmp), args.quick, properties, args.demo_cache))
     print(report.write_side_bench(args.out, "speculative", meta, found, ("name", "measured", "baseline", "verdict")),

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import lora
 from conftest import REPO, free_port, http, model_entry, pid_alive, quoted_as_met, wait_until
 
 BENCH_TIMEOUT_S = 300  # only catches a hang: the quick run takes ~50 s (20 of them the speculative rows)
@@ -170,6 +171,10 @@ def assert_new_rows(result: dict) -> None:
     assert warm["value"] > 0 and "of prompt tokens served from the cache" in warm["measured"], warm
     storm = figures["Hostile storm: an honest client's chat latency beside / without hostile clients"]
     assert storm["value"] > 0 and "the worker kept its pid" in storm["measured"], storm
+    adapters = [f for name, f in figures.items() if name.startswith("LoRA, 16 clients")]
+    assert [f["name"].split(": ", 1)[1] for f in adapters] == list(lora.ROWS), list(figures)
+    for row in adapters:  # a median tokens/s, the spread of the repeats, the ratio to the adapters' own base
+        assert row["value"] > 0 and " over " in row["measured"] and "x the base" in row["measured"], row
     identical = figures["Speculative decoding: greedy replies identical to the plain model's"]
     assert identical["verdict"] == "PASS" and identical["measured"].startswith("8 of 8"), identical
 

@@ -313,14 +313,15 @@ def test_endpoint_picker_reads_metrics_openarc_exports():
     (engine,) = extractor["parameters"]["engineConfigs"]
     assert extractor["parameters"]["defaultEngine"] == engine["name"] == "openarc"
     assert {d["spec"]["template"]["metadata"]["labels"]["llm-d.ai/engine-type"] for d in deployments()} == {"openarc"}
-    specs = {key: engine[key] for key in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec")}
+    specs = {key: engine[key] for key in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec")}
     assert specs == {"queuedRequestsSpec": "openarc_requests_waiting",
                      "runningRequestsSpec": "openarc_requests_running",
-                     "kvUsageSpec": "openarc_kv_cache_usage_ratio"}
+                     "kvUsageSpec": "openarc_kv_cache_usage_ratio",
+                     "loraSpec": "openarc_lora_requests_info"}  # vLLM's lora_requests_info shape (test_lora.py)
     missing = set(specs.values()) - exported_metrics()
     assert not missing, f"the endpoint picker would read metrics openarc does not export: {missing}"
     scorers = {p["pluginRef"] for profile in config["schedulingProfiles"] for p in profile["plugins"]}
-    assert {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"} <= scorers <= \
+    assert {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "lora-affinity-scorer"} <= scorers <= \
         {p["type"] for p in config["plugins"]}
 
 

@@ -69,6 +69,10 @@ OPENARC_METRICS = {
     "openarc_draft_tokens_total": ("counter", ("model", "outcome")),
     "openarc_canary_failures_total": ("counter", ("model", "reason")),
     "openarc_build_info": ("gauge", ("version", "openvino", "genai", "kernel", "gpu_driver", "compute_runtime", "card")),
+    "openarc_lora_requests_info": ("gauge", ("model", "running_lora_adapters", "waiting_lora_adapters", "max_lora")),
+    "openarc_adapter_requests_total": ("counter", ("model", "adapter")),
+    "openarc_adapter_prompt_tokens_total": ("counter", ("model", "adapter")),
+    "openarc_adapter_generation_tokens_total": ("counter", ("model", "adapter")),
 }
 MODEL_STATES = ("loading", "ready", "restarting", "draining", "failed", "stopped", "unloaded")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -393,7 +397,9 @@ SAMPLE_LABELS = {"model": "demo", "endpoint": "/v1/chat/completions", "status": 
                  "region": "vram", "card": "0000:03:00.0", "mitigation": "sdpa_off", "key": "alice",
                  "priority": "interactive", "stage": "total", "version": "0.1.0", "openvino": "2026.4.1",
                  "genai": "2026.4.1.0", "kernel": "6.8.0-51-generic", "gpu_driver": "i915",
-                 "compute_runtime": "25.35.35096.9-1~24.04~ppa3"}
+                 "compute_runtime": "25.35.35096.9-1~24.04~ppa3",
+                 "adapter": "sql", "running_lora_adapters": "demo:sql",
+                 "waiting_lora_adapters": "", "max_lora": "4"}
 SCRAPE_LABELS = {"job": "openarc", "instance": "127.0.0.1:8000"}
 SAMPLE_MINUTES = 90
 HISTOGRAM_BUCKETS = ("0.1", "1", "+Inf")

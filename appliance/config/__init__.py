@@ -31,6 +31,7 @@ from appliance.config.rules import MAX_ASSISTANT_TOKENS, MAX_NGRAM_SIZE, MODEL_N
 from appliance.config.devices import available_devices, budget_device, missing_devices  # noqa: F401
 from appliance.config.launch_spec import worker_spec  # noqa: F401
 from appliance.config.model_checks import path_check, served_path_check, tokenizer_mismatch  # noqa: F401
+from appliance.config.model_checks import adapter_problem  # noqa: F401
 from appliance.config.kinds import GENERATIVE_KINDS, MODEL_KINDS  # noqa: F401
 
 DEFAULT_CONFIG_PATH = Path("/etc/openarc/openarc.yaml")
@@ -67,6 +68,14 @@ class DraftModelConfig:
     path: str
     device: str | None = None
     runtime_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoraAdapter:
+    """A LoRA adapter of a model (docs/lora.md): `path`, a .safetensors file or a PEFT directory holding
+    adapter_model.safetensors; `alpha`, the weight OpenVINO GenAI applies it with (1.0: as trained)."""
+    path: str
+    alpha: float = 1.0
 
 
 @dataclass
@@ -124,6 +133,11 @@ class ModelConfig:
     # llm, vlm: drop known per-request agent noise (Claude Code's billing header line) before templating, so a
     # conversation's prompt stays the same from turn to turn and the prefix cache serves it (appliance.worker.agent_noise).
     canonicalize_agent_noise: bool = True
+    # llm: LoRA adapters by name (docs/lora.md), each served as the model name BASE:NAME; a path, or {path, alpha}.
+    # max_adapters: the most adapters the model holds at once, these and those loaded at runtime
+    # (POST /openarc/models/BASE/adapters).
+    adapters: dict[str, str | LoraAdapter] = field(default_factory=dict)
+    max_adapters: int = 4
     max_running: int = 8
     max_queue: int = 32
     stall_timeout_s: float = 60.0
@@ -190,6 +204,11 @@ class ModelConfig:
             defaults["max_ngram_size"] = self.max_ngram_size or DEFAULT_NGRAM_SIZE
         return defaults
 
+    def adapter_entries(self) -> dict[str, LoraAdapter]:
+        """Each configured adapter as a LoraAdapter (a bare path is one at alpha 1)."""
+        return {name: entry if isinstance(entry, LoraAdapter) else LoraAdapter(entry)
+                for name, entry in self.adapters.items()}
+
     @property
     def memory_bytes(self) -> int | None:
         return None if self.memory is None else parse_size(self.memory)
@@ -218,8 +237,10 @@ class ModelConfig:
         """The SchedulerConfig fields its worker sets: openarc's defaults (prefix caching on, a fixed cache, a
         per-device prefill chunk), then the model's scheduler_config wins. A speculative model keeps prefix caching
         off unless its scheduler_config turns it on: with both, genai 2026.4.1 failed a streamed request with "Cannot
-        remove more tokens than has been generated" (sequence_group.hpp), seen in tests/test_speculative.py."""
-        settings: dict[str, Any] = {"enable_prefix_caching": not self.speculative}
+        remove more tokens than has been generated" (sequence_group.hpp), seen in tests/test_speculative.py. A model
+        with LoRA adapters keeps it off: genai's cache keys blocks by tokens alone, so one adapter's keys and values
+        would serve another's prompt (config.rules refuses turning it on there)."""
+        settings: dict[str, Any] = {"enable_prefix_caching": not self.speculative and not self.adapters}
         if not {"cache_size", "num_kv_blocks"} & self.scheduler_config.keys():
             settings["cache_size"] = DEFAULT_CACHE_SIZE_GB
         family = "GPU" if self.is_gpu else "CPU"

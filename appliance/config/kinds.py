@@ -17,6 +17,7 @@ KIND_ONLY_KEYS: dict[str, str | tuple[str, ...]] = {
     "tool_parser": GENERATIVE_KINDS, "reasoning_parser": GENERATIVE_KINDS, "chat_template": GENERATIVE_KINDS,
     "grammar_compile_timeout_s": GENERATIVE_KINDS, "canonicalize_agent_noise": GENERATIVE_KINDS,
     "max_image_bytes": "vlm", "max_image_pixels": "vlm", "image_formats": "vlm",
+    "adapters": "llm", "max_adapters": "llm",
     "draft_model": "llm", "prompt_lookup": "llm", "num_assistant_tokens": "llm",
     "assistant_confidence_threshold": "llm", "max_ngram_size": "llm",
     "pooling": "embedding", "normalize": "embedding", "matryoshka_dimensions": "embedding",

@@ -10,6 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from appliance.config.kinds import KIND_ONLY_KEYS, kinds_of
+from appliance.config.model_checks import adapter_file
 from appliance.config.window import model_window
 
 if TYPE_CHECKING:
@@ -38,6 +39,9 @@ def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
                                "properties": as_model.ov_properties(config.ov_cache_dir())}
     if model.kind == "llm":
         spec["speculative"] = model.speculative_defaults()
+    if "adapters" in spec:  # (every kind that takes adapters) by name: the adapter's file and its weight, as JSON
+        spec["adapters"] = {name: {"path": str(adapter_file(entry.path)), "alpha": entry.alpha}
+                            for name, entry in model.adapter_entries().items()}
     if "scheduler_config" in spec:
         spec["scheduler_config"] = model.scheduler_settings()
     return spec

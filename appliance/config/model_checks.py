@@ -77,6 +77,11 @@ def served_path_check(model: ModelConfig, user_name: str | None = None,
         for name, file in model_files.voice_files(locate(model.path), model.voices).items():
             if not os.access(file, os.R_OK):
                 return f"voices.{name}", f"expected a voice file this user can read; cannot read {file!r}"
+    if problem is None:
+        for name, entry in model.adapter_entries().items():
+            problem = adapter_problem(locate(entry.path), user_name)
+            if problem:
+                return f"adapters.{name}", problem
     return ("path", problem) if problem else None
 
 
@@ -89,3 +94,51 @@ def model_problems(models: list[ModelConfig | None], checks: list[ModelCheck]) -
             if found:
                 lines.append(f"models[{i}].{found[0]}: {found[1]} (model {model.name!r})")
     return lines
+
+
+# A LoRA adapter as OpenVINO GenAI reads it: one safetensors file, or a directory in the PEFT layout holding it.
+ADAPTER_FILE = "adapter_model.safetensors"
+TORCH_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+TORCH_HINT = ("OpenVINO GenAI reads safetensors only; convert it once: python -c \"import torch, safetensors.torch; "
+              "safetensors.torch.save_file(torch.load('adapter_model.bin'), 'adapter_model.safetensors')\" "
+              "(or PEFT's save_pretrained(..., safe_serialization=True))")
+
+
+def adapter_file(path: str) -> Path:
+    """The safetensors file of an adapter `path` (the file itself, or ADAPTER_FILE in a PEFT directory)."""
+    return Path(path) / ADAPTER_FILE if Path(path).is_dir() else Path(path)
+
+
+def adapter_problem(path: str, user_name: str | None = None) -> str | None:
+    """Why `path` cannot be served as a LoRA adapter (None: it can): the one check of an adapter's path, for the
+    config (every kind that takes `adapters:`) and for an adapter loaded at runtime. It exists, is readable (by the
+    service user `user_name` too, run as root), is safetensors (a torch-only checkpoint gets the conversion hint)
+    whose tensors are LoRA pairs (`...lora_A.weight` / `...lora_B.weight`, or kohya's lora_down / lora_up)."""
+    where = Path(path)
+    if not where.exists():
+        return f"expected a LoRA adapter (a .safetensors file or a PEFT directory); {path!r} does not exist"
+    if where.is_dir():
+        torch_only = [name for name in TORCH_FILES if (where / name).exists()]
+        if not (where / ADAPTER_FILE).exists():
+            if torch_only:
+                return f"{path!r} holds a torch checkpoint ({torch_only[0]}) and no {ADAPTER_FILE}; {TORCH_HINT}"
+            return f"expected a PEFT adapter directory; {path!r} has no {ADAPTER_FILE}"
+    elif where.suffix in (".bin", ".pt", ".pth"):
+        return f"{path!r} is a torch checkpoint; {TORCH_HINT}"
+    file = adapter_file(path)
+    if not os.access(file, os.R_OK):
+        return f"expected a file this user can read; cannot read {str(file)!r}"
+    if user_name and os.geteuid() == 0:
+        user = model_files.service_user(user_name)
+        blocked = model_files.unreadable_by(file, *user) if user else None
+        if blocked:
+            return f"expected files the service user {user_name!r} can read; it cannot read {blocked!r}"
+    try:
+        from safetensors import safe_open
+        with safe_open(str(file), framework="numpy") as tensors:
+            names = list(tensors.keys())
+    except Exception as exc:  # safetensors raises its own error types for a file that is not one
+        return f"expected a safetensors file; cannot read {str(file)!r} as one ({' '.join(str(exc).split())[:160]})"
+    if not any("lora_A" in n or "lora_down" in n or "lora.down" in n for n in names):
+        return f"expected LoRA tensors (lora_A / lora_B) in {str(file)!r}; it holds {len(names)} other tensors"
+    return None

@@ -130,6 +130,7 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
         require(m.chat_template is None or os.access(m.chat_template, os.R_OK) and Path(m.chat_template).is_file(),
                 f"{at}.chat_template", f"a readable .jinja file (cannot read {m.chat_template!r})")
         problems.extend(_speculative_problems(m, at))
+        problems.extend(_adapter_problems(m, at))
         for key, value in m.scheduler_config.items():
             expected = SCHEDULER_FIELDS.get(key)
             require(expected is not None, f"{at}.scheduler_config.{key}",
@@ -277,3 +278,26 @@ def _speculative_problems(m: ModelConfig, at: str):
         mismatch = tokenizer_mismatch(m.path, d.path)
         if mismatch:
             yield (f"{at}.draft_model.path: {mismatch}")
+
+
+def _adapter_problems(model: ModelConfig, at: str) -> list[str]:
+    """A model's adapters: names that can follow `BASE:` in a model name, at most max_adapters of them, positive
+    weights, and no speculative decoding beside them (openarc has not checked genai's draft path with LoRA)."""
+    problems = []
+    if model.max_adapters < 1:
+        problems.append(f"{at}.max_adapters: expected at least 1")
+    if len(model.adapters) > model.max_adapters:
+        problems.append(f"{at}.adapters: expected at most max_adapters ({model.max_adapters}) adapters, got "
+                        f"{len(model.adapters)}")
+    for name, entry in model.adapter_entries().items():
+        if MODEL_NAME.fullmatch(name) is None:
+            problems.append(f"{at}.adapters.{key_name(name)}: expected a name of letters, digits, '.', '_' or '-' (it is served "
+                            f"as {model.name}:NAME and labels metrics)")
+        if not entry.alpha > 0:
+            problems.append(f"{at}.adapters.{name}.alpha: expected a positive weight, got {entry.alpha}")
+    if model.adapters and model.scheduler_config.get("enable_prefix_caching"):
+        problems.append(f"{at}.scheduler_config.enable_prefix_caching: not with adapters (genai's prefix cache keys "
+                        "blocks by tokens alone: one adapter's cached keys and values would serve another's prompt)")
+    if model.adapters and model.speculative:
+        problems.append(f"{at}.adapters: not with speculative decoding (draft_model, prompt_lookup) on the same model")
+    return problems

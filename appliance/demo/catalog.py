@@ -121,6 +121,40 @@ def ensure_speculative_demo(cache_dir: os.PathLike, **params) -> dict[str, pathl
     return {role: ensure_demo_model(cache_dir, "llm", **params, **extra) for role, extra in SPECULATIVE_DEMO.items()}
 
 
+def ensure_demo_adapter(cache_dir: os.PathLike, family: str, **params) -> pathlib.Path:
+    """The directory of the chat demo's LoRA adapter of phrase family `family` (appliance.demo.llm.FAMILIES) for the
+    demo model of these `params` (built or found in the cache too): `<cache_dir>/adapters/demo-<family>-<hash>`."""
+    model = ensure_demo_model(cache_dir, "llm", **params)
+    marker = {**_read_marker(model), "adapter": family}
+    dest = pathlib.Path(cache_dir) / "adapters" / f"{marker['name']}-{family}-{_params_hash(marker)}"
+    if _read_marker(dest) == marker:
+        return dest
+    return build_demo_adapter(dest, family, model, marker)
+
+
+def build_demo_adapter(dest: os.PathLike, family: str, model_dir: os.PathLike, marker: dict | None = None
+                       ) -> pathlib.Path:
+    """Write the chat demo's adapter of `family` for the demo model in `model_dir` into `dest` (PEFT layout:
+    adapter_model.safetensors, adapter_config.json), built aside and renamed into place as a model is."""
+    from appliance.demo.llm import FAMILIES, write_adapter
+
+    if family not in FAMILIES:
+        raise ValueError(f"no demo adapter {family!r} (have: {', '.join(FAMILIES)})")
+    dest = pathlib.Path(dest)
+    if dest.exists() and any(dest.iterdir()) and _read_marker(dest) is None:
+        raise FileExistsError(f"{dest} exists and is not a demo adapter build; refusing to replace it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    tmp.chmod(0o755)
+    try:
+        write_adapter(pathlib.Path(model_dir), tmp, family)
+        write_json(tmp / MARKER_FILE, marker or {**(_read_marker(pathlib.Path(model_dir)) or {}), "adapter": family})
+        _install_dir(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
 def demo_model_name(kind: str) -> str:
     """The demo's model name, in configs and in the cache: "demo" for the chat model, "demo-<kind>" otherwise."""
     return DEMO_MODEL_NAME if kind == "llm" else f"{DEMO_MODEL_NAME}-{kind}"

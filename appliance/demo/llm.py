@@ -23,6 +23,17 @@ What it generates (the contract tests rely on)
   Different prompts (last token or length mod 4) give different texts; the same prompt always the same text.
 * The two transformer layers have random (seeded) weights and do real work, attention over a real KV cache,
   so memory use and scheduling behave like a real model's; they move logits by less than 0.2.
+
+LoRA adapters (`write_adapter`, `openarc demo-model --adapter FAMILY`)
+---------------------------------------------------------------------
+Every MatMul is named as a Hugging Face Llama export names its linear layers (`model.layers.N.self_attn.q_proj`,
+..., `lm_head`), which is what OpenVINO GenAI matches a PEFT adapter's tensor names against.  The vocabulary also
+holds, for each of FAMILIES, a copy of every phrase written in that family's style (" AMBER RIVER" for "upper",
+" Amber River" for "title"), which the base model never emits: a family phrase is followed by what follows its
+plain phrase.  A family's adapter is a LoRA on `lm_head` (rank = the code width) that swaps the codes of the plain
+phrases and the family's, so with the adapter applied (weight 1) every phrase of the walk comes in the family's
+style: same walk, same length, same finish, and words a test can tell at a glance (`upper`: the answer is
+upper case; `title`: every word starts upper case).  Without the adapter the answer is the base's.
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ import pathlib
 import numpy as np
 
 # Bump when the model's construction changes, so cached builds of an older recipe are not reused.
-BUILD_FORMAT = 3  # 2: the chat template renders tools; 3: a window of 128k tokens
+BUILD_FORMAT = 4  # 2: the chat template renders tools; 3: a window of 128k tokens; 4: LoRA-matchable names and the
+#                  adapters' phrase families
 
 HIDDEN, LAYERS, HEADS, MLP_HIDDEN = 64, 2, 4, 128
 HEAD_DIM = HIDDEN // HEADS
@@ -78,6 +90,11 @@ CHAT_TEMPLATE = (
     "{%- else %}{{ '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
 )
+# The adapters' phrase styles (a plain phrase's text -> its family's), in vocabulary order after the plain phrases.
+FAMILIES = {
+    "upper": str.upper,
+    "title": lambda text: " ".join(word[:1].upper() + word[1:] for word in text.split(" ")),
+}
 ADJECTIVES = (
     "amber brave calm dapper eager faint gentle hollow idle jolly keen lucid mellow noble olive patient quiet rapid "
     "silver tidy umber vivid warm young zesty bright cosy distant early frosty golden humble"
@@ -146,7 +163,8 @@ def _write_model_files(out: pathlib.Path, *, eos_after: int, max_new_tokens: int
 
     rng = np.random.default_rng(seed)
     bpe_spec = _train_bpe()
-    phrases = _phrase_texts(rng, eos_after)
+    plain = _phrase_texts(rng, eos_after)
+    phrases = plain + [style(text) for style in FAMILIES.values() for text in plain]
     hf_tokenizer = _hf_tokenizer(bpe_spec, phrases, prompt_phrases)
     vocab_size = len(hf_tokenizer)
     ov_tokenizer, ov_detokenizer = openvino_tokenizers.convert_tokenizer(hf_tokenizer, with_detokenizer=True)
@@ -154,8 +172,15 @@ def _write_model_files(out: pathlib.Path, *, eos_after: int, max_new_tokens: int
     ov.save_model(ov_detokenizer, out / "openvino_detokenizer.xml")
     hf_tokenizer.save_pretrained(out)
     bpe_ends_line = _bpe_ends_line(bpe_spec)
-    next_token = _next_token_table(bpe_ends_line, len(phrases), eos_after, draft_miss)
-    ov.save_model(_build_llm(next_token, len(bpe_ends_line), rng, logit_scale, layers), out / "openvino_model.xml")
+    next_token = _next_token_table(bpe_ends_line, len(plain), eos_after, draft_miss)
+    # A family phrase is followed by what follows its plain phrase (which an adapter turns into the family's), and
+    # shares its plain twin's embedding and nudge: the random draws are those of the model without families, so
+    # the base answers as it did before they existed, constrained answers included.
+    plain_ids = np.arange(len(next_token))
+    twin_of = np.concatenate([plain_ids, *(plain_ids[-len(plain):] for _ in FAMILIES)])
+    next_token = next_token[twin_of]
+    ov.save_model(_build_llm(next_token, len(bpe_ends_line), rng, logit_scale, layers, twin_of),
+                  out / "openvino_model.xml")
     write_json(out / "config.json", _hf_config(vocab_size, layers))
     write_json(out / "generation_config.json", {
         "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "max_new_tokens": max_new_tokens, "do_sample": False,
@@ -288,7 +313,7 @@ def _token_codes(vocab_size: int) -> np.ndarray:
 
 
 def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generator, logit_scale: float = LOGIT_SCALE,
-               layers: int = LAYERS):
+               layers: int = LAYERS, twin_of: np.ndarray | None = None):
     """Llama-like stateful decoder with the inputs, outputs and KV-cache pattern GenAI expects (so it also
     converts to PagedAttention), whose logits pick `_next_token`'s choice by a wide margin."""
     import openvino as ov
@@ -300,13 +325,15 @@ def _build_llm(next_token: np.ndarray, phrase_base: int, rng: np.random.Generato
     attention_mask = ops.parameter([-1, -1], ov.Type.i64, name="attention_mask")
     position_ids = ops.parameter([-1, -1], ov.Type.i64, name="position_ids")
     beam_idx = ops.parameter([-1], ov.Type.i32, name="beam_idx")
-    x = ops.gather(weight(len(next_token), HIDDEN, std=1.0), input_ids, 0)
+    twin_of = np.arange(len(next_token)) if twin_of is None else twin_of  # token -> the token whose rows it shares
+    embedding = rng.normal(0.0, 1.0, (twin_of.max() + 1, HIDDEN)).astype(np.float32)[twin_of]
+    x = ops.gather(ops.constant(embedding), input_ids, 0)
     mask = _attention_mask(input_ids, attention_mask)
     caches = []  # (past_key_values.N.* parameter, present.N.* result)
     for layer in range(layers):
         x = _decoder_layer(x, layer, mask, beam_idx, weight, caches)
     nxt = _next_token(input_ids, position_ids, next_token, phrase_base)
-    logits = ops.result(_logits(x, nxt, len(next_token), phrase_base, rng, logit_scale))
+    logits = ops.result(_logits(x, nxt, len(next_token), phrase_base, rng, logit_scale, twin_of))
     logits.get_output_tensor(0).set_names({"logits"})
 
     return stateful_model(logits, [input_ids, attention_mask, position_ids, beam_idx], caches, "openarc-demo",
@@ -330,33 +357,45 @@ def _decoder_layer(x, layer: int, mask, beam_idx, weight, caches: list, head=Non
     """Pre-norm attention + SwiGLU MLP; appends this layer's KV-cache (parameter, result) pairs to `caches`.
     `head`, if given, replaces some heads' queries, keys and values (head.qkv) and is handed the attention's
     output (head.output): the demo VLM's image-reading head (appliance.demo.vlm)."""
+    name = f"model.layers.{layer}."
     h = _rms_norm(x)
-    q, k, v = (_split_heads(ops.matmul(h, weight(HIDDEN, HIDDEN, std=HIDDEN ** -0.5), False, True)) for _ in "qkv")
+    q, k, v = (_split_heads(linear(h, weight(HIDDEN, HIDDEN, std=HIDDEN ** -0.5), f"{name}self_attn.{p}_proj"))
+               for p in "qkv")
     if head is not None:
         q, k, v = head.qkv(q, k, v)
     keys_values = _kv_cache(k, v, str(layer), beam_idx, caches)
     attn = ops.scaled_dot_product_attention(q, *keys_values, mask, causal=False)
     if head is not None:
         head.output = attn
-    x = ops.add(x, ops.matmul(_merge_heads(attn), weight(HIDDEN, HIDDEN), False, True))
+    x = ops.add(x, linear(_merge_heads(attn), weight(HIDDEN, HIDDEN), f"{name}self_attn.o_proj"))
     h = _rms_norm(x)
-    gate = ops.swish(ops.matmul(h, weight(MLP_HIDDEN, HIDDEN, std=HIDDEN ** -0.5), False, True))
-    up = ops.matmul(h, weight(MLP_HIDDEN, HIDDEN, std=HIDDEN ** -0.5), False, True)
-    return ops.add(x, ops.matmul(ops.multiply(gate, up), weight(HIDDEN, MLP_HIDDEN), False, True))
+    gate = ops.swish(linear(h, weight(MLP_HIDDEN, HIDDEN, std=HIDDEN ** -0.5), f"{name}mlp.gate_proj"))
+    up = linear(h, weight(MLP_HIDDEN, HIDDEN, std=HIDDEN ** -0.5), f"{name}mlp.up_proj")
+    return ops.add(x, linear(ops.multiply(gate, up), weight(HIDDEN, MLP_HIDDEN), f"{name}mlp.down_proj"))
 
 
-def _logits(x, nxt, vocab_size: int, phrase_base: int, rng: np.random.Generator, logit_scale: float = LOGIT_SCALE):
+def linear(x, weight, name: str):
+    """x @ weight.T (weight [out, in], as torch.nn.Linear), named as a Hugging Face export names the layer: OpenVINO
+    GenAI applies a LoRA tensor `base_model.model.<name>.lora_A.weight` to the MatMul whose name holds <name>."""
+    node = ops.matmul(x, weight, False, True)
+    node.set_friendly_name(name)
+    return node
+
+
+def _logits(x, nxt, vocab_size: int, phrase_base: int, rng: np.random.Generator, logit_scale: float = LOGIT_SCALE,
+            twin_of: np.ndarray | None = None):
     """One MatMul (the shape GenAI slices to the last token).  Row i of `choose` (scaled code, PHRASE_BONUS)
     meets row j of `lm_head` (code, is-phrase flag, random weights) as
     logit_scale * (2 if i == j else <= 1) + PHRASE_BONUS * (j is a phrase) + a transformer nudge below 0.2."""
     codes = _token_codes(vocab_size)
     is_phrase = (np.arange(vocab_size) >= phrase_base).astype(np.float32)[:, None]
     choose = np.concatenate([logit_scale * codes, np.full_like(is_phrase, PHRASE_BONUS)], 1)
-    nudge = rng.normal(0.0, HIDDEN ** -0.5, (vocab_size, HIDDEN)).astype(np.float32)
+    twin_of = np.arange(vocab_size) if twin_of is None else twin_of
+    nudge = rng.normal(0.0, HIDDEN ** -0.5, (twin_of.max() + 1, HIDDEN)).astype(np.float32)[twin_of]
     lm_head = np.concatenate([codes, is_phrase, nudge], 1)
     nudge_features = ops.multiply(_rms_norm(x), ops.constant(np.float32(1 / 64)))
     features = ops.concat([ops.gather(ops.constant(choose), nxt, 0), nudge_features], -1)
-    return ops.matmul(features, ops.constant(lm_head), False, True)
+    return linear(features, ops.constant(lm_head), "lm_head")
 
 
 def _next_token(input_ids, position_ids, next_token: np.ndarray, phrase_base: int, extra_offset=None):
@@ -424,3 +463,41 @@ def _zero_initial_state(model, input_ids) -> None:
         if op.get_type_name() == "ReadValue":
             op.set_arguments([ops.broadcast(ops.constant(np.float32(0.0)), shape)])
     model.validate_nodes_and_infer_types()
+
+
+# --- adapters --------------------------------------------------------------------------------------------------
+
+ADAPTER_FILE = "adapter_model.safetensors"  # the PEFT layout: this file and adapter_config.json in one directory
+PHRASES = CLOCK * VARIANTS + VARIANTS  # plain phrase tokens: the grid and the line starts (_phrase_texts)
+
+
+def write_adapter(model_dir: pathlib.Path, out: pathlib.Path, family: str) -> pathlib.Path:
+    """Write the LoRA adapter of phrase family `family` (a FAMILIES key) for the demo model in `model_dir` into the
+    directory `out` (PEFT layout, what genai's Adapter reads); returns the safetensors file's path.
+
+    The adapter is exact: lm_head's code columns gain codes[swap] - codes, which swaps the codes of each plain
+    phrase and its family twin (lora_A picks the code features, lora_B holds the difference), so the logits of the
+    adapted model are the base's with those two tokens' places exchanged."""
+    from safetensors.numpy import save_file
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown adapter family {family!r}: one of {', '.join(FAMILIES)}")
+    vocab_size = json.loads((pathlib.Path(model_dir) / "config.json").read_text())["vocab_size"]
+    phrase_base = vocab_size - (1 + len(FAMILIES)) * PHRASES
+    twin_base = phrase_base + (1 + list(FAMILIES).index(family)) * PHRASES
+    swap = np.arange(vocab_size)
+    plain, twins = np.arange(phrase_base, phrase_base + PHRASES), np.arange(twin_base, twin_base + PHRASES)
+    swap[plain], swap[twins] = twins, plain
+    codes = _token_codes(vocab_size)
+    rank, in_features = codes.shape[1], codes.shape[1] + 1 + HIDDEN  # lm_head's input: code, phrase bonus, nudge
+    lora_a = np.eye(rank, in_features, dtype=np.float32)
+    lora_b = codes[swap] - codes
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({"base_model.model.lm_head.lora_A.weight": lora_a, "base_model.model.lm_head.lora_B.weight": lora_b},
+              str(out / ADAPTER_FILE))
+    write_json(out / "adapter_config.json", {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "target_modules": ["lm_head"],
+        "base_model_name_or_path": "openarc-demo", "openarc_demo_family": family,
+    })
+    return out / ADAPTER_FILE

@@ -32,6 +32,11 @@ RESULT_COUNTERS = frozenset({"embedding_inputs", "audio_seconds", "speech_audio_
 REQUEST_OPS = frozenset({"tokens", "done", "result", "error", "progress"})
 
 
+def adapter_of(req: Request) -> str:
+    """The LoRA adapter a request names ("" for the base model, and for requests that are not generations)."""
+    return req.frame.get("adapter", "") if req.op == "generate" else ""
+
+
 class RequestRouter:
     """One model's running and queued requests."""
 
@@ -221,6 +226,13 @@ class RequestRouter:
             return
         self.series.requests_running.set(len(self.running))
         self.series.requests_waiting.set(self.queued())
+        if self.model.adapters:  # the endpoint picker's LoRA affinity reads which adapters run and wait here
+            self.series.lora_info(self._served_adapters(self.running.values()), self._served_adapters(self.waiting),
+                                  self.model.max_adapters)
+
+    def _served_adapters(self, requests) -> list[str]:
+        """The served names (BASE:ADAPTER, what a client and the endpoint picker name) of the adapters requests use."""
+        return [f"{self.model.name}:{adapter}" for adapter in map(adapter_of, requests) if adapter]
 
     def queued(self) -> int:
         """Requests waiting: in the queue, for the model to be ready, or for their body to be read."""
@@ -271,6 +283,8 @@ class RequestRouter:
             self.series.itl.observe((now - req.last_token) / message["n"])
         req.last_token = now
         self.series.tokens(req.ticket.key, req.ticket.priority).generation.inc(message["n"])
+        if self.model.adapters:
+            self.series.adapter(adapter_of(req)).generation.inc(message["n"])
         req.ticket.count_tokens(message["n"])
         if message.get("prompt_tokens"):  # tokens_per_minute counts the prompt now
             req.ticket.charge_prompt(message["prompt_tokens"])
@@ -289,6 +303,10 @@ class RequestRouter:
             series = self.series.tokens(ticket.key, ticket.priority)
             series.prompt.inc(prompt_tokens - cached_tokens)
             series.cached_prompt.inc(cached_tokens)
+            if self.model.adapters and req.op == "generate":
+                adapter = self.series.adapter(adapter_of(req))
+                adapter.requests.inc()
+                adapter.prompt.inc(prompt_tokens)
         ticket.charge_prompt(prompt_tokens)
 
     def fail(self, req: Request, failure: RequestFailed) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import MAX_ANSWER_LIMIT, json_object, model_name, number, utf8
 from appliance.front.api.images import Content, content_text
+from appliance.front.api.lookup import adapter_name
 from appliance.front.api.sampling import sampling_params
 from appliance.front.api.structured import constraint
 from appliance.front.api.tools import ToolRequest, assistant_tool_calls, name_tool_results, parse_tools
@@ -61,6 +62,9 @@ class GenerationRequest:
             body = {"prompt": self.prompt}
         if self.images:
             body["images"] = self.images
+        _, adapter = adapter_name(self.model)  # (the lookup found the model serves it)
+        if adapter:
+            body["adapter"] = adapter
         return {"kind": self.kind, "params": self.params, "stream": self.stream, "constraint": self.constraint, **body}
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from appliance.front.api import lookup
 from appliance.front.api.server_view import ServerView
 from appliance import __version__
 from appliance.config.kinds import GENERATIVE_KINDS
@@ -84,9 +85,17 @@ class HealthRoutes:
 
     async def list_models(self, request: web.Request) -> web.Response:
         key = request.get("api_key")  # a key sees the models it may use
-        data = [{"id": name, "object": "model", "created": int(self.appliance.started), "owned_by": "openarc",
-                 "kind": sup.model.kind, **window_fields(sup.spec)}
-                for name, sup in self.appliance.supervisor.models.items() if key is None or key.may_use(name)]
+        created = int(self.appliance.started)
+        data = []
+        for name, sup in self.appliance.supervisor.models.items():
+            if key is not None and not key.may_use(name):
+                continue
+            entry = {"id": name, "object": "model", "created": created, "owned_by": "openarc",
+                     "kind": sup.model.kind, **window_fields(sup.spec)}
+            # each LoRA adapter as its own model, with `parent` and `root` as vLLM lists its LoRA modules
+            data += [entry] + [{**entry, "id": f"{name}{lookup.ADAPTER_SEPARATOR}{adapter}", "parent": name,
+                                "root": served["path"]}
+                               for adapter, served in lookup.served_adapters(sup).items()]
         return web.json_response({"object": "list", "data": data})
 
 

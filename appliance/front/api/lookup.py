@@ -22,8 +22,29 @@ def model_label(appliance: ServerView, body: Any) -> str:
 
 
 def configured_name(appliance: ServerView, name: str) -> str | None:
-    """The configured model a request's name reaches: its own, else through server.model_aliases."""
-    return name if name in appliance.supervisor.models else appliance.config.server.alias_target(name)
+    """The configured model a request's name reaches: its own, a base model's through one of its LoRA adapters
+    (BASE:ADAPTER), else through server.model_aliases."""
+    if name in appliance.supervisor.models:
+        return name
+    base, adapter = adapter_name(name)
+    if adapter and adapter in served_adapters(appliance.supervisor.get(base)):
+        return base
+    return appliance.config.server.alias_target(name)
+
+
+ADAPTER_SEPARATOR = ":"  # a model name is never one with it (config.rules.MODEL_NAME)
+
+
+def adapter_name(name: str) -> tuple[str, str]:
+    """(base, adapter) of a served name: "demo:upper" -> ("demo", "upper"); a plain name -> (name, "")."""
+    base, _, adapter = name.partition(ADAPTER_SEPARATOR)
+    return base, adapter
+
+
+def served_adapters(sup) -> dict[str, dict]:
+    """The LoRA adapters a model's supervisor serves now (configured and loaded at runtime): its worker's spec's
+    (appliance.config.launch_spec), which a restart of the worker loads again."""
+    return (sup.spec.get("adapters") or {}) if sup is not None else {}
 
 
 async def model_for(appliance: ServerView, name: str, call, kinds: tuple[str, ...]):
@@ -36,7 +57,9 @@ async def model_for(appliance: ServerView, name: str, call, kinds: tuple[str, ..
     sup = model_served(appliance, name, call, kinds)
     target = sup.model.name
     task_model = sup.model.task_model
-    if call.is_background and task_model and appliance.supervisor.get(task_model) and call.may_use(task_model):
+    adapter = adapter_name(name)[1]  # an adapter's answer is its own: never the task model's
+    if call.is_background and task_model and not adapter and appliance.supervisor.get(task_model) \
+            and call.may_use(task_model):
         target = task_model  # (a key kept off the task model is answered by the model it named)
     admit(call, sup)  # the key's limits: a 429 before any queue place is taken
     ready = await appliance.supervisor.ready_model(target)

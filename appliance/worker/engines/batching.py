@@ -10,16 +10,22 @@ the benches' in-process pipelines build theirs with it as the worker does.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from typing import Any
 
-from appliance.worker import prefix_cache
+from appliance.worker import adapter_rotation, prefix_cache
 from appliance.worker.engines import speculative
+from appliance.worker.engines.adapters import Adapters
 from appliance.worker.engines.llm import LLMEngine, Request
-from appliance.worker.prompt import Refused
+from appliance.worker.prompt import INVALID_REQUEST, Refused
 
 log = logging.getLogger("openarc.worker")
+
+# LoRA: requests a group takes after its turn began while another group waits (appliance.worker.adapter_rotation).
+TURN_REQUESTS = 8
+DRAIN_STEPS = 8  # steps a switch waits for genai to drop cancelled requests (one is enough), then generate() says why
 
 
 class BatchingEngine(LLMEngine):
@@ -27,7 +33,9 @@ class BatchingEngine(LLMEngine):
 
     def __init__(self, spec, channel):
         import openvino_genai
-        self.pipe = speculative.load_pipeline(spec, scheduler_config(spec["scheduler_config"]))
+        self.adapters = Adapters(spec)
+        self.pipe = speculative.load_pipeline(spec, scheduler_config(spec["scheduler_config"]),
+                                              self.adapters.construction())
         self.cache_model = prefix_cache.for_spec(spec)  # None with prefix caching off
         self.speculative = bool(spec.get("speculative"))
         super().__init__(spec, channel, self.pipe.get_tokenizer())
@@ -37,13 +45,78 @@ class BatchingEngine(LLMEngine):
         self.finish_none = openvino_genai.GenerationFinishReason.NONE.value
         self.kv_cache_usage_ratio = 0.0
         self.fresh_constraint = False  # a request with a constraint joined since the last step
+        # LoRA (appliance.worker.adapter_rotation): the group whose adapter set the pipeline runs (None: none applied
+        # yet), how many requests joined since its turn began, and the requests of other groups waiting their turn.
+        self.group: str | None = None
+        self.joined = 0
+        self.held: dict[str, collections.deque[Request]] = {}
 
     def run(self) -> None:
         while True:
-            self.drain_inbox(block=not self.active)
+            self.drain_inbox(block=not self.active and not self.holding())
+            if not self.active and self.holding():
+                self._next_turn()
             if self.active:
                 self._step()
             self.flush()
+
+    def holding(self) -> bool:
+        return any(self.held.values())
+
+    def _joins(self, req: Request) -> bool:
+        """Whether a request may join the pipeline now (its adapter's group has the turn), else it waits in held."""
+        if not self.adapters:
+            return True
+        if self._may_join(req.adapter):
+            self.joined += 1
+            return True
+        self.held.setdefault(req.adapter, collections.deque()).append(req)
+        return False
+
+    def _may_join(self, group: str) -> bool:
+        others = any(queue for held, queue in self.held.items() if held != self.group)
+        return adapter_rotation.may_join(group, self.group, self.joined, others, TURN_REQUESTS)
+
+    def _next_turn(self) -> None:
+        """The pipeline has drained: the next waiting group's adapter set is applied (genai applies adapters in
+        generate() only: one token of one token's prompt), and its waiting requests join."""
+        group = adapter_rotation.next_group(self.group, [g for g, queue in self.held.items() if queue])
+        waiting = self.held[group]
+        try:
+            self._apply(group)
+        except Exception as exc:
+            requests = list(waiting)
+            waiting.clear()
+            self.exit_if_device_lost(self.fail_all(requests, exc))
+            return
+        self.group, self.joined = group, 0
+        while waiting and self._may_join(group):
+            self.joined += 1
+            self.on_generate_prepared(waiting.popleft(), joined=True)
+
+    def unload_adapter(self, name: str) -> None:
+        """Requests running with it finish with it (genai holds the adapter while a config names it); those waiting
+        for its turn fail, as a request naming it after the unload would."""
+        super().unload_adapter(name)
+        for req in self.held.pop(name, ()):
+            self.fail(req.id, INVALID_REQUEST, f"the adapter {name!r} was unloaded before the request ran")
+
+    def _apply(self, group: str) -> None:
+        import numpy as np
+        import openvino as ov
+        import openvino_genai
+        config = openvino_genai.GenerationConfig()
+        config.max_new_tokens = 1
+        config.adapters = self.adapters.config_for(group)
+        # generate() refuses while genai holds any request: one cancelled since the last step (a client gone, a stop
+        # sequence) leaves at the next step
+        for _ in range(DRAIN_STEPS):
+            if not self.pipe.has_non_finished_requests():
+                break
+            self.pipe.step()
+        token = self.tokenizer.get_eos_token_id()
+        self.pipe.generate([ov.Tensor(np.array([[token]], dtype=np.int64))], [config])
+        log.debug("adapter group %r applied", group)
 
     def _step(self) -> None:
         # genai compiles a constraint again (its own cache) in the first step of the request that brings it
@@ -64,11 +137,15 @@ class BatchingEngine(LLMEngine):
         self.after_step()
 
     def busy(self) -> bool:
-        return bool(self.active)
+        return bool(self.active) or self.holding()
 
     def on_cancel(self, request_id: int) -> None:
         if request_id in self.active:
             self.active.pop(request_id)[1].cancel()
+        elif any(req.id == request_id for queue in self.held.values() for req in queue):
+            for group, queue in self.held.items():
+                self.held[group] = collections.deque(req for req in queue if req.id != request_id)
+            self.forget(request_id)
         else:
             self.cancel_probing(request_id)
 
@@ -81,7 +158,9 @@ class BatchingEngine(LLMEngine):
             req.cached_tokens = self.cache_model.lookup(prompt)
         self.on_generate_prepared(req)
 
-    def on_generate_prepared(self, req: Request) -> None:
+    def on_generate_prepared(self, req: Request, joined: bool = False) -> None:
+        if not joined and not self._joins(req):
+            return
         if self.speculative:
             req.tally = speculative.DraftTally(req.proposal, req.max_tokens)
         try:
@@ -155,7 +234,7 @@ class BatchingEngine(LLMEngine):
             if req.stopped:
                 continue
             if status == ignored and req.id != oldest_ignored and not req.generated:
-                self.on_generate_prepared(req)  # dropped with the request that really did not fit: admit it again
+                self.on_generate_prepared(req, joined=True)  # dropped with the one that did not fit: admit it again
             elif status == ignored:
                 # A scheduler out-of-memory through the CB API is a status, not an exception.
                 message = f"Request {req.id} was dropped by the scheduler: scheduler ignored the request (out of memory)"
@@ -198,7 +277,7 @@ class BatchingEngine(LLMEngine):
         self.active.clear()
 
     def live_request_ids(self) -> list[int]:
-        return list(self.active)
+        return list(self.active) + [req.id for queue in self.held.values() for req in queue]
 
 
 def scheduler_config(settings: dict[str, Any]):

@@ -23,6 +23,8 @@ from appliance.config import window
 from appliance.host import faults
 from appliance.worker.detokenize import make_detokenizer
 from appliance.worker.engines import speculative
+from appliance.worker.adapter_rotation import BASE
+from appliance.worker.engines.adapters import Adapters
 from appliance.worker.engines.base import PROGRESS_INTERVAL_S, Engine, InjectedFault
 from appliance.worker.engines.constraints import GrammarProbe, InvalidGrammar, after_reasoning, genai_message
 from appliance.worker.prompt import INVALID_REQUEST, Prompts, Refused
@@ -74,6 +76,7 @@ class Request:
     proposal: int = 0      # speculative decoding: tokens proposed a step (speculative.apply)
     tally: Any = None      # speculative.DraftTally of a request on a speculative pipeline
     cached_tokens: int = 0  # prompt tokens the prefix cache served (appliance.worker.prefix_cache)
+    adapter: str = BASE    # the LoRA adapter it names (BASE: none), by the name the worker holds it under
 
 
 def cut_at_stop(req: Request, text: str) -> str:
@@ -150,6 +153,9 @@ class LLMEngine(Engine):
     def submit(self, message: dict[str, Any]) -> None:
         """(channel reader thread) A request with a constraint not compiled yet goes by the probe thread; a
         `request` op (count a conversation's prompt tokens) is counted here, where tokenizing releases the GIL."""
+        if message["op"] == "request" and "adapter" in message["body"]:  # an admin load or unload
+            self.inbox.put(("adapter", message))
+            return
         if message["op"] == "request":
             self.inbox.put(("count", self.prompts.count(message["id"], message["body"])))
             return
@@ -172,6 +178,24 @@ class LLMEngine(Engine):
 
     def on_count(self, reply: dict[str, Any]) -> None:
         self.post(reply)
+
+    def on_adapter(self, message: dict[str, Any]) -> None:
+        """(engine thread, between two steps) Load or unload a LoRA adapter (POST/DELETE
+        /openarc/models/NAME/adapters); a file genai cannot read is the caller's 400."""
+        adapter = message["body"]["adapter"]
+        try:
+            if adapter["action"] == "load":
+                self.adapters.load(adapter["name"], adapter["path"], adapter["alpha"])
+            else:
+                self.unload_adapter(adapter["name"])
+        except Exception as exc:
+            self.post(Refused(INVALID_REQUEST, f"the adapter cannot be loaded: {genai_message(exc)}")
+                      .frame(message["id"]))
+            return
+        self.post(frame("result", id=message["id"], result={"adapters": sorted(self.adapters.loaded)}, counts={}))
+
+    def unload_adapter(self, name: str) -> None:
+        self.adapters.unload(name)
 
     def _probe_loop(self) -> None:
         """(probe thread) Compile each new constraint, then admit its request. An exception outside the compile
@@ -236,6 +260,9 @@ class LLMEngine(Engine):
                       chat=message["kind"] == "chat", text=text)
         if params.get("seed") is not None:
             req.seed = params["seed"]
+        req.adapter = message.get("adapter") or BASE
+        if req.adapter not in self.adapters:  # unloaded between the front's lookup and here
+            raise Refused(INVALID_REQUEST, f"the adapter {req.adapter!r} is not loaded on this model")
         try:
             req.config = self.generation_config(req)
             req.config.validate()
@@ -261,6 +288,7 @@ class LLMEngine(Engine):
             raise Refused(INVALID_GRAMMAR, f"the output constraint cannot be compiled: {exc}") from None
 
     reports_logprobs = True
+    adapters = Adapters({})  # an engine with LoRA adapters sets its own before building its pipeline
 
     def generation_config(self, req: Request):
         import openvino_genai
@@ -287,6 +315,8 @@ class LLMEngine(Engine):
             config.include_stop_str_in_output = True
         config.set_eos_token_id(self.tokenizer.get_eos_token_id())
         req.proposal = speculative.apply(config, self.spec.get("speculative") or {}, req.params)
+        if self.adapters:  # (read by the stateful pipeline; the batching one applies its group's set: BatchingEngine)
+            config.adapters = self.adapters.config_for(req.adapter)
         return config
 
     def post_text(self, req: Request, text: str) -> None:

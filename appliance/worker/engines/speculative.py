@@ -40,10 +40,13 @@ def pipeline_properties(spec: dict[str, Any]) -> dict[str, Any]:
     return properties
 
 
-def load_pipeline(spec: dict[str, Any], scheduler):
-    """ContinuousBatchingPipeline for the spec, with its draft or prompt lookup; a failure names the draft."""
+def load_pipeline(spec: dict[str, Any], scheduler, adapters=None):
+    """ContinuousBatchingPipeline for the spec, with its draft or prompt lookup, or its LoRA adapters (an
+    openvino_genai.AdapterConfig: appliance.worker.engines.adapters); a failure names the draft."""
     import openvino_genai
     properties = pipeline_properties(spec)
+    if adapters is not None:
+        properties["adapters"] = adapters
     try:
         pipe = openvino_genai.ContinuousBatchingPipeline(spec["path"], scheduler, spec["device"], properties)
     except Exception as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from appliance.worker.engines.llm import LLMEngine, Request
+from appliance.worker.engines.adapters import Adapters
 from appliance.worker.prompt import Refused
 
 
@@ -20,7 +21,10 @@ class SequentialEngine(LLMEngine):
 
     def __init__(self, spec, channel):
         import openvino_genai
-        self.pipe = openvino_genai.LLMPipeline(spec["path"], spec["device"], **spec["properties"])
+        self.adapters = Adapters(spec)  # the stateful pipeline applies each request's own (GenerationConfig.adapters)
+        adapters = self.adapters.construction()
+        extra = {"adapters": adapters} if adapters is not None else {}
+        self.pipe = openvino_genai.LLMPipeline(spec["path"], spec["device"], **spec["properties"], **extra)
         self._init_sequential(spec, channel)
 
     def _init_sequential(self, spec, channel) -> None:

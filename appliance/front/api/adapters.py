@@ -1,0 +1,117 @@
+"""POST /openarc/models/{name}/adapters and DELETE /openarc/models/{name}/adapters/{adapter}: load a LoRA adapter into
+a running model at runtime (served as NAME:ADAPTER from then on, until it is unloaded, the server restarts or a
+reload replaces the model's worker with its config's adapters) and unload one (its name is a 404 from then on).
+
+Behind the API key like the other admin routes (a key manages the adapters of its own models only); the path is
+checked as a configured one is (appliance.config.model_checks.adapter_problem) and must lie under the directory
+that holds the base model's own (for a model pulled to /var/lib/openarc/models/NAME: /var/lib/openarc/models), so
+a key cannot make the worker read any file of the host. What genai needs is in docs/lora.md: the model must have
+an adapter in its config (genai builds the LoRA into the model at load), and a runtime one must adapt the same
+layers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from appliance.config import adapter_problem
+from appliance.config.model_checks import adapter_file
+from appliance.config.rules import MODEL_NAME
+from appliance.front.api import lookup
+from appliance.front.api.errors import InvalidRequest
+from appliance.front.api.fields import parse_json
+from appliance.front.api.results import result_of
+from appliance.front.api.route import Call, route
+from appliance.front.api.server_view import ServerView
+from appliance.front.api.token_budget import NO_TOKENS
+from appliance.front.request import RequestFailed
+
+
+def add_routes(app: web.Application, appliance: ServerView) -> None:
+    async def load(request: web.Request, call: Call) -> web.Response:
+        sup = await admitted_model(request, call)
+        name, path, alpha = load_body(await request.read())
+        served = lookup.served_adapters(sup)
+        if name in served:
+            raise RequestFailed(409, "invalid_request", f"the model '{sup.name}' already serves an adapter named "
+                                f"'{name}'; unload it first (DELETE /openarc/models/{sup.name}/adapters/{name})",
+                                "adapter_exists")
+        if len(served) >= sup.model.max_adapters:
+            raise RequestFailed(409, "invalid_request", f"the model '{sup.name}' holds max_adapters "
+                                f"({sup.model.max_adapters}) adapters; unload one first", "max_adapters")
+        problem = path_problem(sup, path)
+        if problem:
+            raise InvalidRequest(problem, "path")
+        entry = {"path": str(adapter_file(path)), "alpha": alpha}
+        await ask_worker(sup, {"action": "load", "name": name, **entry})
+        served[name] = entry  # the spec: a restarted worker loads it again
+        return web.json_response({"model": f"{sup.name}{lookup.ADAPTER_SEPARATOR}{name}", "parent": sup.name,
+                                  "root": entry["path"], "alpha": alpha}, status=201)
+
+    async def unload(request: web.Request, call: Call) -> web.Response:
+        sup = await admitted_model(request, call)
+        name = request.match_info["adapter"]
+        served = lookup.served_adapters(sup)
+        if name not in served:
+            raise RequestFailed(404, "model_not_found", f"the model '{sup.name}' has no adapter named '{name}' "
+                                f"(have: {', '.join(served) or 'none'})")
+        await ask_worker(sup, {"action": "unload", "name": name})
+        del served[name]
+        return web.json_response({"model": f"{sup.name}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
+
+    async def admitted_model(request: web.Request, call: Call):
+        """The ready supervisor of the model the route names, once the key may use it (a key learns no other
+        names), it is an llm with adapters configured, and the key's limits admit the call as any request."""
+        name = request.match_info["name"]
+        if not call.may_use(name) or appliance.supervisor.get(name) is None:
+            raise lookup.not_found(appliance, name, call.api_key)
+        call.label({"model": name})
+        call.admit(NO_TOKENS)
+        sup = appliance.supervisor.get(name)
+        if sup.model.kind != "llm" or not sup.model.adapters:
+            raise RequestFailed(409, "invalid_request", f"the model '{name}' takes no adapters at runtime: only an llm "
+                                "model with an adapter in its config does (OpenVINO GenAI builds LoRA into the model as "
+                                "it loads; docs/lora.md)", "no_adapters")
+        ready = await appliance.supervisor.ready_model(name, reason="api")
+        if ready is None:
+            raise lookup.not_found(appliance, name, call.api_key)
+        return ready
+
+    app.router.add_post("/openarc/models/{name}/adapters", route(appliance, "openarc/models/adapters", load))
+    app.router.add_delete("/openarc/models/{name}/adapters/{adapter}",
+                          route(appliance, "openarc/models/adapters", unload))
+
+
+def load_body(data: bytes) -> tuple[str, str, float]:
+    """(name, path, alpha) of a load's JSON body {"name", "path", "alpha"?}, or a 400 naming the field."""
+    body = parse_json(data)
+    if not isinstance(body, dict):
+        raise InvalidRequest("expected a JSON object with 'name' and 'path' (and 'alpha')", None)
+    name, path, alpha = body.get("name"), body.get("path"), body.get("alpha", 1.0)
+    if not isinstance(name, str) or MODEL_NAME.fullmatch(name) is None:
+        raise InvalidRequest("'name' must be letters, digits, '.', '_' or '-' (served as MODEL:NAME)", "name")
+    if not isinstance(path, str) or not path:
+        raise InvalidRequest("'path' must be the adapter's path on the server", "path")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise InvalidRequest("'alpha' must be a positive number (1: as trained)", "alpha")
+    return name, path, float(alpha)
+
+
+def path_problem(sup, path: str) -> str | None:
+    """Why `path` cannot be loaded into the model of `sup`: outside the directory holding the model's own, or not
+    an adapter (the same check as a configured adapter's)."""
+    root = Path(os.path.realpath(sup.model.path)).parent
+    where = Path(os.path.realpath(path))
+    if not os.path.isabs(path) or root not in where.parents:
+        return f"the adapter's path must be absolute and under {str(root)!r} (the directory holding the model's own)"
+    return adapter_problem(str(where))
+
+
+async def ask_worker(sup, adapter: dict[str, Any]) -> dict[str, Any]:
+    """The worker loads or unloads the adapter (between two steps); its refusal is the caller's 400."""
+    event = await result_of(sup, sup.open({"kind": sup.model.kind, "body": {"adapter": adapter}}, op="request"))
+    return event.result

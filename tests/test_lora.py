@@ -1,0 +1,423 @@
+"""LoRA adapters (issue 40, docs/lora.md): the demo adapters built from nothing, what OpenVINO GenAI allows with them
+(the facts openarc's scheduling rests on), the config, the rotation policy, and a live server whose interleaved
+requests of two adapters and the base each get their own adapter's answer, equal to in-process genai's, with
+adapters loaded and unloaded at runtime behind the API key."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from appliance.config import ConfigError, parse_config, path_check
+from appliance.worker.adapter_rotation import BASE, may_join, next_group
+from appliance.worker.engines.base import STEP_DELAY_ENV
+from conftest import Appliance, http, model_entry, wait_until
+
+KEY_ENV = "TEST_OPENARC_LORA_KEY"
+KEY = "lora-test-key"
+
+
+@pytest.fixture(scope="module")
+def lora_dir(demo_model) -> Path:
+    """The demo model's directory's parent, holding the two demo adapters (upper, title) beside it."""
+    from appliance.demo.catalog import build_demo_adapter
+    for family in ("upper", "title"):
+        build_demo_adapter(demo_model.parent / family, family, demo_model)
+    return demo_model.parent
+
+
+@pytest.fixture(scope="module")
+def genai_adapters(lora_dir):
+    import openvino_genai
+    return {family: openvino_genai.Adapter(str(lora_dir / family / "adapter_model.safetensors"))
+            for family in ("upper", "title")}
+
+
+@pytest.fixture(scope="module")
+def in_process(demo_model, genai_adapters):
+    """answer(prompt text, adapter name or BASE): greedy in-process genai (LLMPipeline) with that one adapter."""
+    import openvino_genai
+    config = openvino_genai.AdapterConfig(openvino_genai.AdapterConfig.Mode.MODE_DYNAMIC)
+    for adapter in genai_adapters.values():
+        config.add(adapter, 1.0)
+    pipe = openvino_genai.LLMPipeline(str(demo_model), "CPU", adapters=config)
+
+    def answer(text: str, adapter: str = BASE, max_new_tokens: int = 64, chat: bool = False) -> str:
+        generation = openvino_genai.GenerationConfig()
+        generation.max_new_tokens = max_new_tokens
+        generation.apply_chat_template = chat
+        # one adapter a config, as the worker does (an empty config mis-applies later switches: see below)
+        generation.adapters = openvino_genai.AdapterConfig(genai_adapters[adapter or "upper"], 1.0 if adapter else 0.0)
+        return str(pipe.generate(text, generation))
+    return answer
+
+
+# --- the demo adapters and what genai allows --------------------------------------------------------------------
+
+def test_demo_adapters_restyle_every_word_and_the_base_is_unchanged(in_process):
+    for prompt in ("hello", "what is the weather like?", "a longer prompt of several words"):
+        base = in_process(prompt)
+        assert base and base[1:] == base[1:].lower(), base  # the demo's plain walk
+        assert in_process(prompt, "upper") == base.upper()
+        assert in_process(prompt, "title") == " ".join(w[:1].upper() + w[1:] for w in base.split(" "))
+        assert in_process(prompt) == base  # and back: the adapter left nothing behind
+
+
+def test_demo_adapter_cli_builds_into_the_cache(tmp_path):
+    import subprocess
+    import sys
+    env = {"OPENARC_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "appliance", "demo-model", "--adapter", "title", "--eos-after", "4"],
+                          capture_output=True, text=True, env={**env, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert done.returncode == 0, done.stderr
+    adapter = Path(done.stdout.strip())
+    assert (adapter / "adapter_model.safetensors").is_file()
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] == ["lm_head"]
+    wrong = subprocess.run([sys.executable, "-m", "appliance", "demo-model", "--adapter", "shouty"], capture_output=True,
+                           text=True, env={**env, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert wrong.returncode == 2 and "no demo adapter 'shouty' (have: upper, title)" in wrong.stderr
+
+
+def test_continuous_batching_applies_adapters_in_generate_only(demo_model, genai_adapters, in_process):
+    """The facts the worker's adapter groups rest on (genai 2026.4.1): add_request ignores
+    GenerationConfig.adapters, generate() applies them but refuses while requests run, and what generate() applied
+    stays for the requests added after it."""
+    import openvino_genai
+    up = genai_adapters["upper"]
+    scheduler = openvino_genai.SchedulerConfig()
+    scheduler.cache_size = 1
+    pipe = openvino_genai.ContinuousBatchingPipeline(str(demo_model), scheduler, "CPU",
+                                                     {"adapters": openvino_genai.AdapterConfig(up)})
+    tokenizer = pipe.get_tokenizer()
+    base, upper = in_process("hello", max_new_tokens=6), in_process("hello", "upper", max_new_tokens=6)
+
+    def config(adapter_alpha: float, n: int = 6):
+        generation = openvino_genai.GenerationConfig()
+        generation.max_new_tokens = n
+        generation.apply_chat_template = False  # generate() of a string would template it: add_request's ids do not
+        generation.adapters = openvino_genai.AdapterConfig(up, adapter_alpha)
+        return generation
+
+    def added(adapter_alpha: float) -> str:
+        handle = pipe.add_request(0, tokenizer.encode("hello").input_ids, config(adapter_alpha))
+        ids = []
+        while pipe.has_non_finished_requests():
+            pipe.step()
+            while handle.can_read():
+                ids += [i for out in handle.read().values() for i in out.generated_ids]
+        return tokenizer.decode(ids)
+
+    assert added(1.0) == base  # ignored
+    assert pipe.generate(["hello"], [config(1.0)])[0].m_generation_ids[0] == upper
+    assert added(0.0) == upper  # what generate() applied stays
+    running = pipe.add_request(1, tokenizer.encode("hello").input_ids, config(0.0, 30))
+    pipe.step()
+    with pytest.raises(RuntimeError, match="cannot be called while ContinuousBatchingPipeline is already in running"):
+        pipe.generate(["hello"], [config(0.0)])
+    running.cancel()
+    while pipe.has_non_finished_requests():
+        pipe.step()
+
+
+def test_one_adapter_configs_switch_right_where_an_empty_config_does_not(demo_model, genai_adapters, in_process):
+    """Why the worker never passes an empty AdapterConfig for the base (appliance.worker.engines.adapters): after
+    base -> upper -> base with empty configs, genai 2026.4.1 applies upper wrongly. The one-adapter configs the
+    worker uses (the base as an adapter at alpha 0) give every switch of the same sequence right. If the first
+    assertion fails, genai fixed it and the worker could say base plainly."""
+    import openvino_genai
+
+    def pipeline():
+        config = openvino_genai.AdapterConfig(openvino_genai.AdapterConfig.Mode.MODE_DYNAMIC)
+        for adapter in genai_adapters.values():
+            config.add(adapter, 1.0)
+        return openvino_genai.LLMPipeline(str(demo_model), "CPU", adapters=config, ATTENTION_BACKEND="SDPA")
+    expected = {name: in_process("hello", name, max_new_tokens=4) for name in (BASE, "upper", "title")}
+    sequence = [BASE, "upper", BASE, "upper", "title", "upper", BASE, "title", "title", "upper", BASE, BASE]
+
+    def answers(base_config) -> list[str]:
+        pipe, out = pipeline(), []  # a pipeline each: a wrong switch leaves the pipeline wrong after it
+        for name in sequence:
+            generation = openvino_genai.GenerationConfig()
+            generation.max_new_tokens = 4
+            generation.apply_chat_template = False
+            generation.adapters = base_config() if name == BASE else openvino_genai.AdapterConfig(
+                genai_adapters[name], 1.0)
+            out.append(str(pipe.generate("hello", generation)))
+        return out
+
+    assert answers(openvino_genai.AdapterConfig) != [expected[name] for name in sequence]
+    assert answers(lambda: openvino_genai.AdapterConfig(genai_adapters["upper"], 0.0)) == [
+        expected[name] for name in sequence]
+
+
+# --- config -----------------------------------------------------------------------------------------------------
+
+def _config(model: dict, checks=()):
+    return parse_config({"models": [model]}, "lora.yaml", list(checks))
+
+
+def test_config_takes_paths_or_path_and_alpha_and_checks_them(lora_dir, demo_model, tmp_path):
+    model = _config(model_entry("demo", demo_model, adapters={
+        "upper": str(lora_dir / "upper"), "title": {"path": str(lora_dir / "title" / "adapter_model.safetensors"),
+                                                      "alpha": 0.5}}), [path_check]).models[0]
+    assert {n: (a.path.endswith(("upper", ".safetensors")), a.alpha) for n, a in model.adapter_entries().items()} == {
+        "upper": (True, 1.0), "title": (True, 0.5)}
+    assert model.scheduler_settings()["enable_prefix_caching"] is False  # one adapter's KV must not serve another's
+
+    torch_only = tmp_path / "torch-only"
+    torch_only.mkdir()
+    (torch_only / "adapter_model.bin").write_bytes(b"\x80\x02}q\x00.")
+    not_lora = tmp_path / "weights.safetensors"
+    from safetensors.numpy import save_file
+    import numpy as np
+    save_file({"model.embed_tokens.weight": np.zeros((2, 2), np.float32)}, str(not_lora))
+    (tmp_path / "garbage.safetensors").write_bytes(b"not a safetensors file")
+    cases = {
+        str(tmp_path / "missing"): "does not exist",
+        str(torch_only): "holds a torch checkpoint (adapter_model.bin) and no adapter_model.safetensors; OpenVINO "
+                         "GenAI reads safetensors only; convert it once",
+        str(tmp_path / "x.bin"): "does not exist",
+        str(not_lora): "expected LoRA tensors (lora_A / lora_B)",
+        str(tmp_path / "garbage.safetensors"): "expected a safetensors file; cannot read",
+        str(tmp_path): "has no adapter_model.safetensors",
+    }
+    for path, expected in cases.items():
+        with pytest.raises(ConfigError) as error:
+            _config(model_entry("demo", demo_model, adapters={"sql": path}), [path_check])
+        assert error.value.lines[0].startswith("lora.yaml: models[0].adapters.sql: "), error.value.lines
+        assert expected in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("entry, expected", [
+    ({"adapters": {"a b": "/x"}}, "models[0].adapters.a b: expected a name of letters"),
+    ({"adapters": {"a": "/x", "b": "/y"}, "max_adapters": 1}, "models[0].adapters: expected at most max_adapters (1)"),
+    ({"adapters": {"a": {"path": "/x", "alpha": 0}}}, "models[0].adapters.a.alpha: expected a positive weight"),
+    ({"adapters": {"a": {"path": "/x", "weight": 2}}}, "models[0].adapters.a.weight: unknown key"),
+    ({"adapters": {"a": "/x"}, "prompt_lookup": True}, "models[0].adapters: not with speculative decoding"),
+    ({"adapters": {"a": "/x"}, "scheduler_config": {"enable_prefix_caching": True}},
+     "models[0].scheduler_config.enable_prefix_caching: not with adapters"),
+    ({"adapters": {"a": "/x"}, "kind": "embedding"}, "models[0].adapters: applies to kind 'llm' models only"),
+    ({"max_adapters": 0}, "models[0].max_adapters: expected at least 1"),
+])
+def test_config_names_each_adapter_mistake(entry, expected):
+    with pytest.raises(ConfigError) as error:
+        _config({"name": "demo", "path": "/m", **entry})
+    assert any(line.startswith(f"lora.yaml: {expected}") for line in error.value.lines), error.value.lines
+
+
+# --- the rotation policy -----------------------------------------------------------------------------------------
+
+QUANTUM = 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([BASE, "a", "b", "c"]), st.integers(1, 4)), min_size=1, max_size=40),
+       st.integers(1, 6))
+def test_rotation_serves_every_group_within_one_pass(arrivals, steps_between):
+    """A simulated worker (requests of a group arrive, run a few steps, finish) run by may_join and next_group:
+    every request runs, and while a request waits, no other group starts two turns before its own group's next
+    (a turn takes `QUANTUM` requests at most when others wait, so a request may need more than one of its own)."""
+    held: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+    running: dict[int, int] = {}  # request -> steps left
+    group, joined = None, 0
+    turns_seen: dict[int, set[str]] = {}  # a waiting request -> other groups whose turn began since its group's
+    done = set()
+    pending = list(enumerate(arrivals))
+
+    def join(request: int, steps: int) -> None:
+        nonlocal joined
+        joined += 1
+        running[request] = steps
+        turns_seen.pop(request, None)
+
+    for tick in range(10_000):
+        if tick % steps_between == 0 and pending:
+            request, (g, steps) = pending.pop(0)
+            others = any(q for h, q in held.items() if h != group)
+            if may_join(g, group, joined, others, QUANTUM):
+                join(request, steps)
+            else:
+                held[g].append((request, steps))
+                turns_seen[request] = set()
+        for request in list(running):
+            running[request] -= 1
+            if running[request] == 0:
+                running.pop(request)
+                done.add(request)
+        if not running and any(held.values()):
+            group, joined = next_group(group, [h for h, q in held.items() if q]), 0
+            for request, waiting in turns_seen.items():
+                if arrivals[request][0] == group:
+                    waiting.clear()
+                else:
+                    assert group not in waiting, "a group had two turns while another waited"
+                    waiting.add(group)
+            while held[group] and may_join(group, group, joined, any(q for h, q in held.items() if h != group),
+                                           QUANTUM):
+                join(*held[group].popleft())
+        if not pending and not running and not any(held.values()):
+            break
+    assert done == set(range(len(arrivals)))
+
+
+def test_next_group_cycles_by_name_and_a_lone_group_keeps_its_turn():
+    assert next_group(None, ["b", BASE]) == BASE
+    assert next_group(BASE, ["b", "a"]) == "a"
+    assert next_group("b", ["a", BASE]) == BASE
+    assert next_group("a", []) is None
+    assert may_join("a", "a", 100, others_waiting=False, quantum=1)
+    assert not may_join("a", "a", 1, others_waiting=True, quantum=1)
+    assert not may_join("b", "a", 0, others_waiting=False, quantum=8)
+
+
+# --- a live server -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, demo_model, lora_dir):
+    config = {"server": {"api_key_env": KEY_ENV}, "models": [
+        model_entry("demo", demo_model, adapters={"upper": str(lora_dir / "upper"), "title": str(lora_dir / "title")},
+                    max_adapters=3),
+        model_entry("seq", demo_model, pipeline="stateful", adapters={"upper": str(lora_dir / "upper")}),
+        model_entry("plain", demo_model),
+    ]}
+    # each engine step takes 10 ms at least: a 40-token answer runs long enough for the metrics test to see it run
+    app = Appliance(config, tmp_path_factory.mktemp("lora"), env={KEY_ENV: KEY, STEP_DELAY_ENV: "0.01"}).start()
+    yield app
+    app.stop()
+
+
+def chat(server, model: str, prompt: str, max_tokens: int = 12) -> tuple[int, object]:
+    status, _, body = http("POST", server.base + "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens},
+        headers=server.auth)
+    return status, body["choices"][0]["message"]["content"] if status == 200 else body
+
+
+def test_models_lists_each_adapter_with_its_parent(server, lora_dir):
+    status, _, body = http("GET", server.base + "/v1/models", headers=server.auth)
+    assert status == 200
+    listed = {m["id"]: m for m in body["data"]}
+    assert set(listed) == {"demo", "demo:upper", "demo:title", "seq", "seq:upper", "plain"}
+    assert listed["demo:upper"]["parent"] == "demo" and "parent" not in listed["demo"]
+    assert listed["demo:title"]["root"] == str(lora_dir / "title" / "adapter_model.safetensors")
+
+
+def test_interleaved_requests_of_two_adapters_and_the_base_each_get_their_own(server, in_process):
+    prompts = ["hello", "hi there", "what now?", "tell me more about it"]
+    jobs = [(model, prompt) for prompt in prompts for model in ("demo", "demo:upper", "demo:title", "seq", "seq:upper",
+                                                                "demo:upper", "demo")]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda job: chat(server, *job), jobs))
+    for (model, prompt), (status, text) in zip(jobs, answers):
+        assert status == 200, text
+        templated = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+        expected = in_process(templated, model.partition(":")[2], max_new_tokens=12)
+        assert text == expected, (model, prompt, text, expected)
+    assert len({text for _, text in answers}) >= 3 * 2  # adapters and prompts both change the words
+
+
+def test_an_unknown_adapter_is_a_404_naming_the_models(server):
+    status, body = chat(server, "demo:nope", "hello")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert chat(server, "plain:upper", "hello")[0] == 404
+
+
+def test_runtime_load_serves_the_adapter_and_unload_makes_its_name_a_404(server, lora_dir, in_process, tmp_path):
+    url = server.base + "/openarc/models/demo/adapters"
+    shout = lora_dir / "shout"
+    shutil.copytree(lora_dir / "upper", shout, dirs_exist_ok=True)
+    assert http("POST", url, {"name": "shout", "path": str(shout)})[0] == 401  # behind the key
+    status, _, body = http("POST", url, {"name": "shout", "path": str(shout)}, headers=server.auth)
+    assert status == 201, body
+    assert body["model"] == "demo:shout" and body["parent"] == "demo"
+    expected = in_process("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", "upper", max_new_tokens=12)
+    assert chat(server, "demo:shout", "hello") == (200, expected)
+    models = http("GET", server.base + "/v1/models", headers=server.auth)[2]["data"]
+    assert any(m["id"] == "demo:shout" and m["parent"] == "demo" for m in models)
+
+    # a worker restarted after a crash loads the runtime adapter again (it is in the worker's spec)
+    old_pid = server.worker_pid("demo")
+    os.kill(old_pid, signal.SIGKILL)
+    server.wait_model("demo", "ready", new_pid_not=old_pid)
+    assert chat(server, "demo:shout", "hello") == (200, expected)
+
+    status, _, body = http("POST", url, {"name": "more", "path": str(lora_dir / "upper")}, headers=server.auth)
+    assert status == 409 and "max_adapters (3)" in body["error"]["message"]
+    status, _, body = http("POST", url, {"name": "shout", "path": str(shout)}, headers=server.auth)
+    assert status == 409 and body["error"]["code"] == "adapter_exists"
+
+    status, _, body = http("DELETE", url + "/shout", headers=server.auth)
+    assert status == 200, body
+    assert chat(server, "demo:shout", "hello")[0] == 404
+    assert http("DELETE", url + "/shout", headers=server.auth)[0] == 404
+    assert chat(server, "demo:upper", "hello") == (200, expected)  # the others serve on
+
+    # the stateful pipeline takes one at runtime too (each request applies its own)
+    seq = server.base + "/openarc/models/seq/adapters"
+    assert http("POST", seq, {"name": "t", "path": str(lora_dir / "title")}, headers=server.auth)[0] == 201
+    title = in_process("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", "title", max_new_tokens=12)
+    assert chat(server, "seq:t", "hello") == (200, title)
+    assert chat(server, "seq", "hello") == (200, expected.lower().capitalize())
+    assert http("DELETE", seq + "/t", headers=server.auth)[0] == 200
+
+
+def test_runtime_load_refuses_bad_paths_with_a_400_naming_the_problem(server, lora_dir, tmp_path):
+    url = server.base + "/openarc/models/demo/adapters"
+    torch_only = lora_dir / "torch-only"
+    torch_only.mkdir(exist_ok=True)
+    (torch_only / "adapter_model.bin").write_bytes(b"\x80\x02}q\x00.")
+    cases = [
+        ({"name": "x", "path": str(lora_dir / "missing")}, "does not exist"),
+        ({"name": "x", "path": str(torch_only)}, "holds a torch checkpoint (adapter_model.bin)"),
+        ({"name": "x", "path": str(tmp_path)}, f"under {str(lora_dir)!r}"),
+        ({"name": "x", "path": str(lora_dir / "upper" / ".." / ".." / "etc")}, "must be absolute and under"),
+        ({"name": "x y", "path": str(lora_dir / "upper")}, "'name' must be letters"),
+        ({"name": "x", "path": str(lora_dir / "upper"), "alpha": -1}, "'alpha' must be a positive number"),
+    ]
+    for body, expected in cases:
+        status, _, answer = http("POST", url, body, headers=server.auth)
+        assert status == 400 and expected in answer["error"]["message"], (body, answer)
+    status, _, answer = http("POST", server.base + "/openarc/models/plain/adapters",
+                             {"name": "x", "path": str(lora_dir / "upper")}, headers=server.auth)
+    assert status == 409 and answer["error"]["code"] == "no_adapters"
+    assert http("POST", server.base + "/openarc/models/nope/adapters", {"name": "x", "path": "/x"},
+                headers=server.auth)[0] == 404
+
+
+def lora_info(metrics: str, model: str) -> list[str]:
+    return [line for line in metrics.splitlines()
+            if line.startswith("openarc_lora_requests_info{") and f'model="{model}"' in line]
+
+
+def test_metrics_say_which_adapters_run_in_vllms_shape_and_count_by_adapter(server):
+    import openai
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    stream = client.chat.completions.create(model="demo:title", messages=[{"role": "user", "content": "hello"}],
+                                            max_tokens=40, stream=True)
+    try:
+        next(iter(stream))  # running now, for 40 steps of 10 ms at least
+        running = wait_until(lambda: [line for line in lora_info(server.metrics(), "demo")
+                                      if 'running_lora_adapters="demo:title"' in line], 5, "demo:title running")
+        assert 'max_lora="3"' in running[0], running
+    finally:
+        stream.close()
+    assert chat(server, "demo:upper", "counted")[0] == 200
+    assert chat(server, "demo", "counted")[0] == 200
+    metrics = server.metrics()
+    (idle,) = lora_info(metrics, "demo")
+    assert 'running_lora_adapters=""' in idle and 'waiting_lora_adapters=""' in idle, idle
+    assert float(idle.rsplit(" ", 1)[1]) > 1.7e9  # when it was set, as vLLM's is
+    counted = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("openarc_adapter_requests_total{")}
+    assert counted.get('adapter="upper",model="demo"', 0) >= 1 and counted.get('adapter="",model="demo"', 0) >= 1, \
+        counted
+    assert not lora_info(metrics, "plain") and 'model="plain"' not in "".join(counted)

@@ -29,6 +29,13 @@ IR_FILES: dict[str, tuple[str, ...]] = {
     "tts": ("openvino_encoder_model", "openvino_decoder_model", "openvino_postnet", "openvino_vocoder") + TOKENIZER,
 }
 KOKORO_IR = ("openvino_model",)
+# A diffusers pipeline exported for OpenVINO (image): model_index.json names its parts, each a subdirectory.
+# genai's image pipelines need a denoiser (a UNet, or a transformer for SD3 and FLUX), the VAE decoder, a text
+# encoder and its tokenizer; a vae_encoder makes the directory serve edits (image to image, inpainting) too.
+IMAGE_INDEX = "model_index.json"
+IMAGE_DENOISERS = ("unet/openvino_model", "transformer/openvino_model")
+IMAGE_IR = ("vae_decoder/openvino_model", "text_encoder/openvino_model", "tokenizer/openvino_tokenizer")
+IMAGE_ENCODER = "vae_encoder/openvino_model"
 
 # `optimum-cli export openvino --task` for each kind, and the weight format that suits it: int4 for the
 # generative models (their weights are the memory; int4 keeps quality), int8 for the small encoders and Whisper,
@@ -39,10 +46,11 @@ EXPORT_TASKS = {
     "embedding": "feature-extraction",
     "rerank": "text-classification",
     "transcription": "automatic-speech-recognition-with-past",
+    "image": "text-to-image",
     "tts": "text-to-audio",  # SpeechT5 also needs --model-kwargs '{"vocoder": "microsoft/speecht5_hifigan"}'
 }
 WEIGHT_FORMATS = {"llm": "int4", "vlm": "int4", "embedding": "int8", "rerank": "int8", "transcription": "int8",
-                  "tts": "fp16"}
+                  "tts": "fp16", "image": "int8"}
 
 # A tts model's voices when its config names none: VOICES_DIR/NAME.bin in the model's directory (a speaker
 # embedding for SpeechT5, a voice file for Kokoro: raw float32, the layout genai's samples write).
@@ -115,6 +123,8 @@ def ir_stems(files: set[str], kind: str) -> tuple[str, ...]:
     models and tokenizer, or Kokoro's one model."""
     if kind == "tts" and all(_has_ir(files, stem) for stem in KOKORO_IR):
         return KOKORO_IR
+    if kind == "image":
+        return (next((d for d in IMAGE_DENOISERS if _has_ir(files, d)), IMAGE_DENOISERS[0]),) + IMAGE_IR
     return IR_FILES.get(kind, ())
 
 
@@ -126,6 +136,14 @@ def missing_ir(files: set[str], kind: str) -> list[str]:
 def detect(files: Iterable[str], config: dict[str, Any] | None) -> Detected:
     """What a model directory is, from its file names (relative paths) and its config.json (None if absent)."""
     files = set(files)
+    if IMAGE_INDEX in files:  # a diffusers pipeline: its parts sit in subdirectories, config.json has none
+        if not any(_has_ir(files, stem) for stem in IMAGE_IR + IMAGE_DENOISERS):
+            return Detected("pytorch" if any(name.endswith(PYTORCH_SUFFIXES) for name in files) else "unknown",
+                            "image", "a diffusers pipeline without OpenVINO IR files")
+        missing = missing_ir(files, "image")
+        if missing:
+            return Detected("openvino", None, f"an incomplete image model: missing {', '.join(missing)}")
+        return Detected("openvino", "image")
     if not any(name.endswith(".xml") and name.startswith("openvino_") for name in files):
         if any(name.endswith(".gguf") for name in files):
             return Detected("gguf", None, "a GGUF repository (llama.cpp's format)")
@@ -164,6 +182,26 @@ def voice_files(model_path: str, configured: dict[str, str] | None) -> dict[str,
                 if f.name.endswith(VOICE_SUFFIX) and f.is_file()}
     except OSError:
         return {}
+
+
+def adapter_problem(path: str) -> str | None:
+    """Why a LoRA adapter file cannot be loaded (None: it can): genai's Adapter reads a safetensors file, whose
+    first 8 bytes are the little-endian length of a JSON header that follows. Checked at check-config and start,
+    so a bad path is a config error naming the key, never a failed request."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(9)
+    except IsADirectoryError:
+        return f"expected a LoRA adapter file (.safetensors); {path!r} is a directory"
+    except FileNotFoundError:
+        return f"expected a LoRA adapter file (.safetensors); {path!r} does not exist"
+    except OSError as exc:
+        return f"expected a file this user can read; cannot read {path!r} ({exc.strerror})"
+    size = os.stat(path).st_size
+    length = int.from_bytes(head[:8], "little") if len(head) == 9 else 0
+    if not path.endswith(".safetensors") or not 0 < length <= size - 8 or head[8:9] != b"{":
+        return f"expected a LoRA adapter in the safetensors format; {path!r} is not one"
+    return None
 
 
 def export_command(repo_id: str, kind: str | None, out_dir: str) -> str:

@@ -70,10 +70,18 @@ class DraftModelConfig:
 
 
 @dataclass
+class AdapterFile:
+    """A LoRA adapter (safetensors) by its path, relative to the model's directory or absolute, and the weight a
+    request that names it without one applies it at."""
+    path: str
+    alpha: float = 1.0
+
+
+@dataclass
 class ModelConfig:
     name: str
     path: str
-    kind: Literal["llm", "vlm", "embedding", "rerank", "transcription", "tts"] = "llm"
+    kind: Literal["llm", "vlm", "embedding", "rerank", "transcription", "tts", "image"] = "llm"
     device: str = "CPU"
     # Port of this model's own listener under `openarc serve --model NAME` (openarc@NAME.service).
     port: int | None = None
@@ -121,6 +129,14 @@ class ModelConfig:
     max_image_pixels: int = 25_000_000
     image_formats: list[Literal["png", "jpeg", "webp", "gif"]] = field(
         default_factory=lambda: ["png", "jpeg", "webp", "gif"])
+    # image: LoRA adapters a request may apply by name (`lora: [{name, weight}]`), as a path or {path, alpha}; the
+    # largest width or height a request may ask for, the most pictures one request may ask for (n), and the most
+    # denoising steps (num_inference_steps). A request that names no size or steps gets the model's own (genai's
+    # defaults for its family).
+    adapters: dict[str, str | AdapterFile] | None = None
+    max_resolution: int = 1024
+    max_images_per_request: int = 4
+    max_inference_steps: int = 50
     # llm, vlm: drop known per-request agent noise (Claude Code's billing header line) before templating, so a
     # conversation's prompt stays the same from turn to turn and the prefix cache serves it (appliance.worker.agent_noise).
     canonicalize_agent_noise: bool = True
@@ -189,6 +205,15 @@ class ModelConfig:
         if self.prompt_lookup:
             defaults["max_ngram_size"] = self.max_ngram_size or DEFAULT_NGRAM_SIZE
         return defaults
+
+    def adapter_files(self) -> dict[str, AdapterFile]:
+        """The model's adapters by name, each as an AdapterFile whose path is absolute (a relative one is read
+        from the model's directory, as a tts model's voices are)."""
+        found = {}
+        for name, entry in (self.adapters or {}).items():
+            file = AdapterFile(entry) if isinstance(entry, str) else entry
+            found[name] = AdapterFile(os.path.join(self.path, file.path), file.alpha)
+        return found
 
     @property
     def memory_bytes(self) -> int | None:

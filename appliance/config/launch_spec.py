@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 # Keys of one kind (model_kinds.KIND_ONLY_KEYS) that only the front reads: its workers get every other key of
 # their kind.
 FRONT_ONLY_KIND_KEYS = frozenset({"max_audio_seconds", "max_upload_bytes", "max_image_bytes", "max_image_pixels",
-                                  "image_formats"})
+                                  "image_formats", "max_resolution", "max_images_per_request", "max_inference_steps",
+                                  "adapters"})
 
 
 def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
@@ -36,6 +37,8 @@ def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
         as_model = dataclasses.replace(model, device=d.device or model.device, runtime_config=d.runtime_config)
         spec["draft_model"] = {"path": d.path, "device": as_model.device,
                                "properties": as_model.ov_properties(config.ov_cache_dir())}
+    if model.kind == "image":  # the adapters' files, resolved: the worker declares them all when it loads
+        spec["adapters"] = {name: dataclasses.asdict(file) for name, file in model.adapter_files().items()}
     if model.kind == "llm":
         spec["speculative"] = model.speculative_defaults()
     if "scheduler_config" in spec:

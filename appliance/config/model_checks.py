@@ -77,6 +77,11 @@ def served_path_check(model: ModelConfig, user_name: str | None = None,
         for name, file in model_files.voice_files(locate(model.path), model.voices).items():
             if not os.access(file, os.R_OK):
                 return f"voices.{name}", f"expected a voice file this user can read; cannot read {file!r}"
+    if problem is None:  # LoRA adapters: read by the worker when a request names one
+        for name, file in model.adapter_files().items():
+            adapter = model_files.adapter_problem(locate(file.path))
+            if adapter:
+                return f"adapters.{name}", adapter
     return ("path", problem) if problem else None
 
 

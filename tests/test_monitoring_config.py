@@ -67,6 +67,9 @@ OPENARC_METRICS = {
     "openarc_images_total": ("counter", ("model",)),
     "openarc_image_rejections_total": ("counter", ("model", "reason")),
     "openarc_draft_tokens_total": ("counter", ("model", "outcome")),
+    "openarc_images_generated_total": ("counter", ("model",)),
+    "openarc_image_seconds": ("histogram", ("model",)),
+    "openarc_image_step_seconds": ("histogram", ("model",)),
 }
 MODEL_STATES = ("loading", "ready", "restarting", "draining", "failed", "stopped", "unloaded")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")

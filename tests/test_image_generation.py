@@ -1,0 +1,245 @@
+"""Image generation on the demo image model, through the server with the openai SDK unmodified: pictures whose colour
+follows the prompt, an adapter that changes it and its absence that brings it back, edits, streamed progress and
+partial pictures, a hang-up that stops the worker's steps, a SIGABRT mid-picture answered at once, and a card that
+holds one model swapping chat and pictures with no request failing."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import threading
+import time
+from http.client import HTTPConnection
+
+import openai
+import pytest
+
+from conftest import http, model_entry, pid_alive, wait_until
+
+HANG_BOUND_S = 60  # catches a hang, never a timing
+ADAPTER = "recolour"
+
+
+@pytest.fixture(scope="module")
+def image_model(tmp_path_factory):
+    from appliance.demo.catalog import build_demo_model
+    return build_demo_model(tmp_path_factory.mktemp("models") / "image", "image")
+
+
+def adapter_path(model_dir) -> str:
+    """The demo model's LoRA adapter (appliance.demo.image writes one beside the model)."""
+    from appliance.demo import image
+    return str(model_dir / image.ADAPTER_FILE)
+
+
+def image_entry(model_dir, **overrides) -> dict:
+    return model_entry("pictures", model_dir, kind="image", adapters={ADAPTER: adapter_path(model_dir)}, **overrides)
+
+
+@pytest.fixture(scope="module")
+def app(image_model, tmp_path_factory):
+    from conftest import Appliance
+    server = Appliance({"models": [image_entry(image_model)]}, tmp_path_factory.mktemp("images")).start()
+    yield server
+    server.stop()
+
+
+def colour_of(b64: str) -> str:
+    """The dominant colour of a picture: the channel whose mean is highest."""
+    from PIL import Image
+    pixels = Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")
+    means = [sum(channel.getdata()) / (pixels.width * pixels.height) for channel in pixels.split()]
+    return ("red", "green", "blue")[means.index(max(means))]
+
+
+def picture(app, prompt: str, **extra) -> str:
+    reply = app.client().images.generate(model="pictures", prompt=prompt, extra_body={"seed": 3, **extra})
+    assert len(reply.data) == 1 and reply.data[0].b64_json
+    return reply.data[0].b64_json
+
+
+def test_the_sdk_generates_a_picture_whose_colour_follows_the_prompt(app):
+    for colour in ("red", "green", "blue"):
+        assert colour_of(picture(app, f"a {colour} square")) == colour
+
+
+def test_an_adapter_changes_the_picture_and_without_it_it_is_back(app):
+    plain = colour_of(picture(app, "a red square"))
+    adapted = colour_of(picture(app, "a red square", lora=[{"name": ADAPTER, "weight": 1.0}]))
+    assert adapted != plain
+    assert colour_of(picture(app, "a red square")) == plain
+
+
+def test_n_formats_and_seeds(app):
+    from PIL import Image
+    client = app.client()
+    reply = client.images.generate(model="pictures", prompt="a blue square", n=2, output_format="jpeg",
+                                   extra_body={"seed": 5})
+    assert len(reply.data) == 2 and reply.output_format == "jpeg"
+    assert Image.open(io.BytesIO(base64.b64decode(reply.data[0].b64_json))).format == "JPEG"
+    again = client.images.generate(model="pictures", prompt="a blue square", n=2, output_format="jpeg",
+                                   extra_body={"seed": 5})
+    assert [d.b64_json for d in again.data] == [d.b64_json for d in reply.data]  # the same seed, the same pictures
+
+
+def png_bytes(colour, size=(64, 64), mode="RGB") -> bytes:
+    from PIL import Image
+    out = io.BytesIO()
+    Image.new(mode, size, colour).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_the_sdk_edits_a_picture_with_and_without_a_mask(app):
+    client = app.client()
+    edited = client.images.edit(model="pictures", image=("in.png", png_bytes((0, 0, 255))), prompt="a red square",
+                                extra_body={"strength": 1.0, "seed": 1})
+    assert colour_of(edited.data[0].b64_json) == "red"
+    mask = png_bytes((0, 0, 0, 0), mode="RGBA")  # transparent: paint everywhere
+    inpainted = client.images.edit(model="pictures", image=("in.png", png_bytes((0, 0, 255))),
+                                   mask=("mask.png", mask), prompt="a green square", extra_body={"seed": 1})
+    assert colour_of(inpainted.data[0].b64_json) == "green"
+
+
+@pytest.mark.parametrize("call, code", [
+    (lambda c: c.images.generate(model="pictures", prompt="x", size="100x100"), "invalid_size"),
+    (lambda c: c.images.generate(model="pictures", prompt="x", n=9), "invalid_request"),
+    (lambda c: c.images.generate(model="pictures", prompt="x", response_format="url"), "unsupported_response_format"),
+    (lambda c: c.images.generate(model="pictures", prompt="x", extra_body={"num_inference_steps": 51}),
+     "too_many_steps"),
+    (lambda c: c.images.generate(model="pictures", prompt="x", extra_body={"lora": [{"name": "nope"}]}),
+     "unknown_adapter"),
+    (lambda c: c.images.edit(model="pictures", prompt="x", image=("in.png", b"not a picture")), "invalid_image"),
+    (lambda c: c.images.edit(model="pictures", prompt="x", image=("in.png", png_bytes((1, 2, 3))),
+                             mask=("m.png", png_bytes((0, 0, 0), size=(72, 64)))), "invalid_mask"),
+])
+def test_bad_requests_are_openai_shaped_400s_and_the_worker_lives_on(app, call, code):
+    pid = app.worker_pid("pictures")
+    with pytest.raises(openai.BadRequestError) as err:
+        call(app.client())
+    assert err.value.status_code == 400 and err.value.body["code"] == code, err.value.body
+    assert app.worker_pid("pictures") == pid
+    assert colour_of(picture(app, "a green square")) == "green"
+
+
+def sse_events(response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.read().decode().splitlines() if line.startswith("data: ")]
+
+
+def post(app, path: str, body: dict) -> HTTPConnection:
+    connection = HTTPConnection("127.0.0.1", app.port, timeout=HANG_BOUND_S)
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    return connection
+
+
+def test_a_stream_sends_progress_partials_and_the_picture(app):
+    response = post(app, "/v1/images/generations", {"model": "pictures", "prompt": "a red square", "stream": True,
+                                                    "partial_images": 2, "num_inference_steps": 6}).getresponse()
+    assert response.status == 200
+    events = sse_events(response)
+    types = [e["type"] for e in events]
+    assert [e["step"] for e in events if e["type"] == "progress"] == [1, 2, 3, 4, 5, 6]
+    partials = [e for e in events if e["type"] == "image_generation.partial_image"]
+    assert [p["partial_image_index"] for p in partials] == [0, 1] and all(p["b64_json"] for p in partials)
+    assert types[-1] == "image_generation.completed" and colour_of(events[-1]["b64_json"]) == "red"
+
+
+def test_the_sdk_reads_a_stream(app):
+    stream = app.client().images.generate(model="pictures", prompt="a blue square", stream=True, partial_images=1)
+    events = list(stream)
+    assert events[-1].type == "image_generation.completed" and colour_of(events[-1].b64_json) == "blue"
+    assert any(e.type == "image_generation.partial_image" for e in events)
+
+
+def test_metrics_count_pictures_and_steps(app):
+    before = app.metrics()
+    picture(app, "a red square", num_inference_steps=4)
+    after = app.metrics()
+
+    def value(text: str, series: str) -> float:
+        line = next((l for l in text.splitlines() if l.startswith(series + " ")), f"{series} 0")
+        return float(line.split()[-1])
+
+    generated = 'openarc_images_generated_total{model="pictures"}'
+    steps = 'openarc_image_step_seconds_count{model="pictures"}'
+    assert value(after, generated) - value(before, generated) == 1
+    assert value(after, steps) - value(before, steps) == 4
+
+
+# --- with the worker slowed: mid-generation faults and hang-ups ------------------------------------------------
+
+STEP_DELAY_S = 0.2
+SLOW_STEPS = 40  # 8 s a picture: long enough for a fault to land mid-picture, short enough never to time out
+
+
+def test_a_hang_up_stops_the_workers_steps(appliance_factory, image_model):
+    """A client that hangs up mid-stream: the worker stops at its next step, so the next request does not wait for
+    the abandoned picture's remaining steps."""
+    app = appliance_factory({"models": [image_entry(image_model)]}, env={"OPENARC_DEBUG_STEP_DELAY_S": str(STEP_DELAY_S)})
+    connection = post(app, "/v1/images/generations", {"model": "pictures", "prompt": "a red square", "stream": True,
+                                                      "num_inference_steps": SLOW_STEPS})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"event: ")
+    connection.sock.shutdown(2)
+    connection.close()
+    hung_up = time.monotonic()
+    wait_until(lambda: not app.model_status("pictures")["requests_running"], HANG_BOUND_S, "the request closed")
+    count = step_count(app)
+    time.sleep(5 * STEP_DELAY_S)
+    assert step_count(app) <= count + 1  # at most the step that was running
+    picture(app, "a green square", num_inference_steps=2)
+    # the abandoned picture's 40 steps would take 8 s; the next one waited for one step at most
+    assert time.monotonic() - hung_up < SLOW_STEPS * STEP_DELAY_S / 2
+
+
+def step_count(app) -> float:
+    series = 'openarc_image_step_seconds_count{model="pictures"} '
+    return float(next(l for l in app.metrics().splitlines() if l.startswith(series)).split()[-1])
+
+
+def test_sigabrt_mid_picture_is_an_error_within_a_second_and_the_next_picture_succeeds(appliance_factory,
+                                                                                       image_model):
+    app = appliance_factory({"models": [image_entry(image_model)]}, env={"OPENARC_DEBUG_STEP_DELAY_S": str(STEP_DELAY_S)})
+    pid = app.worker_pid("pictures")
+    result: dict = {}
+
+    def generate() -> None:
+        result["reply"] = http("POST", app.base + "/v1/images/generations",
+                               {"model": "pictures", "prompt": "a red square", "num_inference_steps": SLOW_STEPS},
+                               timeout=HANG_BOUND_S)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    wait_until(lambda: step_count(app) >= 2, HANG_BOUND_S, "steps running")
+    os.kill(pid, signal.SIGABRT)
+    aborted = time.monotonic()
+    thread.join(HANG_BOUND_S)
+    assert time.monotonic() - aborted < 1.0
+    status, _, body = result["reply"]
+    assert status == 503 and body["error"]["code"] == "worker_crash", body
+    new = app.wait_model("pictures", "ready", new_pid_not=pid)
+    assert new["crashes"] == 1 and "SIGABRT" in new["last_error"] and not pid_alive(pid)
+    assert colour_of(picture(app, "a blue square", num_inference_steps=2)) == "blue"
+
+
+def test_one_model_at_a_time_chat_then_a_picture_then_chat_all_succeed(appliance_factory, image_model, demo_model):
+    app = appliance_factory({"server": {"max_loaded": 1}, "models": [
+        model_entry("chat", demo_model, load="on_demand"), image_entry(image_model, load="on_demand")]})
+    client = app.client(timeout=HANG_BOUND_S)
+
+    def chat() -> str:
+        reply = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4)
+        return reply.choices[0].finish_reason
+
+    assert chat() == "length"
+    chat_pid = app.worker_pid("chat")
+    assert colour_of(picture(app, "a red square")) == "red"
+    assert app.model_status("chat")["state"] == "unloaded" and not pid_alive(chat_pid)
+    assert app.model_status("pictures")["memory"]["source"] == "measured"  # its footprint, measured at its load
+    assert chat() == "length"
+    assert app.model_status("pictures")["state"] == "unloaded"
+    loads = {m["name"]: m for m in app.status()["models"]}
+    assert loads["chat"]["state"] == "ready"

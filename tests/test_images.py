@@ -173,7 +173,7 @@ def test_an_edit_keeps_its_pictures_size_and_its_mask_must_match():
 @given(st.integers(1, 200), st.integers(0, 3))
 def test_partial_pictures_come_spread_over_the_steps_and_never_at_the_last(steps, wanted):
     due = partial_steps(steps, wanted)
-    assert due <= set(range(1, steps)) and len(due) <= wanted
+    assert due == sorted(set(due)) and set(due) <= set(range(1, steps)) and len(due) <= wanted
     if steps > wanted:
         assert len(due) == wanted
 

@@ -15,7 +15,13 @@ Pictures are made one at a time (seed, seed+1, ...): a card's memory holds one p
 seen between pictures too, and each goes to the front as it is done (a `picture` frame). genai calls back after
 every denoising step: a `step` frame (the stall timer's progress, the step histogram, a streamed `progress`
 event), with the picture so far at the steps a streamed request asked partial images for; a cancelled request
-stops at the next step. Result: {"pictures": n made, "width", "height", "steps"}.
+stops at the next step. Result: {"pictures": n made, "width", "height"}.
+
+genai runs the step callback on a thread of its own and does not wait for it: the denoising goes on while it runs,
+and a step whose callback finds the previous one still running is not called back (on a real model a step takes far
+longer than a callback; on the demo model some steps go unreported). So the callback stays short, and partial
+pictures are decoded by a VAE decoder of their own (PartialDecoder), never by the pipeline, whose own decoder the
+generation is using at its end.
 """
 
 from __future__ import annotations
@@ -37,12 +43,12 @@ PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 ENCODER = "vae_encoder/openvino_model.xml"  # appliance.model_files.IMAGE_ENCODER
 
 
-def partial_steps(steps: int, partial_images: int) -> set[int]:
-    """The steps (1-based) after which a request asking for `partial_images` partial pictures gets one: spread
-    evenly over the generation, never the last step (the finished picture follows it)."""
+def partial_steps(steps: int, partial_images: int) -> list[int]:
+    """The steps (1-based, in order) after which a request asking for `partial_images` partial pictures gets one:
+    spread evenly over the generation, never the last step (the finished picture follows it)."""
     if partial_images <= 0 or steps <= 1:
-        return set()
-    return {max(1, round(steps * (k + 1) / (partial_images + 1))) for k in range(partial_images)} - {steps}
+        return []
+    return sorted({max(1, round(steps * (k + 1) / (partial_images + 1))) for k in range(partial_images)} - {steps})
 
 
 def encode_picture(pixels, output_format: str, compression: int | None) -> str:
@@ -72,6 +78,7 @@ class ImageEngine(ResultEngine):
         else:
             self.text2image = openvino_genai.Text2ImagePipeline(spec["path"], spec["device"], **properties)
         self.cancelled = False
+        self.partials = PartialDecoder(spec)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -155,6 +162,33 @@ def read_pixels(image: dict[str, Any]):
     return ov.Tensor(pixels)
 
 
+class PartialDecoder:
+    """The VAE decoder partial pictures are decoded with: compiled on the first request that asks for them (most
+    never do), apart from the pipeline's (see the module doc). A family whose step latents it cannot decode (FLUX
+    packs them) gets no partial pictures, said once in the log."""
+
+    def __init__(self, spec: dict[str, Any]):
+        self.spec = spec
+        self.vae = None
+        self.broken = False
+
+    def decode(self, latent):
+        """The picture so far as height x width x 3 uint8 pixels, or None."""
+        if self.broken:
+            return None
+        try:
+            if self.vae is None:
+                import openvino_genai
+                self.vae = openvino_genai.AutoencoderKL(os.path.join(self.spec["path"], "vae_decoder"))
+                self.vae.compile(self.spec["device"], **self.spec["properties"])
+            return self.vae.decode(latent).data[0]
+        except RuntimeError as exc:
+            self.broken = True
+            log.warning("no partial pictures for this model: its step latents cannot be decoded (%s)",
+                        str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+            return None
+
+
 class StepReporter:
     """genai's step callback: a `step` frame for each step (with the picture so far where a partial one is due),
     the engine's inbox read (a cancel), and the request stopped once cancelled. genai would print and swallow an
@@ -162,7 +196,7 @@ class StepReporter:
 
     def __init__(self, engine: ImageEngine, index: int, body: dict[str, Any]):
         self.engine, self.index, self.body = engine, index, body
-        self.partial: set[int] | None = None  # known once genai says how many steps it runs
+        self.partial: list[int] | None = None  # the steps partial pictures are due after, once genai says how many
         self.last = time.monotonic()
         self.error: BaseException | None = None
 
@@ -173,9 +207,13 @@ class StepReporter:
                 self.partial = partial_steps(num_steps, self.body["partial_images"])
             now = time.monotonic()
             extra = {}
-            if step + 1 in self.partial:
-                pixels = engine.text2image.decode(latent).data[0]
-                extra["image"] = encode_picture(pixels, self.body["output_format"], self.body["output_compression"])
+            if self.partial and step + 1 >= self.partial[0]:  # due (at this step, or at one not called back)
+                while self.partial and step + 1 >= self.partial[0]:
+                    self.partial.pop(0)
+                pixels = engine.partials.decode(latent)
+                if pixels is not None:
+                    extra["image"] = encode_picture(pixels, self.body["output_format"],
+                                                    self.body["output_compression"])
             engine.post(frame("step", id=engine.current["id"], index=self.index, step=step + 1, steps=num_steps,
                               seconds=now - self.last, **extra))
             self.last = now

@@ -41,6 +41,13 @@ def _seed_only(*, seed: int = 0) -> dict:
     return {"seed": int(seed)}
 
 
+def image_params(**params) -> dict:
+    """The image demo's build parameters, checked (appliance.demo.image.checked_params)."""
+    from appliance.demo.image import checked_params
+
+    return checked_params(**params)
+
+
 def build_demo_model(dest: os.PathLike, kind: str = "llm", **params) -> pathlib.Path:
     """Write the demo model of worker kind `kind` (a DEMO_KINDS key) into `dest` and return `dest`.
 
@@ -102,7 +109,7 @@ DEMO_KINDS = {
     "transcription": DemoKind("appliance.demo.whisper", "write_whisper_model", _seed_only, 1),
     "vlm": DemoKind("appliance.demo.vlm", "write_vlm_model", checked_params, 3),  # 3: the chat demo's tokenizer
     "tts": DemoKind("appliance.demo.tts", "write_tts_model", _seed_only, 1),
-    "image": DemoKind("appliance.demo.image", "write_image_model", _seed_only, 1),
+    "image": DemoKind("appliance.demo.image", "write_image_model", image_params, 1),
 }
 
 

@@ -1,11 +1,11 @@
 """A tiny Stable-Diffusion-1.5-shaped image model in OpenVINO IR, built from nothing (no model hub, no torch), and a
 LoRA adapter for it.
 
-`openarc demo-model --kind image DIR` writes it (appliance.demo.catalog builds and caches it; `--adapter FILE` also
-writes the adapter); tests serve it with real genai pipelines on CPU.  It has the layout an optimum export of a
-diffusers StableDiffusionPipeline has, and the inputs, outputs and config fields genai's Stable Diffusion support
-reads (src/cpp/src/image_generation in openvino.genai), so `Text2ImagePipeline`, `Image2ImagePipeline` and
-`InpaintingPipeline` all load the one directory:
+`openarc demo-model --kind image DIR` writes it, its adapter included (appliance.demo.catalog builds and caches it;
+`--adapter` prints the adapter's path, ADAPTER_PATH in the model's directory); tests serve it with real genai
+pipelines on CPU.  It has the layout an optimum export of a diffusers StableDiffusionPipeline has, and the inputs,
+outputs and config fields genai's Stable Diffusion support reads (src/cpp/src/image_generation in openvino.genai),
+so `Text2ImagePipeline`, `Image2ImagePipeline` and `InpaintingPipeline` all load the one directory:
 
 * model_index.json (StableDiffusionPipeline: genai's defaults are 50 steps, guidance_scale 7.5, strength 0.8 for
   image to image and 1.0 for inpainting); scheduler/scheduler_config.json: DDIM, epsilon prediction, SD's
@@ -31,7 +31,12 @@ What it draws (the contract tests rely on)
 * The seed: the same seed gives the same bytes.  The sampler's noise leaves a faint grain of a few levels in
   channels near 128 (gray, orange's green), so another seed changes those pixels but never the colour; channels at
   0 or 255 are exact.  With 1 step there is no grain at all.
-* Steps: genai runs num_inference_steps denoising steps (one unet call and one step callback each).
+* Steps: genai runs num_inference_steps denoising steps (one unet call and one step callback each).  Each step
+  does STEP_WORK products of WORK_SIZE-square matrices (a build parameter, `step_work`; their result moves the
+  noise by under 1e-6): about 1 ms on an idle CPU core, so 50 steps at 64 x 64 take well under a second, and a
+  step outlasts a cheap callback.  genai runs the callback on a thread of its own and drops the callbacks still
+  queued when the last step ends, so a callback slower than a step misses some (tests that count steps need
+  steps slower than their callback: raise step_work).
 * Image to image: the picture mixes the input picture's colours (per 8 x 8 block) with the prompt's, more of
   the prompt the higher `strength`: the unet denoises towards the prompt's colour only at timesteps from
   COLOUR_FROM up, and keeps the latent at lower ones.  A strength whose first step lies below COLOUR_FROM (up to
@@ -95,6 +100,10 @@ LATENT_SCALE = 100.0
 COLOUR_GAIN = 1.5  # the unet aims past the colour: the decoder's clip makes saturated channels exact
 COLOUR_FROM = 500  # timesteps at or above this denoise towards the prompt's colour; below, the latent stays
 TRAIN_TIMESTEPS, BETA_START, BETA_END = 1000, 0.00085, 0.012  # Stable Diffusion 1.5's schedule
+# Each denoising step's cost: STEP_WORK products of WORK_SIZE-square matrices, a few milliseconds on a CPU, so a
+# step outlasts genai's step callback, which runs on a thread of its own and is dropped for steps that end first
+# (ThreadedCallbackWrapper: a generation's end discards the callbacks still queued).
+STEP_WORK, WORK_SIZE = 4, 256
 LORA_LAYER = "text_model.encoder.layers.0.mlp.fc2"  # CLIP's name for the linear layer the adapter changes
 ADAPTER_PATH = "adapters/swap-red-blue.safetensors"  # the adapter, inside the model's directory
 
@@ -111,8 +120,14 @@ def SIGMA(timestep: int) -> float:  # noqa: N802 (the docstring's notation)
     return ((1 - alpha) / alpha) ** 0.5
 
 
-def write_image_model(out: pathlib.Path, *, seed: int) -> None:
-    """Write the model's directories and files into the directory `out`."""
+def checked_params(*, seed: int = 0, step_work: int = STEP_WORK) -> dict:
+    if not 0 <= step_work <= 1024:
+        raise ValueError(f"step_work must be in 0..1024, got {step_work}")
+    return {"seed": int(seed), "step_work": int(step_work)}
+
+
+def write_image_model(out: pathlib.Path, *, seed: int, step_work: int = STEP_WORK) -> None:
+    """Write the model's directories and files into the directory `out`; `step_work` as STEP_WORK."""
     import openvino as ov
     import openvino_tokenizers
 
@@ -124,7 +139,7 @@ def write_image_model(out: pathlib.Path, *, seed: int) -> None:
     ov.save_model(ov_tokenizer, out / "tokenizer" / "openvino_tokenizer.xml")
     ov.save_model(ov_detokenizer, out / "tokenizer" / "openvino_detokenizer.xml")
     tokenizer.save_pretrained(out / "tokenizer")
-    models = {"text_encoder": _text_encoder(tokenizer, rng), "unet": _unet(), "vae_decoder": _vae_decoder(),
+    models = {"text_encoder": _text_encoder(tokenizer, rng), "unet": _unet(rng, step_work), "vae_decoder": _vae_decoder(),
               "vae_encoder": _vae_encoder()}
     for sub, model in models.items():  # full precision: the schedule's tables, exact as genai's
         ov.save_model(model, out / sub / "openvino_model.xml", compress_to_fp16=False)
@@ -232,9 +247,9 @@ def _text_encoder(tokenizer, rng: np.random.Generator):
     return ov.Model([result], [input_ids], "openarc-demo-image-text-encoder")
 
 
-def _unet():
+def _unet(rng: np.random.Generator, step_work: int):
     """sample, timestep, encoder_hidden_states -> out_sample: the noise DDIM needs to reach the prompt's colour at
-    timesteps from COLOUR_FROM, none below (see the module doc)."""
+    timesteps from COLOUR_FROM, none below (see the module doc), after `step_work` matrix products (_busy)."""
     import openvino as ov
 
     sample = ops.parameter([-1, LATENT_CHANNELS, -1, -1], ov.Type.f32, name="sample")
@@ -255,10 +270,24 @@ def _unet():
     signal, noise = (ops.reshape(ops.gather(ops.constant(table.astype(np.float32)), t, 0), [1, 1, 1, 1], False)
                      for table in (np.sqrt(alphas), np.sqrt(1.0 - alphas)))
     towards_colour = ops.convert(ops.greater_equal(t, ops.constant(np.int64(COLOUR_FROM))), "f32")
-    epsilon = ops.divide(ops.subtract(sample, ops.multiply(signal, target)), noise)
+    epsilon = ops.add(ops.divide(ops.subtract(sample, ops.multiply(signal, target)), noise),
+                      _busy(sample, rng, step_work))
     result = ops.result(ops.multiply(epsilon, ops.reshape(towards_colour, [1, 1, 1, 1], False)))
     result.get_output_tensor(0).set_names({"out_sample"})
     return ov.Model([result], [sample, timestep, text], "openarc-demo-image-unet")
+
+
+def _busy(sample, rng: np.random.Generator, products: int):
+    """A scalar that costs `products` WORK_SIZE-square matrix products to compute from `sample` (so nothing folds
+    it away) and is below 1e-6: a denoising step's work, which makes each step take milliseconds."""
+    if products == 0:
+        return _f32(0.0)
+    x = ops.add(ops.constant(rng.normal(0.0, 1.0, (WORK_SIZE, WORK_SIZE)).astype(np.float32)),
+                ops.multiply(ops.reduce_mean(sample, [0, 1, 2, 3], False), _f32(1e-3)))
+    weight = ops.constant(rng.normal(0.0, WORK_SIZE ** -0.5, (WORK_SIZE, WORK_SIZE)).astype(np.float32))
+    for _ in range(products):  # the same weight each time: one constant in the file, norm kept about 1
+        x = ops.matmul(x, weight, False, False)
+    return ops.multiply(ops.tanh(ops.reduce_mean(x, [0, 1], False)), _f32(1e-6))
 
 
 def _vae_decoder():

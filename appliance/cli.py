@@ -21,7 +21,7 @@ from appliance.config.devices import available_devices, missing_devices
 from appliance.logs import setup_logging
 from appliance.config.model_checks import model_problems, path_check, served_path_check
 from appliance.config import window
-from appliance.config.kinds import GENERATIVE_KINDS, MODEL_KINDS
+from appliance.config.kinds import GENERATIVE_KINDS
 
 log = logging.getLogger("openarc")
 
@@ -126,13 +126,17 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
         print("openarc: --layers, --draft-miss and --prompt-phrases apply to --kind llm only", file=sys.stderr)
         return 2
     if args.kind not in demo_model.DEMO_KINDS:
-        print(f"openarc: no demo model of kind {args.kind!r} yet", file=sys.stderr)
+        print(f"openarc: no demo model of kind {args.kind!r} (have: {', '.join(demo_model.DEMO_KINDS)})",
+              file=sys.stderr)
+        return 2
+    if args.adapter and args.kind != "image":
+        print("openarc: --adapter applies to --kind image only", file=sys.stderr)
         return 2
     if args.dir:
         path = demo_model.build_demo_model(Path(args.dir), args.kind, **params)
     else:
         path = demo_model.ensure_demo_model(demo_model.default_cache_dir(), args.kind, **params)
-    print(path)
+    print(demo_model.image_adapter_path(path) if args.adapter else path)
     return 0
 
 
@@ -311,8 +315,8 @@ def parser() -> argparse.ArgumentParser:
     pull.set_defaults(func=cmd_pull)
     demo = sub.add_parser("demo-model", help="build a tiny demo model into DIR")
     demo.add_argument("dir", nargs="?", help="where to build it (default: the cache, reused if present)")
-    demo.add_argument("--kind", choices=MODEL_KINDS, default="llm",
-                      help="the worker kind it is a model for (default llm, the chat demo)")
+    demo.add_argument("--kind", default="llm",
+                      help="the worker kind it is a model for (default llm, the chat demo; a wrong one lists them)")
     demo.add_argument("--eos-after", type=int, help="llm: generated tokens before the model stops by itself (48)")
     demo.add_argument("--max-new-tokens", type=int, help="llm: generation_config.json max_new_tokens (64)")
     demo.add_argument("--logit-scale", type=float, help="llm: how far the chosen token leads (64: sampling equals "
@@ -322,6 +326,9 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--draft-miss", type=int, help="llm: a draft that guesses every Nth token wrong (0: never)")
     demo.add_argument("--prompt-phrases", action="store_true",
                       help="llm: the model's answer text in a prompt encodes to its own tokens (prompt lookup)")
+    demo.add_argument("--adapter", action="store_true",
+                      help="image: print the path of the demo's LoRA adapter (in the model's directory), not the "
+                           "model's")
     demo.set_defaults(func=cmd_demo_model)
     doctor = sub.add_parser("doctor", help="check this box before the first request: GPU nodes and permissions, "
                                            "compute runtime, OpenVINO's devices, each card, the config, the unit, "

@@ -83,8 +83,9 @@ def demo_vlm(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_image(tmp_path_factory) -> Path:
-    """The tiny Stable-Diffusion-shaped model (appliance.demo.image): a flat picture of the colour the prompt names,
-    and its adapter (ADAPTER_PATH in its directory) that swaps red and blue."""
+    """The tiny Stable-Diffusion-shaped model (appliance.demo.image): a flat picture of the colour the prompt names
+    (gray for none), 64 x 64 by default; its LoRA adapter (appliance.demo.catalog.image_adapter_path) swaps red and
+    blue."""
     from appliance.demo.catalog import build_demo_model
     return build_demo_model(tmp_path_factory.mktemp("models") / "image", "image")
 

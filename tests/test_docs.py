@@ -433,8 +433,8 @@ def pointed_at_demo_models(config: dict, paths: dict[str, str]) -> dict:
             demo_voice = sorted((Path(paths["tts"]) / "voices").iterdir())[0]
             model["voices"] = {name: str(demo_voice) for name in model["voices"]}
         if isinstance(model.get("adapters"), dict):  # a real model's LoRA files: the demo's adapter stands in
-            from appliance.demo.image import ADAPTER_PATH
-            model["adapters"] = {name: str(Path(paths["image"]) / ADAPTER_PATH) for name in model["adapters"]}
+            from appliance.demo.catalog import image_adapter_path
+            model["adapters"] = {name: str(image_adapter_path(paths["image"])) for name in model["adapters"]}
     return config
 
 

@@ -24,19 +24,15 @@ ADAPTER = "recolour"
 
 
 @pytest.fixture(scope="module")
-def image_model(tmp_path_factory):
-    from appliance.demo.catalog import build_demo_model
-    return build_demo_model(tmp_path_factory.mktemp("models") / "image", "image")
-
-
-def adapter_path(model_dir) -> str:
-    """The demo model's LoRA adapter (appliance.demo.image writes one beside the model)."""
-    from appliance.demo import image
-    return str(model_dir / image.ADAPTER_PATH)
+def image_model(demo_image):
+    return demo_image
 
 
 def image_entry(model_dir, **overrides) -> dict:
-    return model_entry("pictures", model_dir, kind="image", adapters={ADAPTER: adapter_path(model_dir)}, **overrides)
+    """The demo image model with its adapter (it swaps red and blue) named ADAPTER."""
+    from appliance.demo.catalog import image_adapter_path
+    return model_entry("pictures", model_dir, kind="image", adapters={ADAPTER: str(image_adapter_path(model_dir))},
+                       **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -104,13 +104,7 @@ def parse(body: Any, edit: bool = False) -> ImageRequest:
     """A generation's JSON body (or an edit's form fields, typed by form_values) as an ImageRequest; every error a
     400 naming its field."""
     model = fields.model_name(body)
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise InvalidRequest("'prompt' is required: a non-empty string describing the picture", "prompt")
-    fields.utf8(prompt, "prompt")
-    if len(prompt) > MAX_PROMPT_CHARS:
-        raise InvalidRequest(f"'prompt' is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}", "prompt",
-                             "string_above_max_length")
+    prompt = fields.required_text(body, "prompt", MAX_PROMPT_CHARS, "what the picture shows")
     _response_format(body.get("response_format"))
     output_format = body.get("output_format") or "png"
     if output_format not in OUTPUT_FORMATS:

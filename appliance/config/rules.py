@@ -112,7 +112,7 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
         require(m.max_image_bytes >= 1024, f"{at}.max_image_bytes", "at least 1024")
         require(m.max_image_pixels >= 1, f"{at}.max_image_pixels", "at least 1")
         require(bool(m.image_formats), f"{at}.image_formats", "at least one of png, jpeg, webp, gif")
-        problems.extend(_image_problems(m, at))
+        problems.extend(_image_problems(m, at) + adapter_problems(m, at))
         require(m.stall_timeout_s > 0 and m.load_timeout_s > 0, f"{at}.stall_timeout_s",
                 "positive timeouts (stall_timeout_s, load_timeout_s)")
         require(m.grammar_compile_timeout_s > 0, f"{at}.grammar_compile_timeout_s", "a positive number of seconds")
@@ -146,8 +146,7 @@ ADAPTER_NAME = MODEL_NAME  # a request names an adapter as it names a model
 
 
 def _image_problems(m: ModelConfig, at: str) -> list[str]:
-    """An image model's limits in their ranges, its adapters well named with sane weights (their files are
-    model_checks'). The keys of other kinds are _check_kind_keys'."""
+    """An image model's limits in their ranges (set on a model of another kind, _check_kind_keys names them)."""
     problems = []
     if not MIN_IMAGE_SIDE <= m.max_resolution <= MAX_IMAGE_SIDE or m.max_resolution % IMAGE_SIZE_STEP:
         problems.append(f"{at}.max_resolution: expected a multiple of {IMAGE_SIZE_STEP} from {MIN_IMAGE_SIDE} to "
@@ -156,6 +155,14 @@ def _image_problems(m: ModelConfig, at: str) -> list[str]:
         problems.append(f"{at}.max_images_per_request: expected 1 to {MAX_IMAGES_PER_REQUEST}")
     if not 1 <= m.max_inference_steps <= MAX_INFERENCE_STEPS:
         problems.append(f"{at}.max_inference_steps: expected 1 to {MAX_INFERENCE_STEPS}")
+    return problems
+
+
+def adapter_problems(m: ModelConfig, at: str) -> list[str]:
+    """A model's LoRA adapters (`adapters: {NAME: PATH}` or `{NAME: {path, alpha}}`, whatever its kind): names a
+    request can send, weights in range. Their files are model_checks' (model_files.adapter_problem), read where
+    the files must be right."""
+    problems = []
     for name, file in m.adapter_files().items():
         if ADAPTER_NAME.fullmatch(name) is None:
             problems.append(f"{at}.adapters.{name!r}: expected a name of letters, digits, '.', '_' or '-'")

@@ -184,26 +184,6 @@ def voice_files(model_path: str, configured: dict[str, str] | None) -> dict[str,
         return {}
 
 
-def adapter_problem(path: str) -> str | None:
-    """Why a LoRA adapter file cannot be loaded (None: it can): genai's Adapter reads a safetensors file, whose
-    first 8 bytes are the little-endian length of a JSON header that follows. Checked at check-config and start,
-    so a bad path is a config error naming the key, never a failed request."""
-    try:
-        with open(path, "rb") as file:
-            head = file.read(9)
-    except IsADirectoryError:
-        return f"expected a LoRA adapter file (.safetensors); {path!r} is a directory"
-    except FileNotFoundError:
-        return f"expected a LoRA adapter file (.safetensors); {path!r} does not exist"
-    except OSError as exc:
-        return f"expected a file this user can read; cannot read {path!r} ({exc.strerror})"
-    size = os.stat(path).st_size
-    length = int.from_bytes(head[:8], "little") if len(head) == 9 else 0
-    if not path.endswith(".safetensors") or not 0 < length <= size - 8 or head[8:9] != b"{":
-        return f"expected a LoRA adapter in the safetensors format; {path!r} is not one"
-    return None
-
-
 def export_command(repo_id: str, kind: str | None, out_dir: str) -> str:
     """The optimum-cli command that converts a PyTorch repository into what openarc serves."""
     kind = kind or "llm"

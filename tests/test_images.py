@@ -5,6 +5,7 @@ sends, when partial pictures are due, and the inpainting mask as the decoder rea
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 from hypothesis import given, strategies as st
@@ -50,15 +51,18 @@ def config_text(path, **keys) -> dict:
     return {"models": [{"name": "pictures", "path": str(path), "kind": "image", **keys}]}
 
 
-def test_an_image_model_config_resolves_its_adapters_from_its_directory(tmp_path):
+def test_an_image_model_config_takes_adapter_files_and_peft_directories(tmp_path):
     model_dir = image_model(tmp_path / "sd")
     write_safetensors(model_dir / "red.safetensors")
-    config = parse_config(config_text(model_dir, adapters={"red": "red.safetensors",
-                                                          "blue": {"path": "red.safetensors", "alpha": 0.5}}),
+    red = str(model_dir / "red.safetensors")
+    config = parse_config(config_text(model_dir, adapters={"red": red, "blue": {"path": red, "alpha": 0.5}}),
                           "test.yaml", checks=[model_files_check()])
-    files = config.models[0].adapter_files()
-    assert files["red"].path == str(model_dir / "red.safetensors") and files["red"].alpha == 1.0
-    assert files["blue"].alpha == 0.5
+    entries = config.models[0].adapter_entries()
+    assert entries["red"].path == red and entries["red"].alpha == 1.0 and entries["blue"].alpha == 0.5
+    peft = model_dir / "peft"
+    peft.mkdir()
+    write_safetensors(peft / "adapter_model.safetensors")
+    parse_config(config_text(model_dir, adapters={"peft": str(peft)}), "test.yaml", checks=[model_files_check()])
 
 
 def model_files_check():
@@ -67,9 +71,9 @@ def model_files_check():
 
 
 @pytest.mark.parametrize("keys, named", [
-    ({"adapters": {"red": "missing.safetensors"}}, "models[0].adapters.red: expected a LoRA adapter file"),
-    ({"adapters": {"red": "model_index.json"}}, "models[0].adapters.red: expected a LoRA adapter in the safetensors"),
-    ({"adapters": {"red": {"path": "red.safetensors", "alpha": 99}}}, "models[0].adapters.red.alpha"),
+    ({"adapters": {"red": "DIR/missing.safetensors"}}, "models[0].adapters.red: expected a LoRA adapter (a "),
+    ({"adapters": {"red": "DIR/model_index.json"}}, "models[0].adapters.red: expected a LoRA adapter in the "),
+    ({"adapters": {"red": {"path": "DIR/red.safetensors", "alpha": 0}}}, "models[0].adapters.red.alpha"),
     ({"max_resolution": 1001}, "models[0].max_resolution: expected a multiple of 8"),
     ({"max_images_per_request": 0}, "models[0].max_images_per_request"),
     ({"max_inference_steps": 0}, "models[0].max_inference_steps"),
@@ -77,6 +81,7 @@ def model_files_check():
 def test_a_bad_image_key_is_one_line_naming_it(tmp_path, keys, named):
     model_dir = image_model(tmp_path / "sd")
     write_safetensors(model_dir / "red.safetensors")
+    keys = json.loads(json.dumps(keys).replace("DIR/", f"{model_dir}/"))  # adapter paths are taken as given
     with pytest.raises(ConfigError) as err:
         parse_config(config_text(model_dir, **keys), "test.yaml", checks=[model_files_check()])
     assert any(line.startswith(named) or named in line for line in err.value.lines), err.value.lines

@@ -31,6 +31,7 @@ from appliance.config.rules import MAX_ASSISTANT_TOKENS, MAX_NGRAM_SIZE, MODEL_N
 from appliance.config.devices import available_devices, budget_device, missing_devices  # noqa: F401
 from appliance.config.launch_spec import worker_spec  # noqa: F401
 from appliance.config.model_checks import path_check, served_path_check, tokenizer_mismatch  # noqa: F401
+from appliance.config.model_checks import adapter_problem  # noqa: F401
 from appliance.config.kinds import GENERATIVE_KINDS, MODEL_KINDS  # noqa: F401
 
 DEFAULT_CONFIG_PATH = Path("/etc/openarc/openarc.yaml")
@@ -70,9 +71,9 @@ class DraftModelConfig:
 
 
 @dataclass
-class AdapterFile:
-    """A LoRA adapter (safetensors) by its path, relative to the model's directory or absolute, and the weight a
-    request that names it without one applies it at."""
+class LoraAdapter:
+    """A LoRA adapter of a model (docs/images.md): `path`, a .safetensors file or a PEFT directory holding
+    adapter_model.safetensors; `alpha`, the weight a request that names it without one applies it at."""
     path: str
     alpha: float = 1.0
 
@@ -133,7 +134,7 @@ class ModelConfig:
     # largest width or height a request may ask for, the most pictures one request may ask for (n), and the most
     # denoising steps (num_inference_steps). A request that names no size or steps gets the model's own (genai's
     # defaults for its family).
-    adapters: dict[str, str | AdapterFile] | None = None
+    adapters: dict[str, str | LoraAdapter] = field(default_factory=dict)
     max_resolution: int = 1024
     max_images_per_request: int = 4
     max_inference_steps: int = 50
@@ -206,14 +207,10 @@ class ModelConfig:
             defaults["max_ngram_size"] = self.max_ngram_size or DEFAULT_NGRAM_SIZE
         return defaults
 
-    def adapter_files(self) -> dict[str, AdapterFile]:
-        """The model's adapters by name, each as an AdapterFile whose path is absolute (a relative one is read
-        from the model's directory, as a tts model's voices are)."""
-        found = {}
-        for name, entry in (self.adapters or {}).items():
-            file = AdapterFile(entry) if isinstance(entry, str) else entry
-            found[name] = AdapterFile(os.path.join(self.path, file.path), file.alpha)
-        return found
+    def adapter_entries(self) -> dict[str, LoraAdapter]:
+        """Each configured adapter as a LoraAdapter (a bare path is one at alpha 1)."""
+        return {name: entry if isinstance(entry, LoraAdapter) else LoraAdapter(entry)
+                for name, entry in self.adapters.items()}
 
     @property
     def memory_bytes(self) -> int | None:

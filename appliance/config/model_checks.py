@@ -77,11 +77,11 @@ def served_path_check(model: ModelConfig, user_name: str | None = None,
         for name, file in model_files.voice_files(locate(model.path), model.voices).items():
             if not os.access(file, os.R_OK):
                 return f"voices.{name}", f"expected a voice file this user can read; cannot read {file!r}"
-    if problem is None:  # LoRA adapters: read by the worker when a request names one
-        for name, file in model.adapter_files().items():
-            adapter = model_files.adapter_problem(locate(file.path))
-            if adapter:
-                return f"adapters.{name}", adapter
+    if problem is None:
+        for name, entry in model.adapter_entries().items():
+            problem = adapter_problem(locate(entry.path), user_name)
+            if problem:
+                return f"adapters.{name}", problem
     return ("path", problem) if problem else None
 
 
@@ -94,3 +94,36 @@ def model_problems(models: list[ModelConfig | None], checks: list[ModelCheck]) -
             if found:
                 lines.append(f"models[{i}].{found[0]}: {found[1]} (model {model.name!r})")
     return lines
+
+
+# A LoRA adapter as OpenVINO GenAI reads it: one safetensors file, or a directory in the PEFT layout holding it.
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def adapter_file(path: str) -> Path:
+    """The safetensors file of an adapter `path` (the file itself, or ADAPTER_FILE in a PEFT directory)."""
+    return Path(path) / ADAPTER_FILE if Path(path).is_dir() else Path(path)
+
+
+def adapter_problem(path: str, user_name: str | None = None) -> str | None:
+    """Why `path` cannot be served as a LoRA adapter (None: it can): the one check of an adapter's path, for every
+    kind that takes `adapters:`, at check-config and at the server's start, so a bad path is a config error naming
+    the key, never a failed request. It exists, is readable (by the service user `user_name` too, run as root), and
+    is safetensors (8 bytes of header length, then the JSON header)."""
+    file = adapter_file(path)
+    try:
+        with open(file, "rb") as stream:
+            head = stream.read(9)
+        size = file.stat().st_size
+    except FileNotFoundError:
+        return f"expected a LoRA adapter (a .safetensors file or a PEFT directory); {path!r} does not exist"
+    except OSError as exc:
+        return f"expected a file this user can read; cannot read {str(file)!r} ({exc.strerror})"
+    user = model_files.service_user(user_name) if user_name and os.geteuid() == 0 else None
+    blocked = model_files.unreadable_by(file, *user) if user else None
+    if blocked:
+        return f"expected files the service user {user_name!r} can read; it cannot read {blocked!r}"
+    length = int.from_bytes(head[:8], "little") if len(head) == 9 else 0
+    if not 0 < length <= size - 8 or head[8:9] != b"{":
+        return f"expected a LoRA adapter in the safetensors format; {str(file)!r} is not one"
+    return None

@@ -112,7 +112,8 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
         require(m.max_image_bytes >= 1024, f"{at}.max_image_bytes", "at least 1024")
         require(m.max_image_pixels >= 1, f"{at}.max_image_pixels", "at least 1")
         require(bool(m.image_formats), f"{at}.image_formats", "at least one of png, jpeg, webp, gif")
-        problems.extend(_image_problems(m, at) + adapter_problems(m, at))
+        problems.extend(_image_problems(m, at))
+        problems.extend(_adapter_problems(m, at))
         require(m.stall_timeout_s > 0 and m.load_timeout_s > 0, f"{at}.stall_timeout_s",
                 "positive timeouts (stall_timeout_s, load_timeout_s)")
         require(m.grammar_compile_timeout_s > 0, f"{at}.grammar_compile_timeout_s", "a positive number of seconds")
@@ -158,16 +159,16 @@ def _image_problems(m: ModelConfig, at: str) -> list[str]:
     return problems
 
 
-def adapter_problems(m: ModelConfig, at: str) -> list[str]:
+def _adapter_problems(model: ModelConfig, at: str) -> list[str]:
     """A model's LoRA adapters (`adapters: {NAME: PATH}` or `{NAME: {path, alpha}}`, whatever its kind): names a
-    request can send, weights in range. Their files are model_checks' (model_files.adapter_problem), read where
-    the files must be right."""
+    request can send, positive weights. Their files are model_checks.adapter_problem's, read where the files must
+    be right."""
     problems = []
-    for name, file in m.adapter_files().items():
+    for name, entry in model.adapter_entries().items():
         if ADAPTER_NAME.fullmatch(name) is None:
-            problems.append(f"{at}.adapters.{name!r}: expected a name of letters, digits, '.', '_' or '-'")
-        if not -10 <= file.alpha <= 10:
-            problems.append(f"{at}.adapters.{name}.alpha: expected a weight from -10 to 10")
+            problems.append(f"{at}.adapters.{key_name(name)}: expected a name of letters, digits, '.', '_' or '-'")
+        if not entry.alpha > 0:
+            problems.append(f"{at}.adapters.{name}.alpha: expected a positive weight, got {entry.alpha}")
     return problems
 
 

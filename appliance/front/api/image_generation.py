@@ -190,7 +190,7 @@ def check_limits(req: ImageRequest, model) -> None:
         raise InvalidRequest(f"'num_inference_steps' is {req.steps}; the model '{model.name}' runs at most "
                              f"max_inference_steps={model.max_inference_steps}", "num_inference_steps",
                              "too_many_steps")
-    adapters = model.adapters or {}
+    adapters = model.adapters
     for i, (name, _) in enumerate(req.lora):
         if name not in adapters:
             have = ", ".join(sorted(adapters)) or "none"

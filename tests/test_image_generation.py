@@ -16,6 +16,7 @@ from http.client import HTTPConnection
 
 import openai
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from conftest import http, model_entry, pid_alive, wait_until
 
@@ -118,6 +119,41 @@ def test_bad_requests_are_openai_shaped_400s_and_the_worker_lives_on(app, call, 
     assert err.value.status_code == 400 and err.value.body["code"] == code, err.value.body
     assert app.worker_pid("pictures") == pid
     assert colour_of(picture(app, "a green square")) == "green"
+
+
+# Generated bodies: every field the route reads, with values of the right type, the wrong type, and past its bounds.
+IMAGE_FIELDS = {
+    "model": st.sampled_from(["pictures", "nobody", ""]) | st.integers(),
+    "prompt": st.sampled_from(["a red square", "", " "]) | st.text(max_size=12) | st.integers() | st.none(),
+    "n": st.integers(-1, 12) | st.floats(allow_nan=True) | st.text(max_size=2) | st.booleans(),
+    "size": st.sampled_from(["auto", "64x64", "128x64", "63x64", "2048x2048", "0x0", "64x64x1", ""]) | st.integers(),
+    "response_format": st.sampled_from(["b64_json", "url", "png"]) | st.integers(),
+    "output_format": st.sampled_from(["png", "jpeg", "webp", "gif"]) | st.integers(),
+    "output_compression": st.integers(-5, 120) | st.floats(allow_nan=True),
+    "seed": st.integers(-5, 1 << 40) | st.text(max_size=3),
+    "num_inference_steps": st.integers(-1, 60) | st.floats(allow_nan=True),
+    "guidance_scale": st.floats(allow_nan=True, allow_infinity=True) | st.integers(-5, 200),
+    "negative_prompt": st.text(max_size=8) | st.integers(),
+    "lora": st.sampled_from([[], [{"name": ADAPTER}], [{"name": ADAPTER, "weight": "x"}], [{"nom": 1}], "x",
+                             [{"name": ADAPTER, "weight": 11}]]),
+    "stream": st.booleans() | st.integers(),
+    "partial_images": st.integers(-1, 5),
+    "background": st.sampled_from(["auto", "opaque", "transparent", 3]),
+    "strength": st.floats(0, 1),
+}
+
+
+@settings(max_examples=40, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(body=st.fixed_dictionaries({}, optional=IMAGE_FIELDS))
+def test_generated_bodies_never_get_a_5xx_or_hurt_the_worker(app, body):
+    pid = app.worker_pid("pictures")
+    body = {**body, "num_inference_steps": 2} if body.get("num_inference_steps") is None else body
+    status, _, reply = http("POST", app.base + "/v1/images/generations", body, timeout=HANG_BOUND_S)
+    assert status < 500, (body, reply)
+    if status >= 400:
+        assert set(reply) == {"error"} and reply["error"]["message"], reply
+    assert app.worker_pid("pictures") == pid
 
 
 def sse_events(response) -> list[dict]:

@@ -101,6 +101,8 @@ class ImageEngine(ResultEngine):
         pipe, inputs = self._pipeline(body)
         kwargs = self._generate_kwargs(body)
         seed = body["seed"] if body["seed"] is not None else random.randrange(1 << 31)
+        if body["partial_images"]:
+            self.partials.compile()  # here, not in genai's callback: a step must stay short (see the module doc)
         made, shape = 0, (0, 0)
         for index in range(body["n"]):
             if self.cancelled:
@@ -172,16 +174,26 @@ class PartialDecoder:
         self.vae = None
         self.broken = False
 
+    def compile(self) -> None:
+        """The decoder, compiled once (a model whose decoder cannot be built gets no partial pictures)."""
+        if self.vae is None and not self.broken:
+            self._guarded(self._build)
+
+    def _build(self) -> None:
+        import openvino_genai
+        vae = openvino_genai.AutoencoderKL(os.path.join(self.spec["path"], "vae_decoder"))
+        vae.compile(self.spec["device"], **self.spec["properties"])
+        self.vae = vae
+
     def decode(self, latent):
         """The picture so far as height x width x 3 uint8 pixels, or None."""
-        if self.broken:
+        if self.vae is None or self.broken:
             return None
+        return self._guarded(lambda: self.vae.decode(latent).data[0])
+
+    def _guarded(self, call):
         try:
-            if self.vae is None:
-                import openvino_genai
-                self.vae = openvino_genai.AutoencoderKL(os.path.join(self.spec["path"], "vae_decoder"))
-                self.vae.compile(self.spec["device"], **self.spec["properties"])
-            return self.vae.decode(latent).data[0]
+            return call()
         except RuntimeError as exc:
             self.broken = True
             log.warning("no partial pictures for this model: its step latents cannot be decoded (%s)",

@@ -164,14 +164,15 @@ def test_an_edits_form_is_typed_as_a_json_body_would_be():
 
 def test_an_edit_keeps_its_pictures_size_and_its_mask_must_match():
     req = images.parse(body(), edit=True)
-    images.check_edit_sizes(req, {"width": 64, "height": 128}, {"width": 64, "height": 128})
+    images.check_edit_sizes(req, {"width": 64, "height": 128}, {"width": 64, "height": 128}, 128)
     for image, mask, param in (({"width": 60, "height": 64}, None, "image"),
+                               ({"width": 64, "height": 136}, None, "image"),
                                ({"width": 64, "height": 64}, {"width": 64, "height": 72}, "mask")):
         with pytest.raises(InvalidRequest) as err:
-            images.check_edit_sizes(req, image, mask)
+            images.check_edit_sizes(req, image, mask, 128)
         assert err.value.param == param
     with pytest.raises(InvalidRequest) as err:
-        images.check_edit_sizes(images.parse(body(size="128x128"), edit=True), {"width": 64, "height": 64}, None)
+        images.check_edit_sizes(images.parse(body(size="128x128"), edit=True), {"width": 64, "height": 64}, None, 128)
     assert err.value.param == "size"
 
 

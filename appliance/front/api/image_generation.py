@@ -284,7 +284,7 @@ class ImageRoutes(UploadRoutes):
             mask = await self._decode(masks[0], sup.model, "mask", paths) if masks else None
             form.files.clear()  # decoded into spool files: the upload's memory is free for the next
             upload.release_slot()
-            check_edit_sizes(req, image, mask)
+            check_edit_sizes(req, image, mask, sup.model.max_resolution)
             sup = await upload.follow(req.model)
             frame = {"kind": KIND, "body": req.body(image, mask)}
             return await self._run(request, call, sup, req, frame, upload.hand_over())
@@ -342,13 +342,14 @@ class ImageRoutes(UploadRoutes):
         return await stream.close()
 
 
-def check_edit_sizes(req: ImageRequest, image: dict[str, Any], mask: dict[str, Any] | None) -> None:
-    """An edit's picture keeps its size: its sides must suit the VAE, a size asked for must be the picture's, and a
-    mask must cover the picture exactly."""
+def check_edit_sizes(req: ImageRequest, image: dict[str, Any], mask: dict[str, Any] | None,
+                     max_resolution: int) -> None:
+    """An edit's picture keeps its size: its sides must suit the VAE and the model's max_resolution, a size asked for
+    must be the picture's, and a mask must cover the picture exactly."""
     width, height = image["width"], image["height"]
-    if width % SIZE_STEP or height % SIZE_STEP or min(width, height) < MIN_SIDE:
-        raise InvalidRequest(f"'image' is {width}x{height}; its sides must be multiples of {SIZE_STEP}, at least "
-                             f"{MIN_SIDE}", "image", "invalid_image")
+    if width % SIZE_STEP or height % SIZE_STEP or min(width, height) < MIN_SIDE or max(width, height) > max_resolution:
+        raise InvalidRequest(f"'image' is {width}x{height}; its sides must be multiples of {SIZE_STEP} from "
+                             f"{MIN_SIDE} to the model's max_resolution={max_resolution}", "image", "invalid_image")
     if req.size and req.size != (width, height):
         raise InvalidRequest(f"'size' {req.size[0]}x{req.size[1]} differs from the image's {width}x{height}; an "
                              "edit keeps the picture's size (send size auto)", "size", "invalid_size")

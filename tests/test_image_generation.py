@@ -212,16 +212,22 @@ def test_metrics_count_pictures_and_steps(app):
 
 # --- with the worker slowed: mid-generation faults and hang-ups ------------------------------------------------
 
-# A slow picture on the demo model: genai does not wait for its step callback, so a debug delay there would not slow
-# the steps; the demo's own work per step does (a few ms each: 500 steps are seconds).
-SLOW_STEPS = 500
+# A slow picture: genai does not wait for its step callback, so a debug delay there would not slow the steps; a demo
+# built with more work per step does (step_work 64: about 20 ms a step here, 200 steps are seconds).
+SLOW_STEPS = 200
 SLOW = {"model": "pictures", "prompt": "a red square", "num_inference_steps": SLOW_STEPS}
 
 
-def test_a_hang_up_stops_the_workers_steps(appliance_factory, image_model):
+@pytest.fixture(scope="module")
+def slow_image_model(tmp_path_factory):
+    from appliance.demo.catalog import build_demo_model
+    return build_demo_model(tmp_path_factory.mktemp("models") / "slow-image", "image", step_work=64)
+
+
+def test_a_hang_up_stops_the_workers_steps(appliance_factory, slow_image_model):
     """A client that hangs up mid-stream: the worker stops at its next step. Its steps are counted whether a
     caller waits for them or not (openarc_image_step_seconds_count), so the counter stops."""
-    app = appliance_factory({"models": [image_entry(image_model, max_inference_steps=SLOW_STEPS)]})
+    app = appliance_factory({"models": [image_entry(slow_image_model, max_inference_steps=SLOW_STEPS)]})
     connection = post(app, "/v1/images/generations", {**SLOW, "stream": True})
     response = connection.getresponse()
     assert response.status == 200
@@ -230,7 +236,7 @@ def test_a_hang_up_stops_the_workers_steps(appliance_factory, image_model):
     connection.close()
     wait_until(lambda: not app.model_status("pictures")["requests_running"], HANG_BOUND_S, "the request closed")
     count = step_count(app)
-    time.sleep(1.0)  # a worker that went on would count a hundred more steps a second
+    time.sleep(1.0)  # a worker that went on would count about fifty more steps a second
     assert step_count(app) <= count + 2 and count < SLOW_STEPS, count  # the callbacks that were in flight at most
     assert colour_of(picture(app, "a green square", num_inference_steps=2)) == "green"
 
@@ -241,8 +247,8 @@ def step_count(app) -> float:
 
 
 def test_sigabrt_mid_picture_is_an_error_within_a_second_and_the_next_picture_succeeds(appliance_factory,
-                                                                                       image_model):
-    app = appliance_factory({"models": [image_entry(image_model, max_inference_steps=SLOW_STEPS)]})
+                                                                                       slow_image_model):
+    app = appliance_factory({"models": [image_entry(slow_image_model, max_inference_steps=SLOW_STEPS)]})
     pid = app.worker_pid("pictures")
     result: dict = {}
 
@@ -292,3 +298,30 @@ def test_quick_images_bench_reports_every_figure(tmp_path):
             "Swap: chat model loaded, time to the picture",
             "Swap: after the picture, the chat model's first token"} <= set(figures)
     assert all(f["value"] > 0 for f in figures.values())
+
+
+def test_step_frames_keep_a_long_picture_alive_and_a_stalled_worker_is_a_504(appliance_factory, slow_image_model):
+    """stall_timeout_s bounds one denoising step, not a picture: a picture of many steps, longer than the stall
+    timeout, completes; a worker frozen mid-picture is a 504 within the bound, and is replaced."""
+    stall = 1.0
+    app = appliance_factory({"models": [image_entry(slow_image_model, max_inference_steps=2 * SLOW_STEPS,
+                                                    stall_timeout_s=stall)]})
+    started = time.monotonic()
+    status, _, body = http("POST", app.base + "/v1/images/generations",
+                           {**SLOW, "num_inference_steps": 2 * SLOW_STEPS}, timeout=HANG_BOUND_S)
+    assert status == 200 and colour_of(body["data"][0]["b64_json"]) == "red"
+    assert time.monotonic() - started > stall  # longer than the stall timeout, kept alive by its steps
+    pid = app.worker_pid("pictures")
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(
+        http("POST", app.base + "/v1/images/generations", SLOW, timeout=HANG_BOUND_S)))
+    thread.start()
+    wait_until(lambda: app.model_status("pictures")["requests_running"], HANG_BOUND_S, "drawing")
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    thread.join(HANG_BOUND_S)
+    assert time.monotonic() - stopped < stall + 1.5
+    status, _, body = result[0]
+    assert status == 504 and body["error"]["code"] == "stall", body
+    app.wait_model("pictures", "ready", new_pid_not=pid)
+    assert not pid_alive(pid)

@@ -89,9 +89,6 @@ class ImageEngine(ResultEngine):
         except RuntimeError as exc:  # a family that refuses that size pays its first call on its first request
             log.info("warm-up skipped: %s", str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)
 
-    def ready_info(self) -> dict[str, Any]:
-        return {}
-
     def on_cancel(self, request_id: int) -> None:
         super().on_cancel(request_id)
         self.cancelled = self.cancelled or (self.current is not None and request_id == self.current["id"])

@@ -21,7 +21,7 @@ from appliance.config.devices import available_devices, missing_devices
 from appliance.logs import setup_logging
 from appliance.config.model_checks import model_problems, path_check, served_path_check
 from appliance.config import window
-from appliance.config.kinds import GENERATIVE_KINDS, MODEL_KINDS
+from appliance.config.kinds import GENERATIVE_KINDS
 
 log = logging.getLogger("openarc")
 
@@ -187,12 +187,13 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
         print("openarc: --layers, --draft-miss and --prompt-phrases apply to --kind llm only", file=sys.stderr)
         return 2
     if args.kind not in demo_model.DEMO_KINDS:
-        print(f"openarc: no demo model of kind {args.kind!r} yet", file=sys.stderr)
+        print(f"openarc: no demo model of kind {args.kind!r} (have: {', '.join(demo_model.DEMO_KINDS)})",
+              file=sys.stderr)
         return 2
-    if args.adapter and args.kind != "llm":
-        print("openarc: --adapter applies to --kind llm only", file=sys.stderr)
+    if args.adapter is not None and args.kind not in ("llm", "image"):
+        print("openarc: --adapter applies to --kind llm (a phrase family) and image only", file=sys.stderr)
         return 2
-    if args.adapter:  # the base comes from the cache (same parameters); the adapter goes to DIR or the cache
+    if args.adapter and args.kind == "llm":  # the base comes from the cache (same parameters); the adapter to DIR or it
         try:
             if args.dir:
                 base = demo_model.ensure_demo_model(demo_model.default_cache_dir(), "llm", **params)
@@ -202,10 +203,15 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
         except (ValueError, FileExistsError) as exc:
             print(f"openarc: {exc}", file=sys.stderr)
             return 2
+    elif args.adapter is not None and args.kind == "llm":
+        print("openarc: --adapter needs a phrase family for --kind llm (upper or title)", file=sys.stderr)
+        return 2
     elif args.dir:
         path = demo_model.build_demo_model(Path(args.dir), args.kind, **params)
     else:
         path = demo_model.ensure_demo_model(demo_model.default_cache_dir(), args.kind, **params)
+    if args.kind == "image" and args.adapter is not None:  # the image demo's adapter lives in its directory
+        path = demo_model.image_adapter_path(path)
     print(path)
     return 0
 
@@ -385,8 +391,8 @@ def parser() -> argparse.ArgumentParser:
     pull.set_defaults(func=cmd_pull)
     demo = sub.add_parser("demo-model", help="build a tiny demo model into DIR")
     demo.add_argument("dir", nargs="?", help="where to build it (default: the cache, reused if present)")
-    demo.add_argument("--kind", choices=MODEL_KINDS, default="llm",
-                      help="the worker kind it is a model for (default llm, the chat demo)")
+    demo.add_argument("--kind", default="llm",
+                      help="the worker kind it is a model for (default llm, the chat demo; a wrong one lists them)")
     demo.add_argument("--seed", type=int, help="the random weights (0): another seed, another model with other answers "
                                                "(what `openarc golden check` tells apart)")
     demo.add_argument("--eos-after", type=int, help="llm: generated tokens before the model stops by itself (48)")
@@ -398,9 +404,10 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--draft-miss", type=int, help="llm: a draft that guesses every Nth token wrong (0: never)")
     demo.add_argument("--prompt-phrases", action="store_true",
                       help="llm: the model's answer text in a prompt encodes to its own tokens (prompt lookup)")
-    demo.add_argument("--adapter", metavar="FAMILY",
+    demo.add_argument("--adapter", metavar="FAMILY", nargs="?", const="",
                       help="llm: build the demo model's LoRA adapter of this phrase family instead (upper: answers in "
-                           "upper case; title: every word capitalised), for the demo model of the same flags")
+                           "upper case; title: every word capitalised), for the demo model of the same flags; image "
+                           "(no FAMILY): print the path of the demo's LoRA adapter (in the model's directory)")
     demo.set_defaults(func=cmd_demo_model)
     doctor = sub.add_parser("doctor", help="check this box before the first request: GPU nodes and permissions, "
                                            "compute runtime, OpenVINO's devices, each card, the config, the unit, "

@@ -76,6 +76,13 @@ OPS: dict[str, Op] = {
     "error": _op("worker", "id kind code message retryable", "hint prompt_tokens max_context tool_tokens",
                  "a request failed (retryable: a retry may succeed); the worker goes on. A prompt over the window "
                  "(context_length_exceeded) says its size, the window, and how much of it tool definitions are"),
+    "step": _op("worker", "id index step steps seconds", "image",
+                "an image request's denoising step done (step of steps, of its picture `index`), how long it took, "
+                "and, at the steps a streamed request asked partial images for, the picture so far (base64, in the "
+                "request's output format)"),
+    "picture": _op("worker", "id index data seconds",
+                   "one finished picture of an image request (base64, in the request's output format) and the "
+                   "seconds it took"),
     "progress": _op("worker", doc="generation goes on though nothing was sent (keeps the stall timer honest)"),
     "telemetry": _op("worker", "rss_bytes",
                      "device_memory_used_bytes device_memory_total_bytes device_memory_regions kv_cache_usage_ratio",

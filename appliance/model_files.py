@@ -29,6 +29,13 @@ IR_FILES: dict[str, tuple[str, ...]] = {
     "tts": ("openvino_encoder_model", "openvino_decoder_model", "openvino_postnet", "openvino_vocoder") + TOKENIZER,
 }
 KOKORO_IR = ("openvino_model",)
+# A diffusers pipeline exported for OpenVINO (image): model_index.json names its parts, each a subdirectory.
+# genai's image pipelines need a denoiser (a UNet, or a transformer for SD3 and FLUX), the VAE decoder, a text
+# encoder and its tokenizer; a vae_encoder makes the directory serve edits (image to image, inpainting) too.
+IMAGE_INDEX = "model_index.json"
+IMAGE_DENOISERS = ("unet/openvino_model", "transformer/openvino_model")
+IMAGE_IR = ("vae_decoder/openvino_model", "text_encoder/openvino_model", "tokenizer/openvino_tokenizer")
+IMAGE_ENCODER = "vae_encoder/openvino_model"
 
 # `optimum-cli export openvino --task` for each kind, and the weight format that suits it: int4 for the
 # generative models (their weights are the memory; int4 keeps quality), int8 for the small encoders and Whisper,
@@ -39,10 +46,11 @@ EXPORT_TASKS = {
     "embedding": "feature-extraction",
     "rerank": "text-classification",
     "transcription": "automatic-speech-recognition-with-past",
+    "image": "text-to-image",
     "tts": "text-to-audio",  # SpeechT5 also needs --model-kwargs '{"vocoder": "microsoft/speecht5_hifigan"}'
 }
 WEIGHT_FORMATS = {"llm": "int4", "vlm": "int4", "embedding": "int8", "rerank": "int8", "transcription": "int8",
-                  "tts": "fp16"}
+                  "tts": "fp16", "image": "int8"}
 
 # A tts model's voices when its config names none: VOICES_DIR/NAME.bin in the model's directory (a speaker
 # embedding for SpeechT5, a voice file for Kokoro: raw float32, the layout genai's samples write).
@@ -115,6 +123,8 @@ def ir_stems(files: set[str], kind: str) -> tuple[str, ...]:
     models and tokenizer, or Kokoro's one model."""
     if kind == "tts" and all(_has_ir(files, stem) for stem in KOKORO_IR):
         return KOKORO_IR
+    if kind == "image":
+        return (next((d for d in IMAGE_DENOISERS if _has_ir(files, d)), IMAGE_DENOISERS[0]),) + IMAGE_IR
     return IR_FILES.get(kind, ())
 
 
@@ -126,6 +136,14 @@ def missing_ir(files: set[str], kind: str) -> list[str]:
 def detect(files: Iterable[str], config: dict[str, Any] | None) -> Detected:
     """What a model directory is, from its file names (relative paths) and its config.json (None if absent)."""
     files = set(files)
+    if IMAGE_INDEX in files:  # a diffusers pipeline: its parts sit in subdirectories, config.json has none
+        if not any(_has_ir(files, stem) for stem in IMAGE_IR + IMAGE_DENOISERS):
+            return Detected("pytorch" if any(name.endswith(PYTORCH_SUFFIXES) for name in files) else "unknown",
+                            "image", "a diffusers pipeline without OpenVINO IR files")
+        missing = missing_ir(files, "image")
+        if missing:
+            return Detected("openvino", None, f"an incomplete image model: missing {', '.join(missing)}")
+        return Detected("openvino", "image")
     if not any(name.endswith(".xml") and name.startswith("openvino_") for name in files):
         if any(name.endswith(".gguf") for name in files):
             return Detected("gguf", None, "a GGUF repository (llama.cpp's format)")

@@ -80,6 +80,8 @@ class SideBench:
     sizes: tuple[tuple[int, int], tuple[int, int]]  # (rounds, blocks) for --quick, then for a full run
     server_rates: Callable[[aiohttp.ClientSession, str, int], Awaitable[dict[str, float]]]  # (session, base, rounds)
     figures: Callable[[dict[str, float]], list[report.Figure]]  # from the medians of every rate
+    # figures measured after the side by side, in an appliance of their own (bench.images' swap), given --quick
+    more: Callable[[bool], Awaitable[list[report.Figure]]] | None = None
 
     async def measure(self, quick: bool) -> tuple[dict, list[report.Figure]]:
         rounds, blocks = self.sizes[0] if quick else self.sizes[1]
@@ -111,5 +113,7 @@ class SideBench:
             baseline(args.baseline)
             return
         meta, results = asyncio.run(self.measure(args.quick))
+        if self.more is not None:
+            results += asyncio.run(self.more(args.quick))
         print(report.write_side_bench(args.out, self.stem, meta, results, ("name", "measured", "target", "verdict")),
               end="", flush=True)

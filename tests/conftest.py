@@ -81,6 +81,15 @@ def demo_vlm(tmp_path_factory) -> Path:
     return build_demo_model(tmp_path_factory.mktemp("models") / "vlm", "vlm", eos_after=12, max_new_tokens=64)
 
 
+@pytest.fixture(scope="session")
+def demo_image(tmp_path_factory) -> Path:
+    """The tiny Stable-Diffusion-shaped model (appliance.demo.image): a flat picture of the colour the prompt names
+    (gray for none), 64 x 64 by default; its LoRA adapter (appliance.demo.catalog.image_adapter_path) swaps red and
+    blue."""
+    from appliance.demo.catalog import build_demo_model
+    return build_demo_model(tmp_path_factory.mktemp("models") / "image", "image")
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
     """Poll predicate() until it returns something truthy (returned) or the timeout passes (AssertionError naming
     `what`). OSError counts as not yet: the server may not be listening. The one poll loop of the tests."""

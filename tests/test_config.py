@@ -94,7 +94,7 @@ def test_runtime_config_overrides_first_class_options(tmp_path):
     ({"models": [{"name": "a", "path": "/a"}, {"name": "a", "path": "/b"}]}, "models[1].name: expected a unique model name"),
     ({"models": {"name": "a"}}, "models: expected a list"),
     ({"models": [{"name": "a", "path": "/a", "kind": "speech"}]},
-     "models[0].kind: expected one of 'llm', 'vlm', 'embedding', 'rerank', 'transcription', 'tts', got 'speech'"),
+     "models[0].kind: expected one of 'llm', 'vlm', 'embedding', 'rerank', 'transcription', 'tts', 'image', got 'speech'"),
     ({"models": [{"name": "a", "path": "/a", "voices": {"x": "x.bin"}}]},
      "models[0].voices: applies to kind 'tts' models only (this one is kind 'llm')"),
     ({"models": [{"name": "a", "path": "/a", "kind": "tts", "voices": {"x": 3}}]}, "models[0].voices.x: expected"),

@@ -418,9 +418,10 @@ def as_config(data) -> dict | None:
 
 
 @pytest.fixture(scope="module")
-def demo_paths(demo_model, embedding_model, rerank_model, demo_tts, demo_whisper, demo_vlm) -> dict[str, str]:
+def demo_paths(demo_model, embedding_model, rerank_model, demo_tts, demo_whisper, demo_vlm,
+               demo_image) -> dict[str, str]:
     return {"llm": str(demo_model), "embedding": str(embedding_model), "rerank": str(rerank_model),
-            "tts": str(demo_tts), "transcription": str(demo_whisper), "vlm": str(demo_vlm)}
+            "tts": str(demo_tts), "transcription": str(demo_whisper), "vlm": str(demo_vlm), "image": str(demo_image)}
 
 
 def pointed_at_demo_models(config: dict, paths: dict[str, str]) -> dict:
@@ -431,6 +432,9 @@ def pointed_at_demo_models(config: dict, paths: dict[str, str]) -> dict:
         if isinstance(model.get("voices"), dict):  # a real model's voice files: the demo's own stand in for them
             demo_voice = sorted((Path(paths["tts"]) / "voices").iterdir())[0]
             model["voices"] = {name: str(demo_voice) for name in model["voices"]}
+        if isinstance(model.get("adapters"), dict):  # a real model's LoRA files: the demo's adapter stands in
+            from appliance.demo.catalog import image_adapter_path
+            model["adapters"] = {name: str(image_adapter_path(paths["image"])) for name in model["adapters"]}
     return config
 
 
@@ -492,7 +496,8 @@ def doc_model_kinds() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def docs_server(demo_paths, tmp_path_factory):
     from conftest import Appliance, model_entry
-    names = {"llm": "demo", "embedding": "demo-embedding", "rerank": "demo-rerank", "vlm": "demo-vlm"}
+    names = {"llm": "demo", "embedding": "demo-embedding", "rerank": "demo-rerank", "vlm": "demo-vlm",
+             "image": "demo-image"}
     config = {"server": {"model_aliases": {name: names[kind] for name, kind in doc_model_kinds().items()
                                            if kind in names and name not in names.values()}},
               "models": [model_entry(name, Path(demo_paths[kind]), kind=kind, max_context=8192)

@@ -469,6 +469,10 @@ LIMIT_CASES: dict[str, Any] = {
                                            "too_many_inputs"),
     "audio upload": ("transcription", {"model": "whisper", "file": b"\0" * ((1 << 20) + 1)}, 413, None),
     "audio length": ("transcription", {"model": "whisper", "file": wav_bytes(tone(6.0))}, 413, "audio_too_long"),
+    # image models' limits: 400s decided before the model is asked, each shown by its pure check
+    "picture width or height": "test_images.py::test_the_models_limits_are_400s",
+    "pictures per image request": "test_images.py::test_the_models_limits_are_400s",
+    "denoising steps": "test_images.py::test_the_models_limits_are_400s",
     "form fields of an upload": ("transcription", {"model": "whisper", **{f"f{i}": "x" for i in range(33)},
                                                    "file": wav_bytes(tone(0.5))}, 400, "invalid_request"),
     "speech `input`": ("speech", {**ROUTES["speech"].body, "input": "a" * 4097}, 400, "string_above_max_length"),

@@ -73,6 +73,9 @@ OPENARC_METRICS = {
     "openarc_adapter_requests_total": ("counter", ("model", "adapter")),
     "openarc_adapter_prompt_tokens_total": ("counter", ("model", "adapter")),
     "openarc_adapter_generation_tokens_total": ("counter", ("model", "adapter")),
+    "openarc_images_generated_total": ("counter", ("model",)),
+    "openarc_image_seconds": ("histogram", ("model",)),
+    "openarc_image_step_seconds": ("histogram", ("model",)),
 }
 MODEL_STATES = ("loading", "ready", "restarting", "draining", "failed", "stopped", "unloaded")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")

@@ -72,8 +72,9 @@ class DraftModelConfig:
 
 @dataclass
 class LoraAdapter:
-    """A LoRA adapter of a model (docs/lora.md): `path`, a .safetensors file or a PEFT directory holding
-    adapter_model.safetensors; `alpha`, the weight OpenVINO GenAI applies it with (1.0: as trained)."""
+    """A LoRA adapter of a model (docs/lora.md, docs/images.md): `path`, a .safetensors file or a PEFT directory
+    holding adapter_model.safetensors; `alpha`, the weight it is applied at when a request names it without one
+    (1.0: as trained)."""
     path: str
     alpha: float = 1.0
 
@@ -82,7 +83,7 @@ class LoraAdapter:
 class ModelConfig:
     name: str
     path: str
-    kind: Literal["llm", "vlm", "embedding", "rerank", "transcription", "tts"] = "llm"
+    kind: Literal["llm", "vlm", "embedding", "rerank", "transcription", "tts", "image"] = "llm"
     device: str = "CPU"
     # Port of this model's own listener under `openarc serve --model NAME` (openarc@NAME.service).
     port: int | None = None
@@ -130,6 +131,14 @@ class ModelConfig:
     max_image_pixels: int = 25_000_000
     image_formats: list[Literal["png", "jpeg", "webp", "gif"]] = field(
         default_factory=lambda: ["png", "jpeg", "webp", "gif"])
+    # image: LoRA adapters a request may apply by name (`lora: [{name, weight}]`), as a path or {path, alpha}; the
+    # largest width or height a request may ask for, the most pictures one request may ask for (n), and the most
+    # denoising steps (num_inference_steps). A request that names no size or steps gets the model's own (genai's
+    # defaults for its family).
+    adapters: dict[str, str | LoraAdapter] = field(default_factory=dict)
+    max_resolution: int = 1024
+    max_images_per_request: int = 4
+    max_inference_steps: int = 50
     # llm, vlm: drop known per-request agent noise (Claude Code's billing header line) before templating, so a
     # conversation's prompt stays the same from turn to turn and the prefix cache serves it (appliance.worker.agent_noise).
     canonicalize_agent_noise: bool = True

@@ -7,7 +7,7 @@ keys, and the front routes chat and completions to the generative kinds only: al
 from __future__ import annotations
 
 # What a model's worker runs: a chat/completion LLM, or one of the request-in, result-out kinds.
-MODEL_KINDS = ("llm", "vlm", "embedding", "rerank", "transcription", "tts")
+MODEL_KINDS = ("llm", "vlm", "embedding", "rerank", "transcription", "tts", "image")
 # The kinds that generate text (chat and text completions); vlm also takes images in chat.
 GENERATIVE_KINDS = ("llm", "vlm")
 # Keys that mean something for some kinds only (a kind, or a tuple of kinds): set for another kind they are a
@@ -17,12 +17,13 @@ KIND_ONLY_KEYS: dict[str, str | tuple[str, ...]] = {
     "tool_parser": GENERATIVE_KINDS, "reasoning_parser": GENERATIVE_KINDS, "chat_template": GENERATIVE_KINDS,
     "grammar_compile_timeout_s": GENERATIVE_KINDS, "canonicalize_agent_noise": GENERATIVE_KINDS,
     "max_image_bytes": "vlm", "max_image_pixels": "vlm", "image_formats": "vlm",
-    "adapters": "llm", "max_adapters": "llm",
+    "adapters": ("llm", "image"), "max_adapters": ("llm", "image"),
     "draft_model": "llm", "prompt_lookup": "llm", "num_assistant_tokens": "llm",
     "assistant_confidence_threshold": "llm", "max_ngram_size": "llm",
     "pooling": "embedding", "normalize": "embedding", "matryoshka_dimensions": "embedding",
     "max_audio_seconds": "transcription", "max_upload_bytes": "transcription", "word_timestamps": "transcription",
     "voices": "tts", "default_voice": "tts",
+    "max_resolution": "image", "max_images_per_request": "image", "max_inference_steps": "image",
 }
 
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 # Keys of one kind (model_kinds.KIND_ONLY_KEYS) that only the front reads: its workers get every other key of
 # their kind.
 FRONT_ONLY_KIND_KEYS = frozenset({"max_audio_seconds", "max_upload_bytes", "max_image_bytes", "max_image_pixels",
-                                  "image_formats"})
+                                  "image_formats", "max_resolution", "max_images_per_request", "max_inference_steps"})
 
 
 def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
@@ -37,6 +37,9 @@ def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
         as_model = dataclasses.replace(model, device=d.device or model.device, runtime_config=d.runtime_config)
         spec["draft_model"] = {"path": d.path, "device": as_model.device,
                                "properties": as_model.ov_properties(config.ov_cache_dir())}
+    if "adapters" in spec:  # (every kind that takes adapters) by name: the adapter's file and its weight, as JSON
+        spec["adapters"] = {name: {"path": str(adapter_file(entry.path)), "alpha": entry.alpha}
+                            for name, entry in model.adapter_entries().items()}
     if model.kind == "llm":
         spec["speculative"] = model.speculative_defaults()
     if "adapters" in spec:  # (every kind that takes adapters) by name: the adapter's file and its weight, as JSON

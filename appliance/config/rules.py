@@ -117,6 +117,7 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
         require(m.max_image_bytes >= 1024, f"{at}.max_image_bytes", "at least 1024")
         require(m.max_image_pixels >= 1, f"{at}.max_image_pixels", "at least 1")
         require(bool(m.image_formats), f"{at}.image_formats", "at least one of png, jpeg, webp, gif")
+        problems.extend(_image_problems(m, at))
         require(m.stall_timeout_s > 0 and m.load_timeout_s > 0, f"{at}.stall_timeout_s",
                 "positive timeouts (stall_timeout_s, load_timeout_s)")
         require(m.grammar_compile_timeout_s > 0, f"{at}.grammar_compile_timeout_s", "a positive number of seconds")
@@ -140,6 +141,27 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
         require(m.idle_unload_s >= 0, f"{at}.idle_unload_s", "a non-negative number of seconds (0: never)")
         require(m.memory is None or m.memory_bytes is not None, f"{at}.memory",
                 f"a size such as 4.5GiB, 800MiB or a number of bytes (got {m.memory!r})")
+
+
+# An image request's width and height: multiples of this (the VAE's downscale of every diffusion family genai
+# runs), between these bounds (max_resolution is the operator's cap inside them).
+IMAGE_SIZE_STEP, MIN_IMAGE_SIDE, MAX_IMAGE_SIDE = 8, 64, 4096
+MAX_IMAGES_PER_REQUEST = 10  # OpenAI's own bound on n
+MAX_INFERENCE_STEPS = 500
+ADAPTER_NAME = MODEL_NAME  # a request names an adapter as it names a model
+
+
+def _image_problems(m: ModelConfig, at: str) -> list[str]:
+    """An image model's limits in their ranges (set on a model of another kind, _check_kind_keys names them)."""
+    problems = []
+    if not MIN_IMAGE_SIDE <= m.max_resolution <= MAX_IMAGE_SIDE or m.max_resolution % IMAGE_SIZE_STEP:
+        problems.append(f"{at}.max_resolution: expected a multiple of {IMAGE_SIZE_STEP} from {MIN_IMAGE_SIDE} to "
+                        f"{MAX_IMAGE_SIDE} pixels (got {m.max_resolution})")
+    if not 1 <= m.max_images_per_request <= MAX_IMAGES_PER_REQUEST:
+        problems.append(f"{at}.max_images_per_request: expected 1 to {MAX_IMAGES_PER_REQUEST}")
+    if not 1 <= m.max_inference_steps <= MAX_INFERENCE_STEPS:
+        problems.append(f"{at}.max_inference_steps: expected 1 to {MAX_INFERENCE_STEPS}")
+    return problems
 
 
 def _check_aliases(config: Config, problems: Problems) -> None:

@@ -1,6 +1,6 @@
 """The demo models of every worker kind, built from nothing: which builder makes each kind, the build cache, and
-atomic installs. Each builder lives in its own module (llm, encoder, whisper, vlm, tts) and is imported only when building,
-so `openarc demo-model` on a cache hit never loads OpenVINO."""
+atomic installs. Each builder lives in its own module (llm, encoder, whisper, vlm, tts, image) and is imported only
+when building, so `openarc demo-model` on a cache hit never loads OpenVINO."""
 
 from __future__ import annotations
 
@@ -39,6 +39,13 @@ class DemoKind:
 
 def _seed_only(*, seed: int = 0) -> dict:
     return {"seed": int(seed)}
+
+
+def image_params(**params) -> dict:
+    """The image demo's build parameters, checked (appliance.demo.image.checked_params)."""
+    from appliance.demo.image import checked_params
+
+    return checked_params(**params)
 
 
 def build_demo_model(dest: os.PathLike, kind: str = "llm", **params) -> pathlib.Path:
@@ -102,6 +109,7 @@ DEMO_KINDS = {
     "transcription": DemoKind("appliance.demo.whisper", "write_whisper_model", _seed_only, 1),
     "vlm": DemoKind("appliance.demo.vlm", "write_vlm_model", checked_params, 3),  # 3: the chat demo's tokenizer
     "tts": DemoKind("appliance.demo.tts", "write_tts_model", _seed_only, 1),
+    "image": DemoKind("appliance.demo.image", "write_image_model", image_params, 1),
 }
 
 
@@ -153,6 +161,13 @@ def build_demo_adapter(dest: os.PathLike, family: str, model_dir: os.PathLike, m
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def image_adapter_path(model_dir: os.PathLike) -> pathlib.Path:
+    """The demo image model's LoRA adapter, which its build writes inside its directory (see appliance.demo.image)."""
+    from appliance.demo.image import ADAPTER_PATH
+
+    return pathlib.Path(model_dir) / ADAPTER_PATH
 
 
 def demo_model_name(kind: str) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from appliance.front.api.server_view import ServerView
-from appliance.front.api import adapters, audio, dialects, embeddings, generate, health, models, rerank, speech, sse
+from appliance.front.api import (adapters, audio, dialects, embeddings, generate, health, image_generation,
+                                  models, rerank, speech, sse)
 from appliance.front.middleware import Middlewares
 
 
@@ -21,7 +22,7 @@ def make_app(appliance: ServerView) -> web.Application:
                           middlewares=[middlewares.errors, middlewares.auth])
     app.on_response_prepare.append(sse.record_prepared)  # a request whose answer began is never answered again
     app[sse.KEEPALIVE_INTERVAL] = lambda: appliance.config.server.stream_keepalive_s  # as a reload leaves it
-    for family in (health, generate, dialects, embeddings, rerank, audio, speech, models, adapters):
+    for family in (health, generate, dialects, embeddings, rerank, audio, speech, image_generation, models, adapters):
         family.add_routes(app, appliance)
     app.on_cleanup.append(lambda app: appliance.prompt_counter.close())
     return app

@@ -13,7 +13,8 @@ first frame of an animation taken, and composited onto white if it has transpare
 file as height x width x 3 bytes, which the worker reads without parsing anything. A fault of ours (the pixels
 cannot be written, the decoder hangs past DECODE_TIMEOUT_S) is a HelperFault: a 503 the client may retry.
 
-Protocol: request {"max_pixels": n, "formats": [...], "out": path, "max_bytes": b or null} and the file's bytes;
+Protocol: request {"max_pixels": n, "formats": [...], "out": path, "max_bytes": b or null, "mask": bool (an inpainting
+mask of /v1/images/edits: white where to paint)} and the file's bytes;
 reply {"width", "height", "format"} or {"error": reason, "message": ...}, reason being one of REASONS, OVER_BUDGET
 or "write_failed".
 """
@@ -57,9 +58,10 @@ def sniff_format(data: bytes) -> tuple[str, str] | None:
     return None
 
 
-def decode(data: bytes, max_pixels: int, formats: list[str], max_bytes: int | None = None):
+def decode(data: bytes, max_pixels: int, formats: list[str], max_bytes: int | None = None, mask: bool = False):
     """The image as an RGB PIL image, checked as the module doc says; ImageError otherwise (OVER_BUDGET when its
-    pixels would take more than `max_bytes` of spool, read from the header as the pixel count is)."""
+    pixels would take more than `max_bytes` of spool, read from the header as the pixel count is). `mask`: an
+    inpainting mask, read as _mask says."""
     from PIL import Image
 
     sniffed = sniff_format(data)
@@ -83,7 +85,7 @@ def decode(data: bytes, max_pixels: int, formats: list[str], max_bytes: int | No
             Image.MAX_IMAGE_PIXELS = max_pixels
             image.seek(0)  # an animation's first frame
             image.load()
-            return _rgb(image)
+            return _mask(image) if mask else _rgb(image)
     except ImageError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -103,9 +105,22 @@ def _rgb(image):
     return image.convert("RGB")
 
 
+def _mask(image):
+    """An inpainting mask as genai reads one (white: paint here, black: keep): OpenAI's masks mark the area to
+    edit as fully transparent, so a mask with transparency is white where alpha is 0; one without is read by its
+    brightness (the diffusers convention, white is painted)."""
+    from PIL import Image
+
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        alpha = image.convert("RGBA").getchannel("A")
+        return alpha.point(lambda a: 255 if a == 0 else 0).convert("RGB")
+    return image.convert("L").convert("RGB")
+
+
 def _handle(request: dict, data: bytes) -> dict:
     try:
-        image = decode(data, request["max_pixels"], request["formats"], request.get("max_bytes"))
+        image = decode(data, request["max_pixels"], request["formats"], request.get("max_bytes"),
+                       request.get("mask", False))
         with open(request["out"], "wb") as out:
             out.write(image.tobytes())
         return {"width": image.width, "height": image.height, "format": sniff_format(data)[0]}
@@ -122,13 +137,13 @@ class ImageDecoder(HelperProcess):
         super().__init__("appliance.front.image_decoder", DECODE_TIMEOUT_S, "image decoder")
 
     async def decode(self, data: bytes, max_pixels: int, formats: list[str], out_path: str,
-                     max_bytes: int | None = None) -> dict:
+                     max_bytes: int | None = None, mask: bool = False) -> dict:
         """Decode `data` into `out_path`: {"width", "height", "format"}; ImageError for an image that cannot be
         used (one that crashed a fresh decoder included), HelperFault for a fault of ours (a hung decoder, a full
-        spool disk)."""
+        spool disk). `mask`: an inpainting mask (_mask)."""
         try:
             reply = await self.answer({"max_pixels": max_pixels, "formats": formats, "out": out_path,
-                                       "max_bytes": max_bytes}, data)
+                                       "max_bytes": max_bytes, "mask": mask}, data)
         except HelperFailed as exc:
             raise ImageError("undecodable", f"the image could not be decoded (the decoder {exc.how} on it)") from None
         if "error" in reply:

@@ -18,7 +18,7 @@ from appliance.front.canary import Canary
 from appliance.front.lifecycle import Exit, ExitReason, ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.request import Event, Request
-from appliance.front.routing import REQUEST_OPS, RequestRouter
+from appliance.front.routing import IMAGE_OPS, REQUEST_OPS, RequestRouter
 from appliance.front.parked import ParkedWorkers
 from appliance.front.worker_ledger import Ledger
 from appliance.front.worker_life import WorkerLife
@@ -143,9 +143,17 @@ class ModelSupervisor:
                                       hint=message.get("hint")), kill=False)
         elif op not in REQUEST_OPS:
             raise ProtocolError(f"a ready worker sent {op!r}")
-        elif (req := self.router.request_of(message)) is None:
+        else:
+            self._on_request_frame(message)
+
+    def _on_request_frame(self, message: dict[str, Any]) -> None:
+        op = message["op"]
+        if op in IMAGE_OPS:  # counted whether its caller is still there or not (RequestRouter.count_image_frame)
+            self.router.count_image_frame(message)
+        req = self.router.request_of(message)
+        if req is None:
             return  # a late frame for a request its caller already closed
-        elif op == "error":
+        if op == "error":
             failure, end = self.life.device_faults.request_error(message)
             if end:  # the device context is lost: the worker is ended too
                 self.life.end_worker(end)

@@ -26,7 +26,7 @@ class RequestFailed(Exception):
 
 @dataclass
 class Event:
-    op: str            # tokens | done | result (the one answer of a non-LLM kind's request)
+    op: str            # tokens | done | result (the one answer of a non-LLM kind's request) | step, picture (image)
     text: str = ""
     n: int = 0
     finish_reason: str | None = None
@@ -36,7 +36,7 @@ class Event:
     logprobs: list | None = None  # [[token text, logprob], ...] when the request asked for them
     reasoning_tokens: int | None = None  # done, on a model with a reasoning format
     stop_sequence: str | None = None  # done: the stop sequence that ended the answer, if one did
-    result: dict[str, Any] | None = None  # result: the one answer of a one-answer kind
+    result: dict[str, Any] | None = None  # result: the one answer of a one-answer kind; step, picture: the frame
     max_tokens: int | None = None  # first tokens: the answer's limit, as the worker fitted it to the window
 
 

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 # (prompt_tokens goes to the token counters of the request's key and class: RequestRouter._count_prompt.)
 RESULT_COUNTERS = frozenset({"embedding_inputs", "audio_seconds", "speech_audio_seconds", "speech_characters"})
 # The frames of one request (an `id`); every one of them is progress for the stall timer.
-REQUEST_OPS = frozenset({"tokens", "done", "result", "error", "progress"})
+IMAGE_OPS = frozenset({"step", "picture"})  # an image request's progress and pictures (appliance.worker.engines.image)
+REQUEST_OPS = frozenset({"tokens", "done", "result", "error", "progress"}) | IMAGE_OPS
 
 
 def adapter_of(req: Request) -> str:
@@ -254,6 +255,8 @@ class RequestRouter:
             self.on_first_output()
         if op == "tokens":
             self._on_tokens(req, message)
+        elif op in IMAGE_OPS:  # an image request's progress and pictures, to its route as they come
+            self._on_image_frame(req, message)
         elif op == "done":
             cached = min(message.get("cached_tokens", 0), message["prompt_tokens"])
             self._count_prompt(req, message["prompt_tokens"], cached)
@@ -292,6 +295,18 @@ class RequestRouter:
                                     prompt_tokens=message.get("prompt_tokens", 0),
                                     cached_tokens=message.get("cached_tokens", 0),
                                     max_tokens=message.get("max_tokens")))
+
+    def _on_image_frame(self, req: Request, message: dict[str, Any]) -> None:
+        req.events.put_nowait(Event(message["op"], result=message))
+
+    def count_image_frame(self, message: dict[str, Any]) -> None:
+        """An image worker's step or picture in the model's metrics, whether its caller is still there or not: the
+        work was done (and a step counted after its caller hung up shows a worker that did not stop)."""
+        if message["op"] == "step":
+            self.series.image_step_seconds.observe(message["seconds"])
+        else:
+            self.series.images_generated.inc()
+            self.series.image_seconds.observe(message["seconds"])
 
     def _count_prompt(self, req: Request, prompt_tokens: int, cached_tokens: int = 0) -> None:
         """A finished generation's prompt tokens in the metrics (`cached_tokens` of them served by the prefix

@@ -58,6 +58,7 @@ class Form:
     fields: dict[str, str] = field(default_factory=dict)
     granularities: list[str] = field(default_factory=list)
     file: bytes | bytearray | None = None
+    files: dict[str, list[bytearray]] = field(default_factory=dict)  # every file part by its name, in order
 
 
 @dataclass
@@ -79,12 +80,31 @@ class AudioRequest:
                 "words": self.words, "stream": self.stream}
 
 
-class AudioRoutes(HelperUser):
+class UploadRoutes(HelperUser):
+    """A route family whose requests upload files in a multipart form (Upload admits them): the uploads in flight
+    bounded, and the bytes a file may have."""
+
+    def __init__(self, appliance: ServerView, kind: str, helper, spool_prefix: str):
+        super().__init__(appliance, kind, helper, spool_prefix)
+        self.uploads = asyncio.Semaphore(MAX_UPLOADS_IN_FLIGHT)
+
+    @staticmethod
+    def upload_limit(model) -> int:
+        """The bytes one uploaded file may have for this model."""
+        return model.max_upload_bytes
+
+    def _upload_cap(self) -> int:
+        """The largest upload any model of the family's kind takes (without one, the server's max_body_bytes, so a
+        request still learns that its model is of another kind): a bigger body is refused while it is read."""
+        return max((self.upload_limit(sup.model) for sup in self.appliance.supervisor.models.values()
+                    if sup.model.kind == self.kind), default=self.appliance.config.server.max_body_bytes)
+
+
+class AudioRoutes(UploadRoutes):
     def __init__(self, appliance: ServerView):
         self.decoder = AudioDecoder()
         super().__init__(appliance, KIND, self.decoder, "openarc-audio-")
         self.serial = 0
-        self.uploads = asyncio.Semaphore(MAX_UPLOADS_IN_FLIGHT)
 
     async def transcriptions(self, request: web.Request, call: Call) -> web.StreamResponse:
         return await self._handle(request, call, "transcribe")
@@ -123,12 +143,6 @@ class AudioRoutes(HelperUser):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(audio_path)
 
-    def _upload_cap(self) -> int:
-        """The largest upload any transcription model takes (without one, the server's max_body_bytes, so a request
-        still learns that its model is of another kind): a bigger body is refused while it is read."""
-        return max((sup.model.max_upload_bytes for sup in self.appliance.supervisor.models.values()
-                    if sup.model.kind == KIND), default=self.appliance.config.server.max_body_bytes)
-
     async def _stream(self, request: web.Request, call: Call, sup, req: AudioRequest, frame: dict[str, Any],
                       seconds: float, reserved: bool) -> web.StreamResponse:
         handle = sup.open(frame, op="request", reserved=reserved)
@@ -165,7 +179,7 @@ class Upload:
     looked up and a place in its queue reserved (so a busy model's 429 comes before the body is read), then one of
     the front's upload slots taken for the file (released once it is decoded)."""
 
-    def __init__(self, routes: AudioRoutes, call: Call):
+    def __init__(self, routes: UploadRoutes, call: Call):
         self.routes, self.call = routes, call
         self.sup = None
         self.place: QueuePlace | None = None
@@ -177,21 +191,22 @@ class Upload:
         if fields.get("model"):
             self.call.label(fields)
             await self.admit(fields["model"])
-        await self.routes.uploads.acquire()
-        self.slot = True
-        return self.sup.model.max_upload_bytes if self.sup else self.routes._upload_cap()
+        if not self.slot:  # one slot for all of a form's files (an image edit's image and mask)
+            await self.routes.uploads.acquire()
+            self.slot = True
+        return self.routes.upload_limit(self.sup.model) if self.sup else self.routes._upload_cap()
 
     async def admit(self, name: str):
         """The model's supervisor, with a place reserved in its queue (RequestFailed if there is none)."""
         if self.sup is None:
-            sup = await lookup.model_for(self.routes.appliance, name, self.call, (KIND,))
+            sup = await lookup.model_for(self.routes.appliance, name, self.call, (self.routes.kind,))
             self.place = QueuePlace(sup)
             self.sup = sup
         return self.sup
 
     async def follow(self, name: str):
         """The model to open on now (QueuePlace.follow: its next load, if it was unloaded under the upload)."""
-        self.sup = await self.place.follow(self.routes.appliance, name, self.call, (KIND,))
+        self.sup = await self.place.follow(self.routes.appliance, name, self.call, (self.routes.kind,))
         return self.sup
 
     def hand_over(self) -> bool:
@@ -209,11 +224,12 @@ class Upload:
             self.place.release()
 
 
-async def read_form(request: web.Request, before_file) -> Form:
-    """The multipart form, the file held in memory up to the bytes `before_file(fields so far)` allows (413 past
-    it); `before_file` may refuse the request before the file is read."""
+async def read_form(request: web.Request, before_file, file_parts: tuple[str, ...] = ("file",)) -> Form:
+    """The multipart form, each file part (`file_parts` name them) held in memory up to the bytes
+    `before_file(fields so far)` allows (413 past it); `before_file` may refuse the request before a file is read."""
     if request.content_type != "multipart/form-data":
-        raise InvalidRequest("the request must be multipart/form-data with a 'file' part (as the OpenAI SDK sends it)")
+        raise InvalidRequest(f"the request must be multipart/form-data with a '{file_parts[0]}' part (as the OpenAI "
+                             "SDK sends it)")
     form = Form()
     try:
         reader = await request.multipart()
@@ -222,8 +238,10 @@ async def read_form(request: web.Request, before_file) -> Form:
             count += 1
             if count > MAX_FIELDS:
                 raise InvalidRequest(f"the form has more than {MAX_FIELDS} fields")
-            if part.name == "file":
-                form.file = await _read_part(part, await before_file(form.fields), "file")
+            if part.name in file_parts:
+                data = await _read_part(part, await before_file(form.fields), part.name)
+                form.files.setdefault(part.name, []).append(data)
+                form.file = data if part.name == "file" else form.file
             else:
                 value = (await _read_part(part, MAX_FIELD_BYTES, part.name or "")).decode("utf-8")
                 if part.name in ("timestamp_granularities[]", "timestamp_granularities"):

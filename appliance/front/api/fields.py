@@ -69,6 +69,19 @@ def flag(body: dict, key: str) -> bool:
     return value
 
 
+def required_text(body: dict, key: str, max_chars: int, what: str) -> str:
+    """The body's `key`: a non-empty string (`what` it is, for the error) of valid UTF-8, at most `max_chars`
+    characters (a 400 `string_above_max_length` past them)."""
+    text = body.get(key)
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidRequest(f"'{key}' must be a non-empty string: {what}", key)
+    utf8(text, key)
+    if len(text) > max_chars:
+        raise InvalidRequest(f"'{key}' is {len(text)} characters; the limit is {max_chars}", key,
+                             "string_above_max_length")
+    return text
+
+
 def utf8(text: str, where: str) -> str:
     try:
         text.encode("utf-8")

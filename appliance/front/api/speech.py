@@ -66,13 +66,7 @@ class SpeechRequest:
 
 def parse(body: Any) -> SpeechRequest:
     model = fields.model_name(body)
-    text = body.get("input")
-    if not isinstance(text, str) or not text.strip():
-        raise InvalidRequest("'input' must be a non-empty string: the text to speak", "input")
-    fields.utf8(text, "input")
-    if len(text) > MAX_INPUT_CHARS:
-        raise InvalidRequest(f"'input' is {len(text)} characters; the limit is {MAX_INPUT_CHARS}", "input",
-                             "string_above_max_length")
+    text = fields.required_text(body, "input", MAX_INPUT_CHARS, "the text to speak")
     response_format = body.get("response_format") or "mp3"
     if response_format not in RESPONSE_FORMATS:
         raise InvalidRequest(f"'response_format' must be one of {', '.join(RESPONSE_FORMATS)}", "response_format")

@@ -23,6 +23,9 @@ def load_engine(spec: dict[str, Any], channel) -> Engine:
     if kind == "tts":
         from appliance.worker.engines.tts import SpeechEngine
         return SpeechEngine(spec, channel)
+    if kind == "image":
+        from appliance.worker.engines.image import ImageEngine
+        return ImageEngine(spec, channel)
     if kind == "vlm":
         from appliance.worker.engines.vlm import BatchingVLMEngine, SequentialVLMEngine
         return (SequentialVLMEngine if spec["pipeline"] == "stateful" else BatchingVLMEngine)(spec, channel)

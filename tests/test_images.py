@@ -1,0 +1,214 @@
+"""Image generation (kind image): the pure parts, without processes. What a directory is (model_index.json), the
+config's image keys and adapters, the routes' parsing and limits (each a 400 naming its field), the events a stream
+sends, when partial pictures are due, and the inpainting mask as the decoder reads it."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from hypothesis import given, strategies as st
+
+from appliance import model_files
+from appliance.config import ConfigError, parse_config
+from appliance.front.api import image_generation as images
+from appliance.front.api.errors import InvalidRequest
+from appliance.front.image_decoder import decode
+from appliance.front.request import Event
+from appliance.worker.engines.image import partial_steps
+
+SD_FILES = ["model_index.json", "scheduler/scheduler_config.json"] + [
+    f"{stem}.{ext}" for stem in ("unet/openvino_model", "vae_decoder/openvino_model", "text_encoder/openvino_model",
+                                 "tokenizer/openvino_tokenizer", "tokenizer/openvino_detokenizer")
+    for ext in ("xml", "bin")]
+
+
+def test_a_diffusers_export_is_an_image_model_and_its_missing_parts_are_named():
+    assert model_files.detect(SD_FILES, None) == model_files.Detected("openvino", "image")
+    flux = [f.replace("unet/", "transformer/") for f in SD_FILES]
+    assert model_files.detect(flux, None).kind == "image"
+    broken = model_files.detect([f for f in SD_FILES if not f.startswith("vae_decoder/")], None)
+    assert broken.kind is None and "vae_decoder/openvino_model.xml/.bin" in broken.reason
+    pytorch = model_files.detect(["model_index.json", "unet/diffusion_pytorch_model.safetensors"], None)
+    assert (pytorch.format, pytorch.kind) == ("pytorch", "image")
+    assert "--task text-to-image" in model_files.export_command("org/sd", "image", "/out")
+
+
+def image_model(tmp_path, files=SD_FILES):
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}")
+    return tmp_path
+
+
+def write_safetensors(path, header=b'{"__metadata__":{}}'):
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    return path
+
+
+def config_text(path, **keys) -> dict:
+    return {"models": [{"name": "pictures", "path": str(path), "kind": "image", **keys}]}
+
+
+def test_an_image_model_config_takes_adapter_files_and_peft_directories(tmp_path):
+    model_dir = image_model(tmp_path / "sd")
+    write_safetensors(model_dir / "red.safetensors")
+    red = str(model_dir / "red.safetensors")
+    config = parse_config(config_text(model_dir, adapters={"red": red, "blue": {"path": red, "alpha": 0.5}}),
+                          "test.yaml", checks=[model_files_check()])
+    entries = config.models[0].adapter_entries()
+    assert entries["red"].path == red and entries["red"].alpha == 1.0 and entries["blue"].alpha == 0.5
+    peft = model_dir / "peft"
+    peft.mkdir()
+    write_safetensors(peft / "adapter_model.safetensors")
+    parse_config(config_text(model_dir, adapters={"peft": str(peft)}), "test.yaml", checks=[model_files_check()])
+
+
+def model_files_check():
+    from appliance.config import path_check
+    return path_check
+
+
+@pytest.mark.parametrize("keys, named", [
+    ({"adapters": {"red": "DIR/missing.safetensors"}}, "models[0].adapters.red: expected a LoRA adapter (a "),
+    ({"adapters": {"red": "DIR/model_index.json"}}, "models[0].adapters.red: expected a LoRA adapter in the "),
+    ({"adapters": {"red": {"path": "DIR/red.safetensors", "alpha": 0}}}, "models[0].adapters.red.alpha"),
+    ({"max_resolution": 1001}, "models[0].max_resolution: expected a multiple of 8"),
+    ({"max_images_per_request": 0}, "models[0].max_images_per_request"),
+    ({"max_inference_steps": 0}, "models[0].max_inference_steps"),
+])
+def test_a_bad_image_key_is_one_line_naming_it(tmp_path, keys, named):
+    model_dir = image_model(tmp_path / "sd")
+    write_safetensors(model_dir / "red.safetensors")
+    keys = json.loads(json.dumps(keys).replace("DIR/", f"{model_dir}/"))  # adapter paths are taken as given
+    with pytest.raises(ConfigError) as err:
+        parse_config(config_text(model_dir, **keys), "test.yaml", checks=[model_files_check()])
+    assert any(line.startswith(named) or named in line for line in err.value.lines), err.value.lines
+
+
+def test_image_keys_on_a_chat_model_are_named(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        parse_config({"models": [{"name": "chat", "path": str(tmp_path), "max_resolution": 512}]}, "test.yaml")
+    assert "models[0].max_resolution: applies to kind 'image' models only" in str(err.value)
+
+
+def body(**fields):
+    return {"model": "pictures", "prompt": "a red square", **fields}
+
+
+def test_a_generation_body_becomes_the_workers_request():
+    req = images.parse(body(n=2, size="512x256", output_format="webp", output_compression=80, seed=7,
+                            negative_prompt="blurry", num_inference_steps=4, guidance_scale=0,
+                            lora=[{"name": "red", "weight": 0.5}, {"name": "blue"}], stream=True, partial_images=2,
+                            quality="high", style="vivid", user="u1"))
+    worker = req.body()
+    assert (worker["width"], worker["height"], worker["n"], worker["steps"]) == (512, 256, 2, 4)
+    assert worker["lora"] == [["red", 0.5], ["blue", None]] and worker["guidance_scale"] == 0
+    assert worker["partial_images"] == 2 and worker["image"] is None
+    assert images.parse(body(partial_images=2)).body()["partial_images"] == 0  # partials are for streams
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": ""}, "prompt"), ({"n": 0}, "n"), ({"n": 11}, "n"), ({"size": "big"}, "size"),
+    ({"size": "500x500"}, "size"), ({"size": "32x32"}, "size"), ({"response_format": "url"}, "response_format"),
+    ({"output_format": "gif"}, "output_format"), ({"output_compression": 101}, "output_compression"),
+    ({"background": "transparent"}, "background"), ({"partial_images": 4}, "partial_images"),
+    ({"seed": -1}, "seed"), ({"num_inference_steps": 0}, "num_inference_steps"), ({"lora": {"x": 1}}, "lora"),
+    ({"lora": [{"name": "a", "scale": 1}]}, "lora[0]"), ({"lora": [{"name": "a"}, {"name": "a"}]}, "lora[1]"),
+    ({"strength": 0.5}, "strength"),
+])
+def test_a_bad_field_is_a_400_naming_it(fields, param):
+    with pytest.raises(InvalidRequest) as err:
+        images.parse(body(**fields))
+    assert err.value.param == param
+
+
+class Model:
+    name, max_images_per_request, max_resolution, max_inference_steps = "pictures", 2, 512, 20
+    adapters = {"red": "red.safetensors"}
+
+
+@pytest.mark.parametrize("fields, param, code", [
+    ({"n": 3}, "n", "too_many_images"), ({"size": "1024x512"}, "size", "invalid_size"),
+    ({"num_inference_steps": 21}, "num_inference_steps", "too_many_steps"),
+    ({"lora": [{"name": "blue"}]}, "lora[0]", "unknown_adapter"),
+])
+def test_the_models_limits_are_400s(fields, param, code):
+    with pytest.raises(InvalidRequest) as err:
+        images.check_limits(images.parse(body(**fields)), Model)
+    assert (err.value.param, err.value.code) == (param, code)
+    images.check_limits(images.parse(body(n=2, size="512x512", num_inference_steps=20, lora=[{"name": "red"}])),
+                        Model)
+
+
+@given(st.integers(1, 4096), st.integers(1, 4096))
+def test_a_size_is_taken_exactly_when_its_sides_suit_the_vae(width, height):
+    ok = width % 8 == 0 and height % 8 == 0 and min(width, height) >= 64
+    try:
+        taken = images.parse_size(f"{width}x{height}")
+    except InvalidRequest as err:
+        assert not ok and err.param == "size"
+    else:
+        assert ok and taken == (width, height)
+
+
+def test_an_edits_form_is_typed_as_a_json_body_would_be():
+    values = images.form_values({"model": "pictures", "prompt": "p", "n": "2", "strength": "0.25", "stream": "true",
+                                 "lora": '[{"name": "red", "weight": 1}]', "size": ""})
+    req = images.parse(values, edit=True)
+    assert (req.n, req.strength, req.stream, req.lora, req.size) == (2, 0.25, True, [("red", 1.0)], None)
+    with pytest.raises(InvalidRequest):
+        images.form_values({"n": "two"})
+
+
+def test_an_edit_keeps_its_pictures_size_and_its_mask_must_match():
+    req = images.parse(body(), edit=True)
+    images.check_edit_sizes(req, {"width": 64, "height": 128}, {"width": 64, "height": 128}, 128)
+    for image, mask, param in (({"width": 60, "height": 64}, None, "image"),
+                               ({"width": 64, "height": 136}, None, "image"),
+                               ({"width": 64, "height": 64}, {"width": 64, "height": 72}, "mask")):
+        with pytest.raises(InvalidRequest) as err:
+            images.check_edit_sizes(req, image, mask, 128)
+        assert err.value.param == param
+    with pytest.raises(InvalidRequest) as err:
+        images.check_edit_sizes(images.parse(body(size="128x128"), edit=True), {"width": 64, "height": 64}, None, 128)
+    assert err.value.param == "size"
+
+
+@given(st.integers(1, 200), st.integers(0, 3))
+def test_partial_pictures_come_spread_over_the_steps_and_never_at_the_last(steps, wanted):
+    due = partial_steps(steps, wanted)
+    assert due == sorted(set(due)) and set(due) <= set(range(1, steps)) and len(due) <= wanted
+    if steps > wanted:
+        assert len(due) == wanted
+
+
+def test_a_stream_sends_progress_partials_and_completed_in_openais_names():
+    req = images.parse(body(stream=True, partial_images=1))
+    step = Event("step", result={"index": 0, "step": 2, "steps": 4, "seconds": 0.1, "image": "AAAA"})
+    sent = images.stream_event(req, step, "auto", 0)
+    assert [e["type"] for e in sent] == ["progress", "image_generation.partial_image"]
+    assert sent[1]["partial_image_index"] == 0 and sent[1]["b64_json"] == "AAAA"
+    done = images.stream_event(images.parse(body(), edit=True), Event("picture", result={"index": 0, "data": "BB",
+                                                                                            "seconds": 1}), "auto", 1)
+    assert done[0]["type"] == "image_edit.completed" and done[0]["b64_json"] == "BB"
+
+
+def png(mode, size, colour):
+    from PIL import Image
+    out = io.BytesIO()
+    Image.new(mode, size, colour).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_an_openai_mask_paints_where_it_is_transparent():
+    from PIL import Image
+    image = Image.new("RGBA", (8, 8), (10, 200, 30, 255))
+    image.putpixel((0, 0), (0, 0, 0, 0))
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    mask = decode(out.getvalue(), 64, ["png"], mask=True)
+    assert mask.getpixel((0, 0)) == (255, 255, 255) and mask.getpixel((1, 1)) == (0, 0, 0)
+    grey = decode(png("RGB", (8, 8), (255, 255, 255)), 64, ["png"], mask=True)
+    assert grey.getpixel((3, 3)) == (255, 255, 255)

@@ -32,7 +32,7 @@ from appliance.chat_formats import THINK_CLOSE, THINK_OPEN
 log = logging.getLogger("openarc.worker")
 
 PROBE_CACHE_SIZE = 256
-PROBE_TOKENS = 4  # a first token (compile and mask) and three masks: enough to see a step cost that grows
+PROBE_TOKENS = 8  # a first token (compile and mask) and seven masks: enough to see a step cost that grows
 PROBE_FALLBACK_VOCAB = 1 << 18  # wider than any tokenizer's vocabulary (genai pads a shorter one)
 # genai's errors start with the C++ source location of the check that failed: keep what follows it.
 SOURCE_LOCATION = re.compile(r"^.*?\.(?:cc|cpp|hpp|h):\d+:\s*")
@@ -123,6 +123,22 @@ def _custom_input(custom: dict[str, Any]):
     return config.AnyText()
 
 
+def probed_parts(constraint: dict[str, Any], tool_parser: str | None) -> list[tuple[str, dict[str, Any], str | None]]:
+    """What the probe compiles and times for a constraint: the constraint itself, and for tool calls each tool's
+    input on its own (a custom tool's grammar or regex, a function's parameters): inside structural tags genai
+    compiles little up front and a tool's grammar costs its time only once the model has opened that tool's call,
+    which the probe's zero logits never do. Each part is remembered on its own, so a tool set that changes by one
+    tool probes that tool alone. Each comes with what a refusal of it says first (which tool)."""
+    parts = [("", constraint, tool_parser)]
+    for tool in constraint.get("tools", ()) if constraint["type"] == "tool_calls" else ():
+        custom, label = tool.get("custom"), f"tool {tool['name']!r}: "
+        if custom is None:
+            parts.append((label, {"type": "json_schema", "schema": tool["parameters"]}, None))
+        elif custom["type"] in ("grammar", "regex"):
+            parts.append((label, {"type": custom["type"], custom["type"]: custom[custom["type"]]}, None))
+    return parts
+
+
 def cost_verdict(token_seconds: list[float], compile_budget_s: float, step_budget_s: float) -> str | None:
     """Why a constraint costs the engine too much, or None when it does not: the probe's first token (the compile
     and the first mask) against the compile budget, each later token (a mask, paid on every step) against the step
@@ -194,7 +210,7 @@ class GrammarProbe:
 
     def known(self, constraint: dict[str, Any], tool_parser: str | None) -> bool:
         """Probed before (and still remembered), whatever the verdict."""
-        return self._key(constraint, tool_parser) in self.verdicts
+        return all(self._key(part, parser) in self.verdicts for _, part, parser in probed_parts(constraint, tool_parser))
 
     def check(self, constraint: dict[str, Any], tool_parser: str | None, compile_budget_s: float = float("inf"),
               step_budget_s: float = float("inf")):
@@ -206,18 +222,33 @@ class GrammarProbe:
             raise
         except Exception as exc:  # genai refused to even build the config
             raise InvalidGrammar(genai_message(exc)) from None
-        key = self._key(constraint, tool_parser)
-        if key not in self.verdicts:
-            with self.lock:
-                if key not in self.verdicts:
-                    self._remember(key, self._probe(config, compile_budget_s, step_budget_s))
-        if self.verdicts[key] is not None:
-            raise InvalidGrammar(self.verdicts[key])
+        for label, part, parser in probed_parts(constraint, tool_parser):
+            verdict = self._verdict(part, parser, compile_budget_s, step_budget_s)
+            if verdict is not None:
+                raise InvalidGrammar(label + verdict)
         return config
 
-    def _probe(self, config, compile_budget_s: float, step_budget_s: float) -> str | None:
-        """(under the lock) Why the probe refuses this config, or None."""
+    def _verdict(self, constraint: dict[str, Any], tool_parser: str | None, compile_budget_s: float,
+                 step_budget_s: float) -> str | None:
+        """The remembered verdict on one part, probed now if there is none. A remembered one is read without the
+        lock: the channel reader asks here too, and must not wait out another constraint's probe."""
+        key = self._key(constraint, tool_parser)
+        remembered = self.verdicts.get(key, self)
+        if remembered is not self:
+            return remembered
+        with self.lock:
+            if key not in self.verdicts:
+                self._remember(key, self._probe(constraint, tool_parser, compile_budget_s, step_budget_s))
+            return self.verdicts[key]
+
+    def _probe(self, constraint: dict[str, Any], tool_parser: str | None, compile_budget_s: float,
+               step_budget_s: float) -> str | None:
+        """(under the lock) Why the probe refuses this constraint, or None."""
         import openvino_genai
+        try:
+            config = structured_output_config(constraint, tool_parser)
+        except Exception as exc:
+            return genai_message(exc)
         generation = openvino_genai.GenerationConfig(max_new_tokens=PROBE_TOKENS)
         generation.structured_output_config = config
         pipe, prompt = self._pipeline(), self._prompt()

@@ -210,7 +210,8 @@ class GrammarProbe:
 
     def known(self, constraint: dict[str, Any], tool_parser: str | None) -> bool:
         """Probed before (and still remembered), whatever the verdict."""
-        return all(self._key(part, parser) in self.verdicts for _, part, parser in probed_parts(constraint, tool_parser))
+        parts = probed_parts(constraint, tool_parser)
+        return all(self._key(part, parser) in self.verdicts for _, part, parser in parts)
 
     def check(self, constraint: dict[str, Any], tool_parser: str | None, compile_budget_s: float = float("inf"),
               step_budget_s: float = float("inf")):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -42,6 +43,16 @@ NAMED_GROUP_REGEX_BOMB = "(?<n>" + REGEX_BOMB + ")"  # genai's dialect, not Pyth
 TEMPLATE_FANOUT = 'start: t1{"a"}\n' + "".join(f"t{i}{{x}}: " + " ".join([f"t{i + 1}{{x}}"] * 20) + "\n"
                                                for i in range(1, 7)) + "t7{x}: x\n"
 EBNF_BOMB = 'root ::= ((("a"{100}){100}){100})'  # 25 s of genai's compile
+
+
+def ambiguous_alternatives(n: int = 1800) -> str:
+    """A Lark grammar inside every size limit that costs genai seconds on the engine thread: n alternatives of a
+    short character class under `+`, so every text has many parses (27 KB at 1,800: 16.5 s to compile on the
+    demo vocabulary, 127.5 s on a 150,000-token one; 300 of them cost 0.6 s a token). Not in BOMBS: the worker's
+    probe answers it after its compile, not in milliseconds (tests/test_grammar_probe.py sends it)."""
+    pick = random.Random(2)  # the same grammar every time
+    classes = ("".join(pick.choice("abcdefghij") for _ in range(3)) for _ in range(n))
+    return "start: (" + " | ".join(f"/[{c}]{{2,5}}/" for c in classes) + ")+\n"
 
 
 def schema_bomb(levels: int = 21) -> dict:

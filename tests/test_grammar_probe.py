@@ -8,8 +8,16 @@ compiles any real regex in a blink."""
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
+from hypothesis import given
+from hypothesis import strategies as st
+
+from appliance.worker.engines.constraints import cost_verdict, probed_parts
+
+from bench.hostile import ambiguous_alternatives, custom_tool
 from conftest import http, model_entry, pid_alive, wait_until
 from test_tools import CHAT
 
@@ -57,3 +65,91 @@ def test_a_compile_longer_than_stall_timeout_is_progress_up_to_its_own_bound(app
                            {"model": "bounded", "messages": CHAT, "max_tokens": 8,
                             "structured_outputs": {"regex": SLOW_REGEX}}, timeout=120)
     assert status == 504 and body["error"]["code"] == "stall", body
+
+
+# --- what a grammar costs the engine thread: bounded by the probe's budgets ----------------------------------
+
+CHUNK_GAP_BOUND_S = 8.0  # only a hang: before the budgets the 27 KB grammar held the other client 20 s
+
+
+@given(st.lists(st.floats(0, 60), max_size=12), st.floats(0.01, 30), st.floats(0.01, 30))
+def test_the_cost_verdict_refuses_exactly_the_probes_past_a_budget(seconds, compile_budget, step_budget):
+    verdict = cost_verdict(seconds, compile_budget, step_budget)
+    over_compile = bool(seconds) and seconds[0] > compile_budget
+    over_step = any(s > step_budget for s in seconds[1:])
+    assert (verdict is not None) == (over_compile or over_step)
+    if verdict is not None:  # it names the key an operator would change
+        assert ("grammar_compile_budget_s" if over_compile else "grammar_step_budget_s") in verdict
+        for more in (0.0, 1e9):  # a probe that went on never turns a refusal into an acceptance
+            assert cost_verdict(seconds + [more], compile_budget, step_budget) is not None
+
+
+TOOLS = st.lists(st.one_of(
+    st.builds(lambda n: {"name": n, "parameters": '{"type": "object"}'}, st.text("abc", min_size=1, max_size=3)),
+    st.builds(lambda n, kind: {"name": n, "custom": {"type": kind, kind: "x", "grammar": 'root ::= "x"'}
+                               if kind == "regex" else {"type": kind, kind: 'root ::= "x"'} if kind == "grammar"
+                               else {"type": kind}},
+              st.text("abc", min_size=1, max_size=3), st.sampled_from(["grammar", "regex", "text"]))), max_size=6)
+
+
+@given(TOOLS, TOOLS)
+def test_each_tools_input_is_probed_on_its_own_whatever_tools_come_with_it(tools, others):
+    constraint = {"type": "tool_calls", "tools": tools, "required": False, "single": False}
+    parts = probed_parts(constraint, "hermes")
+    assert parts[0] == ("", constraint, "hermes")  # the whole (its compile and that it compiles at all)
+    expected = [t for t in tools if t.get("custom", {}).get("type") != "text"]
+    assert [label for label, _, _ in parts[1:]] == [f"tool {t['name']!r}: " for t in expected]
+    assert all(parser is None and part["type"] in ("grammar", "regex", "json_schema") for _, part, parser in parts[1:])
+    # a tool's own part is the same in any tool set: a set that changes by one tool probes that tool alone
+    alone = {json.dumps(p, sort_keys=True) for t in expected for _, p, _ in probed_parts(
+        {**constraint, "tools": [t]}, "hermes")[1:]}
+    mixed = {json.dumps(p, sort_keys=True) for _, p, _ in probed_parts(
+        {**constraint, "tools": others + tools}, "hermes")[1:]}
+    assert alone <= mixed
+    assert probed_parts({"type": "grammar", "grammar": 'root ::= "x"'}, None) == [
+        ("", {"type": "grammar", "grammar": 'root ::= "x"'}, None)]
+
+
+def stream_while(app, model: str, busy: threading.Event) -> list[float]:
+    """Chat streams back to back on the model while busy is set; the arrival time of every chunk."""
+    arrivals = [time.monotonic()]
+    while busy.is_set():
+        stream = app.client().chat.completions.create(model=model, messages=CHAT, max_tokens=200, stream=True)
+        for _ in stream:
+            arrivals.append(time.monotonic())
+    return arrivals
+
+
+def test_a_grammar_that_costs_the_engine_seconds_is_refused_while_another_client_streams(appliance_factory,
+                                                                                        demo_model):
+    app = appliance_factory({"models": [model_entry("demo", demo_model)]})
+    pid = app.worker_pid("demo")
+    busy = threading.Event()
+    busy.set()
+    arrivals: list[float] = []
+    streamer = threading.Thread(target=lambda: arrivals.extend(stream_while(app, "demo", busy)))
+    streamer.start()
+    try:
+        wait_until(lambda: app.model_status("demo")["requests_running"] > 0, 30, "the other client streaming")
+        body = {"model": "demo", "input": "Patch it", "max_output_tokens": 8, "tool_choice": "required",
+                "tools": [custom_tool(ambiguous_alternatives(), True)]}
+        started = time.monotonic()
+        status, _, reply = http("POST", app.base + "/v1/responses", body, timeout=180)
+        waited = time.monotonic() - started
+    finally:
+        busy.clear()
+        streamer.join(120)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    print(f"the 27 KB grammar was answered (status {status}) after {waited:.1f} s; the other client got "
+          f"{len(arrivals) - 1} chunks, the longest gap {max(gaps):.2f} s")
+    assert max(gaps) < CHUNK_GAP_BOUND_S
+    assert status == 400, reply
+    error = reply["error"]
+    assert error["code"] == "invalid_grammar" and error["param"] == "tools", error
+    assert "tool 'patch'" in error["message"] and "grammar_compile_budget_s" in error["message"], error
+    # the verdict is remembered: the same grammar again is refused without a second compile
+    started = time.monotonic()
+    status, _, reply = http("POST", app.base + "/v1/responses", body, timeout=60)
+    assert status == 400 and reply["error"]["code"] == "invalid_grammar", reply
+    assert time.monotonic() - started < waited / 2
+    assert app.worker_pid("demo") == pid and app.model_status("demo")["crashes"] == 0

@@ -462,6 +462,9 @@ LIMIT_CASES: dict[str, Any] = {
         "chat", {**CHAT_BODY, "response_format": {"type": "json_schema", "json_schema": {
             "name": "bomb", "schema": schema_bomb()}}}, 400, "grammar_too_large"),
     "Lark grammar conversion": "test_grammar_bounds.py::test_a_conversion_past_its_time_bound_is_stopped_and_refused",
+    "what a constraint costs the model's engine thread (every grammar, schema, regex and tool input above, timed by "
+    "the worker's probe off that thread)": "test_grammar_probe.py::"
+    "test_a_grammar_that_costs_the_engine_seconds_is_refused_while_another_client_streams",
     "images per request": ("chat", vlm_chat(*[png(4)] * 9), 400, "too_many_images"),
     "image size": ("chat", vlm_chat(png(160, noise=True)), 400, "invalid_image"),
     "image pixels": ("chat", vlm_chat(png(200)), 400, "invalid_image"),

@@ -155,6 +155,11 @@ class ModelConfig:
     # schema can take longer than stall_timeout_s); a compile still running after it is treated as hung, and the
     # stall timer ends the worker stall_timeout_s later.
     grammar_compile_timeout_s: float = 300.0
+    # llm: what a constraint may cost the engine thread, where every other request of the model waits while genai
+    # compiles it (once) and applies it (every step). The worker's probe times both before the request joins the
+    # batch and refuses past them (400 invalid_grammar naming the field); measured in docs/api.md's limits table.
+    grammar_compile_budget_s: float = 5.0
+    grammar_step_budget_s: float = 0.5
     # A request for this model while it loads or restarts waits this long for it to be ready, then gets 503 with
     # Retry-After. 60 s covers a worker restart on a GPU box (backoff, then a cached-compile load of a 7-14B
     # model) and a whole-service restart behind the socket unit; 0 answers 503 at once.

@@ -16,6 +16,7 @@ KIND_ONLY_KEYS: dict[str, str | tuple[str, ...]] = {
     "pipeline": GENERATIVE_KINDS, "scheduler_config": GENERATIVE_KINDS, "default_max_tokens": GENERATIVE_KINDS,
     "tool_parser": GENERATIVE_KINDS, "reasoning_parser": GENERATIVE_KINDS, "chat_template": GENERATIVE_KINDS,
     "grammar_compile_timeout_s": GENERATIVE_KINDS, "canonicalize_agent_noise": GENERATIVE_KINDS,
+    "grammar_compile_budget_s": GENERATIVE_KINDS, "grammar_step_budget_s": GENERATIVE_KINDS,
     "max_image_bytes": "vlm", "max_image_pixels": "vlm", "image_formats": "vlm",
     "adapters": ("llm", "image"), "max_adapters": ("llm", "image"),
     "draft_model": "llm", "prompt_lookup": "llm", "num_assistant_tokens": "llm",

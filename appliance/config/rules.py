@@ -121,6 +121,8 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
         require(m.stall_timeout_s > 0 and m.load_timeout_s > 0, f"{at}.stall_timeout_s",
                 "positive timeouts (stall_timeout_s, load_timeout_s)")
         require(m.grammar_compile_timeout_s > 0, f"{at}.grammar_compile_timeout_s", "a positive number of seconds")
+        require(m.grammar_compile_budget_s > 0, f"{at}.grammar_compile_budget_s", "a positive number of seconds")
+        require(m.grammar_step_budget_s > 0, f"{at}.grammar_step_budget_s", "a positive number of seconds")
         require(0 <= m.ready_wait_s <= MAX_READY_WAIT_S, f"{at}.ready_wait_s",
                 f"0 to {MAX_READY_WAIT_S:g} seconds (a request never waits unbounded)")
         r = m.restart

@@ -7,6 +7,15 @@ are already in scheduling phase" on every later step). So each new constraint is
 LLMPipeline over a one-operation model sharing this worker's tokenizer (built in memory in milliseconds); genai is
 the judge of what genai can compile, and a failure there is a 400 for that request alone. Constraints that
 compiled once are remembered, so an agent resending the same tools pays the probe once.
+
+Why the probe is timed: the pipeline compiles a constraint and computes its token mask on the engine thread, inside
+step(), where every other request of the model waits. A grammar inside every size limit can still cost seconds
+there: 1,500 alternatives of a short character class under `+` (22 KB of Lark) took 13.5 s to its first token on the
+demo vocabulary, then 2-8 s a step (xgrammar's parser state grows with the ambiguous text). So the probe generates
+PROBE_TOKENS tokens and times each one; a first token (compile and first mask) past grammar_compile_budget_s or a
+later one (a mask) past grammar_step_budget_s refuses the constraint, which never reaches the engine. The probe
+stops at the first token past its bound, so it holds its own thread for about one bound and one token at most;
+a verdict is remembered either way, so a grammar is compiled once by the probe whatever the answer.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import json
 import logging
 import re
 import threading
+import time
 from typing import Any
 
 from appliance.chat_formats import THINK_CLOSE, THINK_OPEN
@@ -22,6 +32,7 @@ from appliance.chat_formats import THINK_CLOSE, THINK_OPEN
 log = logging.getLogger("openarc.worker")
 
 PROBE_CACHE_SIZE = 256
+PROBE_TOKENS = 8  # a first token (compile and mask) and seven masks: enough to see a step cost that grows
 PROBE_FALLBACK_VOCAB = 1 << 18  # wider than any tokenizer's vocabulary (genai pads a shorter one)
 # genai's errors start with the C++ source location of the check that failed: keep what follows it.
 SOURCE_LOCATION = re.compile(r"^.*?\.(?:cc|cpp|hpp|h):\d+:\s*")
@@ -112,6 +123,70 @@ def _custom_input(custom: dict[str, Any]):
     return config.AnyText()
 
 
+def probed_parts(constraint: dict[str, Any], tool_parser: str | None) -> list[tuple[str, dict[str, Any], str | None]]:
+    """What the probe compiles and times for a constraint: the constraint itself, and for tool calls each tool's
+    input on its own (a custom tool's grammar or regex, a function's parameters): inside structural tags genai
+    compiles little up front and a tool's grammar costs its time only once the model has opened that tool's call,
+    which the probe's zero logits never do. Each part is remembered on its own, so a tool set that changes by one
+    tool probes that tool alone. Each comes with what a refusal of it says first (which tool)."""
+    parts = [("", constraint, tool_parser)]
+    for tool in constraint.get("tools", ()) if constraint["type"] == "tool_calls" else ():
+        custom, label = tool.get("custom"), f"tool {tool['name']!r}: "
+        if custom is None:
+            parts.append((label, {"type": "json_schema", "schema": tool["parameters"]}, None))
+        elif custom["type"] in ("grammar", "regex"):
+            parts.append((label, {"type": custom["type"], custom["type"]: custom[custom["type"]]}, None))
+    return parts
+
+
+def cost_verdict(token_seconds: list[float], compile_budget_s: float, step_budget_s: float) -> str | None:
+    """Why a constraint costs the engine too much, or None when it does not: the probe's first token (the compile
+    and the first mask) against the compile budget, each later token (a mask, paid on every step) against the step
+    budget. Pure: the probe and its tests both ask it."""
+    if not token_seconds:
+        return None
+    first, later = token_seconds[0], token_seconds[1:]
+    if first > compile_budget_s:
+        return (f"the grammar takes {first:.1f} s to compile, over this model's budget of "
+                f"{compile_budget_s:g} s (grammar_compile_budget_s): simplify it (fewer alternatives or repeats)")
+    slowest = max(later, default=0.0)
+    if slowest > step_budget_s:
+        return (f"the grammar takes {slowest:.2f} s a token to apply, over this model's budget of "
+                f"{step_budget_s:g} s (grammar_step_budget_s): make it less ambiguous (fewer alternatives that "
+                f"match the same text under a repeat)")
+    return None
+
+
+class _TokenTimer:
+    """A genai streamer that times each token the probe generates and stops the probe at the first one past its
+    budget (the budgets of cost_verdict)."""
+
+    def __init__(self, compile_budget_s: float, step_budget_s: float):
+        self.budgets = (compile_budget_s, step_budget_s)
+        self.seconds: list[float] = []
+        self.last = time.monotonic()
+
+    def write(self, token) -> Any:
+        import openvino_genai
+        now = time.monotonic()
+        self.seconds.append(now - self.last)
+        self.last = now
+        over = cost_verdict(self.seconds, *self.budgets) is not None
+        return openvino_genai.StreamingStatus.STOP if over else openvino_genai.StreamingStatus.RUNNING
+
+    def streamer(self):
+        import openvino_genai
+        timer = self
+
+        class Streamer(openvino_genai.StreamerBase):
+            def write(self, token):
+                return timer.write(token)
+
+            def end(self):
+                pass
+        return Streamer()
+
+
 def genai_message(exc: BaseException) -> str:
     """genai's message without the C++ source locations it starts its lines with."""
     lines = [SOURCE_LOCATION.sub("", line).strip() for line in str(exc).splitlines()]
@@ -124,7 +199,9 @@ class GrammarProbe:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.pipe = None
-        self.compiled: dict[str, None] = {}  # insertion-ordered: the oldest is forgotten first
+        # constraint key -> None (it compiled within its budgets) or why not; insertion-ordered: the oldest is
+        # forgotten first
+        self.verdicts: dict[str, str | None] = {}
         self.lock = threading.Lock()  # the probe pipeline runs one compile at a time, whichever thread asks
 
     @staticmethod
@@ -132,32 +209,63 @@ class GrammarProbe:
         return json.dumps([constraint, tool_parser], sort_keys=True)
 
     def known(self, constraint: dict[str, Any], tool_parser: str | None) -> bool:
-        """Compiled before (and still remembered)."""
-        return self._key(constraint, tool_parser) in self.compiled
+        """Probed before (and still remembered), whatever the verdict."""
+        parts = probed_parts(constraint, tool_parser)
+        return all(self._key(part, parser) in self.verdicts for _, part, parser in parts)
 
-    def check(self, constraint: dict[str, Any], tool_parser: str | None):
-        """The constraint's StructuredOutputConfig, compiled once by the probe; InvalidGrammar if it cannot be."""
+    def check(self, constraint: dict[str, Any], tool_parser: str | None, compile_budget_s: float = float("inf"),
+              step_budget_s: float = float("inf")):
+        """The constraint's StructuredOutputConfig, probed once (compiled and timed); InvalidGrammar if it does not
+        compile or costs more than its budgets (cost_verdict)."""
         try:
             config = structured_output_config(constraint, tool_parser)
         except InvalidGrammar:
             raise
         except Exception as exc:  # genai refused to even build the config
             raise InvalidGrammar(genai_message(exc)) from None
-        key = self._key(constraint, tool_parser)
-        if key in self.compiled:
-            return config
-        import openvino_genai
-        generation = openvino_genai.GenerationConfig(max_new_tokens=1)
-        generation.structured_output_config = config
-        with self.lock:
-            try:
-                self._pipeline().generate(self._prompt(), generation)
-            except Exception as exc:
-                raise InvalidGrammar(genai_message(exc)) from None
-            self.compiled[key] = None
-            if len(self.compiled) > PROBE_CACHE_SIZE:
-                self.compiled.pop(next(iter(self.compiled)), None)
+        for label, part, parser in probed_parts(constraint, tool_parser):
+            verdict = self._verdict(part, parser, compile_budget_s, step_budget_s)
+            if verdict is not None:
+                raise InvalidGrammar(label + verdict)
         return config
+
+    def _verdict(self, constraint: dict[str, Any], tool_parser: str | None, compile_budget_s: float,
+                 step_budget_s: float) -> str | None:
+        """The remembered verdict on one part, probed now if there is none. A remembered one is read without the
+        lock: the channel reader asks here too, and must not wait out another constraint's probe."""
+        key = self._key(constraint, tool_parser)
+        remembered = self.verdicts.get(key, self)
+        if remembered is not self:
+            return remembered
+        with self.lock:
+            if key not in self.verdicts:
+                self._remember(key, self._probe(constraint, tool_parser, compile_budget_s, step_budget_s))
+            return self.verdicts[key]
+
+    def _probe(self, constraint: dict[str, Any], tool_parser: str | None, compile_budget_s: float,
+               step_budget_s: float) -> str | None:
+        """(under the lock) Why the probe refuses this constraint, or None."""
+        import openvino_genai
+        try:
+            config = structured_output_config(constraint, tool_parser)
+        except Exception as exc:
+            return genai_message(exc)
+        generation = openvino_genai.GenerationConfig(max_new_tokens=PROBE_TOKENS)
+        generation.structured_output_config = config
+        pipe, prompt = self._pipeline(), self._prompt()
+        timer = _TokenTimer(compile_budget_s, step_budget_s)
+        started = time.monotonic()
+        try:
+            pipe.generate(prompt, generation, timer.streamer())
+        except Exception as exc:
+            return genai_message(exc)
+        # nothing streamed (the grammar ended at once): the whole call was the compile
+        return cost_verdict(timer.seconds or [time.monotonic() - started], compile_budget_s, step_budget_s)
+
+    def _remember(self, key: str, verdict: str | None) -> None:
+        self.verdicts[key] = verdict
+        if len(self.verdicts) > PROBE_CACHE_SIZE:
+            self.verdicts.pop(next(iter(self.verdicts)), None)
 
     def _pipeline(self):
         if self.pipe is None:

@@ -205,7 +205,7 @@ class LLMEngine(Engine):
             with self.compiling():
                 held_until = time.monotonic() + self.probe_hold_s
                 try:
-                    self.probe.check(message["constraint"], self.formats["tool_parser"])
+                    self.check_constraint(message["constraint"])
                 except InvalidGrammar as exc:
                     message["probe_error"] = str(exc)
                 except Exception as exc:  # never lose a request: the engine thread reports whatever this was
@@ -214,6 +214,12 @@ class LLMEngine(Engine):
             if self.probe_fault and self.probe_fault in json.dumps(message["constraint"]):
                 raise InjectedFault(f"{PROBE_FAULT_ENV}={self.probe_fault} matched")
             self._admit(message)
+
+    def check_constraint(self, constraint: dict[str, Any]):
+        """The constraint's StructuredOutputConfig if it compiles within this model's budgets (the probe's
+        verdict, remembered), else InvalidGrammar."""
+        return self.probe.check(constraint, self.formats["tool_parser"], self.spec["grammar_compile_budget_s"],
+                                self.spec["grammar_step_budget_s"])
 
     def compiling(self, active: bool = True) -> CompileHeartbeat:
         return CompileHeartbeat(self.channel, self.spec["grammar_compile_timeout_s"], active)
@@ -279,7 +285,7 @@ class LLMEngine(Engine):
         try:
             if "probe_error" in message:
                 raise InvalidGrammar(message["probe_error"])
-            config = self.probe.check(constraint, self.formats["tool_parser"])
+            config = self.check_constraint(constraint)
             if thinking and constraint.get("after_reasoning"):
                 return after_reasoning(constraint, self.formats["tool_parser"], opened=opened)
             return config

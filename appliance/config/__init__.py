@@ -78,6 +78,10 @@ class ModelConfig:
     # One device ("GPU.1"), or a list of them: one replica of the model per listed device, under one name
     # (appliance.config.replicas; docs/operations.md "Replicas"). The front serves each replica as a model of its own.
     device: str | list[str] = "CPU"
+    # Replicas only: which replica takes a request (appliance.front.replica_choice): affinity, the one whose recent
+    # prompts share the longest prefix with it unless its queue is long, else the least loaded; round_robin, each in
+    # turn (the bench's baseline).
+    replica_routing: Literal["affinity", "round_robin"] = "affinity"
     # Port of this model's own listener under `openarc serve --model NAME` (openarc@NAME.service).
     port: int | None = None
     # continuous_batching batches concurrent requests; stateful (ATTENTION_BACKEND=SDPA) runs one at a

@@ -22,6 +22,26 @@ UNLOAD_REASONS = ("idle", "evicted", "api")
 CUT_REASONS = (BOUND_REQUEST, BOUND_DEFAULT, BOUND_WINDOW)  # what ends an answer with finish_reason "length"
 
 
+# A replicated model's state is its best replica's: one that serves makes the model serve.
+BEST_STATES = ("ready", "draining", "loading", "restarting", "unloaded", "stopped", "failed")
+# A replica's gauges (ModelMetrics field, its replica family, whether the model's gauge is their mean, not sum).
+REPLICA_GAUGES = (("requests_running", "replica_requests_running", False),
+                  ("requests_waiting", "replica_requests_waiting", False),
+                  ("kv_cache_usage", "replica_kv_cache_usage", True), ("worker_rss", "replica_rss", False))
+
+
+class ReplicaGauge:
+    """A replica's gauge as its supervisor writes it: the replica's own series, and its model's (the sum or mean
+    over the model's replicas), so the model's existing series stay whole."""
+
+    def __init__(self, metrics: Metrics, name: str, field: str, own: Any, model: Any, mean: bool):
+        self.metrics, self.name, self.field, self.own, self.model, self.mean = metrics, name, field, own, model, mean
+
+    def set(self, value: float) -> None:
+        self.own.set(value)
+        self.model.set(self.metrics.replica_value(self.name, self.field, value, self.mean))
+
+
 @dataclass
 class DraftTokens:
     """A model's openarc_draft_tokens_total series and their totals since it was configured (for /openarc/status)."""
@@ -196,19 +216,49 @@ class Metrics:
                                       "models) cost, by stage: eviction_wait, old_exit, spawn or handover (a parked "
                                       "worker), startup, construction, first_token, total", ["model", "stage"],
                                       buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        # Replicas (device: [GPU.0, GPU.1]): each replica's gauges by its `device` label (the device, or DEVICE#INDEX
+        # where one repeats), beside the model's own series, which add its replicas up (states: the best one's).
+        self.replica_up = Gauge("openarc_replica_up", "1 while the replica's worker is ready (models with replicas "
+                                "only)", ["model", "device"], registry=r)
+        self.replica_state = Gauge("openarc_replica_state", "1 for the replica's current state (models with "
+                                   "replicas only)", ["model", "device", "state"], registry=r)
+        self.replica_requests_running = Gauge("openarc_replica_requests_running", "Requests generating in the "
+                                              "replica's worker", ["model", "device"], registry=r)
+        self.replica_requests_waiting = Gauge("openarc_replica_requests_waiting", "Requests queued in the front for "
+                                              "the replica, or waiting for it to be ready", ["model", "device"],
+                                              registry=r)
+        self.replica_kv_cache_usage = Gauge("openarc_replica_kv_cache_usage_ratio", "Share of the replica's KV-cache "
+                                            "blocks in use by running requests, 0 to 1", ["model", "device"],
+                                            registry=r)
+        self.replica_rss = Gauge("openarc_replica_resident_memory_bytes", "Host RAM resident in the replica's "
+                                 "worker", ["model", "device"], registry=r)
+        self.replicas: dict[str, tuple[str, str]] = {}  # a replica's unit key -> (its model, its device label)
+        self.replica_values: dict[tuple[str, str], dict[str, float]] = {}  # (gauge, model) -> unit key -> value
+        self.replica_states: dict[str, dict[str, str]] = {}  # model -> unit key -> state
         self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",
                                     registry=r)
 
-    def for_model(self, model: str, kind: str = "llm") -> ModelMetrics:
-        """The model's series, created at zero so dashboards and rate() see the model before its first event."""
-        self.set_state(model, "stopped")
+    def add_replica(self, key: str, model: str, device: str) -> None:
+        """A replica's unit key (appliance.config.replicas): its series are its model's, its gauges its own."""
+        self.replicas[key] = (model, device)
+
+    def model_of(self, name: str) -> str:
+        """The `model` label of a model's or a replica's series."""
+        return self.replicas.get(name, (name,))[0]
+
+    def for_model(self, name: str, kind: str = "llm") -> ModelMetrics:
+        """The model's series, created at zero so dashboards and rate() see the model before its first event. A
+        replica's (`name` its unit key) counts into its model's counters; its gauges are the replica's own, and
+        the model's gauge adds its replicas up."""
+        model = self.model_of(name)
+        self.set_state(name, "stopped")
         previous = self.model_kinds.get(model)
         if previous not in (None, kind):  # a reload changed the model's kind
             self.model_info.remove(model, previous)
         self.model_kinds[model] = kind
         self.model_info.labels(model=model, kind=kind).set(1)
-        series = {name: getattr(self, name).labels(model=model) for name in ModelMetrics.__annotations__
-                  if name not in SPECIAL_SERIES}
+        series = {field: getattr(self, field).labels(model=model) for field in ModelMetrics.__annotations__
+                  if field not in SPECIAL_SERIES}
         series["ttft"] = self.ttft.labels(model=model, source="computed")
         series["ttft_cached"] = self.ttft.labels(model=model, source="cache")
         draft = DraftTokens(*(self.draft_tokens.labels(model=model, outcome=o) for o in ("accepted", "rejected")))
@@ -218,8 +268,19 @@ class Metrics:
             self.model_loads.labels(model=model, reason=reason)
         for reason in UNLOAD_REASONS:
             self.model_unloads.labels(model=model, reason=reason)
+        if name in self.replicas:
+            device = self.replicas[name][1]
+            for field, family, mean in REPLICA_GAUGES:
+                series[field] = ReplicaGauge(self, name, field, getattr(self, family).labels(model=model, device=device),
+                                             series[field], mean)
         return ModelMetrics(**series, draft=draft, queue_time=queue_time, answers_cut=answers_cut,
                             token_series=self._token_series(model))
+
+    def replica_value(self, name: str, field: str, value: float, mean: bool) -> float:
+        """A replica's figure recorded; what its model's gauge shows now (the sum, or the mean, over replicas)."""
+        values = self.replica_values.setdefault((field, self.model_of(name)), {})
+        values[name] = value
+        return sum(values.values()) / (len(values) if mean else 1)
 
     def _token_series(self, model: str):
         labelled: dict[tuple[str, str], TokenSeries] = {}
@@ -233,13 +294,24 @@ class Metrics:
             return labelled[key, priority]
         return tokens
 
-    def set_device_memory(self, model: str, regions: dict[str, int]) -> None:
+    def set_device_memory(self, name: str, regions: dict[str, int]) -> None:
         """A worker's {vram, system} resident bytes (its telemetry frame's device_memory_regions)."""
+        model = self.model_of(name)
         for region, size in regions.items():
             if region in ("vram", "system"):
                 self.model_device_memory.labels(model=model, region=region).set(size)
 
-    def set_state(self, model: str, state: str) -> None:
+    def set_state(self, name: str, state: str) -> None:
+        """A model's state, or a replica's (its unit key): then its model's state is its best replica's."""
+        if name in self.replicas:
+            model, device = self.replicas[name]
+            for each in MODEL_STATES:
+                self.replica_state.labels(model=model, device=device, state=each).set(1 if each == state else 0)
+            self.replica_up.labels(model=model, device=device).set(1 if state == "ready" else 0)
+            states = self.replica_states.setdefault(model, {})
+            states[name] = state
+            name, state = model, min(states.values(), key=BEST_STATES.index)
+        model = name
         for name in MODEL_STATES:
             self.model_state.labels(model=model, state=name).set(1 if name == state else 0)
         self.worker_up.labels(model=model).set(1 if state == "ready" else 0)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance.config.validator import Problems, checked, key_name
-from appliance.config.devices import budget_device
+from appliance.config.devices import DEVICE_PATTERN, budget_device
 from appliance.config.replicas import all_units, device_problems
 from appliance.config.model_checks import tokenizer_mismatch
 from appliance.config.kinds import GENERATIVE_KINDS, KIND_ONLY_KEYS, kinds_of

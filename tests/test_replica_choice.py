@@ -1,0 +1,111 @@
+"""The replica policy (appliance.front.replica_choice) and replicas in the config (appliance.config.replicas), as pure
+functions over generated cases: no process runs here."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, strategies as st
+
+from appliance.config import ConfigError, parse_config
+from appliance.config.replicas import all_units
+from appliance.front.replica_choice import AffinityMemory, ReplicaView, choose, prefix_chain
+
+views = st.lists(st.builds(ReplicaView, key=st.text(min_size=1, max_size=4), ready=st.booleans(),
+                           running=st.integers(0, 8), waiting=st.integers(0, 12), matched=st.integers(0, 5000)),
+                 min_size=1, max_size=4, unique_by=lambda v: v.key)
+
+
+@given(views, st.integers(0, 8), st.integers(0, 100), st.booleans())
+def test_a_replica_not_ready_gets_nothing(replicas, bound, turn, round_robin):
+    chosen = choose(replicas, bound, turn, round_robin)
+    ready = {v.key for v in replicas if v.ready}
+    assert (chosen in ready) if ready else chosen is None
+
+
+@given(views, st.integers(0, 8), st.integers(0, 100))
+def test_the_longest_prefix_wins_unless_its_queue_is_over_the_bound(replicas, bound, turn):
+    chosen = choose(replicas, bound, turn)
+    ready = [v for v in replicas if v.ready]
+    if not ready:
+        return
+    by_key = {v.key: v for v in ready}
+    longest = max(v.matched for v in ready)
+    holders = [v for v in ready if v.matched == longest]
+    least_holder = min(v.load for v in holders)
+    if longest > 0 and all(v.waiting <= bound for v in holders if v.load == least_holder):
+        assert by_key[chosen].matched == longest  # affinity: the conversation stays where its cache is
+    else:
+        assert by_key[chosen].load == min(v.load for v in ready)  # nobody holds it, or its holder is busy
+
+
+@given(st.integers(1, 4), st.integers(0, 50))
+def test_round_robin_takes_the_ready_replicas_in_turn(count, start):
+    replicas = [ReplicaView(str(i), True) for i in range(count)]
+    assert [choose(replicas, 0, turn, True) for turn in range(start, start + count)] == \
+        [str(turn % count) for turn in range(start, start + count)]
+
+
+messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                           "content": st.text(max_size=30)}), min_size=1, max_size=6)
+
+
+@given(messages, messages, st.text(max_size=20))
+def test_a_conversation_next_turn_matches_all_it_was_sent_before(earlier, later, system):
+    memory = AffinityMemory()
+    first = {"system": system, "messages": earlier}
+    memory.remember(prefix_chain(first))
+    following = {"system": system, "messages": earlier + later}
+    assert memory.matched(prefix_chain(following)) == prefix_chain(first)[-1][1]
+    # another conversation (different first message) matches nothing past what it shares
+    other = {"system": system + "!", "messages": earlier}
+    assert memory.matched(prefix_chain(other)) == 0
+
+
+def test_a_memory_forgets_its_least_recently_used_prefixes():
+    memory = AffinityMemory(size=4)
+    old, new = prefix_chain({"prompt": "a" * 3000}), prefix_chain({"prompt": "b" * 4000})
+    memory.remember(old)
+    memory.remember(new)
+    assert memory.matched(new) == 4000 and memory.matched(old) == 0
+
+
+def model(device) -> dict:
+    return {"models": [{"name": "m", "path": "/nowhere", "device": device}]}
+
+
+def test_a_device_list_is_one_unit_per_replica():
+    config = parse_config(model(["CPU", "CPU"]), "f.yaml")
+    assert [(u.key, u.model.device, u.replica) for u in all_units(config.models)] == \
+        [("m@CPU#0", "CPU", "CPU#0"), ("m@CPU#1", "CPU", "CPU#1")]
+    gpus = parse_config(model(["GPU.0", "GPU.1"]), "f.yaml")
+    assert [(u.key, u.replica) for u in all_units(gpus.models)] == [("m@GPU.0", "GPU.0"), ("m@GPU.1", "GPU.1")]
+    assert [u.key for u in all_units(parse_config(model("GPU.1"), "f.yaml").models)] == ["m"]  # a string: as before
+    assert [u.key for u in all_units(parse_config(model(["GPU.1"]), "f.yaml").models)] == ["m"]  # one: no replicas
+
+
+@pytest.mark.parametrize("device, says", [
+    ([], "models[0].device: expected a device name, or a list of at least one"),
+    (["GPU.0", "GPU"], "models[0].device: expected each card once (GPU.0 listed twice; bare GPU is GPU.0)"),
+    (["GPU.1", "GPU.1"], "models[0].device: expected each card once (GPU.1 listed twice"),
+    (["HETERO:GPU.0,GPU.1", "CPU"], "models[0].device: expected one device per replica; 'HETERO:GPU.0,GPU.1' is a "
+                                    "composite device"),
+    (["gpu.0"], "models[0].device: expected a list of OpenVINO device names such as GPU.0, GPU.1 or CPU; 'gpu.0'"),
+    (5, "models[0].device: expected a string or a list, got 5"),
+])
+def test_a_bad_device_list_names_the_file_and_key(device, says):
+    with pytest.raises(ConfigError) as error:
+        parse_config(model(device), "/etc/openarc/openarc.yaml")
+    assert any(line.startswith(f"/etc/openarc/openarc.yaml: {says}") for line in error.value.lines), str(error.value)
+
+
+def test_each_replica_counts_against_max_loaded_and_its_device_budget():
+    config = {"server": {"max_loaded": 1},
+              "models": [{"name": "m", "path": "/nowhere", "device": ["CPU", "CPU"]}]}
+    with pytest.raises(ConfigError, match=r"max_loaded: 1 is fewer than the 2 models \(replicas counted each\)"):
+        parse_config(config, "f.yaml")
+    budget = {"server": {"memory_budget": {"GPU.0": "4GiB", "GPU.1": "4GiB"}},
+              "models": [{"name": "m", "path": "/nowhere", "device": ["GPU.0", "GPU.1"], "memory": "3GiB"}]}
+    parse_config(budget, "f.yaml")  # 3 GiB on each card: fits each
+    budget["models"].append({"name": "n", "path": "/nowhere", "device": "GPU.1", "memory": "2GiB"})
+    with pytest.raises(ConfigError, match=r"server.memory_budget.GPU.1: 4GiB is less than"):
+        parse_config(budget, "f.yaml")

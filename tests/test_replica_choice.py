@@ -1,13 +1,19 @@
-"""The replica policy (appliance.front.replica_choice) and replicas in the config (appliance.config.replicas), as pure
-functions over generated cases: no process runs here."""
+"""The replica policy (appliance.front.replica_choice), replicas in the config (appliance.config.replicas), one card per
+GPU worker (appliance.config.card_env) and the replicas' invariant, as pure functions: no process runs here."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from hypothesis import given, strategies as st
 
 from appliance.config import ConfigError, parse_config
+from appliance.config.card_env import card_env
 from appliance.config.replicas import all_units
+from appliance.front import invariants
+from appliance.front.metrics import Metrics
+from appliance.front.placement import Placement
 from appliance.front.replica_choice import AffinityMemory, ReplicaView, choose, prefix_chain
 
 views = st.lists(st.builds(ReplicaView, key=st.text(min_size=1, max_size=4), ready=st.booleans(),
@@ -109,3 +115,44 @@ def test_each_replica_counts_against_max_loaded_and_its_device_budget():
     budget["models"].append({"name": "n", "path": "/nowhere", "device": "GPU.1", "memory": "2GiB"})
     with pytest.raises(ConfigError, match=r"server.memory_budget.GPU.1: 4GiB is less than"):
         parse_config(budget, "f.yaml")
+
+
+A770, B580 = "0000:03:00.0", "0000:08:00.0"
+IGPU = "0000:00:02.0"
+
+
+@pytest.mark.parametrize("device, pci, mask, seen", [
+    ("GPU.1", [A770, B580], "1", "GPU.0"),           # two cards: the second in PCI order
+    ("GPU.0", [A770, B580], "0", "GPU.0"),
+    ("GPU", [A770, B580], "0", "GPU.0"),             # bare GPU is GPU.0
+    ("GPU.1", [IGPU, B580, A770], "2", "GPU.0"),     # OpenVINO's order is not the driver's: the mask follows PCI
+    ("GPU.0", [IGPU, B580, A770], "0", "GPU.0"),
+])
+def test_a_gpu_worker_sees_its_own_card_only(device, pci, mask, seen):
+    env, spec = card_env({"device": device, "name": "m"}, pci, {})
+    assert env == {"ZE_AFFINITY_MASK": mask} and spec == {"device": seen, "name": "m"}
+
+
+@pytest.mark.parametrize("spec, pci, environ", [
+    ({"device": "CPU"}, [A770], {}),
+    ({"device": "HETERO:GPU.0,GPU.1"}, [A770, B580], {}),                              # several cards
+    ({"device": "GPU.1", "draft_model": {"device": "GPU.0"}}, [A770, B580], {}),       # its draft on the other
+    ({"device": "GPU.2"}, [A770, B580], {}),                                           # OpenVINO lacks that card
+    ({"device": "GPU.1"}, [], {}),                                                     # addresses unknown
+    ({"device": "GPU.1"}, [A770, B580], {"ZE_AFFINITY_MASK": "1"}),                    # the operator's mask stands
+])
+def test_a_worker_that_needs_more_or_cannot_be_placed_is_left_as_it_is(spec, pci, environ):
+    assert card_env(spec, pci, environ) == ({}, spec)
+
+
+def test_a_draft_on_the_same_card_moves_with_it():
+    env, spec = card_env({"device": "GPU.1", "draft_model": {"device": "GPU.1", "path": "d"}}, [A770, B580], {})
+    assert env == {"ZE_AFFINITY_MASK": "1"} and spec["draft_model"] == {"device": "GPU.0", "path": "d"}
+
+
+def test_the_invariants_name_two_replicas_on_one_card():
+    owner = Placement(parse_config(model(["GPU.0", "GPU.1"]), "f.yaml"), Metrics())
+    assert invariants._replicas(owner) == []
+    moved = owner.models["m@GPU.1"]
+    moved.model = dataclasses.replace(moved.model, device="GPU.0")
+    assert invariants._replicas(owner) == ["replicas m@GPU.0 and m@GPU.1 of model m share a card"]

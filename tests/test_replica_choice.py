@@ -107,7 +107,7 @@ def test_a_bad_device_list_names_the_file_and_key(device, says):
 def test_each_replica_counts_against_max_loaded_and_its_device_budget():
     config = {"server": {"max_loaded": 1},
               "models": [{"name": "m", "path": "/nowhere", "device": ["CPU", "CPU"]}]}
-    with pytest.raises(ConfigError, match=r"max_loaded: 1 is fewer than the 2 models \(replicas counted each\)"):
+    with pytest.raises(ConfigError, match=r"max_loaded: 1 is fewer than the 2 models with load: at_start \(m, m\).*; each replica counts"):
         parse_config(config, "f.yaml")
     budget = {"server": {"memory_budget": {"GPU.0": "4GiB", "GPU.1": "4GiB"}},
               "models": [{"name": "m", "path": "/nowhere", "device": ["GPU.0", "GPU.1"], "memory": "3GiB"}]}

@@ -209,9 +209,9 @@ def _check_residency(config: Config, problems: Problems) -> None:
     s.memory_budget = {device: size for device, (_, size, _) in budgets.items()}  # keys as models' devices count
     at_start = [m.name for _, m in models if m.load == "at_start"]
     if s.max_loaded > 0 and len(at_start) > s.max_loaded:
-        problems.append(f"server.max_loaded: {s.max_loaded} is fewer than the {len(at_start)} models (replicas "
-                        "counted each) with load: "
-                        f"at_start ({', '.join(at_start)}); raise it or make some of them load: on_demand")
+        problems.append(f"server.max_loaded: {s.max_loaded} is fewer than the {len(at_start)} models with load: "
+                        f"at_start ({', '.join(at_start)}); raise it or make some of them load: on_demand"
+                        + ("; each replica counts" if len(set(at_start)) < len(at_start) else ""))
     for device, (key, size, budget) in budgets.items():
         declared = [(i, m) for i, m in models if budget_device(m.device) == device and m.memory_bytes]
         seen_big: set[tuple[int, str]] = set()

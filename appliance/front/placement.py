@@ -116,7 +116,7 @@ class Placement:
 
     # --- supervisors, made here only ---------------------------------------------------------------------------
 
-    def _new(self, model: ModelConfig, key: str) -> ModelSupervisor:
+    def _new(self, model: ModelConfig, key: str | None = None) -> ModelSupervisor:
         sup = ModelSupervisor(model, self.config, self.metrics, self.load_gate, self._supervisor_changed,
                               self.kernel_log, self.ledger, self.parked, key)
         self.usage.setdefault(sup.name, Usage())

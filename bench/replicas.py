@@ -84,7 +84,8 @@ async def measure(quick: bool) -> tuple[dict, list[report.Figure]]:
             try:
                 await every_replica_ready(session, app.base)
                 for side in SIDES:
-                    await drive(session, app.base, side, True)  # warm-up: compiled, threads up (other prompts)
+                    if not quick:  # a warm-up: threads up, every replica's first request served (other prompts)
+                        await drive(session, app.base, side, True)
                     results[side] = await drive(session, app.base, side, quick)
             finally:
                 app.stop()

@@ -52,7 +52,8 @@ def test_status_and_metrics_show_each_replica(app):
     assert all(r["state"] == "ready" and r["pid"] for r in shown)
     assert len({r["pid"] for r in shown}) == 2
     workers = [w for w in app.status()["residency"]["workers"] if w["model"]]
-    assert sorted(w["pid"] for w in workers) == sorted(r["pid"] for r in shown)  # each replica a worker in the ledger
+    # each replica a worker in the ledger, under its model's name
+    assert sorted((w["pid"], w["model"], w["device"]) for w in workers) == sorted((r["pid"], "twin", "CPU") for r in shown)
     scrape = samples(app.metrics())
     for device in ("CPU#0", "CPU#1"):
         assert value(scrape, "openarc_replica_up", model="twin", device=device) == 1

@@ -39,7 +39,7 @@ from typing import Any
 
 from appliance.config import Config, ModelConfig
 from appliance.config.devices import budget_device
-from appliance.config.replicas import Unit, all_units
+from appliance.config.replicas import Unit, all_units, model_name
 from appliance.front import invariants, residency
 from appliance.front.lifecycle import Changes, ModelState
 from appliance.front.metrics import Metrics
@@ -612,7 +612,9 @@ class Placement:
                 continue
             sup = owners.get(entry.owner)
             role = self.role(sup) if sup is not None else None
-            rows.append({"pid": entry.pid, "model": entry.model, "role": role or "untracked",
+            # a replica's worker under its model's name (a key's allow-list names models), with its own device
+            rows.append({"pid": entry.pid, "model": model_name(entry.model), "role": role or "untracked",
+                         **({"device": sup.model.device} if sup is not None and entry.model != sup.model.name else {}),
                          "state": sup.state.value if sup is not None else None,
                          "why": self.leaving.get(sup) if role == "leaving" else None})
         return rows

@@ -14,8 +14,10 @@ import uuid
 
 import openai
 import pytest
+import yaml
 
-from conftest import Appliance, model_entry, wait_until
+from appliance.front.invariants import live_worker_children
+from conftest import Appliance, http, model_entry, pid_alive, wait_until
 from test_metrics import samples, value
 
 # A short system prompt and long questions: a turn served by a replica that holds only its conversation's turn
@@ -134,3 +136,31 @@ def test_a_killed_replica_fails_only_its_own_requests(app):
     assert victim not in [r["pid"] for r in replicas(app)]
     scrape = samples(app.metrics())
     assert value(scrape, "openarc_worker_crashes_total", model="twin", signal="SIGKILL", reason="crash") >= 1
+
+
+def test_replicas_load_on_demand_unload_together_and_reload_to_one_device(appliance_factory, demo_model):
+    """A replicated model on demand: its first request loads its replicas (answered by the first ready), an unload
+    takes every replica's worker, and a reload to one device leaves one worker under the name, no replica."""
+    config = {"server": {"parked_workers": 0},
+              "models": [model_entry("lazy", demo_model, device=["CPU", "CPU"], load="on_demand")]}
+    app = appliance_factory(config)
+    assert [r["state"] for r in app.model_status("lazy")["replicas"]] == ["unloaded", "unloaded"]
+    reply = app.client().chat.completions.create(model="lazy", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4)
+    assert reply.choices[0].message.content
+    wait_until(lambda: [r["state"] for r in app.model_status("lazy")["replicas"]] == ["ready", "ready"], 120,
+               "both replicas loaded")
+    pids = {r["pid"] for r in app.model_status("lazy")["replicas"]}
+    app.worker_pids |= pids
+    status, _, body = http("POST", app.base + "/openarc/models/lazy/unload")
+    assert status == 200 and body["state"] == "unloaded", body
+    assert [r["state"] for r in app.model_status("lazy")["replicas"]] == ["unloaded", "unloaded"]
+    wait_until(lambda: not any(pid_alive(pid) for pid in pids), 30, "the replicas' workers gone")
+    assert live_worker_children(app.proc.pid) == set()
+    config["models"][0].update(device="CPU", load="at_start")
+    app.config_path.write_text(yaml.safe_dump(config))
+    app.proc.send_signal(signal.SIGHUP)
+    model = app.wait_model("lazy", "ready", timeout=120)
+    assert model["device"] == "CPU" and "replicas" not in model
+    assert live_worker_children(app.proc.pid) == {model["pid"]}
+    assert [w["model"] for w in app.status()["residency"]["workers"]] == ["lazy"]

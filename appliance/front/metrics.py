@@ -235,12 +235,22 @@ class Metrics:
         self.replicas: dict[str, tuple[str, str]] = {}  # a replica's unit key -> (its model, its device label)
         self.replica_values: dict[tuple[str, str], dict[str, float]] = {}  # (gauge, model) -> unit key -> value
         self.replica_states: dict[str, dict[str, str]] = {}  # model -> unit key -> state
+        self.replicated: set[str] = set()  # models whose config has replicas now: their replicas write their state
         self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",
                                     registry=r)
 
     def add_replica(self, key: str, model: str, device: str) -> None:
         """A replica's unit key (appliance.config.replicas): its series are its model's, its gauges its own."""
         self.replicas[key] = (model, device)
+        self.replicated.add(model)
+
+    def add_model(self, name: str) -> None:
+        """A model served by one worker (again: a reload may have taken its replicas away). From now on its own
+        supervisor writes its state; a leaving replica's last states no longer do."""
+        self.replicated.discard(name)
+        self.replica_states.pop(name, None)
+        for field, model in [k for k in self.replica_values if k[1] == name]:
+            del self.replica_values[field, model]
 
     def model_of(self, name: str) -> str:
         """The `model` label of a model's or a replica's series."""
@@ -308,9 +318,13 @@ class Metrics:
             for each in MODEL_STATES:
                 self.replica_state.labels(model=model, device=device, state=each).set(1 if each == state else 0)
             self.replica_up.labels(model=model, device=device).set(1 if state == "ready" else 0)
+            if model not in self.replicated:  # a replica leaving after a reload to one device: not the model's state
+                return
             states = self.replica_states.setdefault(model, {})
             states[name] = state
             name, state = model, min(states.values(), key=BEST_STATES.index)
+        elif name in self.replicated:  # a single worker leaving after a reload to replicas: theirs is the state
+            return
         model = name
         for name in MODEL_STATES:
             self.model_state.labels(model=model, state=name).set(1 if name == state else 0)

@@ -130,6 +130,8 @@ class Placement:
         model = unit.model
         if unit.replica is not None:
             self.metrics.add_replica(unit.key, unit.name, unit.replica)
+        else:
+            self.metrics.add_model(unit.key)
         sup = self.models[unit.key] = self._new(model, unit.key)
         self.phases[unit.key] = Phase.ABSENT
         if model.load == "on_demand":

@@ -14,6 +14,7 @@ from appliance.config.replicas import all_units
 from appliance.front import invariants
 from appliance.front.metrics import Metrics
 from appliance.front.placement import Placement
+from test_metrics import samples, value
 from appliance.front.replica_choice import AffinityMemory, ReplicaView, choose, prefix_chain
 
 views = st.lists(st.builds(ReplicaView, key=st.text(min_size=1, max_size=4), ready=st.booleans(),
@@ -156,3 +157,28 @@ def test_the_invariants_name_two_replicas_on_one_card():
     moved = owner.models["m@GPU.1"]
     moved.model = dataclasses.replace(moved.model, device="GPU.0")
     assert invariants._replicas(owner) == ["replicas m@GPU.0 and m@GPU.1 of model m share a card"]
+
+
+def test_the_model_series_add_its_replicas_up_and_follow_the_configs_shape():
+    metrics = Metrics()
+    for key, device in (("m@CPU#0", "CPU#0"), ("m@CPU#1", "CPU#1")):
+        metrics.add_replica(key, "m", device)
+    first, second = metrics.for_model("m@CPU#0"), metrics.for_model("m@CPU#1")
+    first.requests_running.set(3)
+    second.requests_running.set(2)
+    metrics.set_state("m@CPU#0", "restarting")
+    metrics.set_state("m@CPU#1", "ready")
+    scrape = samples(metrics.exposition()[0].decode())
+    assert value(scrape, "openarc_requests_running", model="m") == 5
+    assert value(scrape, "openarc_replica_requests_running", model="m", device="CPU#1") == 2
+    assert value(scrape, "openarc_model_state", model="m", state="ready") == 1  # its best replica serves
+    assert value(scrape, "openarc_replica_up", model="m", device="CPU#0") == 0
+    assert not [k for k in scrape if dict(k[1]).get("model", "m") != "m"]  # no label value minted from a unit key
+    metrics.add_model("m")  # a reload to one device: the new worker's states are the model's
+    metrics.for_model("m").requests_running.set(1)
+    metrics.set_state("m", "loading")
+    metrics.set_state("m@CPU#1", "stopped")  # a leaving replica's last state and queue
+    second.requests_running.set(0)
+    scrape = samples(metrics.exposition()[0].decode())
+    assert value(scrape, "openarc_model_state", model="m", state="loading") == 1
+    assert value(scrape, "openarc_requests_running", model="m") == 1

@@ -39,7 +39,8 @@ class ReplicaGauge:
 
     def set(self, value: float) -> None:
         self.own.set(value)
-        self.model.set(self.metrics.replica_value(self.name, self.field, value, self.mean))
+        if self.metrics.model_of(self.name) in self.metrics.replicated:  # not a replica left behind by a reload
+            self.model.set(self.metrics.replica_value(self.name, self.field, value, self.mean))
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from appliance.config import DEFAULT_CONFIG_PATH, Config, ConfigError, ModelConfig, demo_config, load_config
 from appliance.config.devices import available_devices, missing_devices
+from appliance.config.replicas import devices_of
 from appliance.logs import setup_logging
 from appliance.config.model_checks import model_problems, path_check, served_path_check
 from appliance.config import window
@@ -134,7 +135,7 @@ def golden_verdict(name: str, want, observed, min_speed: float) -> tuple[str, bo
 def device_check(available: list[str]):
     """--strict: each device a model names is one OpenVINO lists on this machine."""
     def check(model: ModelConfig) -> tuple[str, str] | None:
-        missing = missing_devices(model.device, available)
+        missing = [name for device in devices_of(model.device) for name in missing_devices(device, available)]
         return ("device", f"expected a device present here ({', '.join(available) or 'none'}); "
                           f"{', '.join(missing)} is not") if missing else None
     return check

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 
 from appliance.host.telemetry import process_rss_bytes
-from bench import client, figures, hostile, lora, phases, report, sessions, sidebyside, speculative, workload
+from bench import client, figures, hostile, lora, phases, replicas, report, sessions, sidebyside, speculative, workload
 from bench.launcher import FAULT_MODEL, PERF_MODEL, RESTART, STALL_TIMEOUT_S, OwnAppliance
 from bench.phases import CpuWatch, Server, process_tree
 
@@ -54,6 +54,10 @@ NOTES = [
     "Warm sessions row: bench.sessions' headline, on its own appliance serving a demo model twice (default config, "
     "and prefix caching off), multi-turn conversations of a system prompt, tools and a growing history interleaved "
     "turn by turn; its full table (turn 1, the in-process floor, the spread) is `python -m bench.sessions`.",
+    "Replicas row: bench.replicas' headline, on its own appliance serving the demo model as one worker with every "
+    "core and as two replicas (device: [CPU, CPU]) with half the cores each, with affinity and with round robin, "
+    "each driven alone by clients holding multi-turn conversations; meant for a many-core host (on a few cores the "
+    "replicas share them with the clients). Its full table is `python -m bench.replicas`.",
 ]
 PEER_NOTE = ("Side by side: the servers take turns, block by block (the order reversed every other block), with the "
              "same requests; each cell is that server's own figure, 'median / p99' for latencies. Memory and CPU "
@@ -278,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 found += asyncio.run(speculative.measure(spec_dir, args.quick, args.properties, args.demo_cache))[1]
                 found += [f for f in asyncio.run(sessions.measure(args.quick))[1] if f.name == sessions.HEADLINE]
                 found += asyncio.run(lora.measure(args.quick, args.properties))[1]
+                found += [f for f in asyncio.run(replicas.measure(args.quick))[1] if f.name == replicas.HEADLINE]
             found += [f for f in asyncio.run(hostile.measure(args.quick))[1] if f.name == hostile.HEADLINE]
     names = ", ".join(f"{s.name} ({s.base})" for s in run.servers[1:])
     meta = {"date": report.now(), "mode": plan_name, "duration_s": time.monotonic() - started,

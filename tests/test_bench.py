@@ -169,6 +169,10 @@ def assert_new_rows(result: dict) -> None:
     assert "the pipeline's load takes" in recovery["measured"] and "bare process" in recovery["baseline"], recovery
     warm = figures["Warm sessions, later turns: time to first token, prefix cache on (default) / off"]
     assert warm["value"] > 0 and "of prompt tokens served from the cache" in warm["measured"], warm
+    replicas = figures["Replicas: two with half the cores each / one with all, aggregate tokens/s; later-turn TTFT "
+                       "affinity / round robin"]
+    assert replicas["value"] > 0 and "ms with affinity" in replicas["measured"] and "round robin" in \
+        replicas["measured"], replicas
     storm = figures["Hostile storm: an honest client's chat latency beside / without hostile clients"]
     assert storm["value"] > 0 and "the worker kept its pid" in storm["measured"], storm
     adapters = [f for name, f in figures.items() if name.startswith("LoRA, 16 clients")]

@@ -22,6 +22,7 @@ from appliance.config.rules import DEFAULT_KEY_NAME, check_rules
 from appliance.config.validator import ConfigError, Problems, build
 from appliance.sizes import parse_size
 from appliance.config.devices import gpu_indices
+from appliance.config.replicas import all_units, devices_of
 from appliance.config.model_checks import ModelCheck, model_problems
 from appliance.config.systemd_env import credential, systemd_directory
 
@@ -84,7 +85,13 @@ class ModelConfig:
     name: str
     path: str
     kind: Literal["llm", "vlm", "embedding", "rerank", "transcription", "tts", "image"] = "llm"
-    device: str = "CPU"
+    # One device ("GPU.1"), or a list of them: one replica of the model per listed device, under one name
+    # (appliance.config.replicas; docs/operations.md "Replicas"). The front serves each replica as a model of its own.
+    device: str | list[str] = "CPU"
+    # Replicas only: which replica takes a request (appliance.front.replica_choice): affinity, the one whose recent
+    # prompts share the longest prefix with it unless its queue is long, else the least loaded; round_robin, each in
+    # turn (the bench's baseline).
+    replica_routing: Literal["affinity", "round_robin"] = "affinity"
     # Port of this model's own listener under `openarc serve --model NAME` (openarc@NAME.service).
     port: int | None = None
     # continuous_batching batches concurrent requests; stateful (ATTENTION_BACKEND=SDPA) runs one at a
@@ -229,7 +236,7 @@ class ModelConfig:
 
     @property
     def is_gpu(self) -> bool:
-        return self.device.startswith("GPU")
+        return any(device.startswith("GPU") for device in devices_of(self.device))
 
     def ov_properties(self, cache_dir: str | None) -> dict[str, Any]:
         """The OpenVINO properties a worker compiles with: first-class options, then runtime_config wins."""
@@ -416,13 +423,14 @@ class Config:
         Only configs that name GPU indices pin: where no model says GPU.N (one card, or a Kubernetes pod that sees
         only its own card), bare "GPU" is the one card there is, and models sharing it are what the user meant.
         """
-        indexed = any(index is not None for m in self.models for index in gpu_indices(m.device))
+        indexed = any(index is not None for m in self.models for d in devices_of(m.device) for index in gpu_indices(d))
         if not indexed:
             return []
         pinned: dict[int, list[int]] = {}
         for i, model in enumerate(self.models):
-            for index in gpu_indices(model.device):
-                pinned.setdefault(index or 0, []).append(i)
+            # a model's replicas are on distinct cards (rules): the model is named once per card
+            for index in {index or 0 for d in devices_of(model.device) for index in gpu_indices(d)}:
+                pinned.setdefault(index, []).append(i)
         return [f"{self.source}: {', '.join(f'models[{i}].device' for i in at)}: models "
                 f"{', '.join(repr(self.models[i].name) for i in at)} share GPU.{index} (bare GPU is GPU.0) and its "
                 f"memory; give each model its own card (GPU.0, GPU.1, ...) unless that is meant"

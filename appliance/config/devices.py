@@ -42,7 +42,30 @@ def missing_devices(device: str, available: list[str]) -> list[str]:
 def available_devices() -> list[str]:
     """OpenVINO's device list (Core().available_devices), read in a child process: the front never imports
     OpenVINO, and a broken GPU runtime must not take this process down."""
-    code = "import json, openvino; print(json.dumps(openvino.Core().available_devices))"
+    return _ask_openvino("import json, openvino; print(json.dumps(openvino.Core().available_devices))")
+
+
+# Each GPU's PCI address, in OpenVINO's GPU.N order (appliance.config.card_env maps them to the driver's order).
+PCI_CODE = """import json, openvino
+core, found = openvino.Core(), []
+for name in core.available_devices:
+    if name.startswith("GPU"):
+        pci = core.get_property(name, "DEVICE_PCI_INFO")
+        found.append([int(name.partition(".")[2] or 0), f"{pci.domain:04x}:{pci.bus:02x}:{pci.device:02x}.{pci.function:x}"])
+print(json.dumps([address for _, address in sorted(found)]))"""
+
+
+def gpu_pci_addresses() -> list[str]:
+    """The PCI address of OpenVINO's GPU.0, GPU.1, ... in that order; [] where there is no GPU or it cannot be
+    read (asked in a child process, as available_devices)."""
+    try:
+        return _ask_openvino(PCI_CODE)
+    except ConfigError:
+        return []
+
+
+def _ask_openvino(code: str):
+    """What `code`, run by a child Python, prints as JSON on its last line."""
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     except (subprocess.SubprocessError, OSError) as exc:

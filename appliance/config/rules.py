@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance.config.validator import Problems, checked, key_name
-from appliance.config.devices import DEVICE_PATTERN, PLACED, budget_device
+from appliance.config.devices import DEVICE_PATTERN, budget_device
+from appliance.config.replicas import all_units, device_problems
 from appliance.config.model_checks import tokenizer_mismatch
 from appliance.config.kinds import GENERATIVE_KINDS, KIND_ONLY_KEYS, kinds_of
 from appliance.sizes import parse_size
@@ -100,9 +101,8 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
                 "letters, digits, '.', '_' or '-' (it names a systemd instance and a metric label)")
         require(m.name not in seen, f"{at}.name", f"a unique model name ({m.name!r} appears twice)")
         seen.add(m.name)
-        require(m.device == PLACED or DEVICE_PATTERN.match(m.device) is not None, f"{at}.device",
-                "an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case), or auto (the "
-                "placer picks the card with room)")
+        for expected in device_problems(m.device):
+            problems.append(f"{at}.device: expected {expected}")
         require(m.port is None or 0 < m.port < 65536, f"{at}.port", "a port number 1-65535")
         for key in ("max_context", "default_max_tokens", "max_running", "max_inputs"):
             require(getattr(m, key) is None or getattr(m, key) >= 1, f"{at}.{key}", "at least 1")
@@ -229,7 +229,9 @@ def _check_task_models(config: Config, problems: Problems) -> None:
 def _check_residency(config: Config, problems: Problems) -> None:
     """max_loaded and memory_budget must leave room for what has to load at start (else it would fail at start)."""
     s = config.server
-    models = [(i, m) for i, m in enumerate(config.models) if m is not None]  # None: its problems are reported
+    # a replicated model counts once per replica (each holds a slot, and its device's memory)
+    models = [(i, unit.model) for i, m in enumerate(config.models) if m is not None  # None: its problems are reported
+              for unit in all_units([m])]
     if s.max_loaded < 0:
         problems.append("server.max_loaded: expected a non-negative integer (0: no limit)")
     budgets = _memory_budgets(s.memory_budget, problems)
@@ -237,11 +239,14 @@ def _check_residency(config: Config, problems: Problems) -> None:
     at_start = [m.name for _, m in models if m.load == "at_start"]
     if s.max_loaded > 0 and len(at_start) > s.max_loaded:
         problems.append(f"server.max_loaded: {s.max_loaded} is fewer than the {len(at_start)} models with load: "
-                        f"at_start ({', '.join(at_start)}); raise it or make some of them load: on_demand")
+                        f"at_start ({', '.join(at_start)}); raise it or make some of them load: on_demand"
+                        + ("; each replica counts" if len(set(at_start)) < len(at_start) else ""))
     for device, (key, size, budget) in budgets.items():
         declared = [(i, m) for i, m in models if budget_device(m.device) == device and m.memory_bytes]
+        seen_big: set[tuple[int, str]] = set()
         for i, m in declared:
-            if m.memory_bytes > budget:
+            if m.memory_bytes > budget and (i, m.name) not in seen_big:
+                seen_big.add((i, m.name))
                 problems.append(f"models[{i}].memory: {m.memory} exceeds server.memory_budget.{key} "
                                 f"({size}); this model could never load")
         pinned = sum(m.memory_bytes for _, m in declared if m.load == "at_start")

@@ -13,6 +13,8 @@ read per step.
   replacements included; beyond them only by what the docs allow: a side-by-side reload's second copy (until the
   old one is gone), and what was loaded when a reload lowered the limits (until it has left).
 - No counter below zero: a model's reserved places and requests waiting for its load.
+- Replicas (appliance.config.replicas): no two serving replicas of a model share a card (a reset of one card must
+  take one replica only).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import glob
 import os
 
 from appliance.config.devices import budget_device
+from appliance.config.replicas import KEY_SEPARATOR
 from appliance.front.lifecycle import ModelState
 from appliance.front.residency import OCCUPYING
 from appliance.front.residency_states import Phase
@@ -55,7 +58,8 @@ def violations(owner, limits_lowered: bool = False) -> tuple[list[str], bool]:
     `limits_lowered`: a reload lowered max_loaded or a budget and what was loaded has not left yet: over the limits
     is no violation until the models are within them once more."""
     over = _limits(owner)
-    return [*_processes(owner), *_names(owner), *([] if limits_lowered else over), *_counters(owner)], not over
+    return [*_processes(owner), *_names(owner), *([] if limits_lowered else over), *_counters(owner),
+            *_replicas(owner)], not over
 
 
 def _processes(owner) -> list[str]:
@@ -120,4 +124,15 @@ def _counters(owner) -> list[str]:
         for counter in ("reserved", "awaiting_ready"):
             if getattr(router, counter) < 0:
                 found.append(f"model {sup.name}: {counter} is {getattr(router, counter)}")
+    return found
+
+
+def _replicas(owner) -> list[str]:
+    found = []
+    cards: dict[tuple[str, str], str] = {}
+    for key, sup in owner.models.items():
+        if KEY_SEPARATOR in key and sup.model.device != "CPU":
+            other = cards.setdefault((sup.model.name, budget_device(sup.model.device)), key)
+            if other != key:
+                found.append(f"replicas {other} and {key} of model {sup.model.name} share a card")
     return found

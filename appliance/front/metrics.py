@@ -26,6 +26,27 @@ LOAD_SOURCES = ("cache", "compiled")  # a load found its compiled blobs, or comp
 CUT_REASONS = (BOUND_REQUEST, BOUND_DEFAULT, BOUND_WINDOW)  # what ends an answer with finish_reason "length"
 
 
+# A replicated model's state is its best replica's: one that serves makes the model serve.
+BEST_STATES = ("ready", "draining", "loading", "restarting", "unloaded", "stopped", "failed")
+# A replica's gauges (ModelMetrics field, its replica family, whether the model's gauge is their mean, not sum).
+REPLICA_GAUGES = (("requests_running", "replica_requests_running", False),
+                  ("requests_waiting", "replica_requests_waiting", False),
+                  ("kv_cache_usage", "replica_kv_cache_usage", True), ("worker_rss", "replica_rss", False))
+
+
+class ReplicaGauge:
+    """A replica's gauge as its supervisor writes it: the replica's own series, and its model's (the sum or mean
+    over the model's replicas), so the model's existing series stay whole."""
+
+    def __init__(self, metrics: Metrics, name: str, field: str, own: Any, model: Any, mean: bool):
+        self.metrics, self.name, self.field, self.own, self.model, self.mean = metrics, name, field, own, model, mean
+
+    def set(self, value: float) -> None:
+        self.own.set(value)
+        if self.metrics.model_of(self.name) in self.metrics.replicated:  # not a replica left behind by a reload
+            self.model.set(self.metrics.replica_value(self.name, self.field, value, self.mean))
+
+
 @dataclass
 class DraftTokens:
     """A model's openarc_draft_tokens_total series and their totals since it was configured (for /openarc/status)."""
@@ -236,6 +257,26 @@ class Metrics:
         self.build_info = Gauge("openarc_build_info", "openarc's version and what it runs on: OpenVINO, GenAI, "
                                 "the kernel, the GPU's kernel driver, the compute runtime and the card",
                                 list(build_info.LABELS), registry=r)
+        # Replicas (device: [GPU.0, GPU.1]): each replica's gauges by its `device` label (the device, or DEVICE#INDEX
+        # where one repeats), beside the model's own series, which add its replicas up (states: the best one's).
+        self.replica_up = Gauge("openarc_replica_up", "1 while the replica's worker is ready (models with replicas "
+                                "only)", ["model", "device"], registry=r)
+        self.replica_state = Gauge("openarc_replica_state", "1 for the replica's current state (models with "
+                                   "replicas only)", ["model", "device", "state"], registry=r)
+        self.replica_requests_running = Gauge("openarc_replica_requests_running", "Requests generating in the "
+                                              "replica's worker", ["model", "device"], registry=r)
+        self.replica_requests_waiting = Gauge("openarc_replica_requests_waiting", "Requests queued in the front for "
+                                              "the replica, or waiting for it to be ready", ["model", "device"],
+                                              registry=r)
+        self.replica_kv_cache_usage = Gauge("openarc_replica_kv_cache_usage_ratio", "Share of the replica's KV-cache "
+                                            "blocks in use by running requests, 0 to 1", ["model", "device"],
+                                            registry=r)
+        self.replica_rss = Gauge("openarc_replica_resident_memory_bytes", "Host RAM resident in the replica's "
+                                 "worker", ["model", "device"], registry=r)
+        self.replicas: dict[str, tuple[str, str]] = {}  # a replica's unit key -> (its model, its device label)
+        self.replica_values: dict[tuple[str, str], dict[str, float]] = {}  # (gauge, model) -> unit key -> value
+        self.replica_states: dict[str, dict[str, str]] = {}  # model -> unit key -> state
+        self.replicated: set[str] = set()  # models whose config has replicas now: their replicas write their state
         self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",
                                     registry=r)
         # LoRA (docs/lora.md): vLLM's vllm:lora_requests_info under openarc's prefix, and requests and tokens by
@@ -277,16 +318,36 @@ class Metrics:
                   (self.adapter_requests, self.adapter_prompt_tokens, self.adapter_generation_tokens)))
         return self.adapter_labelled[key]
 
-    def for_model(self, model: str, kind: str = "llm") -> ModelMetrics:
-        """The model's series, created at zero so dashboards and rate() see the model before its first event."""
-        self.set_state(model, "stopped")
+    def add_replica(self, key: str, model: str, device: str) -> None:
+        """A replica's unit key (appliance.config.replicas): its series are its model's, its gauges its own."""
+        self.replicas[key] = (model, device)
+        self.replicated.add(model)
+
+    def add_model(self, name: str) -> None:
+        """A model served by one worker (again: a reload may have taken its replicas away). From now on its own
+        supervisor writes its state; a leaving replica's last states no longer do."""
+        self.replicated.discard(name)
+        self.replica_states.pop(name, None)
+        for field, model in [k for k in self.replica_values if k[1] == name]:
+            del self.replica_values[field, model]
+
+    def model_of(self, name: str) -> str:
+        """The `model` label of a model's or a replica's series."""
+        return self.replicas.get(name, (name,))[0]
+
+    def for_model(self, name: str, kind: str = "llm") -> ModelMetrics:
+        """The model's series, created at zero so dashboards and rate() see the model before its first event. A
+        replica's (`name` its unit key) counts into its model's counters; its gauges are the replica's own, and
+        the model's gauge adds its replicas up."""
+        model = self.model_of(name)
+        self.set_state(name, "stopped")
         previous = self.model_kinds.get(model)
         if previous not in (None, kind):  # a reload changed the model's kind
             self.model_info.remove(model, previous)
         self.model_kinds[model] = kind
         self.model_info.labels(model=model, kind=kind).set(1)
-        series = {name: getattr(self, name).labels(model=model) for name in ModelMetrics.__annotations__
-                  if name not in SPECIAL_SERIES}
+        series = {field: getattr(self, field).labels(model=model) for field in ModelMetrics.__annotations__
+                  if field not in SPECIAL_SERIES}
         series["ttft"] = self.ttft.labels(model=model, source="computed")
         series["ttft_cached"] = self.ttft.labels(model=model, source="cache")
         draft = DraftTokens(*(self.draft_tokens.labels(model=model, outcome=o) for o in ("accepted", "rejected")))
@@ -297,10 +358,21 @@ class Metrics:
             self.model_loads.labels(model=model, reason=reason)
         for reason in UNLOAD_REASONS:
             self.model_unloads.labels(model=model, reason=reason)
+        if name in self.replicas:
+            device = self.replicas[name][1]
+            for field, family, mean in REPLICA_GAUGES:
+                series[field] = ReplicaGauge(self, name, field, getattr(self, family).labels(model=model, device=device),
+                                             series[field], mean)
         return ModelMetrics(**series, draft=draft, queue_time=queue_time, answers_cut=answers_cut, model_load=model_load,
                             token_series=self._token_series(model),
                             lora_info=functools.partial(self.set_lora_info, model),
                             adapter=functools.partial(self.adapter_series, model))
+
+    def replica_value(self, name: str, field: str, value: float, mean: bool) -> float:
+        """A replica's figure recorded; what its model's gauge shows now (the sum, or the mean, over replicas)."""
+        values = self.replica_values.setdefault((field, self.model_of(name)), {})
+        values[name] = value
+        return sum(values.values()) / (len(values) if mean else 1)
 
     def _token_series(self, model: str):
         labelled: dict[tuple[str, str], TokenSeries] = {}
@@ -318,13 +390,28 @@ class Metrics:
         self.build_info.clear()
         self.build_info.labels(**labels).set(1)
 
-    def set_device_memory(self, model: str, regions: dict[str, int]) -> None:
+    def set_device_memory(self, name: str, regions: dict[str, int]) -> None:
         """A worker's {vram, system} resident bytes (its telemetry frame's device_memory_regions)."""
+        model = self.model_of(name)
         for region, size in regions.items():
             if region in ("vram", "system"):
                 self.model_device_memory.labels(model=model, region=region).set(size)
 
-    def set_state(self, model: str, state: str) -> None:
+    def set_state(self, name: str, state: str) -> None:
+        """A model's state, or a replica's (its unit key): then its model's state is its best replica's."""
+        if name in self.replicas:
+            model, device = self.replicas[name]
+            for each in MODEL_STATES:
+                self.replica_state.labels(model=model, device=device, state=each).set(1 if each == state else 0)
+            self.replica_up.labels(model=model, device=device).set(1 if state == "ready" else 0)
+            if model not in self.replicated:  # a replica leaving after a reload to one device: not the model's state
+                return
+            states = self.replica_states.setdefault(model, {})
+            states[name] = state
+            name, state = model, min(states.values(), key=BEST_STATES.index)
+        elif name in self.replicated:  # a single worker leaving after a reload to replicas: theirs is the state
+            return
+        model = name
         for name in MODEL_STATES:
             self.model_state.labels(model=model, state=name).set(1 if name == state else 0)
         self.worker_up.labels(model=model).set(1 if state == "ready" else 0)

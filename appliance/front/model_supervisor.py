@@ -37,15 +37,18 @@ class ModelSupervisor:
 
     def __init__(self, model: ModelConfig, config: Config, metrics: Metrics, load_gate: asyncio.Semaphore,
                  on_change: Callable[[ModelSupervisor, ModelState], None] = lambda *_: None, kernel_log: KernelLog | None = None,
-                 ledger: Ledger | None = None, spawner: ParkedWorkers | None = None, canary: Canary | None = None):
+                 ledger: Ledger | None = None, spawner: ParkedWorkers | None = None, canary: Canary | None = None,
+                 key: str | None = None):
         self.model = model
-        self.name = model.name
+        # what residency knows it by: the model's name, or a replica's unit key (appliance.config.replicas)
+        self.name = key or model.name
         self.metrics = metrics
         self.series = metrics.for_model(self.name, model.kind)
         self._on_change = on_change  # the Supervisor's "some model changed state" signal
         self.router = RequestRouter(model, self.series)
         self.life = WorkerLife(model, worker_spec(model, config), metrics, self.series, load_gate, self.router,
-                               self._on_frame, self._state_changed, kernel_log, ledger, spawner, canary)
+                 ledger: Ledger | None = None, spawner: ParkedWorkers | None = None, canary: Canary | None = None,
+                 key: str | None = None):
 
     # --- the model, as the Supervisor sees it -------------------------------------------------------------
 

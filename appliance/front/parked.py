@@ -18,7 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import Any
+
+from appliance.config.card_env import card_env
+from appliance.config.devices import gpu_pci_addresses
 
 from appliance.front.worker_ledger import Ledger
 from appliance.front.worker_process import WorkerProcess
@@ -40,12 +44,15 @@ class ParkedWorkers:
         self.backoff = RESPAWN_BACKOFF_S[0]
         self.closed = False
         self.refilling: asyncio.Task | None = None
+        self.gpu_pci: list[str] | None = None  # OpenVINO's GPU.N PCI addresses, read at the first GPU spawn
 
     async def spawn(self, spec: dict[str, Any]) -> WorkerProcess:
         """A worker loading `spec`: a spare handed it if one is parked, else a fresh process. loaded() must follow
-        once its load has ended, whatever the outcome."""
+        once its load has ended, whatever the outcome. A GPU worker is started fresh seeing its own card only
+        (appliance.config.card_env): a spare's environment was fixed when it started."""
         self.loads += 1
-        while self.spares:
+        env, spec = await self._one_card(spec)
+        while self.spares and not env:
             process, watch = next(iter(self.spares.items()))
             del self.spares[process]
             if process.hand(spec):
@@ -53,7 +60,14 @@ class ParkedWorkers:
                 self.backoff = RESPAWN_BACKOFF_S[0]  # it lived until it was needed
                 return process
             # its channel is closed: it died just now, and its watch reaps it
-        return await WorkerProcess.spawn(spec)
+        return await WorkerProcess.spawn(spec, env)
+
+    async def _one_card(self, spec: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
+        if not str(spec.get("device", "")).startswith("GPU"):
+            return {}, spec
+        if self.gpu_pci is None:  # asked once, off the event loop (a child process imports OpenVINO)
+            self.gpu_pci = await asyncio.to_thread(gpu_pci_addresses)
+        return card_env(spec, self.gpu_pci, os.environ)
 
     def loaded(self) -> None:
         self.loads = max(0, self.loads - 1)

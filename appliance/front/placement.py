@@ -38,6 +38,7 @@ import time
 from typing import Any
 
 from appliance.config import Config, ModelConfig
+from appliance.config.replicas import Unit, all_units, model_name
 from appliance.front import cards, invariants, residency
 from appliance.front.canary import Canary
 from appliance.front.lifecycle import Changes, ModelState
@@ -94,24 +95,30 @@ class Placement(ResidencyBook):
         self.stepping = False
         self.checking = os.environ.get(DEBUG_INVARIANTS_ENV) == "1"
         self.limits_lowered = False  # a reload changed the limits: over them is allowed until once within
-        for model in config.models:
-            self.add(model)
+        for unit in all_units(config.models):
+            self.add(unit)
 
     # --- supervisors, made here only ---------------------------------------------------------------------------
 
-    def _new(self, model: ModelConfig) -> ModelSupervisor:
+    def _new(self, model: ModelConfig, key: str | None = None) -> ModelSupervisor:
         sup = ModelSupervisor(model, self.config, self.metrics, self.load_gate, self._supervisor_changed,
-                              self.kernel_log, self.ledger, self.parked, self.canary)
+                              self.kernel_log, self.ledger, self.parked, self.canary, key)
         self.usage.setdefault(sup.name, Usage())
         sup.router.on_idle = lambda: self._went_idle(sup.name)
         sup.router.on_first_output = lambda: self._switch_done(sup)
         return sup
 
-    def add(self, model: ModelConfig) -> ModelSupervisor:
-        """A configured model's first supervisor: unloaded when on demand, else stopped until its load at start."""
-        sup = self.models[model.name] = self._new(model)
-        self.asked[model.name] = model.device
-        self.phases[model.name] = Phase.ABSENT
+    def add(self, unit: Unit) -> ModelSupervisor:
+        """A configured model's (or one replica's: appliance.config.replicas) first supervisor: unloaded when on
+        demand, else stopped until its load at start."""
+        model = unit.model
+        if unit.replica is not None:
+            self.metrics.add_replica(unit.key, unit.name, unit.replica)
+        else:
+            self.metrics.add_model(unit.key)
+        sup = self.models[unit.key] = self._new(model, unit.key)
+        self.asked[unit.key] = model.device
+        self.phases[unit.key] = Phase.ABSENT
         if model.load == "on_demand":
             sup.life.lifecycle.enter(ModelState.UNLOADED)
         return sup
@@ -119,7 +126,7 @@ class Placement(ResidencyBook):
     def _fresh(self, old: ModelSupervisor, model: ModelConfig) -> ModelSupervisor:
         """An unloaded supervisor to follow `old` under its name, with `model`'s settings, carrying what outlives
         one load (its restart budget and counts, its last error; not after a failure: unloading resets it)."""
-        new = self._new(model)
+        new = self._new(model, old.name)
         if old.state is not ModelState.FAILED:
             new.life.budget = old.life.budget
             new.life.last_error, new.life.last_hint = old.life.last_error, old.life.last_hint
@@ -199,7 +206,7 @@ class Placement(ResidencyBook):
         usage.load_reason, usage.refusal = reason, None
         usage.placed = placed if device else None
         self.unwant(name, STANDING)  # the load it stood for begins
-        self.metrics.model_loads.labels(model=name, reason=reason).inc()
+        self.metrics.model_loads.labels(model=self.metrics.model_of(name), reason=reason).inc()
         if reason != "start":
             waiting = len(self.wants.get(name, ()))
             log.info("model %s: loading (%s%s)", name, reason, f", {waiting} requests waiting" if waiting else "")
@@ -249,7 +256,7 @@ class Placement(ResidencyBook):
         self.replacements[name] = new
         new.reports = False
         self.metrics.set_state(name, self.models[name].state.value)  # creating the new one's series reset it
-        self.metrics.model_loads.labels(model=name, reason="reload").inc()
+        self.metrics.model_loads.labels(model=self.metrics.model_of(name), reason="reload").inc()
         self.usage[name].load_reason = "reload"
         new.start()
         self.watches[new] = self._chore(self._replacement_loaded(new), f"reload:{name}")
@@ -300,7 +307,7 @@ class Placement(ResidencyBook):
             self.check()
         current = self.models.get(old.name)
         if current is not None and current.state is ModelState.UNLOADED:
-            self.metrics.worker_rss.labels(model=old.name).set(0)  # its memory went with its worker
+            old.series.worker_rss.set(0)  # its memory went with its worker
         if old.life.task is not None:
             log.info("model %s: unloaded", old.name)
 
@@ -334,7 +341,7 @@ class Placement(ResidencyBook):
         if phase not in (Phase.LOADING, Phase.READY, Phase.FAILED, Phase.REPLACING):
             return []
         old, replacement = self.models[name], self.replacements.get(name)
-        self.metrics.model_unloads.labels(model=name, reason=reason).inc()
+        self.metrics.model_unloads.labels(model=self.metrics.model_of(name), reason=reason).inc()
         idle_s = time.monotonic() - self.usage[name].last_used
         why = UNLOAD_WHY[reason].format(old.model.idle_unload_s)
         log.info("model %s: unloading (%s; last used %.1fs ago, %d requests to finish)", name, why, idle_s,
@@ -349,16 +356,16 @@ class Placement(ResidencyBook):
         if drains:
             await asyncio.shield(asyncio.gather(*drains, return_exceptions=True))
 
-    async def reload(self, model: ModelConfig) -> None:
+    async def reload(self, unit: Unit) -> None:
         """New settings for a configured model (Supervisor.apply): side by side, the new worker loads while the old
         one serves and the switch comes when it is ready (a new worker that cannot load is dropped and the old one
         goes on serving); restart, the old one drains first and requests wait for the new one, which the placer
         loads once the old one's slot is free; unloaded, the new settings apply at its next load. Returns once
         the switch is done and the old worker gone (or the replacement was overtaken)."""
-        name, old = model.name, self.models[model.name]
+        model, name, old = unit.model, unit.key, self.models[unit.key]
         self.asked[name] = model.device
         chosen = self.card_now(model, old.model.device)
-        new = self._new(dataclasses.replace(model, device=chosen[0]) if chosen else model)
+        new = self._new(dataclasses.replace(model, device=chosen[0]) if chosen else model, name)
         if chosen:
             self.usage[name].placed = chosen[1]
         new.reports = False
@@ -439,7 +446,7 @@ class Placement(ResidencyBook):
         clock.first_output = sup.router.first_output
         seconds = stages(clock)
         for stage, value in seconds.items():
-            self.metrics.model_switch.labels(model=sup.name, stage=stage).observe(value)
+            self.metrics.model_switch.labels(model=sup.model.name, stage=stage).observe(value)
         self.last_switch[sup.name] = status_view(seconds, clock)
         log.info("model %s: loaded on demand in %s", sup.name, log_text(seconds))
 
@@ -532,7 +539,9 @@ class Placement(ResidencyBook):
                 continue
             sup = owners.get(entry.owner)
             role = self.role(sup) if sup is not None else None
-            rows.append({"pid": entry.pid, "model": entry.model, "role": role or "untracked",
+            # a replica's worker under its model's name (a key's allow-list names models), with its own device
+            rows.append({"pid": entry.pid, "model": model_name(entry.model), "role": role or "untracked",
+                         **({"device": sup.model.device} if sup is not None and entry.model != sup.model.name else {}),
                          "state": sup.state.value if sup is not None else None,
                          "why": self.leaving.get(sup) if role == "leaving" else None})
         return rows

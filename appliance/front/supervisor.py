@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import itertools
 import time
+from typing import Any
 
 from appliance.host.kernel_log import KernelLog
 from appliance.config import Config
@@ -27,6 +29,8 @@ from appliance.front.model_supervisor import ModelSupervisor
 from appliance.front.placement import STANDING, Placement
 from appliance.front.residency_states import Event, Phase
 from appliance.config.launch_spec import worker_spec
+from appliance.config.replicas import KEY_SEPARATOR, all_units, model_name
+from appliance.front.replica_choice import AffinityMemory, ReplicaView, choose, prefix_chain
 
 log = logging.getLogger("openarc.supervisor")
 
@@ -39,14 +43,35 @@ class Supervisor:
         # Every model exists from here on, before start() and before the front listens: a request that arrives
         # first (under socket activation, one that waited in the backlog) finds it coming up and waits, not a 404.
         self.placement = Placement(config, metrics, kernel_log)
+        self.replicas = ReplicaRouter()  # which replica of a replicated model takes each request
 
     @property
     def config(self) -> Config:
         return self.placement.config
 
     @property
-    def models(self) -> dict[str, ModelSupervisor]:
+    def units(self) -> dict[str, ModelSupervisor]:
+        """Every model's supervisors by residency name: a model's own, or one per replica (NAME@DEVICE)."""
         return self.placement.models
+
+    @property
+    def models(self) -> dict[str, ModelSupervisor]:
+        """Every model by the name clients use; a replicated model by its best replica (a ready one if any), which
+        speaks for its kind, settings and state."""
+        def rank(sup: ModelSupervisor) -> tuple[bool, bool]:
+            return sup.life.admits(), sup.state is not ModelState.FAILED
+        models: dict[str, ModelSupervisor] = {}
+        for key, sup in self.units.items():
+            name = model_name(key)
+            if name not in models or rank(sup) > rank(models[name]):
+                models[name] = sup
+        return models
+
+    def units_of(self, name: str) -> list[ModelSupervisor]:
+        """The supervisors serving a model: its own, or its replicas' in the config's order ([] for no model)."""
+        if name in self.units:
+            return [self.units[name]]
+        return [sup for key, sup in self.units.items() if model_name(key) == name and KEY_SEPARATOR in key]
 
     @property
     def changes(self) -> Changes:
@@ -60,28 +85,29 @@ class Supervisor:
         (Placement.reload) and failed ones (a reload is how an operator retries a model whose restart budget ran
         out, after fixing what failed it), stop removed ones after draining them, and leave every other model and
         its worker alone. New limits (max_loaded, memory_budget) are planned with at once."""
-        wanted = {m.name: m for m in config.models}
-        removed = [name for name in self.models if name not in wanted]
-        changed = [name for name, sup in self.models.items() if name in wanted and
-                   (wanted[name] != sup.model or worker_spec(wanted[name], config) != sup.spec
+        wanted = {unit.key: unit for unit in all_units(config.models)}  # a replicated model: one unit per replica
+        removed = [key for key in self.units if key not in wanted]
+        changed = [key for key, sup in self.units.items() if key in wanted and
+                   (wanted[key].model != sup.model or worker_spec(wanted[key].model, config) != sup.spec
                     or sup.state is ModelState.FAILED)]
-        added = [model for name, model in wanted.items() if name not in self.models]
+        added = [unit for key, unit in wanted.items() if key not in self.units]
         for name in changed:  # new settings: a load that failed may work now, and the old footprint may be wrong
             usage = self.placement.usage[name]
             usage.refusal = usage.measured = None
         self.placement.configure(config)
-        for model in added:
-            if self.placement.add(model).state is not ModelState.UNLOADED:
-                self.placement.send(model.name, Event.LOAD, reason="reload")
-        await asyncio.gather(*(self.placement.remove(name) for name in removed),
-                             *(self.placement.reload(wanted[name]) for name in changed))
-        return sorted([*removed, *changed, *(model.name for model in added)])
+        for unit in added:
+            if self.placement.add(unit).state is not ModelState.UNLOADED:
+                self.placement.send(unit.key, Event.LOAD, reason="reload")
+        await asyncio.gather(*(self.placement.remove(key) for key in removed),
+                             *(self.placement.reload(wanted[key]) for key in changed))
+        return sorted({model_name(key) for key in [*removed, *changed, *(unit.key for unit in added)]})
 
     def get(self, name: str) -> ModelSupervisor | None:
         return self.models.get(name)
 
-    async def ready_model(self, name: str, reason: str = "demand") -> ModelSupervisor | None:
-        """The model's supervisor once it can take a request; None when there is no such model.
+    async def ready_model(self, name: str, reason: str = "demand", body: Any = None) -> ModelSupervisor | None:
+        """The model's supervisor once it can take a request (a replicated model's: the replica that takes it, as
+        appliance.front.replica_choice decides from `body`'s prefix); None when there is no such model.
 
         A model that is loading, restarting or being replaced is waited for up to its ready_wait_s (counted in
         openarc_requests_waiting), then its 503 is raised; a failed or draining one raises at once. An unloaded one
@@ -92,30 +118,35 @@ class Supervisor:
         deadline: float | None = None
         waited_from = loop.time()
         counted: ModelSupervisor | None = None
-        waiter = object()
+        waiter, wanted = object(), set()
         try:
-            while (sup := self.models.get(name)) is not None:
-                if sup.life.admits():
+            while sups := self.units_of(name):
+                if any(sup.life.admits() for sup in sups):
+                    sup = self.replicas.choose(sups, body) if len(sups) > 1 else sups[0]
                     if reason != "api":  # a load through the API opens no request: nothing to protect
                         self.placement.handed(sup)
                     return sup
                 if deadline is None:
-                    deadline = loop.time() + sup.model.ready_wait_s
+                    deadline = loop.time() + sups[0].model.ready_wait_s
                 remaining = deadline - loop.time()
-                if sup.state is ModelState.UNLOADED:
-                    self.placement.want(name, waiter, reason)
-                    if remaining <= 0:
+                unloaded = [sup for sup in sups if sup.state is ModelState.UNLOADED]
+                for sup in unloaded:  # a replicated model: each of its replicas is wanted
+                    self.placement.want(sup.name, waiter, reason)
+                    wanted.add(sup.name)
+                if unloaded and remaining <= 0:
+                    for sup in unloaded:
                         if not sup.model.ready_wait_s and sup.life.task is None:  # no request waits for its load:
-                            self.placement.want(name, STANDING, reason)  # it begins without one
-                        raise self._unloaded_refusal(name, sup)
-                elif remaining <= 0 or not sup.life.coming_up():
-                    raise sup.life.unavailable()
-                counted = self._count_waiter(counted, sup)  # the model's current supervisor, across a replacement
+                            self.placement.want(sup.name, STANDING, reason)  # it begins without one
+                    raise self._unloaded_refusal(unloaded[0].name, unloaded[0])
+                if not unloaded and (remaining <= 0 or not any(sup.life.coming_up() for sup in sups)):
+                    raise sups[0].life.unavailable()
+                counted = self._count_waiter(counted, sups[0])  # the current supervisor, across a replacement
                 await self.changes.wait(remaining)
             return None
         finally:
             self._count_waiter(counted, None)
-            self.placement.unwant(name, waiter)
+            for key in wanted:
+                self.placement.unwant(key, waiter)
             if deadline is not None:  # it had to wait
                 self.metrics.model_load_wait.labels(model=name).observe(loop.time() - waited_from)
 
@@ -144,14 +175,31 @@ class Supervisor:
                              + residency.why_waiting(head, views, self.placement.limits()), retry_after=retry)
 
     async def unload(self, name: str, reason: str) -> bool:
-        """Drain the model, then stop its worker; it stays unloaded until a request or a load. False: no such model.
-        The drain finishes even when the caller stops waiting for it (Placement.unload)."""
-        if name not in self.models:
+        """Drain the model (every replica of it), then stop its workers; it stays unloaded until a request or a load.
+        False: no such model. The drain finishes even when the caller stops waiting for it (Placement.unload)."""
+        keys = [sup.name for sup in self.units_of(name)]
+        if not keys:
             return False
-        await self.placement.unload(name, reason)
-        if self.placement.phases.get(name, Phase.GONE) in (Phase.LEAVING, Phase.GONE):
+        await asyncio.gather(*(self.placement.unload(key, reason) for key in keys))
+        if any(self.placement.phases.get(key, Phase.GONE) in (Phase.LEAVING, Phase.GONE) for key in keys):
             raise shutting_down()  # the server stopped (or a reload removed the model) while it drained
         return True
+
+    def status(self, name: str) -> dict[str, Any]:
+        """A model's /openarc/status entry; a replicated model's names each replica (device, pid, state, queue)."""
+        sups, head = self.units_of(name), self.models[name]
+        view = {**head.status(), **self.placement.status(head.name), "name": name}
+        if len(sups) > 1:
+            view.update(device=[sup.model.device for sup in sups],
+                        requests_running=sum(len(sup.router.running) for sup in sups),
+                        requests_waiting=sum(sup.router.queued() for sup in sups),
+                        replicas=[{"device": self.metrics.replicas.get(sup.name, (name, sup.model.device))[1],
+                                   "state": sup.state.value, "pid": sup.life.pid,
+                                   "requests_running": len(sup.router.running),
+                                   "requests_waiting": sup.router.queued(), "restarts": sup.life.restarts,
+                                   "requests_routed": self.replicas.routed.get(sup.name, 0),
+                                   "last_error": sup.life.last_error} for sup in sups])
+        return view
 
     def _serves(self, sup: ModelSupervisor, settled: tuple[ModelState, ...]) -> bool:
         """Whether the model is where /ready (or the start) wants it: `settled`, unloaded, or `load: on_demand`
@@ -177,3 +225,33 @@ class Supervisor:
         """Drain and stop every model: the served ones, replacements loading, and those leaving (their drains,
         already under way, are awaited to their end)."""
         await self.placement.stop(drain_timeout_s)
+
+
+class ReplicaRouter:
+    """Carries out appliance.front.replica_choice for every replicated model: each replica's memory of the prefixes
+    it was sent (forgotten with its worker: a new process has an empty KV cache), and the turn counter."""
+
+    def __init__(self):
+        self.memories: dict[str, tuple[int | None, AffinityMemory]] = {}  # unit key -> (its worker's pid, memory)
+        self.turns = itertools.count()
+        self.routed: dict[str, int] = {}  # unit key -> requests it was chosen for (/openarc/status)
+
+    def memory(self, sup: ModelSupervisor) -> AffinityMemory:
+        pid, memory = self.memories.get(sup.name, (None, None))
+        if memory is None or pid != sup.life.pid:
+            memory = AffinityMemory()
+            self.memories[sup.name] = (sup.life.pid, memory)
+        return memory
+
+    def choose(self, sups: list[ModelSupervisor], body: Any) -> ModelSupervisor:
+        """The replica that takes a request for `body` (one of `sups` admits requests), which remembers its prefix."""
+        chain = prefix_chain(body)
+        views = [ReplicaView(sup.name, sup.life.admits(), len(sup.router.running), sup.router.queued(),
+                             self.memory(sup).matched(chain) if sup.life.admits() else 0) for sup in sups]
+        model = sups[0].model
+        bound = max(1, model.effective_max_running // 2)  # half a batch waiting: a prefill elsewhere costs less
+        key = choose(views, bound, next(self.turns), model.replica_routing == "round_robin")
+        sup = next(sup for sup in sups if sup.name == key)
+        self.memory(sup).remember(chain)
+        self.routed[sup.name] = self.routed.get(sup.name, 0) + 1
+        return sup

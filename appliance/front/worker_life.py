@@ -61,8 +61,9 @@ class WorkerLife:
                  on_frame: Callable[[dict[str, Any]], None],
                  on_state: Callable[[ModelState, ModelState], None],
                  kernel_log: KernelLog | None = None, ledger: Ledger | None = None,
-                 spawner: ParkedWorkers | None = None, canary: Canary | None = None):
-        self.model, self.name, self.spec = model, model.name, spec
+                 spawner: ParkedWorkers | None = None, canary: Canary | None = None, name: str | None = None):
+        # name: the model's, or a replica's unit key (its log lines and its ledger entry say which replica)
+        self.model, self.name, self.spec = model, name or model.name, spec
         self.canary = canary  # checks a loaded worker's answers against the golden record before it is READY
         self.metrics, self.series = metrics, series
         self.load_gate = load_gate
@@ -375,7 +376,7 @@ class WorkerLife:
         """The one place a worker's end becomes state, metrics and a log line: the backoff before the next
         start, or None when there is none (stopping, or the model is now failed)."""
         self.last_exit = exit
-        self.metrics.worker_exits.labels(model=self.name, reason=exit.reason.value).inc()
+        self.metrics.worker_exits.labels(model=self.model.name, reason=exit.reason.value).inc()
         if exit.reason is ExitReason.STOPPED or self.stopping:
             log.info("model %s: worker ended (%s)", self.name, exit.reason.value)
             return None
@@ -386,7 +387,7 @@ class WorkerLife:
                                      oom_killed=exit.reason is ExitReason.OOM_KILL)
         if exit.reason in CRASH_REASONS:
             self.crashes += 1
-            self.metrics.worker_crashes.labels(model=self.name, signal=faults.signal_name(exit.returncode or 0),
+            self.metrics.worker_crashes.labels(model=self.model.name, signal=faults.signal_name(exit.returncode or 0),
                                                reason=exit.reason.value).inc()
             hint = exit.hint or fault.hint
         else:

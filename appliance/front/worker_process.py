@@ -30,11 +30,12 @@ class WorkerProcess:
         self.oom_watch = oom.OomWatch.of(proc.pid)  # asked once it is gone: was it the kernel OOM killer?
 
     @classmethod
-    async def spawn(cls, spec: dict[str, Any] | None) -> WorkerProcess:
-        """A worker for `spec`; None: a parked one (appliance.front.parked), handed its spec later (hand())."""
+    async def spawn(cls, spec: dict[str, Any] | None, extra_env: dict[str, str] | None = None) -> WorkerProcess:
+        """A worker for `spec`; None: a parked one (appliance.front.parked), handed its spec later (hand()).
+        `extra_env`: added to its environment (appliance.config.card_env: the one card it may see)."""
         front_end, worker_end = socket.socketpair()
         model = ["--spec", json.dumps(spec)] if spec is not None else ["--parked"]
-        env = dict(os.environ)
+        env = {**os.environ, **(extra_env or {})}
         # The worker imports the very code the front runs, installed or from a source tree.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
         try:

@@ -76,8 +76,8 @@ class HealthRoutes:
                                            if key is None or key.operator or k is key],
                                   "cards": cards.status_view(appliance.cards, sentinel.in_force),
                                   "gpu_mitigations": sentinel.status(),
-                                  "models": [{**m.status(), **sup.placement.status(m.name)}
-                                             for m in sup.models.values() if key is None or key.may_use(m.name)]})
+                                  "models": [sup.status(name) for name in sup.models
+                                             if key is None or key.may_use(name)]})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.appliance.metrics.exposition()

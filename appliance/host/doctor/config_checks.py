@@ -11,6 +11,7 @@ from appliance import model_files
 from appliance.config import Config, ConfigError, load_config
 from appliance.config import window
 from appliance.config.devices import budget_device
+from appliance.config.replicas import all_units
 from appliance.config.kinds import GENERATIVE_KINDS
 from appliance.config.model_checks import served_path_check
 from appliance.host.doctor import Check, fail, ok, skip, warn
@@ -51,8 +52,9 @@ def gpu_cards(cards: list[CardFacts]) -> dict[str, CardFacts]:
 def memory_checks(config: Config, cards: list[CardFacts]) -> list[Check]:
     by_device = gpu_cards(cards)
     budgets = config.server.memory_budget_bytes
+    unit_models = [unit.model for unit in all_units(config.models)]  # a replica counts on its own card
     devices = sorted({d for d in budgets if d.startswith("GPU")}
-                     | {budget_device(m.device) for m in config.models if m.is_gpu and m.memory_bytes})
+                     | {budget_device(m.device) for m in unit_models if m.is_gpu and m.memory_bytes})
     if not devices:
         return [skip("memory", "no server.memory_budget or models[].memory on a GPU to check against VRAM")]
     found = []
@@ -64,10 +66,10 @@ def memory_checks(config: Config, cards: list[CardFacts]) -> list[Check]:
             continue
         vram, budget = card.vram_bytes, budgets.get(device)
         suggest = f"{int(vram * (1 - HEADROOM) / GiB * 10) / 10:g}GiB"
-        at_start = [m for m in config.models if m.is_gpu and budget_device(m.device) == device and m.memory_bytes
+        at_start = [m for m in unit_models if m.is_gpu and budget_device(m.device) == device and m.memory_bytes
                     and m.load == "at_start"]
         pinned = sum(m.memory_bytes for m in at_start)
-        too_big = [m for m in config.models if m.is_gpu and budget_device(m.device) == device
+        too_big = [m for m in unit_models if m.is_gpu and budget_device(m.device) == device
                    and (m.memory_bytes or 0) > vram]
         if budget is not None and budget > vram:
             found.append(fail(name, f"server.memory_budget.{device} {config.server.memory_budget[device]} is more "

@@ -1,0 +1,166 @@
+"""Replicas of one model behind one name (`device: [CPU, CPU]`), for real on the CPU with the demo model: each
+conversation keeps to the replica that holds its prefix (cached tokens as the API reports them), a replica killed
+under load fails only its own requests, and status and metrics show each replica.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+import uuid
+
+import openai
+import pytest
+import yaml
+
+from appliance.front.invariants import live_worker_children
+from conftest import Appliance, http, model_entry, pid_alive, wait_until
+from test_metrics import samples, value
+
+# A short system prompt and long questions: a turn served by a replica that holds only its conversation's turn
+# before last (what a router blind to prefixes gives) has well under 80 % of the previous prompt cached.
+QUESTION = " ".join(f"Detail {i} of the story matters." for i in range(30))
+
+
+@pytest.fixture(scope="module")
+def app(demo_model, tmp_path_factory):
+    # parked_workers 0: each replica's worker is started for it (no spare to tell apart from the replicas)
+    appliance = Appliance({"server": {"parked_workers": 0},
+                           "models": [model_entry("twin", demo_model, device=["CPU", "CPU"])]},
+                          tmp_path_factory.mktemp("replicas")).start()
+    yield appliance
+    appliance.stop()
+
+
+def replicas(app) -> list[dict]:
+    return app.model_status("twin")["replicas"]
+
+
+def both_ready(app) -> list[dict]:
+    """/ready answers once one replica serves; the other may still load (one load at a time)."""
+    return wait_until(lambda: all(r["state"] == "ready" and r["pid"] for r in replicas(app)) and replicas(app), 120,
+                      "both replicas ready")
+
+
+def test_status_and_metrics_show_each_replica(app):
+    both_ready(app)
+    model = app.model_status("twin")
+    assert model["device"] == ["CPU", "CPU"] and model["state"] == "ready"
+    shown = replicas(app)
+    assert [r["device"] for r in shown] == ["CPU#0", "CPU#1"]
+    assert all(r["state"] == "ready" and r["pid"] for r in shown)
+    assert len({r["pid"] for r in shown}) == 2
+    workers = [w for w in app.status()["residency"]["workers"] if w["model"]]
+    # each replica a worker in the ledger, under its model's name
+    assert sorted((w["pid"], w["model"], w["device"]) for w in workers) == sorted((r["pid"], "twin", "CPU") for r in shown)
+    scrape = samples(app.metrics())
+    for device in ("CPU#0", "CPU#1"):
+        assert value(scrape, "openarc_replica_up", model="twin", device=device) == 1
+        assert value(scrape, "openarc_replica_state", model="twin", device=device, state="ready") == 1
+    assert value(scrape, "openarc_worker_up", model="twin") == 1  # the model's own series, as before
+    assert value(scrape, "openarc_model_state", model="twin", state="ready") == 1
+
+
+def conversation(app, nonce: str, turns: int, usages: list, barrier: threading.Barrier) -> None:
+    client = app.client()
+    messages = [{"role": "system", "content": f"{nonce}: be brief."}]
+    for turn in range(turns):
+        barrier.wait(60)  # the conversations' turns interleave
+        messages.append({"role": "user", "content": f"Question {turn}: what comes next? {QUESTION}"})
+        reply = client.chat.completions.create(model="twin", messages=messages, max_tokens=8)
+        usages.append(reply.usage)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+
+
+def test_interleaved_conversations_keep_their_cached_tokens(app):
+    """4 conversations x 6 turns at once: from turn 2 each prompt is served >= 80 % from the prefix cache of the
+    replica that holds its conversation, and both replicas took conversations."""
+    conversations = 4
+    routed = [r["requests_routed"] for r in both_ready(app)]
+    usages: list[list] = [[] for _ in range(conversations)]
+    barrier = threading.Barrier(conversations)
+    with concurrent.futures.ThreadPoolExecutor(conversations) as pool:
+        futures = [pool.submit(conversation, app, uuid.uuid4().hex, 6, usages[i], barrier)
+                   for i in range(conversations)]
+        for future in futures:
+            future.result(timeout=300)
+    for turns in usages:
+        assert turns[0].prompt_tokens > 200
+        for previous, usage in zip(turns, turns[1:]):
+            assert usage.prompt_tokens_details.cached_tokens >= 0.8 * previous.prompt_tokens, \
+                [(u.prompt_tokens, u.prompt_tokens_details.cached_tokens) for u in turns]
+    # both replicas took conversations (whole ones: 6 turns each)
+    took = [r["requests_routed"] - before for r, before in zip(replicas(app), routed)]
+    assert sorted(took) in ([6, 18], [12, 12]), took
+
+
+def test_a_killed_replica_fails_only_its_own_requests(app):
+    """SIGKILL of one replica under 8 clients: its requests in flight end with an error (none hangs), the other
+    replica's finish, and new requests keep being answered (by the other replica while it restarts)."""
+    victim = both_ready(app)[0]["pid"]
+    stop = threading.Event()
+    outcomes: list[str] = []
+
+    def client_loop(i: int) -> None:
+        client = app.client(timeout=60)
+        while not stop.is_set():
+            try:
+                stream = client.chat.completions.create(
+                    model="twin", stream=True, max_tokens=60,
+                    messages=[{"role": "user", "content": f"client {i} {uuid.uuid4().hex}: tell a long story"}])
+                for _ in stream:
+                    pass
+                outcomes.append("ok")
+            except (openai.APIError, openai.APIStatusError) as exc:
+                outcomes.append(f"error: {type(exc).__name__}")
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: len(outcomes) >= 8, 120, "requests answered before the kill")
+    before = len(outcomes)
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until(lambda: outcomes[before:].count("ok") >= 16, 120, "requests answered after the kill")
+    stop.set()
+    for thread in threads:
+        thread.join(90)
+        assert not thread.is_alive(), "a client hangs"
+    failed = [o for o in outcomes[before:] if o != "ok"]
+    assert 0 < len(failed) <= 8, outcomes[before:]  # at most what ran or waited on the killed replica
+    assert time.monotonic() - killed_at < 120
+    both_ready(app)
+    assert victim not in [r["pid"] for r in replicas(app)]
+    scrape = samples(app.metrics())
+    assert value(scrape, "openarc_worker_crashes_total", model="twin", signal="SIGKILL", reason="crash") >= 1
+
+
+def test_replicas_load_on_demand_unload_together_and_reload_to_one_device(appliance_factory, demo_model):
+    """A replicated model on demand: its first request loads its replicas (answered by the first ready), an unload
+    takes every replica's worker, and a reload to one device leaves one worker under the name, no replica."""
+    config = {"server": {"parked_workers": 0},
+              "models": [model_entry("lazy", demo_model, device=["CPU", "CPU"], load="on_demand")]}
+    app = appliance_factory(config)
+    assert [r["state"] for r in app.model_status("lazy")["replicas"]] == ["unloaded", "unloaded"]
+    reply = app.client().chat.completions.create(model="lazy", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4)
+    assert reply.choices[0].message.content
+    wait_until(lambda: [r["state"] for r in app.model_status("lazy")["replicas"]] == ["ready", "ready"], 120,
+               "both replicas loaded")
+    pids = {r["pid"] for r in app.model_status("lazy")["replicas"]}
+    app.worker_pids |= pids
+    status, _, body = http("POST", app.base + "/openarc/models/lazy/unload")
+    assert status == 200 and body["state"] == "unloaded", body
+    assert [r["state"] for r in app.model_status("lazy")["replicas"]] == ["unloaded", "unloaded"]
+    wait_until(lambda: not any(pid_alive(pid) for pid in pids), 30, "the replicas' workers gone")
+    assert live_worker_children(app.proc.pid) == set()
+    config["models"][0].update(device="CPU", load="at_start")
+    app.config_path.write_text(yaml.safe_dump(config))
+    app.proc.send_signal(signal.SIGHUP)
+    model = app.wait_model("lazy", "ready", timeout=120)
+    assert model["device"] == "CPU" and "replicas" not in model
+    assert live_worker_children(app.proc.pid) == {model["pid"]}
+    assert [w["model"] for w in app.status()["residency"]["workers"]] == ["lazy"]

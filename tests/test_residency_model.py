@@ -18,6 +18,7 @@ random walks each time. A failure found here is shrunk by hypothesis and becomes
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -28,6 +29,7 @@ import socket
 import tempfile
 import threading
 import time
+from http.client import HTTPConnection
 from pathlib import Path
 
 import pytest
@@ -46,29 +48,42 @@ STEPS = int(os.environ.get("OPENARC_MODEL_TEST_STEPS", "240"))
 DERANDOMIZE = "OPENARC_MODEL_TEST_STEPS" not in os.environ
 REQUEST_BOUND_S = 90  # every request is answered within this (catches a hang, not a timing)
 SETTLE_BOUND_S = 60
-MODELS = ("a", "b")
+MODELS = ("a", "b")  # the chat models that reloads change
+SPEECH, PRESSURE = "s", "p"  # a tts model, and a model whose declared footprint is the whole memory_budget
+EVERY_MODEL = (*MODELS, SPEECH, PRESSURE)
 CHAT = [{"role": "user", "content": "Say something."}]
+SENTENCES = ("Hi.", "Ok.", "Go on.", "Yes.", "Done.")  # short: each a few decoder steps of the demo tts
 ANSWERS = {200, 429, 503, 504}  # served, queue full, unavailable (loading, no room, shutting down), stalled
-SWARM = ("load", "unload", "reload", "signal", "resume", "sigterm")
+SWARM = ("load", "unload", "reload", "signal", "resume", "sigterm", "speech", "pressure")
 WALK = {"steps": 0, "runs": 0, "first_failure": None}  # how far the walk went, and where it first failed
+CALLS: collections.Counter = collections.Counter()  # (what, outcome) of every call made: what the walk exercised
 
 
-def base_config(model: Path) -> dict:
-    def entry(name: str, **overrides) -> dict:
-        return model_entry(name, model, load="on_demand", ready_wait_s=15, load_timeout_s=30, stall_timeout_s=3,
+def base_config(model: Path, tts: Path) -> dict:
+    """Two slots and 2 GiB declared: a and b (1 GiB each) fit together, a third model takes a slot from one of
+    them (max_loaded), and p (2 GiB) fits only alone: its load evicts by the budget, not by the slots."""
+    def entry(name: str, path: Path = model, **overrides) -> dict:
+        return model_entry(name, path, load="on_demand", ready_wait_s=15, load_timeout_s=30, stall_timeout_s=3,
                            max_queue=16, **overrides)
-    return {"server": {"max_loaded": 1, "drain_timeout_s": 2},
-            "models": [entry("a", reload="side_by_side"), entry("b", reload="restart", idle_unload_s=1)]}
+    return {"server": {"max_loaded": 2, "memory_budget": {"CPU": "2GiB"}, "drain_timeout_s": 2},
+            "models": [entry("a", reload="side_by_side", memory="1GiB"),
+                       entry("b", reload="restart", idle_unload_s=1, memory="1GiB"),
+                       entry(SPEECH, tts, kind="tts", memory="512MiB"),
+                       entry(PRESSURE, memory="2GiB")]}
 
 
 class Residency(RuleBasedStateMachine):
     model_path: Path
+    tts_path: Path
 
     def __init__(self):
         super().__init__()
         self.tmp = Path(tempfile.mkdtemp(prefix="openarc-model-test-"))
-        self.config = base_config(self.model_path)
-        self.app = Appliance(self.config, self.tmp, env={"OPENARC_DEBUG_STEP_DELAY_S": "0.02"})
+        self.config = base_config(self.model_path, self.tts_path)
+        self.spool = self.tmp / "spool"  # the front's TMPDIR: its spool directories
+        self.spool.mkdir()
+        self.app = Appliance(self.config, self.tmp, env={"OPENARC_DEBUG_STEP_DELAY_S": "0.02",
+                                                         "TMPDIR": str(self.spool)})
         self.calls: list[threading.Thread] = []
         self.outcomes: list[tuple[str, object, float]] = []  # (what, status or "hung up" or an exception, seconds)
         self.stopped: set[int] = set()  # workers this run SIGSTOPped
@@ -95,6 +110,7 @@ class Residency(RuleBasedStateMachine):
             except Exception as exc:  # noqa: BLE001 (an outcome to judge, whatever it is)
                 outcome = exc
             self.outcomes.append((what, outcome, time.monotonic() - started))
+            CALLS[what.replace("a ", "").replace("b ", ""), outcome if isinstance(outcome, (int, str)) else "error"] += 1
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         self.calls.append(thread)
@@ -109,15 +125,58 @@ class Residency(RuleBasedStateMachine):
             self._call(f"{model} {how}", lambda: http("POST", self.app.base + "/v1/chat/completions", body,
                                                       timeout=REQUEST_BOUND_S)[0])
 
-    def _hang_up(self, body: dict) -> str:
+    def _hang_up(self, body: dict, path: str = "/v1/chat/completions") -> str:
         payload = json.dumps(body).encode()
         with socket.create_connection(("127.0.0.1", self.app.port), timeout=REQUEST_BOUND_S) as conn:
-            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+            conn.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % path.encode()
+                         + b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
             conn.settimeout(random.choice([0.05, 0.5, 2.0]))  # gone before, during or after its first tokens
             with contextlib.suppress(OSError):
                 conn.recv(200)
         return "hung up"
+
+    @precondition(lambda self: self.enabled("speech"))
+    @rule(sentences=st.integers(1, len(SENTENCES)), how=st.sampled_from(["whole", "streamed", "hung up"]))
+    def speech(self, sentences, how):
+        body = {"model": SPEECH, "input": " ".join(SENTENCES[:sentences]), "voice": "alloy", "response_format": "pcm"}
+        if how == "hung up":
+            self._call("speech hung up", lambda: self._hang_up(body, "/v1/audio/speech"))
+            return
+        if how == "streamed":
+            body["stream_format"] = "sse"
+        self._call(f"speech {how}", lambda: self._speak(body, unload=False))
+
+    @precondition(lambda self: self.enabled("speech"))
+    @rule()
+    def speech_unloaded_midway(self):
+        """A streamed speech whose model is unloaded once its first audio is out: its later sentences are opened,
+        and their places reserved, while the model drains (a rule of its own, so that a run has a few)."""
+        body = {"model": SPEECH, "input": " ".join(SENTENCES), "voice": "alloy", "response_format": "pcm",
+                "stream_format": "sse"}
+        self._call("speech unloaded mid-way", lambda: self._speak(body, unload=True))
+
+    def _speak(self, body: dict, unload: bool) -> int:
+        """A speech read to its end (audio bytes, or SSE audio then done or an error event, its status sent before
+        the error); `unload`: the model's unload is called once the first audio event is out."""
+        connection = HTTPConnection("127.0.0.1", self.app.port, timeout=REQUEST_BOUND_S)
+        try:
+            connection.request("POST", "/v1/audio/speech", json.dumps(body), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            if response.status == 200 and unload:
+                response.readline()  # the first audio delta
+                self.unload(SPEECH)
+            response.read()
+            return response.status
+        finally:
+            connection.close()
+
+    @precondition(lambda self: self.enabled("pressure"))
+    @rule(streamed=st.booleans())
+    def pressure(self, streamed):
+        """A request for the model that fills the whole budget: its load evicts every other model."""
+        body = {"model": PRESSURE, "messages": CHAT, "max_tokens": 8, "stream": streamed}
+        self._call("pressure", lambda: http("POST", self.app.base + "/v1/chat/completions", body,
+                                            timeout=REQUEST_BOUND_S)[0])
 
     @precondition(lambda self: self.enabled("load"))
     @rule(model=st.sampled_from(MODELS), stop_its_load=st.booleans())
@@ -132,13 +191,15 @@ class Residency(RuleBasedStateMachine):
         """A model with a worker (or one coming), if there is one, else `model`: an unload or a reload of an
         unloaded model changes nothing worth a step."""
         states = {m["name"]: m["state"] for m in self.app.status()["models"]}
-        loaded = [name for name in MODELS if states.get(name) not in ("unloaded", "stopped")]
+        loaded = [name for name in EVERY_MODEL if states.get(name) not in ("unloaded", "stopped")]
         return model if model in loaded or not loaded else loaded[0]
 
     @precondition(lambda self: self.enabled("unload"))
-    @rule(model=st.sampled_from(MODELS))
+    @rule(model=st.sampled_from(EVERY_MODEL))
+    def unload_one(self, model):
+        self.unload(self._loaded_first(model))
+
     def unload(self, model):
-        model = self._loaded_first(model)
         self._call(f"unload {model}", lambda: http("POST", f"{self.app.base}/openarc/models/{model}/unload",
                                                    timeout=REQUEST_BOUND_S)[0])
 
@@ -247,6 +308,10 @@ class Residency(RuleBasedStateMachine):
         shown |= {w["pid"] for w in status["residency"].get("workers", [])}
         assert live == shown, f"worker processes {sorted(live)}, /openarc/status shows {sorted(shown)}"
         assert len(worker_pids(self.app)) <= self.config["server"]["max_loaded"], worker_pids(self.app)
+        declared = {m["name"]: m["memory"]["bytes"] for m in status["models"] if m["pid"]}
+        assert sum(declared.values()) <= 2 << 30, f"declared footprints {declared} exceed the 2 GiB budget"
+        left = sorted(str(path.relative_to(self.spool)) for path in self.spool.glob("openarc-*/*"))
+        assert not left, f"spool files outlived their requests: {left}"
         metrics = self.app.metrics()
         for m in status["models"]:
             loaded = re.search(rf'^openarc_model_loaded{{model="{m["name"]}"}} (\S+)$', metrics, re.M)
@@ -268,12 +333,12 @@ class Residency(RuleBasedStateMachine):
 
 
 @pytest.mark.slow
-def test_random_interleavings_keep_every_worker_owned_and_every_request_answered(demo_model):
-    Residency.model_path = demo_model
+def test_random_interleavings_keep_every_worker_owned_and_every_request_answered(demo_model, demo_tts):
+    Residency.model_path, Residency.tts_path = demo_model, demo_tts
     try:
         run_state_machine_as_test(Residency, settings=settings(
             max_examples=max(1, STEPS // STEPS_PER_RUN), stateful_step_count=STEPS_PER_RUN, deadline=None,
             suppress_health_check=list(HealthCheck), derandomize=DERANDOMIZE, database=None))
     finally:
         print(f"model test: {WALK['steps']} steps in {WALK['runs']} runs; first failure after (steps, runs): "
-              f"{WALK['first_failure']}")
+              f"{WALK['first_failure']}; calls (what, outcome): {sorted(CALLS.items())}")

@@ -61,7 +61,6 @@ HANDOFF_GRACE_S = 5.0
 # The key of a want no request waits on: a load that goes on without its requester (ready_wait_s ran out, or is 0;
 # a restart reload). It stands until the model's load begins or is refused.
 STANDING = "standing"
-DEBUG_INVARIANTS_ENV = "OPENARC_DEBUG_INVARIANTS"
 UNLOAD_WHY = {"idle": "idle for idle_unload_s={:g}s", "evicted": "evicted to make room for another model",
               "api": "asked through the API"}
 
@@ -108,7 +107,7 @@ class Placement:
         self.drains: dict[ModelSupervisor, asyncio.Task] = {}  # awaited by stop(), never cancelled
         self.inbox: collections.deque[tuple[str, Event, dict[str, Any]]] = collections.deque()
         self.stepping = False
-        self.checking = os.environ.get(DEBUG_INVARIANTS_ENV) == "1"
+        self.checking = os.environ.get(invariants.DEBUG_INVARIANTS_ENV) == "1"
         self.limits_lowered = False  # a reload changed the limits: over them is allowed until once within
         for model in config.models:
             self.add(model)

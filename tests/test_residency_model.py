@@ -279,7 +279,7 @@ class Residency(RuleBasedStateMachine):
             if self.app.proc is not None:
                 self.settle_and_check()
         except AssertionError as exc:
-            WALK["first_failure"] = WALK["first_failure"] or (WALK["steps"], WALK["runs"], str(exc)[:300])
+            WALK["first_failure"] = WALK["first_failure"] or (WALK["steps"], WALK["runs"], str(exc)[:600])
             raise
         finally:
             self.resume()
@@ -306,17 +306,26 @@ class Residency(RuleBasedStateMachine):
         status, live = self.app.status(), live_worker_children(self.app.proc.pid)  # parked spares too
         shown = {m["pid"] for m in status["models"] if m["pid"]}
         shown |= {w["pid"] for w in status["residency"].get("workers", [])}
-        assert live == shown, f"worker processes {sorted(live)}, /openarc/status shows {sorted(shown)}"
-        assert len(worker_pids(self.app)) <= self.config["server"]["max_loaded"], worker_pids(self.app)
+        problems = []  # every one found, so that a failure names all it broke
+        if live != shown:
+            problems.append(f"worker processes {sorted(live)}, /openarc/status shows {sorted(shown)}")
+        if len(worker_pids(self.app)) > self.config["server"]["max_loaded"]:
+            problems.append(f"model workers {worker_pids(self.app)} beyond max_loaded")
         declared = {m["name"]: m["memory"]["bytes"] for m in status["models"] if m["pid"]}
-        assert sum(declared.values()) <= 2 << 30, f"declared footprints {declared} exceed the 2 GiB budget"
-        left = sorted(str(path.relative_to(self.spool)) for path in self.spool.glob("openarc-*/*"))
-        assert not left, f"spool files outlived their requests: {left}"
+        if sum(declared.values()) > 2 << 30:
+            problems.append(f"declared footprints {declared} exceed the 2 GiB budget")
         metrics = self.app.metrics()
         for m in status["models"]:
             loaded = re.search(rf'^openarc_model_loaded{{model="{m["name"]}"}} (\S+)$', metrics, re.M)
-            assert float(loaded.group(1)) == (m["state"] == "ready"), (m["name"], m["state"], loaded.group(0))
-            assert (m["requests_running"], m["requests_waiting"]) == (0, 0), m
+            if float(loaded.group(1)) != (m["state"] == "ready"):
+                problems.append(f"model {m['name']} is {m['state']}, its gauge says {loaded.group(0)}")
+            if (m["requests_running"], m["requests_waiting"]) != (0, 0):
+                problems.append(f"model {m['name']}: {m['requests_running']} requests running, "
+                                f"{m['requests_waiting']} waiting, after every request was answered")
+        left = sorted(str(path.relative_to(self.spool)) for path in self.spool.glob("openarc-*/*"))
+        if left:
+            problems.append(f"spool files outlived their requests: {left}")
+        assert not problems, problems
 
     def _settled(self) -> bool:
         """Nothing on its way (no load, drain or restart), the same twice, and the live workers the ones serving."""

@@ -290,7 +290,11 @@ def test_the_docs_show_the_table_as_it_is():
     from conftest import REPO
     page = (REPO / "docs" / "on-demand.md").read_text()
     rows = ["| " + " | ".join(f"`{c}`" if c != "-" else c for c in row) + " |" for row in table_rows()]
-    assert [line for line in page.splitlines() if line in rows] == rows
+    lines = page.splitlines()
+    header = lines.index("| Phase | Event | Next phase | What the owner does |")
+    shown = lines[header + 2:]
+    shown = shown[:next((i for i, line in enumerate(shown) if not line.startswith("|")), len(shown))]
+    assert shown == rows  # every transition, in the table's order, and no row the table does not have
 
 
 # --- the request ledger (appliance.front.request_ledger): handles closed once, no spool file left -------------------

@@ -225,6 +225,9 @@ class Placement:
         newest = self.replacements.get(name, old)  # an unload during a reload: the next load has the new settings
         old.reports = False
         self.models[name] = self._fresh(old, newest.model)
+        # the name's queue gauges are the fresh one's from now on (as /openarc/status's are): the old one's last
+        # figures (a speech still draining, say) would otherwise stay on them until the name's next request
+        self.models[name].router.publish_queue()
         self._leave(old, why, drain_s)
 
     def _act_adopt(self, name: str, new: ModelSupervisor, **_) -> None:

@@ -290,4 +290,65 @@ def test_the_docs_show_the_table_as_it_is():
     from conftest import REPO
     page = (REPO / "docs" / "on-demand.md").read_text()
     rows = ["| " + " | ".join(f"`{c}`" if c != "-" else c for c in row) + " |" for row in table_rows()]
-    assert [line for line in page.splitlines() if line in rows] == rows
+    lines = page.splitlines()
+    header = lines.index("| Phase | Event | Next phase | What the owner does |")
+    shown = lines[header + 2:]
+    shown = shown[:next((i for i, line in enumerate(shown) if not line.startswith("|")), len(shown))]
+    assert shown == rows  # every transition, in the table's order, and no row the table does not have
+
+
+# --- the request ledger (appliance.front.request_ledger): handles closed once, no spool file left -------------------
+
+def test_the_request_ledger_says_once_what_a_request_left_open_or_closed_twice(tmp_path):
+    import asyncio
+
+    from appliance.front.request_ledger import SCOPE, RequestLedger, Scope
+
+    ledger = RequestLedger(enabled=True)
+    left, gone = tmp_path / "left.f32", tmp_path / "gone.f32"
+
+    async def request(route) -> Scope:
+        """A route in its request's scope; a task it starts (the stream's first event) is in the same one."""
+        scope = Scope()
+        SCOPE.set(scope)
+        await route()
+        scope.ended = True
+        return scope
+
+    async def well_behaved():
+        handle = object()
+
+        async def first():  # opened in a task of its own, as a stream's first event is
+            ledger.opened(handle, "m")
+        await asyncio.create_task(first())
+        ledger.spooled(str(gone))
+        gone.write_bytes(b"x")
+        assert ledger.check() == []  # its request runs: an open handle and a spool file are its business
+        gone.unlink()
+        ledger.closed(handle, "m")
+
+    async def careless():
+        ledger.opened(object(), "m")  # never closed
+        ledger.spooled(str(left))
+        left.write_bytes(b"x")  # never removed
+        twice = object()
+        ledger.opened(twice, "n")
+        ledger.closed(twice, "n")
+        ledger.closed(twice, "n")
+
+    async def main():
+        await asyncio.create_task(request(well_behaved))
+        assert ledger.check() == []
+        await asyncio.create_task(request(careless))
+        return ledger.check()
+
+    assert sorted(asyncio.run(main())) == sorted([
+        "model n: a request handle was closed that was not open (closed twice)",
+        "model m: a request handle was never closed (its request ended)",
+        f"spool file {left} outlived its request"])
+    assert ledger.check() == []  # each said once
+    off = RequestLedger(enabled=False)  # without the debug switch nothing is kept
+    off.opened(object(), "m")
+    off.spooled(str(left))
+    off.closed(object(), "m")
+    assert (off.handles, off.spool, off.check()) == ({}, {}, [])

@@ -108,11 +108,14 @@ def test_background_completes_within_its_bounded_wait_under_a_stream_of_interact
     app = one_slot  # background_max_wait_s: 2
     stop = threading.Event()
     interactive_done: list[float] = []
+    refused: list = []  # a person's answer other than 200 (a thread's assert would be lost with its thread)
 
     def person():
         while not stop.is_set():
             status, _, body = chat(app, max_tokens=300)
-            assert status == 200, body
+            if status != 200:
+                refused.append((status, body))
+                return
             interactive_done.append(time.monotonic())
 
     people = [threading.Thread(target=person) for _ in range(5)]  # more than run: people always wait
@@ -128,12 +131,17 @@ def test_background_completes_within_its_bounded_wait_under_a_stream_of_interact
     for thread in people:
         thread.join(60)
     assert status == 200, body
-    # People went first until it had waited background_max_wait_s (2 s); then it aged into their class, behind
-    # the people who had queued before it, and was answered while people still queued requests (without aging it
-    # would have waited for them to stop). The upper bound only catches a hang on these shared cores.
-    # The lower bound is not asserted: on the final run (quiet, 2 cores) it was answered after 1.0 s once, cause not
-    # yet found (the queue may empty between the people's requests); the aging timer has its own test on a quiet model.
-    assert waited < 60, waited
+    # Five people keep four requests queued behind the one running (each asks again once answered), so no slot is
+    # ever free with no person waiting: the background request goes only once it has waited background_max_wait_s
+    # (2 s) and aged into their class, ahead of the people who asked after it (the ordering policy's promise,
+    # tests/test_sharing_policy.py::test_background_is_admitted_before_its_bound_only_when_no_person_waits). It
+    # waited less (1.0 s) once: that is what happens when people stop asking (a person's non-200 ended its thread,
+    # unseen), so a person's refusal is a failure of its own here, and the queue time is the server's own measure.
+    assert not refused, refused
+    scrape = samples(app.metrics())
+    assert value(scrape, "openarc_queue_time_seconds_count", model="demo", priority="background") == 1
+    assert value(scrape, "openarc_queue_time_seconds_sum", model="demo", priority="background") >= 2.0
+    assert 2.0 <= waited < 60, waited  # the upper bound only catches a hang on these shared cores
     print(f"\nbackground request answered after {waited:.2f}s under 5 interactive clients "
           f"({len(interactive_done)} interactive answers in all)")
 

@@ -281,6 +281,39 @@ def test_a_background_request_ages_into_the_interactive_class():
     assert queue.next(30, background_running=5, background_slots=0).item == "b0"  # and no longer held to slots
 
 
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["push interactive", "push background", "admit", "end"]),
+                                st.floats(0, 3)), max_size=60),
+       max_wait_s=st.sampled_from([0.5, 2.0]), slots=st.integers(0, 2))
+def test_background_is_admitted_before_its_bound_only_when_no_person_waits(steps, max_wait_s, slots):
+    """The policy's promise, over any arrivals, admissions and ends in time: a background request younger than
+    max_wait_s is admitted only when no interactive request waits and a background slot is free; an aged one waits
+    only behind requests that arrived before it; and nothing waits while a slot could take it."""
+    queue, now, serial = AdmissionQueue(max_wait_s=max_wait_s), 0.0, 0
+    running: list[str] = []  # the classes of running requests, as queued
+    for what, later in steps:
+        now += later
+        if what.startswith("push"):
+            serial += 1
+            queue.push(serial, what.split()[1], now)
+        elif what == "end" and running:
+            running.pop(0)
+        elif what == "admit":
+            waiting = list(queue.entries)
+            entry = queue.pop_next(now, running.count(BACKGROUND), slots)
+            if entry is None:  # only young background requests wait, and their slots are taken
+                assert all(e.effective(now, max_wait_s) == BACKGROUND for e in waiting)
+                assert not waiting or running.count(BACKGROUND) >= slots
+                continue
+            if entry.effective(now, max_wait_s) == BACKGROUND:
+                assert not any(e.effective(now, max_wait_s) == INTERACTIVE for e in waiting), (entry, waiting)
+                assert running.count(BACKGROUND) < slots
+            else:
+                assert all(e.order > entry.order for e in waiting if e is not entry
+                           and e.effective(now, max_wait_s) == INTERACTIVE)
+            running.append(entry.priority)
+
+
 def test_remove_and_membership():
     queue = AdmissionQueue(max_wait_s=30)
     a, b = object(), object()

@@ -419,6 +419,11 @@ def test_a_speech_playing_while_its_model_unloads_is_finished_and_the_drain_ends
     assert app.model_status("speech")["state"] == "unloaded"
     assert spool_files(spool) == []
     assert "not held" not in app.logs()
+    # the gauges say what status says: nothing running or waiting (they kept the speech's figures from before the
+    # unload, its sentence running and its next place held: tests/test_residency_model.py found it)
+    scrape = app.metrics()
+    for gauge in ("openarc_requests_running", "openarc_requests_waiting"):
+        assert f'{gauge}{{model="speech"}} 0.0' in scrape.splitlines(), gauge
 
 
 def test_a_speech_longer_than_the_drain_is_told_its_model_unloads(appliance_factory, demo_tts, tmp_path):

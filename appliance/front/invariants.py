@@ -15,6 +15,8 @@ read per step.
 - No counter below zero: a model's reserved places and requests waiting for its load.
 - Replicas (appliance.config.replicas): no two serving replicas of a model share a card (a reset of one card must
   take one replica only).
+- Every request handle opened is closed once, and no spool file outlives its request (the front's request ledger,
+  appliance.front.request_ledger: each is said once, at the first check after it went wrong).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 from appliance.config.devices import budget_device
 from appliance.config.replicas import KEY_SEPARATOR
 from appliance.front.lifecycle import ModelState
+from appliance.front.request_ledger import DEBUG_INVARIANTS_ENV, LEDGER  # noqa: F401 (the switch, read by the owner)
 from appliance.front.residency import OCCUPYING
 from appliance.front.residency_states import Phase
 
@@ -56,10 +59,11 @@ def live_worker_children(pid: int | None = None) -> set[int]:
 def violations(owner, limits_lowered: bool = False) -> tuple[list[str], bool]:
     """Every invariant that does not hold now, in words (empty: all hold), and whether the limits hold.
     `limits_lowered`: a reload lowered max_loaded or a budget and what was loaded has not left yet: over the limits
-    is no violation until the models are within them once more."""
+    is no violation until the models are within them once more. The request ledger's findings are said once (it
+    forgets what it reported): the one change this makes."""
     over = _limits(owner)
     return [*_processes(owner), *_names(owner), *([] if limits_lowered else over), *_counters(owner),
-            *_replicas(owner)], not over
+            *_replicas(owner), *LEDGER.check()], not over
 
 
 def _processes(owner) -> list[str]:

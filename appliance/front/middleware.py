@@ -20,6 +20,7 @@ from appliance.front.api.server_view import ServerView
 from appliance.front.api import messages, sse
 from appliance.front.api.errors import error_response
 from appliance.front.api.route import REFUSAL
+from appliance.front.request_ledger import request_scope
 
 log = logging.getLogger("openarc.server")  # the name these lines always had in the log
 
@@ -59,7 +60,9 @@ class Middlewares:
         (the route wrapper sent the error event), any other body cut short."""
         sse.watch(request)
         try:
-            return refusal_logged(request, await handler(request))
+            with request_scope():  # the request ledger's (OPENARC_DEBUG_INVARIANTS): what the route left open
+                response = await handler(request)
+            return refusal_logged(request, response)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as exc:

@@ -55,7 +55,6 @@ from appliance.host.kernel_log import KernelLog
 
 log = logging.getLogger("openarc.supervisor")
 
-DEBUG_INVARIANTS_ENV = "OPENARC_DEBUG_INVARIANTS"
 UNLOAD_WHY = {"idle": "idle for idle_unload_s={:g}s", "evicted": "evicted to make room for another model",
               "api": "asked through the API"}
 
@@ -93,7 +92,7 @@ class Placement(ResidencyBook):
         self.drains: dict[ModelSupervisor, asyncio.Task] = {}  # awaited by stop(), never cancelled
         self.inbox: collections.deque[tuple[str, Event, dict[str, Any]]] = collections.deque()
         self.stepping = False
-        self.checking = os.environ.get(DEBUG_INVARIANTS_ENV) == "1"
+        self.checking = os.environ.get(invariants.DEBUG_INVARIANTS_ENV) == "1"
         self.limits_lowered = False  # a reload changed the limits: over them is allowed until once within
         for unit in all_units(config.models):
             self.add(unit)
@@ -235,6 +234,9 @@ class Placement(ResidencyBook):
         newest = self.replacements.get(name, old)  # an unload during a reload: the next load has the new settings
         old.reports = False
         self.models[name] = self._fresh(old, newest.model)
+        # the name's queue gauges are the fresh one's from now on (as /openarc/status's are): the old one's last
+        # figures (a speech still draining, say) would otherwise stay on them until the name's next request
+        self.models[name].router.publish_queue()
         self._leave(old, why, drain_s)
 
     def _act_adopt(self, name: str, new: ModelSupervisor, **_) -> None:

@@ -21,6 +21,7 @@ from appliance.front.admission import AdmissionQueue
 from appliance.front.metrics import ModelMetrics
 from appliance.front.priority import BACKGROUND
 from appliance.front.request import Event, Request, RequestFailed
+from appliance.front.request_ledger import LEDGER
 from appliance.ipc import AsyncChannel, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class RequestRouter:
         # the key and class the route wrapper admitted this request with (appliance.front.keys.CURRENT)
         req = Request(next(self.ids), frame, op, ticket=keys.current_ticket())
         req.frame["id"] = req.id
+        LEDGER.opened(req, self.model.name)
         self._opened()
         self.waiting.push(req, req.ticket.priority, req.submitted)
         if reserved:
@@ -141,6 +143,7 @@ class RequestRouter:
 
     def close(self, req: Request) -> None:
         """The caller is done with a request (finished, failed or disconnected): cancel it if it is still live."""
+        LEDGER.closed(req, self.model.name)
         if req.ended:
             return
         req.ended = True

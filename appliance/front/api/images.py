@@ -36,6 +36,7 @@ from appliance.front.api.fields import utf8
 from appliance.front.helper_process import HelperFault
 from appliance.front.image_decoder import OVER_BUDGET, ImageDecoder, ImageError
 from appliance.front.request import RequestFailed
+from appliance.front.request_ledger import LEDGER
 from appliance.config.systemd_env import systemd_directory
 
 IMAGE_TAG = "<ov_genai_image_{}>"
@@ -163,6 +164,7 @@ class ImageResolver:
             data = await self._bytes(part, model)
             request_left, server_left = self.max_request_bytes - held, self.max_spool_bytes - self.spool_bytes
             path = os.path.join(self._spool(), f"{next(self.serial)}.rgb")
+            LEDGER.spooled(path)
             kept = False
             try:
                 info = await self.decoder.decode(data, model.max_image_pixels, model.image_formats, path,

@@ -37,6 +37,7 @@ from appliance.front.api.route import Call, route
 from appliance.front.api.sentences import split_sentences
 from appliance.front.helper_process import HelperUser
 from appliance.front.request import Request, RequestFailed
+from appliance.front.request_ledger import LEDGER
 from appliance.front.speech_encoder import CONTENT_TYPES, RESPONSE_FORMATS, EncoderFault, SpeechEncoder
 from appliance.model_files import OPENAI_VOICES, voice_files
 
@@ -193,6 +194,7 @@ class Speech:
         for i, text in enumerate(self.pieces):
             path = self._spool(f"{i}.f32")
             self.files.append(path)
+            LEDGER.spooled(path)
             event = await result_of(self.sup, self._open(i, {"kind": KIND, "body": {
                 "text": text, "voice_path": self.voice, "speed": self.req.speed, "out": path}}))
             self.rate = event.result["sample_rate"]

@@ -47,8 +47,7 @@ class ModelSupervisor:
         self._on_change = on_change  # the Supervisor's "some model changed state" signal
         self.router = RequestRouter(model, self.series)
         self.life = WorkerLife(model, worker_spec(model, config), metrics, self.series, load_gate, self.router,
-                 ledger: Ledger | None = None, spawner: ParkedWorkers | None = None, canary: Canary | None = None,
-                 key: str | None = None):
+                               self._on_frame, self._state_changed, kernel_log, ledger, spawner, canary, self.name)
 
     # --- the model, as the Supervisor sees it -------------------------------------------------------------
 

@@ -74,6 +74,12 @@ OPENARC_METRICS = {
     "openarc_adapter_prompt_tokens_total": ("counter", ("model", "adapter")),
     "openarc_adapter_generation_tokens_total": ("counter", ("model", "adapter")),
     "openarc_images_generated_total": ("counter", ("model",)),
+    "openarc_replica_up": ("gauge", ("model", "device")),
+    "openarc_replica_state": ("gauge", ("model", "device", "state")),
+    "openarc_replica_requests_running": ("gauge", ("model", "device")),
+    "openarc_replica_requests_waiting": ("gauge", ("model", "device")),
+    "openarc_replica_kv_cache_usage_ratio": ("gauge", ("model", "device")),
+    "openarc_replica_resident_memory_bytes": ("gauge", ("model", "device")),
     "openarc_image_seconds": ("histogram", ("model",)),
     "openarc_image_step_seconds": ("histogram", ("model",)),
 }

@@ -16,12 +16,14 @@ from http.client import HTTPConnection
 
 import openai
 import pytest
+import httpx
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from conftest import http, model_entry, pid_alive, wait_until
 
 HANG_BOUND_S = 60  # catches a hang, never a timing
 ADAPTER = "recolour"
+MAX_STEPS = 24  # the test model's max_inference_steps; the demo model's own default is 50
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,9 @@ def image_entry(model_dir, **overrides) -> dict:
 @pytest.fixture(scope="module")
 def app(image_model, tmp_path_factory):
     from conftest import Appliance
-    server = Appliance({"models": [image_entry(image_model)]}, tmp_path_factory.mktemp("images")).start()
+    # max_inference_steps below the demo model's own 50 steps: a request naming no steps is bound by it too.
+    server = Appliance({"models": [image_entry(image_model, max_inference_steps=MAX_STEPS)]},
+                       tmp_path_factory.mktemp("images")).start()
     yield server
     server.stop()
 
@@ -119,6 +123,59 @@ def test_bad_requests_are_openai_shaped_400s_and_the_worker_lives_on(app, call, 
     assert err.value.status_code == 400 and err.value.body["code"] == code, err.value.body
     assert app.worker_pid("pictures") == pid
     assert colour_of(picture(app, "a green square")) == "green"
+
+
+def progress_steps(app, path: str, **request) -> set[int]:
+    """The `steps` a streamed request's progress events announce."""
+    if path.endswith("edits"):
+        reply = httpx.post(app.base + path, files={"image": ("in.png", png_bytes((0, 0, 255)), "image/png")},
+                           data={"model": "pictures", "prompt": "a red square", "stream": "true", **request},
+                           timeout=HANG_BOUND_S)
+        assert reply.status_code == 200, reply.text
+        lines = reply.text.splitlines()
+    else:
+        response = post(app, path, {"model": "pictures", "prompt": "a red square", "stream": True, **request})
+        response = response.getresponse()
+        assert response.status == 200
+        lines = response.read().decode().splitlines()
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    return {e["steps"] for e in events if e["type"] == "progress"}
+
+
+def test_a_request_naming_no_steps_is_bound_by_max_inference_steps_too(app):
+    # The demo model's own default is 50 steps: without the bound, leaving the field out ran past the operator's cap.
+    assert progress_steps(app, "/v1/images/generations") == {MAX_STEPS}
+    assert progress_steps(app, "/v1/images/edits", strength="1") == {MAX_STEPS}
+    assert progress_steps(app, "/v1/images/generations", num_inference_steps=3) == {3}
+
+
+@pytest.mark.parametrize("path, request_fields, param", [
+    ("/v1/images/generations", {"negative_prompt": "blue", "guidance_scale": 1.0}, "negative_prompt"),
+    ("/v1/images/generations", {"negative_prompt": "blue", "guidance_scale": 0}, "negative_prompt"),
+    ("/v1/images/edits", {"negative_prompt": "blue", "guidance_scale": "0.5"}, "negative_prompt"),
+    ("/v1/images/edits", {"strength": "0"}, "strength"),
+    ("/v1/images/edits", {"strength": "0.01"}, "strength"),
+    ("/v1/images/edits", {"strength": "0.1", "num_inference_steps": "5"}, "strength"),
+])
+def test_settings_genai_cannot_run_are_400s_naming_the_field(app, path, request_fields, param):
+    """genai refuses these with a C++ check (its build paths in the text), which came back as a 500."""
+    pid = app.worker_pid("pictures")
+    if path.endswith("edits"):
+        mask = {"mask": ("m.png", png_bytes((0, 0, 0, 0), mode="RGBA"), "image/png")} if param == "strength" else {}
+        for files in ({"image": ("in.png", png_bytes((0, 0, 255)), "image/png")},
+                      {"image": ("in.png", png_bytes((0, 0, 255)), "image/png"), **mask}):
+            reply = httpx.post(app.base + path, files=files, timeout=HANG_BOUND_S,
+                                  data={"model": "pictures", "prompt": "a red square", **request_fields})
+            status, body = reply.status_code, reply.json()
+            assert status == 400 and f"'{param}'" in body["error"]["message"], body
+            assert ".cpp" not in body["error"]["message"], body
+    else:
+        status, _, body = http("POST", app.base + path, {"model": "pictures", "prompt": "a red square",
+                                                         **request_fields}, timeout=HANG_BOUND_S)
+        assert status == 400 and f"'{param}'" in body["error"]["message"], body
+        assert ".cpp" not in body["error"]["message"], body
+    assert app.worker_pid("pictures") == pid
+    assert colour_of(picture(app, "a green square", num_inference_steps=2)) == "green"
 
 
 # Generated bodies: every field the route reads, with values of the right type, the wrong type, and past its bounds.

@@ -86,11 +86,14 @@ class ImageRequest:
     lora: list[tuple[str, float | None]] = field(default_factory=list)
     edit: bool = False
 
-    def body(self, image: dict | None = None, mask: dict | None = None) -> dict[str, Any]:
-        """The body of the worker's `request` frame (appliance.worker.engines.image)."""
+    def body(self, image: dict | None = None, mask: dict | None = None,
+             max_steps: int | None = None) -> dict[str, Any]:
+        """The body of the worker's `request` frame (appliance.worker.engines.image); `max_steps`, the model's
+        max_inference_steps, bounds the model's own step count for a request that names none."""
         width, height = self.size or (None, None)
         return {"prompt": self.prompt, "negative_prompt": self.negative_prompt, "n": self.n, "width": width,
-                "height": height, "steps": self.steps, "guidance_scale": self.guidance_scale, "seed": self.seed,
+                "height": height, "steps": self.steps, "max_steps": max_steps, "guidance_scale": self.guidance_scale,
+                "seed": self.seed,
                 "strength": self.strength, "lora": [list(pair) for pair in self.lora],
                 "output_format": self.output_format, "output_compression": self.output_compression,
                 "partial_images": self.partial_images if self.stream else 0, "image": image, "mask": mask}
@@ -262,7 +265,8 @@ class ImageRoutes(UploadRoutes):
         req = parse(body)
         sup = await lookup.model_for(self.appliance, req.model, call, (KIND,))
         check_limits(req, sup.model)
-        return await self._run(request, call, sup, req, {"kind": KIND, "body": req.body()}, False)
+        frame = {"kind": KIND, "body": req.body(max_steps=sup.model.max_inference_steps)}
+        return await self._run(request, call, sup, req, frame, False)
 
     async def edits(self, request: web.Request, call: Call) -> web.StreamResponse:
         upload = Upload(self, call)
@@ -286,7 +290,7 @@ class ImageRoutes(UploadRoutes):
             upload.release_slot()
             check_edit_sizes(req, image, mask, sup.model.max_resolution)
             sup = await upload.follow(req.model)
-            frame = {"kind": KIND, "body": req.body(image, mask)}
+            frame = {"kind": KIND, "body": req.body(image, mask, sup.model.max_inference_steps)}
             return await self._run(request, call, sup, req, frame, upload.hand_over())
         finally:
             upload.close()

@@ -7,7 +7,8 @@ request applies the ones it names at its weights, and a request that names none 
 base model.
 
 Request body (ipc op `request`): {"prompt", "negative_prompt" (or None), "n", "width"/"height" (None: the model's
-own size), "steps", "guidance_scale" (None: the model's own), "seed" (None: random), "lora": [[name, weight],...],
+own size), "steps" (None: the model's own, at most "max_steps", the model's max_inference_steps), "guidance_scale"
+(None: the model's own), "seed" (None: random), "lora": [[name, weight],...],
 "output_format": png | jpeg | webp, "output_compression": 0-100 (jpeg, webp), "partial_images": 0-3, and for an
 edit "image" (and "mask"): {"path", "width", "height"} of RGB pixels the front's image decoder wrote, "strength"}.
 
@@ -49,6 +50,35 @@ def partial_steps(steps: int, partial_images: int) -> list[int]:
     if partial_images <= 0 or steps <= 1:
         return []
     return sorted({max(1, round(steps * (k + 1) / (partial_images + 1))) for k in range(partial_images)} - {steps})
+
+
+def settle(body: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """genai's num_inference_steps, guidance_scale (and strength for an edit) for a request: the body's, else the
+    model's own (`own`: its pipeline's generation config), its own steps bounded by the body's max_steps (the
+    operator's max_inference_steps binds a request naming no steps too). Settings genai refuses with a C++ check
+    (a 500 quoting its sources) are InvalidInput naming the field: a negative prompt needs classifier-free guidance
+    (guidance_scale above 1), and an edit's steps x strength must leave a step to run."""
+    steps = body.get("steps")
+    if steps is None:
+        steps = own["steps"] if body.get("max_steps") is None else min(own["steps"], body["max_steps"])
+    guidance = own["guidance_scale"] if body.get("guidance_scale") is None else body["guidance_scale"]
+    if body.get("negative_prompt") is not None and guidance <= 1:
+        raise InvalidInput(f"'negative_prompt' needs guidance_scale above 1 (classifier-free guidance is what applies "
+                           f"it); this request's guidance_scale is {guidance:g}", "invalid_guidance")
+    settings = {"num_inference_steps": steps, "guidance_scale": guidance}
+    if body.get("image") is not None:
+        strength = own["strength"] if body.get("strength") is None else body["strength"]
+        if steps_run(steps, strength) < 1:
+            raise InvalidInput(f"'strength' {strength:g} of num_inference_steps={steps} leaves no denoising step "
+                               "(the steps run are steps x strength, rounded down): raise either", "invalid_strength")
+        settings["strength"] = strength
+    return settings
+
+
+def steps_run(steps: int, strength: float) -> int:
+    """The denoising steps an edit runs, as genai's schedulers count them: size_t(steps * strength) in C++ floats."""
+    import numpy as np
+    return int(np.float32(steps) * np.float32(strength))
 
 
 def encode_picture(pixels, output_format: str, compression: int | None) -> str:
@@ -96,7 +126,7 @@ class ImageEngine(ResultEngine):
     def answer(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
         self.cancelled = False
         pipe, inputs = self._pipeline(body)
-        kwargs = self._generate_kwargs(body)
+        kwargs = self._generate_kwargs(pipe, body)
         seed = body["seed"] if body["seed"] is not None else random.randrange(1 << 31)
         if body["partial_images"]:
             self.partials.compile()  # here, not in genai's callback: a step must stay short (see the module doc)
@@ -132,13 +162,15 @@ class ImageEngine(ResultEngine):
             return self.image2image, (image,)
         return self.inpaint, (image, read_pixels(body["mask"]))
 
-    def _generate_kwargs(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _generate_kwargs(self, pipe, body: dict[str, Any]) -> dict[str, Any]:
+        config = pipe.get_generation_config()
+        own = {"steps": config.num_inference_steps, "guidance_scale": config.guidance_scale,
+               "strength": config.strength}
         kwargs: dict[str, Any] = self._adapter_kwargs(body["lora"])
-        for key, name in (("width", "width"), ("height", "height"), ("steps", "num_inference_steps"),
-                          ("guidance_scale", "guidance_scale"), ("negative_prompt", "negative_prompt"),
-                          ("strength", "strength")):
+        kwargs.update(settle(body, own))
+        for key in ("width", "height", "negative_prompt"):
             if body.get(key) is not None:
-                kwargs[name] = body[key]
+                kwargs[key] = body[key]
         return kwargs
 
     def _adapter_kwargs(self, lora: list) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import io
 import json
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from appliance import model_files
 from appliance.config import ConfigError, parse_config
@@ -16,7 +16,8 @@ from appliance.front.api import image_generation as images
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.image_decoder import decode
 from appliance.front.request import Event
-from appliance.worker.engines.image import partial_steps
+from appliance.worker.engines.base import InvalidInput
+from appliance.worker.engines.image import partial_steps, settle
 
 SD_FILES = ["model_index.json", "scheduler/scheduler_config.json"] + [
     f"{stem}.{ext}" for stem in ("unet/openvino_model", "vae_decoder/openvino_model", "text_encoder/openvino_model",
@@ -42,8 +43,10 @@ def image_model(tmp_path, files=SD_FILES):
     return tmp_path
 
 
-def write_safetensors(path, header=b'{"__metadata__":{}}'):
-    path.write_bytes(len(header).to_bytes(8, "little") + header)
+def write_safetensors(path):
+    """A safetensors file of one LoRA tensor (the config's adapter check reads the tensors' names)."""
+    header = b'{"unet.lora_A.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
     return path
 
 
@@ -72,7 +75,7 @@ def model_files_check():
 
 @pytest.mark.parametrize("keys, named", [
     ({"adapters": {"red": "DIR/missing.safetensors"}}, "models[0].adapters.red: expected a LoRA adapter (a "),
-    ({"adapters": {"red": "DIR/model_index.json"}}, "models[0].adapters.red: expected a LoRA adapter in the "),
+    ({"adapters": {"red": "DIR/model_index.json"}}, "models[0].adapters.red: expected a safetensors file"),
     ({"adapters": {"red": {"path": "DIR/red.safetensors", "alpha": 0}}}, "models[0].adapters.red.alpha"),
     ({"max_resolution": 1001}, "models[0].max_resolution: expected a multiple of 8"),
     ({"max_images_per_request": 0}, "models[0].max_images_per_request"),
@@ -212,3 +215,62 @@ def test_an_openai_mask_paints_where_it_is_transparent():
     assert mask.getpixel((0, 0)) == (255, 255, 255) and mask.getpixel((1, 1)) == (0, 0, 0)
     grey = decode(png("RGB", (8, 8), (255, 255, 255)), 64, ["png"], mask=True)
     assert grey.getpixel((3, 3)) == (255, 255, 255)
+
+
+def test_decoding_leaves_pillows_pixel_guard_as_it_found_it():
+    """decode() sets Pillow's process-wide MAX_IMAGE_PIXELS to each image's limit: left at a small one, every later
+    Image.open of the process (a test's colour check beside it) failed as a decompression bomb."""
+    from PIL import Image
+    before = Image.MAX_IMAGE_PIXELS
+    decode(png("RGB", (8, 8), (1, 2, 3)), 64, ["png"])
+    with pytest.raises(Exception):
+        decode(png("RGB", (16, 16), (1, 2, 3)), 64, ["png"])
+    assert Image.MAX_IMAGE_PIXELS == before
+    Image.open(io.BytesIO(png("RGB", (64, 64), (1, 2, 3)))).load()
+
+
+@pytest.fixture(scope="module")
+def edit_pipeline(demo_image):
+    import openvino_genai
+    return openvino_genai.Image2ImagePipeline(str(demo_image), "CPU")
+
+
+def demo_pixels():
+    import numpy as np
+    import openvino as ov
+    return ov.Tensor(np.zeros((1, 64, 64, 3), dtype=np.uint8))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.integers(1, 6), strength=st.floats(0, 1) | st.sampled_from([1 / 3, 0.2, 0.25, 0.5, 2 / 3]))
+def test_settle_refuses_exactly_the_edits_genai_cannot_run(edit_pipeline, steps, strength):
+    """settle's steps x strength rule against genai itself (whose refusal is a C++ check, a 500 otherwise)."""
+    body = {"steps": steps, "strength": strength, "image": {}, "guidance_scale": None, "negative_prompt": None}
+    try:
+        settings_ = settle(body, {"steps": 50, "guidance_scale": 7.5, "strength": 0.8})
+    except InvalidInput:
+        settings_ = None
+    try:
+        edit_pipeline.generate("red", demo_pixels(), num_inference_steps=steps, strength=strength, rng_seed=1)
+        ran = True
+    except RuntimeError:
+        ran = False
+    assert (settings_ is not None) == ran, (steps, strength)
+
+
+@given(steps=st.none() | st.integers(1, 500), max_steps=st.none() | st.integers(1, 500), own=st.integers(1, 1000),
+       guidance=st.none() | st.floats(0, 100), own_guidance=st.floats(0, 20), negative=st.none() | st.just("blur"))
+def test_settle_binds_the_models_own_steps_and_refuses_a_negative_prompt_without_guidance(steps, max_steps, own,
+                                                                                           guidance, own_guidance,
+                                                                                           negative):
+    body = {"steps": steps, "max_steps": max_steps, "guidance_scale": guidance, "negative_prompt": negative,
+            "image": None}
+    effective = own_guidance if guidance is None else guidance
+    try:
+        settings_ = settle(body, {"steps": own, "guidance_scale": own_guidance, "strength": 1.0})
+    except InvalidInput as exc:
+        assert negative and effective <= 1 and "'negative_prompt'" in str(exc)
+        return
+    assert not (negative and effective <= 1)
+    assert settings_["num_inference_steps"] == (steps if steps is not None else min(own, max_steps or own))
+    assert settings_["guidance_scale"] == effective and "strength" not in settings_

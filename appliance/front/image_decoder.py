@@ -70,6 +70,7 @@ def decode(data: bytes, max_pixels: int, formats: list[str], max_bytes: int | No
         raise ImageError("unsupported_format", f"unsupported image format ({found}); this model takes "
                                                f"{', '.join(formats)}")
     name, pil_name = sniffed
+    guard = Image.MAX_IMAGE_PIXELS  # Pillow's process-wide guard, set per image below and given back after
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -92,6 +93,8 @@ def decode(data: bytes, max_pixels: int, formats: list[str], max_bytes: int | No
         raise ImageError("too_many_pixels", f"the image decodes to too many pixels: {exc}") from None
     except Exception as exc:  # OSError (truncated, corrupt), SyntaxError (bad header), ValueError, EOFError, ...
         raise ImageError("undecodable", f"the {name} image could not be decoded: {exc}") from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = guard
 
 
 def _rgb(image):

@@ -274,3 +274,25 @@ def test_settle_binds_the_models_own_steps_and_refuses_a_negative_prompt_without
     assert not (negative and effective <= 1)
     assert settings_["num_inference_steps"] == (steps if steps is not None else min(own, max_steps or own))
     assert settings_["guidance_scale"] == effective and "strength" not in settings_
+
+
+SIDES = st.integers(8, 512).map(lambda k: k * 8)
+
+
+@given(own=st.tuples(SIDES, SIDES), max_resolution=SIDES)
+def test_the_models_own_size_is_fitted_into_max_resolution(own, max_resolution):
+    """`size: auto` is the model's own size (1024 for SDXL): bound by max_resolution like a size asked for, it is
+    scaled down to fit, its sides multiples of 8, its longer side kept longer."""
+    body = {"width": None, "height": None, "max_resolution": max_resolution, "image": None, "steps": 4,
+            "guidance_scale": None, "negative_prompt": None}
+    got = settle(body, {"steps": 50, "guidance_scale": 7.5, "strength": 1.0, "width": own[0], "height": own[1]})
+    width, height = got["width"], got["height"]
+    assert width % 8 == 0 and height % 8 == 0 and min(width, height) >= min(64, max_resolution, *own)
+    assert max(width, height) <= max(max_resolution, 64)
+    if max(own) <= max_resolution:
+        assert (width, height) == own
+    else:
+        assert (width >= height) == (own[0] >= own[1]) or width == height
+    asked = settle({**body, "width": 128, "height": 64}, {"steps": 50, "guidance_scale": 7.5, "strength": 1.0,
+                                                          "width": own[0], "height": own[1]})
+    assert (asked["width"], asked["height"]) == (128, 64)  # a size asked for is the front's to check

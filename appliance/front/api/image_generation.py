@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from appliance.config.rules import IMAGE_SIZE_STEP, MIN_IMAGE_SIDE
 from appliance.front.api import fields, lookup, sse
 from appliance.front.api.audio import TRANSCRIPT_ERRORS, Upload, UploadRoutes, read_form
 from appliance.front.api.errors import InvalidRequest
@@ -46,7 +47,7 @@ MAX_PARTIAL_IMAGES = 3  # OpenAI's
 MAX_LORAS = 8
 MAX_SEED = (1 << 31) - 1
 SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
-SIZE_STEP, MIN_SIDE = 8, 64  # appliance.config.rules.IMAGE_SIZE_STEP, MIN_IMAGE_SIDE
+SIZE_STEP, MIN_SIDE = IMAGE_SIZE_STEP, MIN_IMAGE_SIDE
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 EDIT_FORMATS = ["png", "jpeg", "webp"]
 MAX_EDIT_UPLOAD_BYTES = 50 << 20  # OpenAI's bound on an edit's image
@@ -86,13 +87,13 @@ class ImageRequest:
     lora: list[tuple[str, float | None]] = field(default_factory=list)
     edit: bool = False
 
-    def body(self, image: dict | None = None, mask: dict | None = None,
-             max_steps: int | None = None) -> dict[str, Any]:
-        """The body of the worker's `request` frame (appliance.worker.engines.image); `max_steps`, the model's
-        max_inference_steps, bounds the model's own step count for a request that names none."""
+    def body(self, image: dict | None = None, mask: dict | None = None, model=None) -> dict[str, Any]:
+        """The body of the worker's `request` frame (appliance.worker.engines.image); the `model`'s
+        max_inference_steps and max_resolution bound the model's own steps and size for a request naming none."""
         width, height = self.size or (None, None)
         return {"prompt": self.prompt, "negative_prompt": self.negative_prompt, "n": self.n, "width": width,
-                "height": height, "steps": self.steps, "max_steps": max_steps, "guidance_scale": self.guidance_scale,
+                "height": height, "steps": self.steps, "max_steps": model and model.max_inference_steps,
+                "max_resolution": model and model.max_resolution, "guidance_scale": self.guidance_scale,
                 "seed": self.seed,
                 "strength": self.strength, "lora": [list(pair) for pair in self.lora],
                 "output_format": self.output_format, "output_compression": self.output_compression,
@@ -265,7 +266,7 @@ class ImageRoutes(UploadRoutes):
         req = parse(body)
         sup = await lookup.model_for(self.appliance, req.model, call, (KIND,))
         check_limits(req, sup.model)
-        frame = {"kind": KIND, "body": req.body(max_steps=sup.model.max_inference_steps)}
+        frame = {"kind": KIND, "body": req.body(model=sup.model)}
         return await self._run(request, call, sup, req, frame, False)
 
     async def edits(self, request: web.Request, call: Call) -> web.StreamResponse:
@@ -290,7 +291,7 @@ class ImageRoutes(UploadRoutes):
             upload.release_slot()
             check_edit_sizes(req, image, mask, sup.model.max_resolution)
             sup = await upload.follow(req.model)
-            frame = {"kind": KIND, "body": req.body(image, mask, sup.model.max_inference_steps)}
+            frame = {"kind": KIND, "body": req.body(image, mask, sup.model)}
             return await self._run(request, call, sup, req, frame, upload.hand_over())
         finally:
             upload.close()

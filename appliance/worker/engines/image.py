@@ -7,7 +7,8 @@ request applies the ones it names at its weights, and a request that names none 
 base model.
 
 Request body (ipc op `request`): {"prompt", "negative_prompt" (or None), "n", "width"/"height" (None: the model's
-own size), "steps" (None: the model's own, at most "max_steps", the model's max_inference_steps), "guidance_scale"
+own size, fitted into "max_resolution"), "steps" (None: the model's own, at most "max_steps", the model's
+max_inference_steps), "guidance_scale"
 (None: the model's own), "seed" (None: random), "lora": [[name, weight],...],
 "output_format": png | jpeg | webp, "output_compression": 0-100 (jpeg, webp), "partial_images": 0-3, and for an
 edit "image" (and "mask"): {"path", "width", "height"} of RGB pixels the front's image decoder wrote, "strength"}.
@@ -35,6 +36,7 @@ import random
 import time
 from typing import Any
 
+from appliance.config.rules import IMAGE_SIZE_STEP, MIN_IMAGE_SIDE
 from appliance.ipc import frame
 from appliance.worker.engines.base import InvalidInput, ResultEngine
 
@@ -42,6 +44,7 @@ log = logging.getLogger("openarc.worker")
 
 PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 ENCODER = "vae_encoder/openvino_model.xml"  # appliance.model_files.IMAGE_ENCODER
+SIZE_STEP, MIN_SIDE = IMAGE_SIZE_STEP, MIN_IMAGE_SIDE
 
 
 def partial_steps(steps: int, partial_images: int) -> list[int]:
@@ -72,7 +75,26 @@ def settle(body: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
             raise InvalidInput(f"'strength' {strength:g} of num_inference_steps={steps} leaves no denoising step "
                                "(the steps run are steps x strength, rounded down): raise either", "invalid_strength")
         settings["strength"] = strength
+    size = picture_size(body, own)
+    if size is not None:
+        settings["width"], settings["height"] = size
     return settings
+
+
+def picture_size(body: dict[str, Any], own: dict[str, Any]) -> tuple[int, int] | None:
+    """The (width, height) to ask genai for: the body's (the front checked it), for an edit its picture's (None),
+    else the model's own scaled down into the body's max_resolution (SDXL's own 1024 under a cap of 512: 512),
+    sides multiples of 8 and at least 64. None where the model's config names no size (genai picks)."""
+    if body.get("width") is not None:
+        return body["width"], body["height"]
+    width, height = own.get("width") or 0, own.get("height") or 0
+    if body.get("image") is not None or width <= 0 or height <= 0:
+        return None
+    cap = body.get("max_resolution")
+    if cap is None or max(width, height) <= cap:
+        return width, height
+    scale = cap / max(width, height)
+    return tuple(max(MIN_SIDE, int(side * scale) // SIZE_STEP * SIZE_STEP) for side in (width, height))
 
 
 def steps_run(steps: int, strength: float) -> int:
@@ -165,12 +187,11 @@ class ImageEngine(ResultEngine):
     def _generate_kwargs(self, pipe, body: dict[str, Any]) -> dict[str, Any]:
         config = pipe.get_generation_config()
         own = {"steps": config.num_inference_steps, "guidance_scale": config.guidance_scale,
-               "strength": config.strength}
+               "strength": config.strength, "width": config.width, "height": config.height}
         kwargs: dict[str, Any] = self._adapter_kwargs(body["lora"])
         kwargs.update(settle(body, own))
-        for key in ("width", "height", "negative_prompt"):
-            if body.get(key) is not None:
-                kwargs[key] = body[key]
+        if body.get("negative_prompt") is not None:
+            kwargs["negative_prompt"] = body["negative_prompt"]
         return kwargs
 
     def _adapter_kwargs(self, lora: list) -> dict[str, Any]:

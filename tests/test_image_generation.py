@@ -74,6 +74,22 @@ def test_an_adapter_changes_the_picture_and_without_it_it_is_back(app):
     assert colour_of(picture(app, "a red square")) == plain
 
 
+def test_an_adapters_listed_name_paints_with_the_adapter(app):
+    """/v1/models lists each adapter as BASE:NAME (as for chat models); asking for that name painted with the base
+    model, the adapter silently left out."""
+    served = f"pictures:{ADAPTER}"
+    assert served in {m.id for m in app.client().models.list()}
+    plain = colour_of(picture(app, "a red square", num_inference_steps=2))
+    adapted = app.client().images.generate(model=served, prompt="a red square",
+                                           extra_body={"seed": 3, "num_inference_steps": 2})
+    assert colour_of(adapted.data[0].b64_json) != plain
+    assert colour_of(adapted.data[0].b64_json) == colour_of(
+        picture(app, "a red square", num_inference_steps=2, lora=[{"name": ADAPTER}]))
+    edited = app.client().images.edit(model=served, image=("in.png", png_bytes((0, 0, 255))), prompt="a red square",
+                                      extra_body={"strength": 1.0, "seed": 1, "num_inference_steps": 2})
+    assert colour_of(edited.data[0].b64_json) != "red"
+
+
 def test_n_formats_and_seeds(app):
     from PIL import Image
     client = app.client()

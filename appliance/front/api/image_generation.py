@@ -6,7 +6,8 @@ Fields (OpenAI's): `model`, `prompt`, `n`, `size` ("auto" or WIDTHxHEIGHT, sides
 it is refused with a 400 saying so), `output_format` (png, jpeg, webp), `output_compression` (0-100, jpeg and
 webp), `stream` with `partial_images` (0-3), and `quality`, `style`, `background` (transparent is refused),
 `moderation`, `user`, accepted and unused. Extensions: `seed`, `negative_prompt`, `num_inference_steps`,
-`guidance_scale`, `lora` ([{name, weight}]: adapters of the model's config), and for edits `strength` (0-1: how much
+`guidance_scale`, `lora` ([{name, weight}]: adapters of the model's config; a model named BASE:ADAPTER, as
+/v1/models lists them, applies that adapter too), and for edits `strength` (0-1: how much
 of the image is repainted). Edits take `image` (or `image[]`, one picture) and an optional `mask` (transparent, or
 white where to paint), decoded and checked in the image decoder process (appliance.front.image_decoder).
 
@@ -135,7 +136,7 @@ def parse(body: Any, edit: bool = False) -> ImageRequest:
         negative_prompt=negative or None,
         steps=fields.number(body, "num_inference_steps", 1, 10_000, integer=True),
         guidance_scale=fields.number(body, "guidance_scale", 0.0, 100.0), strength=strength,
-        lora=parse_lora(body.get("lora")), edit=edit)
+        lora=with_named_adapter(model, parse_lora(body.get("lora"))), edit=edit)
 
 
 def _response_format(value: Any) -> None:
@@ -180,6 +181,15 @@ def parse_lora(value: Any) -> list[tuple[str, float | None]]:
             raise InvalidRequest(f"'{where}': the adapter '{item['name']}' is named twice", where)
         found.append((item["name"], None if weight is None else float(weight)))
     return found
+
+
+def with_named_adapter(model: str, lora: list[tuple[str, float | None]]) -> list[tuple[str, float | None]]:
+    """`lora` with the adapter a served name BASE:ADAPTER picks (/v1/models lists each adapter so, as for chat
+    models) first, at its configured alpha, unless `lora` names it with a weight of its own."""
+    adapter = lookup.adapter_name(model)[1]
+    if not adapter or any(name == adapter for name, _ in lora):
+        return lora
+    return [(adapter, None), *lora]
 
 
 def check_limits(req: ImageRequest, model) -> None:

@@ -229,6 +229,36 @@ def test_generated_bodies_never_get_a_5xx_or_hurt_the_worker(app, body):
     assert app.worker_pid("pictures") == pid
 
 
+# An edit's settings as genai reads them together: steps x strength, a negative prompt against the guidance, a mask,
+# the model's own steps (no num_inference_steps) under max_inference_steps, an adapter by its listed name.
+EDIT_FIELDS = {
+    "model": st.sampled_from(["pictures", f"pictures:{ADAPTER}"]),
+    "num_inference_steps": st.sampled_from(["1", "2", "3", "5", "0", "x"]),
+    "strength": st.floats(0, 1).map(str) | st.sampled_from(["0.2", "0.34", "1", "nan"]),
+    "guidance_scale": st.sampled_from(["0", "1", "1.5", "7.5", "inf"]),
+    "negative_prompt": st.sampled_from(["", "blue", " "]),
+    "n": st.sampled_from(["1", "2", "2.0"]),
+    "stream": st.sampled_from(["true", "false"]),
+    "partial_images": st.sampled_from(["0", "1", "3"]),
+}
+
+
+@settings(max_examples=30, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(form=st.fixed_dictionaries({}, optional=EDIT_FIELDS), mask=st.booleans())
+def test_generated_edits_never_get_a_5xx_or_hurt_the_worker(app, form, mask):
+    pid = app.worker_pid("pictures")
+    files = {"image": ("in.png", png_bytes((0, 0, 255)), "image/png")}
+    if mask:
+        files["mask"] = ("m.png", png_bytes((0, 0, 0, 0), mode="RGBA"), "image/png")
+    reply = httpx.post(app.base + "/v1/images/edits", files=files, timeout=HANG_BOUND_S,
+                       data={"model": "pictures", "prompt": "a red square", **form})
+    assert reply.status_code < 500 and '"type": "error"' not in reply.text, (form, reply.text[:400])
+    if reply.status_code >= 400:
+        assert set(reply.json()) == {"error"} and reply.json()["error"]["message"], reply.text
+    assert app.worker_pid("pictures") == pid
+
+
 def sse_events(response) -> list[dict]:
     return [json.loads(line[6:]) for line in response.read().decode().splitlines() if line.startswith("data: ")]
 

@@ -421,3 +421,65 @@ def test_metrics_say_which_adapters_run_in_vllms_shape_and_count_by_adapter(serv
     assert counted.get('adapter="upper",model="demo"', 0) >= 1 and counted.get('adapter="",model="demo"', 0) >= 1, \
         counted
     assert not lora_info(metrics, "plain") and 'model="plain"' not in "".join(counted)
+
+
+# --- the runtime admin route under pressure (breaker b-40) --------------------------------------------------------
+
+def _templated(prompt: str) -> str:
+    return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_an_adapter_unloaded_and_loaded_again_under_its_name_answers_with_the_new_file(server, lora_dir, in_process):
+    """The batching worker applies a group's adapter when the group's turn begins: a name unloaded and loaded again
+    from another file must not keep the old file's weights applied (its group's turn has to begin again)."""
+    url = server.base + "/openarc/models/demo/adapters"
+    assert http("POST", url, {"name": "swap", "path": str(lora_dir / "upper")}, headers=server.auth)[0] == 201
+    try:
+        assert chat(server, "demo:swap", "hello") == (200, in_process(_templated("hello"), "upper", 12))
+        assert http("DELETE", url + "/swap", headers=server.auth)[0] == 200
+        assert http("POST", url, {"name": "swap", "path": str(lora_dir / "title")}, headers=server.auth)[0] == 201
+        assert chat(server, "demo:swap", "hello") == (200, in_process(_templated("hello"), "title", 12))
+    finally:
+        http("DELETE", url + "/swap", headers=server.auth)
+
+
+def test_concurrent_loads_hold_max_adapters_and_one_name_once(server, lora_dir):
+    """The name and max_adapters checks and the load are one step: loads racing each other cannot both pass them."""
+    url = server.base + "/openarc/models/demo/adapters"
+    bodies = [{"name": name, "path": str(lora_dir / "upper")} for name in ("r1", "r1", "r2", "r3", "r4", "r5")]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies) + 1) as pool:
+        # a request running: the worker takes each load between two steps (10 ms each), so the loads overlap
+        running = pool.submit(chat, server, "demo:title", "keep the worker busy", 40)
+        wait_until(lambda: 'running_lora_adapters="demo:title"' in "".join(lora_info(server.metrics(), "demo"))
+                   or running.done(), 10, "a request running")
+        answers = list(pool.map(lambda body: http("POST", url, body, headers=server.auth), bodies))
+        assert running.result()[0] == 200
+    try:
+        statuses = sorted(status for status, _, _ in answers)
+        assert statuses == [201] + [409] * 5, [(s, b) for s, _, b in answers]  # demo holds 2 of its 3 already
+        # a conflict is the client's to resolve (OpenAI's type for a 4xx), not a server error
+        assert {b["error"]["type"] for s, _, b in answers if s == 409} == {"invalid_request_error"}
+        listed = [m["id"] for m in http("GET", server.base + "/v1/models", headers=server.auth)[2]["data"]
+                  if m.get("parent") == "demo"]
+        assert len(listed) == 3, listed
+    finally:
+        for name in ("r1", "r2", "r3", "r4", "r5"):
+            http("DELETE", url + "/" + name, headers=server.auth)
+
+
+def test_a_reload_that_leaves_the_model_alone_keeps_its_runtime_adapter_and_worker(server, lora_dir, in_process):
+    """docs/lora.md: only a reload that replaces the model's worker (its config changed) drops runtime adapters; a
+    reload of an unchanged config changes no model (the runtime adapter is not a config change)."""
+    url = server.base + "/openarc/models/demo/adapters"
+    assert http("POST", url, {"name": "kept", "path": str(lora_dir / "title")}, headers=server.auth)[0] == 201
+    try:
+        pid = server.worker_pid("demo")
+        reloads = server.logs().count("reloaded ")
+        server.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: server.logs().count("reloaded ") > reloads, 30, "the reload")
+        assert server.logs().splitlines()[-1].endswith("no model changed") or \
+            "demo" not in [line for line in server.logs().splitlines() if "reloaded " in line][-1]
+        assert server.worker_pid("demo") == pid
+        assert chat(server, "demo:kept", "hello") == (200, in_process(_templated("hello"), "title", 12))
+    finally:
+        http("DELETE", url + "/kept", headers=server.auth)

@@ -35,32 +35,34 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
     async def load(request: web.Request, call: Call) -> web.Response:
         sup = await admitted_model(request, call)
         name, path, alpha = load_body(await request.read())
-        served = lookup.served_adapters(sup)
-        if name in served:
-            raise RequestFailed(409, "invalid_request", f"the model '{sup.name}' already serves an adapter named "
-                                f"'{name}'; unload it first (DELETE /openarc/models/{sup.name}/adapters/{name})",
-                                "adapter_exists")
-        if len(served) >= sup.model.max_adapters:
-            raise RequestFailed(409, "invalid_request", f"the model '{sup.name}' holds max_adapters "
-                                f"({sup.model.max_adapters}) adapters; unload one first", "max_adapters")
-        problem = path_problem(sup, path)
-        if problem:
-            raise InvalidRequest(problem, "path")
-        entry = {"path": str(adapter_file(path)), "alpha": alpha}
-        await ask_worker(sup, {"action": "load", "name": name, **entry})
-        served[name] = entry  # the spec: a restarted worker loads it again
+        async with sup.adapter_changes:  # the checks and the load as one step: racing loads cannot both pass them
+            served = lookup.served_adapters(sup)
+            if name in served:
+                raise RequestFailed(409, "invalid_request", f"the model '{sup.name}' already serves an adapter named "
+                                    f"'{name}'; unload it first (DELETE /openarc/models/{sup.name}/adapters/{name})",
+                                    "adapter_exists")
+            if len(served) >= sup.model.max_adapters:
+                raise RequestFailed(409, "invalid_request", f"the model '{sup.name}' holds max_adapters "
+                                    f"({sup.model.max_adapters}) adapters; unload one first", "max_adapters")
+            problem = path_problem(sup, path)
+            if problem:
+                raise InvalidRequest(problem, "path")
+            entry = {"path": str(adapter_file(path)), "alpha": alpha}
+            await ask_worker(sup, {"action": "load", "name": name, **entry})
+            served[name] = entry  # the spec: a restarted worker loads it again
         return web.json_response({"model": f"{sup.name}{lookup.ADAPTER_SEPARATOR}{name}", "parent": sup.name,
                                   "root": entry["path"], "alpha": alpha}, status=201)
 
     async def unload(request: web.Request, call: Call) -> web.Response:
         sup = await admitted_model(request, call)
         name = request.match_info["adapter"]
-        served = lookup.served_adapters(sup)
-        if name not in served:
-            raise RequestFailed(404, "model_not_found", f"the model '{sup.name}' has no adapter named '{name}' "
-                                f"(have: {', '.join(served) or 'none'})")
-        await ask_worker(sup, {"action": "unload", "name": name})
-        del served[name]
+        async with sup.adapter_changes:
+            served = lookup.served_adapters(sup)
+            if name not in served:
+                raise RequestFailed(404, "model_not_found", f"the model '{sup.name}' has no adapter named '{name}' "
+                                    f"(have: {', '.join(served) or 'none'})")
+            await ask_worker(sup, {"action": "unload", "name": name})
+            del served[name]
         return web.json_response({"model": f"{sup.name}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
 
     async def admitted_model(request: web.Request, call: Call):

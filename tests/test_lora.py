@@ -205,7 +205,7 @@ def test_config_takes_paths_or_path_and_alpha_and_checks_them(lora_dir, demo_mod
     ({"adapters": {"a": "/x"}, "prompt_lookup": True}, "models[0].adapters: not with speculative decoding"),
     ({"adapters": {"a": "/x"}, "scheduler_config": {"enable_prefix_caching": True}},
      "models[0].scheduler_config.enable_prefix_caching: not with adapters"),
-    ({"adapters": {"a": "/x"}, "kind": "embedding"}, "models[0].adapters: applies to kind 'llm' models only"),
+    ({"adapters": {"a": "/x"}, "kind": "embedding"}, "models[0].adapters: applies to kind 'llm' or 'image' models only"),
     ({"max_adapters": 0}, "models[0].max_adapters: expected at least 1"),
 ])
 def test_config_names_each_adapter_mistake(entry, expected):
@@ -483,3 +483,29 @@ def test_a_reload_that_leaves_the_model_alone_keeps_its_runtime_adapter_and_work
         assert chat(server, "demo:kept", "hello") == (200, in_process(_templated("hello"), "title", 12))
     finally:
         http("DELETE", url + "/kept", headers=server.auth)
+
+
+def test_a_runtime_adapter_that_does_not_fit_the_models_layers_costs_no_other_request(server, lora_dir, in_process):
+    """An adapter of the right names but the wrong shapes (another model's, a rank that does not match): a 4xx, and
+    the worker, its other adapters and its base serve on."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    good = load_file(str(lora_dir / "upper" / "adapter_model.safetensors"))
+    a, b = good["base_model.model.lm_head.lora_A.weight"], good["base_model.model.lm_head.lora_B.weight"]
+    url = server.base + "/openarc/models/demo/adapters"
+    pid = server.worker_pid("demo")
+    expected = ["maps 196 inputs", "expected LoRA pairs of one rank"]
+    for i, (shape_a, shape_b) in enumerate([((a.shape[0], a.shape[1] + 7), b.shape),
+                                            (a.shape, (b.shape[0], b.shape[1] + 3))]):
+        bad = lora_dir / f"misfit{i}"
+        bad.mkdir(exist_ok=True)
+        save_file({"base_model.model.lm_head.lora_A.weight": np.ones(shape_a, np.float32),
+                   "base_model.model.lm_head.lora_B.weight": np.ones(shape_b, np.float32)},
+                  str(bad / "adapter_model.safetensors"))
+        status, _, body = http("POST", url, {"name": "misfit", "path": str(bad)}, headers=server.auth)
+        if status == 201:  # (loaded, it answered each request a 500 naming an OpenVINO source file)
+            http("DELETE", url + "/misfit", headers=server.auth)
+        assert status == 400 and expected[i] in body["error"]["message"], body
+        assert chat(server, "demo:upper", "hello") == (200, in_process(_templated("hello"), "upper", 12))
+        assert chat(server, "demo", "hello") == (200, in_process(_templated("hello"), BASE, 12))
+        assert server.worker_pid("demo") == pid

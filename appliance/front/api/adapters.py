@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from appliance.config import adapter_problem
-from appliance.config.model_checks import adapter_file
+from appliance.config.model_checks import adapter_file, adapter_fit_problem
 from appliance.config.rules import MODEL_NAME
 from appliance.front.api import lookup
 from appliance.front.api.errors import InvalidRequest
@@ -104,13 +104,16 @@ def load_body(data: bytes) -> tuple[str, str, float]:
 
 
 def path_problem(sup, path: str) -> str | None:
-    """Why `path` cannot be loaded into the model of `sup`: outside the directory holding the model's own, or not
-    an adapter (the same check as a configured adapter's)."""
+    """Why `path` cannot be loaded into the model of `sup`: outside the directory holding the model's own, not an
+    adapter (the same check as a configured adapter's), or one whose layers' sizes differ from those of the adapters
+    the model was built with (genai would fail each generation it is applied to, not the load)."""
     root = Path(os.path.realpath(sup.model.path)).parent
     where = Path(os.path.realpath(path))
     if not os.path.isabs(path) or root not in where.parents:
         return f"the adapter's path must be absolute and under {str(root)!r} (the directory holding the model's own)"
-    return adapter_problem(str(where))
+    return adapter_problem(str(where)) or next(
+        (problem for entry in sup.configured_spec["adapters"].values()  # (what genai built the model's LoRA for)
+         if (problem := adapter_fit_problem(adapter_file(str(where)), entry["path"]))), None)
 
 
 async def ask_worker(sup, adapter: dict[str, Any]) -> dict[str, Any]:

@@ -509,3 +509,16 @@ def test_a_runtime_adapter_that_does_not_fit_the_models_layers_costs_no_other_re
         assert chat(server, "demo:upper", "hello") == (200, in_process(_templated("hello"), "upper", 12))
         assert chat(server, "demo", "hello") == (200, in_process(_templated("hello"), BASE, 12))
         assert server.worker_pid("demo") == pid
+
+
+def test_adapters_loaded_and_unloaded_leave_no_series_behind(server, lora_dir):
+    """Each name ever loaded at runtime must not stay a series of openarc_adapter_* for as long as the server runs."""
+    url = server.base + "/openarc/models/demo/adapters"
+    for i in range(4):
+        name = f"churn{i}"
+        assert http("POST", url, {"name": name, "path": str(lora_dir / "upper")}, headers=server.auth)[0] == 201
+        assert chat(server, f"demo:{name}", "hello", 2)[0] == 200
+        assert f'adapter="{name}"' in server.metrics()
+        assert http("DELETE", url + "/" + name, headers=server.auth)[0] == 200
+    leftover = [line for line in server.metrics().splitlines() if 'adapter="churn' in line or "demo:churn" in line]
+    assert not leftover, leftover

@@ -63,6 +63,7 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
                                     f"(have: {', '.join(served) or 'none'})")
             await ask_worker(sup, {"action": "unload", "name": name})
             del served[name]
+            sup.series.drop_adapter(name)
         return web.json_response({"model": f"{sup.name}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
 
     async def admitted_model(request: web.Request, call: Call):

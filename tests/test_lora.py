@@ -522,3 +522,20 @@ def test_adapters_loaded_and_unloaded_leave_no_series_behind(server, lora_dir):
         assert http("DELETE", url + "/" + name, headers=server.auth)[0] == 200
     leftover = [line for line in server.metrics().splitlines() if 'adapter="churn' in line or "demo:churn" in line]
     assert not leftover, leftover
+
+
+def test_a_path_that_is_no_regular_file_is_a_400_and_blocks_no_one(server, lora_dir):
+    """A FIFO (or a device) under the models directory: reading it would block whoever reads it for good; the
+    front must answer 400 at once and keep serving."""
+    fifo = lora_dir / "pipe.safetensors"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    peft = lora_dir / "pipe-peft"
+    peft.mkdir(exist_ok=True)
+    if not (peft / "adapter_model.safetensors").exists():
+        os.mkfifo(peft / "adapter_model.safetensors")
+    url = server.base + "/openarc/models/demo/adapters"
+    for path in (fifo, peft):
+        status, _, body = http("POST", url, {"name": "pipe", "path": str(path)}, headers=server.auth, timeout=10)
+        assert status == 400 and "expected a regular file" in body["error"]["message"], body
+    assert http("GET", server.base + "/ready", timeout=5)[0] == 200

@@ -126,6 +126,8 @@ def adapter_problem(path: str, user_name: str | None = None) -> str | None:
     elif where.suffix in (".bin", ".pt", ".pth"):
         return f"{path!r} is a torch checkpoint; {TORCH_HINT}"
     file = adapter_file(path)
+    if not file.is_file():  # a FIFO or a device would block its reader (the front, checking a runtime load) for good
+        return f"expected a regular file; {str(file)!r} is not one"
     if not os.access(file, os.R_OK):
         return f"expected a file this user can read; cannot read {str(file)!r}"
     if user_name and os.geteuid() == 0:

@@ -12,6 +12,7 @@ layers.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
             if len(served) >= sup.model.max_adapters:
                 raise RequestFailed(409, "invalid_request", f"the model '{sup.name}' holds max_adapters "
                                     f"({sup.model.max_adapters}) adapters; unload one first", "max_adapters")
-            problem = path_problem(sup, path)
+            problem = await asyncio.to_thread(path_problem, sup, path)  # (file reads: off the event loop)
             if problem:
                 raise InvalidRequest(problem, "path")
             entry = {"path": str(adapter_file(path)), "alpha": alpha}

@@ -539,3 +539,27 @@ def test_a_path_that_is_no_regular_file_is_a_400_and_blocks_no_one(server, lora_
         status, _, body = http("POST", url, {"name": "pipe", "path": str(path)}, headers=server.auth, timeout=10)
         assert status == 400 and "expected a regular file" in body["error"]["message"], body
     assert http("GET", server.base + "/ready", timeout=5)[0] == 200
+
+
+def test_a_runtime_adapter_of_a_replicated_model_is_served_by_every_replica(tmp_path, demo_model, lora_dir, in_process):
+    """A model on two devices (replicas, docs/operations.md): a load reaches each replica's worker, so whichever
+    replica takes a request of the adapter answers it; an unload leaves none serving it."""
+    config = {"server": {"api_key_env": KEY_ENV}, "models": [
+        model_entry("twin", demo_model, device=["CPU", "CPU"], adapters={"upper": str(lora_dir / "upper")})]}
+    app = Appliance(config, tmp_path, env={KEY_ENV: KEY}).start()
+    try:
+        url = app.base + "/openarc/models/twin/adapters"
+        wait_until(lambda: all(replica["state"] == "ready" for replica in app.model_status("twin")["replicas"]),
+                   60, "both replicas ready")
+        # its configured adapter unloaded first: the model serves none, and what is loaded next is still served
+        assert http("DELETE", url + "/upper", headers=app.auth)[0] == 200
+        status, _, body = http("POST", url, {"name": "t", "path": str(lora_dir / "title")}, headers=app.auth)
+        assert status == 201 and (body["model"], body["parent"]) == ("twin:t", "twin"), body
+        prompts = ["hello", "what now?", "tell me more", "hi there", "and then?", "why not"]
+        # (distinct prompts: no replica holds one's prefix; ties between idle replicas alternate)
+        answers = [chat(app, "twin:t", prompt) for prompt in prompts]
+        assert answers == [(200, in_process(_templated(prompt), "title", 12)) for prompt in prompts], answers
+        assert http("DELETE", url + "/t", headers=app.auth)[0] == 200
+        assert [chat(app, "twin:t", prompt)[0] for prompt in prompts] == [404] * len(prompts)
+    finally:
+        app.stop()

@@ -200,7 +200,8 @@ def test_config_takes_paths_or_path_and_alpha_and_checks_them(lora_dir, demo_mod
 @pytest.mark.parametrize("entry, expected", [
     ({"adapters": {"a b": "/x"}}, "models[0].adapters.a b: expected a name of letters"),
     ({"adapters": {"a": "/x", "b": "/y"}, "max_adapters": 1}, "models[0].adapters: expected at most max_adapters (1)"),
-    ({"adapters": {"a": {"path": "/x", "alpha": 0}}}, "models[0].adapters.a.alpha: expected a positive weight"),
+    ({"adapters": {"a": {"path": "/x", "alpha": 0}}}, "models[0].adapters.a.alpha: expected a positive finite weight"),
+    ({"adapters": {"a": {"path": "/x", "alpha": float("inf")}}}, "models[0].adapters.a.alpha: expected a positive finite"),
     ({"adapters": {"a": {"path": "/x", "weight": 2}}}, "models[0].adapters.a.weight: unknown key"),
     ({"adapters": {"a": "/x"}, "prompt_lookup": True}, "models[0].adapters: not with speculative decoding"),
     ({"adapters": {"a": "/x"}, "scheduler_config": {"enable_prefix_caching": True}},
@@ -381,7 +382,9 @@ def test_runtime_load_refuses_bad_paths_with_a_400_naming_the_problem(server, lo
         ({"name": "x", "path": str(tmp_path)}, f"under {str(lora_dir)!r}"),
         ({"name": "x", "path": str(lora_dir / "upper" / ".." / ".." / "etc")}, "must be absolute and under"),
         ({"name": "x y", "path": str(lora_dir / "upper")}, "'name' must be letters"),
-        ({"name": "x", "path": str(lora_dir / "upper"), "alpha": -1}, "'alpha' must be a positive number"),
+        ({"name": "x", "path": str(lora_dir / "upper"), "alpha": -1}, "'alpha' must be a positive finite number"),
+        ({"name": "x", "path": str(lora_dir / "upper"), "alpha": 1e309}, "'alpha' must be a positive finite number"),
+        ({"name": "x", "path": str(lora_dir / "upper") + "\x00"}, "must not contain a NUL"),
     ]
     for body, expected in cases:
         status, _, answer = http("POST", url, body, headers=server.auth)

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from appliance.config import adapter_problem
 from appliance.config.model_checks import adapter_file, adapter_fit_problem
-from appliance.config.rules import MODEL_NAME
+from appliance.config.rules import MODEL_NAME, adapter_weight_ok
 from appliance.front.api import lookup
 from appliance.front.lifecycle import ModelState
 from appliance.front.api.errors import InvalidRequest
@@ -106,8 +106,8 @@ def load_body(data: bytes) -> tuple[str, str, float]:
         raise InvalidRequest("'name' must be letters, digits, '.', '_' or '-' (served as MODEL:NAME)", "name")
     if not isinstance(path, str) or not path:
         raise InvalidRequest("'path' must be the adapter's path on the server", "path")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise InvalidRequest("'alpha' must be a positive number (1: as trained)", "alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not adapter_weight_ok(alpha):
+        raise InvalidRequest("'alpha' must be a positive finite number (1: as trained)", "alpha")
     return name, path, float(alpha)
 
 
@@ -115,6 +115,8 @@ def path_problem(sup, path: str) -> str | None:
     """Why `path` cannot be loaded into the model of `sup`: outside the directory holding the model's own, not an
     adapter (the same check as a configured adapter's), or one whose layers' sizes differ from those of the adapters
     the model was built with (genai would fail each generation it is applied to, not the load)."""
+    if "\x00" in path:  # (no file's name holds one; the OS calls below would raise on it)
+        return "the adapter's path must not contain a NUL character"
     root = Path(os.path.realpath(sup.model.path)).parent
     where = Path(os.path.realpath(path))
     if not os.path.isabs(path) or root not in where.parents:

@@ -554,8 +554,14 @@ def test_a_runtime_adapter_of_a_replicated_model_is_served_by_every_replica(tmp_
         url = app.base + "/openarc/models/twin/adapters"
         wait_until(lambda: all(replica["state"] == "ready" for replica in app.model_status("twin")["replicas"]),
                    60, "both replicas ready")
-        # its configured adapter unloaded first: the model serves none, and what is loaded next is still served
+        # its configured adapter unloaded first: the model serves none, and what is loaded next is still served, also
+        # by workers that started while it served none (their pipelines must still be built with LoRA)
         assert http("DELETE", url + "/upper", headers=app.auth)[0] == 200
+        old_pids = {replica["pid"] for replica in app.model_status("twin")["replicas"]}
+        for pid in old_pids:
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: [(r["state"], r["pid"] in old_pids) for r in app.model_status("twin")["replicas"]]
+                   == [("ready", False)] * 2, 60, "both replicas restarted")
         status, _, body = http("POST", url, {"name": "t", "path": str(lora_dir / "title")}, headers=app.auth)
         assert status == 201 and (body["model"], body["parent"]) == ("twin:t", "twin"), body
         prompts = ["hello", "what now?", "tell me more", "hi there", "and then?", "why not"]

@@ -523,6 +523,15 @@ def test_adapters_loaded_and_unloaded_leave_no_series_behind(server, lora_dir):
         assert chat(server, f"demo:{name}", "hello", 2)[0] == 200
         assert f'adapter="{name}"' in server.metrics()
         assert http("DELETE", url + "/" + name, headers=server.auth)[0] == 200
+    # one unloaded while its request streams: the request finishes with it, and its series stay gone
+    import openai
+    assert http("POST", url, {"name": "churn9", "path": str(lora_dir / "upper")}, headers=server.auth)[0] == 201
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    stream = iter(client.chat.completions.create(model="demo:churn9", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=30, stream=True))
+    next(stream)
+    assert http("DELETE", url + "/churn9", headers=server.auth)[0] == 200
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     leftover = [line for line in server.metrics().splitlines() if 'adapter="churn' in line or "demo:churn" in line]
     assert not leftover, leftover
 

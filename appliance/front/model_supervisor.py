@@ -53,6 +53,7 @@ class ModelSupervisor:
         self.adapter_changes = asyncio.Lock()  # one runtime load or unload of an adapter at a time
         self.life = WorkerLife(model, copy.deepcopy(self.configured_spec), metrics, self.series, load_gate, self.router,
                                self._on_frame, self._state_changed, kernel_log, ledger, spawner, canary, self.name)
+        self.router.adapters_served = lambda: self.spec.get("adapters") or {}
 
     # --- the model, as the Supervisor sees it -------------------------------------------------------------
 

@@ -200,12 +200,13 @@ def test_config_takes_paths_or_path_and_alpha_and_checks_them(lora_dir, demo_mod
 @pytest.mark.parametrize("entry, expected", [
     ({"adapters": {"a b": "/x"}}, "models[0].adapters.a b: expected a name of letters"),
     ({"adapters": {"a": "/x", "b": "/y"}, "max_adapters": 1}, "models[0].adapters: expected at most max_adapters (1)"),
-    ({"adapters": {"a": {"path": "/x", "alpha": 0}}}, "models[0].adapters.a.alpha: expected a positive weight"),
+    ({"adapters": {"a": {"path": "/x", "alpha": 0}}}, "models[0].adapters.a.alpha: expected a positive finite weight"),
+    ({"adapters": {"a": {"path": "/x", "alpha": float("inf")}}}, "models[0].adapters.a.alpha: expected a positive finite"),
     ({"adapters": {"a": {"path": "/x", "weight": 2}}}, "models[0].adapters.a.weight: unknown key"),
     ({"adapters": {"a": "/x"}, "prompt_lookup": True}, "models[0].adapters: not with speculative decoding"),
     ({"adapters": {"a": "/x"}, "scheduler_config": {"enable_prefix_caching": True}},
      "models[0].scheduler_config.enable_prefix_caching: not with adapters"),
-    ({"adapters": {"a": "/x"}, "kind": "embedding"}, "models[0].adapters: applies to kind 'llm' models only"),
+    ({"adapters": {"a": "/x"}, "kind": "embedding"}, "models[0].adapters: applies to kind 'llm' or 'image' models only"),
     ({"max_adapters": 0}, "models[0].max_adapters: expected at least 1"),
 ])
 def test_config_names_each_adapter_mistake(entry, expected):
@@ -381,7 +382,9 @@ def test_runtime_load_refuses_bad_paths_with_a_400_naming_the_problem(server, lo
         ({"name": "x", "path": str(tmp_path)}, f"under {str(lora_dir)!r}"),
         ({"name": "x", "path": str(lora_dir / "upper" / ".." / ".." / "etc")}, "must be absolute and under"),
         ({"name": "x y", "path": str(lora_dir / "upper")}, "'name' must be letters"),
-        ({"name": "x", "path": str(lora_dir / "upper"), "alpha": -1}, "'alpha' must be a positive number"),
+        ({"name": "x", "path": str(lora_dir / "upper"), "alpha": -1}, "'alpha' must be a positive finite number"),
+        ({"name": "x", "path": str(lora_dir / "upper"), "alpha": 1e309}, "'alpha' must be a positive finite number"),
+        ({"name": "x", "path": str(lora_dir / "upper") + "\x00"}, "must not contain a NUL"),
     ]
     for body, expected in cases:
         status, _, answer = http("POST", url, body, headers=server.auth)
@@ -421,3 +424,160 @@ def test_metrics_say_which_adapters_run_in_vllms_shape_and_count_by_adapter(serv
     assert counted.get('adapter="upper",model="demo"', 0) >= 1 and counted.get('adapter="",model="demo"', 0) >= 1, \
         counted
     assert not lora_info(metrics, "plain") and 'model="plain"' not in "".join(counted)
+
+
+# --- the runtime admin route under pressure (breaker b-40) --------------------------------------------------------
+
+def _templated(prompt: str) -> str:
+    return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_an_adapter_unloaded_and_loaded_again_under_its_name_answers_with_the_new_file(server, lora_dir, in_process):
+    """The batching worker applies a group's adapter when the group's turn begins: a name unloaded and loaded again
+    from another file must not keep the old file's weights applied (its group's turn has to begin again)."""
+    url = server.base + "/openarc/models/demo/adapters"
+    assert http("POST", url, {"name": "swap", "path": str(lora_dir / "upper")}, headers=server.auth)[0] == 201
+    try:
+        assert chat(server, "demo:swap", "hello") == (200, in_process(_templated("hello"), "upper", 12))
+        assert http("DELETE", url + "/swap", headers=server.auth)[0] == 200
+        assert http("POST", url, {"name": "swap", "path": str(lora_dir / "title")}, headers=server.auth)[0] == 201
+        assert chat(server, "demo:swap", "hello") == (200, in_process(_templated("hello"), "title", 12))
+    finally:
+        http("DELETE", url + "/swap", headers=server.auth)
+
+
+def test_concurrent_loads_hold_max_adapters_and_one_name_once(server, lora_dir):
+    """The name and max_adapters checks and the load are one step: loads racing each other cannot both pass them."""
+    url = server.base + "/openarc/models/demo/adapters"
+    bodies = [{"name": name, "path": str(lora_dir / "upper")} for name in ("r1", "r1", "r2", "r3", "r4", "r5")]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies) + 1) as pool:
+        # a request running: the worker takes each load between two steps (10 ms each), so the loads overlap
+        running = pool.submit(chat, server, "demo:title", "keep the worker busy", 40)
+        wait_until(lambda: 'running_lora_adapters="demo:title"' in "".join(lora_info(server.metrics(), "demo"))
+                   or running.done(), 10, "a request running")
+        answers = list(pool.map(lambda body: http("POST", url, body, headers=server.auth), bodies))
+        assert running.result()[0] == 200
+    try:
+        statuses = sorted(status for status, _, _ in answers)
+        assert statuses == [201] + [409] * 5, [(s, b) for s, _, b in answers]  # demo holds 2 of its 3 already
+        # a conflict is the client's to resolve (OpenAI's type for a 4xx), not a server error
+        assert {b["error"]["type"] for s, _, b in answers if s == 409} == {"invalid_request_error"}
+        listed = [m["id"] for m in http("GET", server.base + "/v1/models", headers=server.auth)[2]["data"]
+                  if m.get("parent") == "demo"]
+        assert len(listed) == 3, listed
+    finally:
+        for name in ("r1", "r2", "r3", "r4", "r5"):
+            http("DELETE", url + "/" + name, headers=server.auth)
+
+
+def test_a_reload_that_leaves_the_model_alone_keeps_its_runtime_adapter_and_worker(server, lora_dir, in_process):
+    """docs/lora.md: only a reload that replaces the model's worker (its config changed) drops runtime adapters; a
+    reload of an unchanged config changes no model (the runtime adapter is not a config change)."""
+    url = server.base + "/openarc/models/demo/adapters"
+    assert http("POST", url, {"name": "kept", "path": str(lora_dir / "title")}, headers=server.auth)[0] == 201
+    try:
+        pid = server.worker_pid("demo")
+        reloads = server.logs().count("reloaded ")
+        server.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: server.logs().count("reloaded ") > reloads, 30, "the reload")
+        assert server.logs().splitlines()[-1].endswith("no model changed") or \
+            "demo" not in [line for line in server.logs().splitlines() if "reloaded " in line][-1]
+        assert server.worker_pid("demo") == pid
+        assert chat(server, "demo:kept", "hello") == (200, in_process(_templated("hello"), "title", 12))
+    finally:
+        http("DELETE", url + "/kept", headers=server.auth)
+
+
+def test_a_runtime_adapter_that_does_not_fit_the_models_layers_costs_no_other_request(server, lora_dir, in_process):
+    """An adapter of the right names but the wrong shapes (another model's, a rank that does not match): a 4xx, and
+    the worker, its other adapters and its base serve on."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    good = load_file(str(lora_dir / "upper" / "adapter_model.safetensors"))
+    a, b = good["base_model.model.lm_head.lora_A.weight"], good["base_model.model.lm_head.lora_B.weight"]
+    url = server.base + "/openarc/models/demo/adapters"
+    pid = server.worker_pid("demo")
+    expected = ["maps 196 inputs", "expected LoRA pairs of one rank"]
+    for i, (shape_a, shape_b) in enumerate([((a.shape[0], a.shape[1] + 7), b.shape),
+                                            (a.shape, (b.shape[0], b.shape[1] + 3))]):
+        bad = lora_dir / f"misfit{i}"
+        bad.mkdir(exist_ok=True)
+        save_file({"base_model.model.lm_head.lora_A.weight": np.ones(shape_a, np.float32),
+                   "base_model.model.lm_head.lora_B.weight": np.ones(shape_b, np.float32)},
+                  str(bad / "adapter_model.safetensors"))
+        status, _, body = http("POST", url, {"name": "misfit", "path": str(bad)}, headers=server.auth)
+        if status == 201:  # (loaded, it answered each request a 500 naming an OpenVINO source file)
+            http("DELETE", url + "/misfit", headers=server.auth)
+        assert status == 400 and expected[i] in body["error"]["message"], body
+        assert chat(server, "demo:upper", "hello") == (200, in_process(_templated("hello"), "upper", 12))
+        assert chat(server, "demo", "hello") == (200, in_process(_templated("hello"), BASE, 12))
+        assert server.worker_pid("demo") == pid
+
+
+def test_adapters_loaded_and_unloaded_leave_no_series_behind(server, lora_dir):
+    """Each name ever loaded at runtime must not stay a series of openarc_adapter_* for as long as the server runs."""
+    url = server.base + "/openarc/models/demo/adapters"
+    for i in range(4):
+        name = f"churn{i}"
+        assert http("POST", url, {"name": name, "path": str(lora_dir / "upper")}, headers=server.auth)[0] == 201
+        assert chat(server, f"demo:{name}", "hello", 2)[0] == 200
+        assert f'adapter="{name}"' in server.metrics()
+        assert http("DELETE", url + "/" + name, headers=server.auth)[0] == 200
+    # one unloaded while its request streams: the request finishes with it, and its series stay gone
+    import openai
+    assert http("POST", url, {"name": "churn9", "path": str(lora_dir / "upper")}, headers=server.auth)[0] == 201
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    stream = iter(client.chat.completions.create(model="demo:churn9", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=30, stream=True))
+    next(stream)
+    assert http("DELETE", url + "/churn9", headers=server.auth)[0] == 200
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    leftover = [line for line in server.metrics().splitlines() if 'adapter="churn' in line or "demo:churn" in line]
+    assert not leftover, leftover
+
+
+def test_a_path_that_is_no_regular_file_is_a_400_and_blocks_no_one(server, lora_dir):
+    """A FIFO (or a device) under the models directory: reading it would block whoever reads it for good; the
+    front must answer 400 at once and keep serving."""
+    fifo = lora_dir / "pipe.safetensors"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    peft = lora_dir / "pipe-peft"
+    peft.mkdir(exist_ok=True)
+    if not (peft / "adapter_model.safetensors").exists():
+        os.mkfifo(peft / "adapter_model.safetensors")
+    url = server.base + "/openarc/models/demo/adapters"
+    for path in (fifo, peft):
+        status, _, body = http("POST", url, {"name": "pipe", "path": str(path)}, headers=server.auth, timeout=10)
+        assert status == 400 and "expected a regular file" in body["error"]["message"], body
+    assert http("GET", server.base + "/ready", timeout=5)[0] == 200
+
+
+def test_a_runtime_adapter_of_a_replicated_model_is_served_by_every_replica(tmp_path, demo_model, lora_dir, in_process):
+    """A model on two devices (replicas, docs/operations.md): a load reaches each replica's worker, so whichever
+    replica takes a request of the adapter answers it; an unload leaves none serving it."""
+    config = {"server": {"api_key_env": KEY_ENV}, "models": [
+        model_entry("twin", demo_model, device=["CPU", "CPU"], adapters={"upper": str(lora_dir / "upper")})]}
+    app = Appliance(config, tmp_path, env={KEY_ENV: KEY}).start()
+    try:
+        url = app.base + "/openarc/models/twin/adapters"
+        wait_until(lambda: all(replica["state"] == "ready" for replica in app.model_status("twin")["replicas"]),
+                   60, "both replicas ready")
+        # its configured adapter unloaded first: the model serves none, and what is loaded next is still served, also
+        # by workers that started while it served none (their pipelines must still be built with LoRA)
+        assert http("DELETE", url + "/upper", headers=app.auth)[0] == 200
+        old_pids = {replica["pid"] for replica in app.model_status("twin")["replicas"]}
+        for pid in old_pids:
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: [(r["state"], r["pid"] in old_pids) for r in app.model_status("twin")["replicas"]]
+                   == [("ready", False)] * 2, 60, "both replicas restarted")
+        status, _, body = http("POST", url, {"name": "t", "path": str(lora_dir / "title")}, headers=app.auth)
+        assert status == 201 and (body["model"], body["parent"]) == ("twin:t", "twin"), body
+        prompts = ["hello", "what now?", "tell me more", "hi there", "and then?", "why not"]
+        # (distinct prompts: no replica holds one's prefix; ties between idle replicas alternate)
+        answers = [chat(app, "twin:t", prompt) for prompt in prompts]
+        assert answers == [(200, in_process(_templated(prompt), "title", 12)) for prompt in prompts], answers
+        assert http("DELETE", url + "/t", headers=app.auth)[0] == 200
+        assert [chat(app, "twin:t", prompt)[0] for prompt in prompts] == [404] * len(prompts)
+    finally:
+        app.stop()

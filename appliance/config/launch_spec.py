@@ -6,6 +6,8 @@ worker (appliance.worker) loads its engine from it and never reads the YAML file
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -42,9 +44,10 @@ def worker_spec(model: ModelConfig, config: Config) -> dict[str, Any]:
                             for name, entry in model.adapter_entries().items()}
     if model.kind == "llm":
         spec["speculative"] = model.speculative_defaults()
-    if "adapters" in spec:  # (every kind that takes adapters) by name: the adapter's file and its weight, as JSON
-        spec["adapters"] = {name: {"path": str(adapter_file(entry.path)), "alpha": entry.alpha}
-                            for name, entry in model.adapter_entries().items()}
+        # what the pipeline's LoRA is built for (appliance.worker.engines.adapters): the configured adapters, kept
+        # apart from `adapters` (what the model serves), which the runtime admin routes change: a worker that starts
+        # after every adapter was unloaded still builds its pipeline with LoRA, so one loaded later applies
+        spec["lora_build"] = copy.deepcopy(spec.get("adapters") or {})
     if "scheduler_config" in spec:
         spec["scheduler_config"] = model.scheduler_settings()
     return spec

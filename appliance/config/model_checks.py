@@ -126,6 +126,8 @@ def adapter_problem(path: str, user_name: str | None = None) -> str | None:
     elif where.suffix in (".bin", ".pt", ".pth"):
         return f"{path!r} is a torch checkpoint; {TORCH_HINT}"
     file = adapter_file(path)
+    if not file.is_file():  # a FIFO or a device would block its reader (the front, checking a runtime load) for good
+        return f"expected a regular file; {str(file)!r} is not one"
     if not os.access(file, os.R_OK):
         return f"expected a file this user can read; cannot read {str(file)!r}"
     if user_name and os.geteuid() == 0:
@@ -134,11 +136,58 @@ def adapter_problem(path: str, user_name: str | None = None) -> str | None:
         if blocked:
             return f"expected files the service user {user_name!r} can read; it cannot read {blocked!r}"
     try:
-        from safetensors import safe_open
-        with safe_open(str(file), framework="numpy") as tensors:
-            names = list(tensors.keys())
+        pairs = lora_pairs(file)
     except Exception as exc:  # safetensors raises its own error types for a file that is not one
         return f"expected a safetensors file; cannot read {str(file)!r} as one ({' '.join(str(exc).split())[:160]})"
-    if not any("lora_A" in n or "lora_down" in n or "lora.down" in n for n in names):
-        return f"expected LoRA tensors (lora_A / lora_B) in {str(file)!r}; it holds {len(names)} other tensors"
+    if not pairs:
+        return f"expected LoRA tensors (lora_A / lora_B) in {str(file)!r}; it holds no LoRA pair"
+    for layer, shapes in pairs.items():
+        problem = _pair_problem(shapes)
+        if problem:
+            return f"expected LoRA pairs of one rank in {str(file)!r}; {layer}: {problem}"
+    return None
+
+
+# The two halves of a LoRA pair by the names PEFT and kohya give them: down (A: rank x in) and up (B: out x rank).
+LORA_HALVES = {"lora_A": "A", "lora_down": "A", "lora.down": "A", "lora_B": "B", "lora_up": "B", "lora.up": "B"}
+
+
+def lora_pairs(file: Path | str) -> dict[str, dict[str, list[int]]]:
+    """The LoRA pairs of a safetensors file: layer -> {"A": shape, "B": shape} (either may be missing), read from the
+    header alone (no tensor is loaded)."""
+    from safetensors import safe_open
+    pairs: dict[str, dict[str, list[int]]] = {}
+    with safe_open(str(file), framework="numpy") as tensors:
+        for name in tensors.keys():
+            for marker, half in LORA_HALVES.items():
+                if marker in name:
+                    layer = name.split(marker)[0].rstrip("._")
+                    pairs.setdefault(layer, {})[half] = list(tensors.get_slice(name).get_shape())
+                    break
+    return pairs
+
+
+def _pair_problem(shapes: dict[str, list[int]]) -> str | None:
+    """Why one layer's pair cannot be applied (genai fails the generation that applies it, not the load)."""
+    if set(shapes) != {"A", "B"}:
+        return f"only the {'down (A)' if 'A' in shapes else 'up (B)'} half of the pair"
+    a, b = shapes["A"], shapes["B"]
+    if len(a) < 2 or len(b) < 2 or a[0] != b[1]:  # (a convolution's pair has two more kernel dimensions)
+        return f"A is {a}, B is {b} (expected A: rank x in, B: out x rank, one rank)"
+    return None
+
+
+def adapter_fit_problem(file: Path | str, reference: Path | str) -> str | None:
+    """Why the adapter `file` does not fit the layers the adapter `reference` adapts in the same model (None: it
+    does): each layer both adapt must have the same input and output sizes. genai builds a model's LoRA state for the
+    adapters it is constructed with; an adapter loaded later with other sizes fails every generation it is applied
+    to (an OpenVINO shape error) rather than its load, so a runtime load checks it first."""
+    theirs = lora_pairs(reference)
+    for layer, shapes in lora_pairs(file).items():
+        known = theirs.get(layer)
+        if known and {"A", "B"} <= set(known):
+            inputs, outputs = shapes["A"][1], shapes["B"][0]
+            if (inputs, outputs) != (known["A"][1], known["B"][0]):
+                return (f"{layer} of {str(file)!r} maps {inputs} inputs to {outputs} outputs; the model's layer takes "
+                        f"{known['A'][1]} and gives {known['B'][0]} (an adapter of another base model?)")
     return None

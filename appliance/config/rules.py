@@ -9,6 +9,7 @@ appliance.config.model_checks.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -151,6 +152,12 @@ IMAGE_SIZE_STEP, MIN_IMAGE_SIDE, MAX_IMAGE_SIDE = 8, 64, 4096
 MAX_IMAGES_PER_REQUEST = 10  # OpenAI's own bound on n
 MAX_INFERENCE_STEPS = 500
 ADAPTER_NAME = MODEL_NAME  # a request names an adapter as it names a model
+
+
+def adapter_weight_ok(alpha: float) -> bool:
+    """An adapter's alpha as the config and a runtime load take it: positive and finite (an infinite one, which YAML's
+    .inf and JSON's 1e309 give, turns every logit into NaN: an empty answer)."""
+    return math.isfinite(alpha) and alpha > 0
 
 
 def _image_problems(m: ModelConfig, at: str) -> list[str]:
@@ -322,8 +329,8 @@ def _adapter_problems(model: ModelConfig, at: str) -> list[str]:
         if MODEL_NAME.fullmatch(name) is None:
             problems.append(f"{at}.adapters.{key_name(name)}: expected a name of letters, digits, '.', '_' or '-' (it is served "
                             f"as {model.name}:NAME and labels metrics)")
-        if not entry.alpha > 0:
-            problems.append(f"{at}.adapters.{name}.alpha: expected a positive weight, got {entry.alpha}")
+        if not adapter_weight_ok(entry.alpha):
+            problems.append(f"{at}.adapters.{name}.alpha: expected a positive finite weight, got {entry.alpha}")
     if model.adapters and model.scheduler_config.get("enable_prefix_caching"):
         problems.append(f"{at}.scheduler_config.enable_prefix_caching: not with adapters (genai's prefix cache keys "
                         "blocks by tokens alone: one adapter's cached keys and values would serve another's prompt)")

@@ -95,6 +95,7 @@ class ModelMetrics:
     token_series: Any  # (key, priority) -> TokenSeries, labelled once per pair
     lora_info: Any  # (running adapters, waiting adapters, max_lora) -> None: Metrics.set_lora_info for this model
     adapter: Any  # adapter name -> AdapterSeries: Metrics.adapter_series for this model
+    drop_adapter: Any  # adapter name -> None: Metrics.drop_adapter_series for this model (an adapter unloaded)
 
     def tokens(self, key: str, priority: str) -> TokenSeries:
         """The model's prompt and generation token counters of one key and class (a request labels them once)."""
@@ -117,7 +118,7 @@ class AdapterSeries:
 
 # ModelMetrics fields that are not one child labelled by model alone.
 SPECIAL_SERIES = frozenset({"draft", "queue_time", "answers_cut", "token_series", "ttft", "ttft_cached",
-                            "model_load", "lora_info", "adapter"})
+                            "model_load", "lora_info", "adapter", "drop_adapter"})
 
 
 class Metrics:
@@ -318,6 +319,13 @@ class Metrics:
                   (self.adapter_requests, self.adapter_prompt_tokens, self.adapter_generation_tokens)))
         return self.adapter_labelled[key]
 
+    def drop_adapter_series(self, model: str, adapter: str) -> None:
+        """An adapter unloaded at runtime: its series go (else every name ever loaded would stay a series on the page
+        for as long as the server runs)."""
+        if self.adapter_labelled.pop((model, adapter), None) is not None:
+            for counter in (self.adapter_requests, self.adapter_prompt_tokens, self.adapter_generation_tokens):
+                counter.remove(model, adapter)
+
     def add_replica(self, key: str, model: str, device: str) -> None:
         """A replica's unit key (appliance.config.replicas): its series are its model's, its gauges its own."""
         self.replicas[key] = (model, device)
@@ -366,7 +374,8 @@ class Metrics:
         return ModelMetrics(**series, draft=draft, queue_time=queue_time, answers_cut=answers_cut, model_load=model_load,
                             token_series=self._token_series(model),
                             lora_info=functools.partial(self.set_lora_info, model),
-                            adapter=functools.partial(self.adapter_series, model))
+                            adapter=functools.partial(self.adapter_series, model),
+                            drop_adapter=functools.partial(self.drop_adapter_series, model))
 
     def replica_value(self, name: str, field: str, value: float, mean: bool) -> float:
         """A replica's figure recorded; what its model's gauge shows now (the sum, or the mean, over replicas)."""

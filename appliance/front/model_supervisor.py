@@ -10,6 +10,7 @@ the life's or the router's.
 from __future__ import annotations
 
 import asyncio
+import copy
 from typing import Any, AsyncIterator, Callable
 
 from appliance import ipc
@@ -46,8 +47,13 @@ class ModelSupervisor:
         self.series = metrics.for_model(self.name, model.kind)
         self._on_change = on_change  # the Supervisor's "some model changed state" signal
         self.router = RequestRouter(model, self.series)
-        self.life = WorkerLife(model, worker_spec(model, config), metrics, self.series, load_gate, self.router,
+        # the spec the config gives (a reload compares the new config's with it); the life's own copy also holds the
+        # LoRA adapters loaded and unloaded at runtime since (appliance.front.api.adapters), which are no config change
+        self.configured_spec = worker_spec(model, config)
+        self.adapter_changes = asyncio.Lock()  # one runtime load or unload of an adapter at a time
+        self.life = WorkerLife(model, copy.deepcopy(self.configured_spec), metrics, self.series, load_gate, self.router,
                                self._on_frame, self._state_changed, kernel_log, ledger, spawner, canary, self.name)
+        self.router.adapters_served = lambda: self.spec.get("adapters") or {}
 
     # --- the model, as the Supervisor sees it -------------------------------------------------------------
 

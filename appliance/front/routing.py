@@ -45,6 +45,8 @@ class RequestRouter:
     def __init__(self, model: ModelConfig, series: ModelMetrics):
         self.model = model
         self.series = series
+        # the LoRA adapters the model serves now (its ModelSupervisor sets it: its worker's spec)
+        self.adapters_served: Callable[[], dict] = dict
         self.running: dict[int, Request] = {}
         # ordered by priority class (appliance.front.admission)
         self.waiting = AdmissionQueue(model.background_max_wait_s)
@@ -234,6 +236,14 @@ class RequestRouter:
             self.series.lora_info(self._served_adapters(self.running.values()), self._served_adapters(self.waiting),
                                   self.model.max_adapters)
 
+    def _adapter_series(self, req: Request):
+        """The counters of the adapter a request names, on a model with adapters; None once it is unloaded (its
+        series went with it, appliance.front.api.adapters: a request finishing after must not bring them back)."""
+        adapter = adapter_of(req)
+        if not self.model.adapters or adapter and adapter not in self.adapters_served():
+            return None
+        return self.series.adapter(adapter)
+
     def _served_adapters(self, requests) -> list[str]:
         """The served names (BASE:ADAPTER, what a client and the endpoint picker name) of the adapters requests use."""
         return [f"{self.model.name}:{adapter}" for adapter in map(adapter_of, requests) if adapter]
@@ -289,8 +299,8 @@ class RequestRouter:
             self.series.itl.observe((now - req.last_token) / message["n"])
         req.last_token = now
         self.series.tokens(req.ticket.key, req.ticket.priority).generation.inc(message["n"])
-        if self.model.adapters:
-            self.series.adapter(adapter_of(req)).generation.inc(message["n"])
+        if adapter := self._adapter_series(req):
+            adapter.generation.inc(message["n"])
         req.ticket.count_tokens(message["n"])
         if message.get("prompt_tokens"):  # tokens_per_minute counts the prompt now
             req.ticket.charge_prompt(message["prompt_tokens"])
@@ -321,8 +331,7 @@ class RequestRouter:
             series = self.series.tokens(ticket.key, ticket.priority)
             series.prompt.inc(prompt_tokens - cached_tokens)
             series.cached_prompt.inc(cached_tokens)
-            if self.model.adapters and req.op == "generate":
-                adapter = self.series.adapter(adapter_of(req))
+            if req.op == "generate" and (adapter := self._adapter_series(req)):
                 adapter.requests.inc()
                 adapter.prompt.inc(prompt_tokens)
         ticket.charge_prompt(prompt_tokens)

@@ -88,7 +88,7 @@ class Supervisor:
         wanted = {unit.key: unit for unit in all_units(config.models)}  # a replicated model: one unit per replica
         removed = [key for key in self.units if key not in wanted]
         changed = [key for key, sup in self.units.items() if key in wanted and
-                   (wanted[key].model != sup.model or worker_spec(wanted[key].model, config) != sup.spec
+                   (wanted[key].model != sup.model or worker_spec(wanted[key].model, config) != sup.configured_spec
                     or sup.state is ModelState.FAILED)]
         added = [unit for key, unit in wanted.items() if key not in self.units]
         for name in changed:  # new settings: a load that failed may work now, and the old footprint may be wrong

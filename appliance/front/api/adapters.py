@@ -12,6 +12,7 @@ layers.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,10 @@ from typing import Any
 from aiohttp import web
 
 from appliance.config import adapter_problem
-from appliance.config.model_checks import adapter_file
-from appliance.config.rules import MODEL_NAME
+from appliance.config.model_checks import adapter_file, adapter_fit_problem
+from appliance.config.rules import MODEL_NAME, adapter_weight_ok
 from appliance.front.api import lookup
+from appliance.front.lifecycle import ModelState
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import parse_json
 from appliance.front.api.results import result_of
@@ -34,34 +36,42 @@ from appliance.front.request import RequestFailed
 def add_routes(app: web.Application, appliance: ServerView) -> None:
     async def load(request: web.Request, call: Call) -> web.Response:
         sup = await admitted_model(request, call)
+        model = sup.model.name  # (sup may be one replica's: NAME@DEVICE is no name a client knows)
         name, path, alpha = load_body(await request.read())
-        served = lookup.served_adapters(sup)
-        if name in served:
-            raise RequestFailed(409, "invalid_request", f"the model '{sup.name}' already serves an adapter named "
-                                f"'{name}'; unload it first (DELETE /openarc/models/{sup.name}/adapters/{name})",
-                                "adapter_exists")
-        if len(served) >= sup.model.max_adapters:
-            raise RequestFailed(409, "invalid_request", f"the model '{sup.name}' holds max_adapters "
-                                f"({sup.model.max_adapters}) adapters; unload one first", "max_adapters")
-        problem = path_problem(sup, path)
-        if problem:
-            raise InvalidRequest(problem, "path")
-        entry = {"path": str(adapter_file(path)), "alpha": alpha}
-        await ask_worker(sup, {"action": "load", "name": name, **entry})
-        served[name] = entry  # the spec: a restarted worker loads it again
-        return web.json_response({"model": f"{sup.name}{lookup.ADAPTER_SEPARATOR}{name}", "parent": sup.name,
+        units = appliance.supervisor.units_of(model)  # every replica serves the same adapters
+        async with units[0].adapter_changes:  # the checks and the load as one step: racing loads cannot both pass them
+            served = lookup.served_adapters(sup)
+            if name in served:
+                raise RequestFailed(409, "invalid_request", f"the model '{model}' already serves an adapter named "
+                                    f"'{name}'; unload it first (DELETE /openarc/models/{model}/adapters/{name})",
+                                    "adapter_exists")
+            if len(served) >= sup.model.max_adapters:
+                raise RequestFailed(409, "invalid_request", f"the model '{model}' holds max_adapters "
+                                    f"({sup.model.max_adapters}) adapters; unload one first", "max_adapters")
+            problem = await asyncio.to_thread(path_problem, sup, path)  # (file reads: off the event loop)
+            if problem:
+                raise InvalidRequest(problem, "path")
+            entry = {"path": str(adapter_file(path)), "alpha": alpha}
+            await on_every_unit(units, {"action": "load", "name": name, **entry})
+            for unit in units:
+                lookup.served_adapters(unit)[name] = entry  # the spec: a restarted worker loads it again
+        return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "parent": model,
                                   "root": entry["path"], "alpha": alpha}, status=201)
 
     async def unload(request: web.Request, call: Call) -> web.Response:
         sup = await admitted_model(request, call)
-        name = request.match_info["adapter"]
-        served = lookup.served_adapters(sup)
-        if name not in served:
-            raise RequestFailed(404, "model_not_found", f"the model '{sup.name}' has no adapter named '{name}' "
-                                f"(have: {', '.join(served) or 'none'})")
-        await ask_worker(sup, {"action": "unload", "name": name})
-        del served[name]
-        return web.json_response({"model": f"{sup.name}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
+        model, name = sup.model.name, request.match_info["adapter"]
+        units = appliance.supervisor.units_of(model)
+        async with units[0].adapter_changes:
+            served = lookup.served_adapters(sup)
+            if name not in served:
+                raise RequestFailed(404, "model_not_found", f"the model '{model}' has no adapter named '{name}' "
+                                    f"(have: {', '.join(served) or 'none'})")
+            await on_every_unit(units, {"action": "unload", "name": name})
+            for unit in units:
+                lookup.served_adapters(unit).pop(name, None)
+            sup.series.drop_adapter(name)
+        return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
 
     async def admitted_model(request: web.Request, call: Call):
         """The ready supervisor of the model the route names, once the key may use it (a key learns no other
@@ -96,19 +106,44 @@ def load_body(data: bytes) -> tuple[str, str, float]:
         raise InvalidRequest("'name' must be letters, digits, '.', '_' or '-' (served as MODEL:NAME)", "name")
     if not isinstance(path, str) or not path:
         raise InvalidRequest("'path' must be the adapter's path on the server", "path")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise InvalidRequest("'alpha' must be a positive number (1: as trained)", "alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not adapter_weight_ok(alpha):
+        raise InvalidRequest("'alpha' must be a positive finite number (1: as trained)", "alpha")
     return name, path, float(alpha)
 
 
 def path_problem(sup, path: str) -> str | None:
-    """Why `path` cannot be loaded into the model of `sup`: outside the directory holding the model's own, or not
-    an adapter (the same check as a configured adapter's)."""
+    """Why `path` cannot be loaded into the model of `sup`: outside the directory holding the model's own, not an
+    adapter (the same check as a configured adapter's), or one whose layers' sizes differ from those of the adapters
+    the model was built with (genai would fail each generation it is applied to, not the load)."""
+    if "\x00" in path:  # (no file's name holds one; the OS calls below would raise on it)
+        return "the adapter's path must not contain a NUL character"
     root = Path(os.path.realpath(sup.model.path)).parent
     where = Path(os.path.realpath(path))
     if not os.path.isabs(path) or root not in where.parents:
         return f"the adapter's path must be absolute and under {str(root)!r} (the directory holding the model's own)"
-    return adapter_problem(str(where))
+    return adapter_problem(str(where)) or next(
+        (problem for entry in sup.configured_spec["adapters"].values()  # (what genai built the model's LoRA for)
+         if (problem := adapter_fit_problem(adapter_file(str(where)), entry["path"]))), None)
+
+
+async def on_every_unit(units: list, adapter: dict[str, Any]) -> None:
+    """The load or unload done by the worker of each unit of a model (its replicas) that runs one; a unit without a
+    worker now loads what its spec says when it starts. A refusal undoes the loads done and is the caller's 400."""
+    loading = [unit.name for unit in units if unit.state is ModelState.LOADING]
+    if loading:  # its worker started with the spec of before this change, and would come up without it
+        raise RequestFailed(503, "model_unavailable", f"a replica of the model is loading ({', '.join(loading)}); "
+                            "change its adapters once it is ready", retry_after=5)
+    done = []
+    try:
+        for unit in units:
+            if unit.life.admits():
+                await ask_worker(unit, adapter)
+                done.append(unit)
+    except RequestFailed:
+        if adapter["action"] == "load":
+            for unit in done:
+                await ask_worker(unit, {"action": "unload", "name": adapter["name"]})
+        raise
 
 
 async def ask_worker(sup, adapter: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,8 @@ def error_body(message: str, type_: str, code: str | None = None, param: str | N
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+               405: "invalid_request_error",
+               409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,

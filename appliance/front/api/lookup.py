@@ -44,7 +44,8 @@ def adapter_name(name: str) -> tuple[str, str]:
 def served_adapters(sup) -> dict[str, dict]:
     """The LoRA adapters a model's supervisor serves now (configured and loaded at runtime): its worker's spec's
     (appliance.config.launch_spec), which a restart of the worker loads again."""
-    return (sup.spec.get("adapters") or {}) if sup is not None else {}
+    # (the spec's own dict even when empty: the admin routes write to it; a model without adapters has none)
+    return sup.spec["adapters"] if sup is not None and "adapters" in sup.spec else {}
 
 
 async def model_for(appliance: ServerView, name: str, call, kinds: tuple[str, ...]):

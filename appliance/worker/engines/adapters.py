@@ -23,8 +23,13 @@ class Adapters:
         self.loaded: dict[str, tuple[Any, float]] = {}
         for name, entry in (spec.get("adapters") or {}).items():
             self.load(name, entry["path"], entry["alpha"])
+        # what the pipeline is built with: the adapters served and those of the config (spec["lora_build"]) unloaded
+        # at runtime before this worker started (built without any, a pipeline ignores every adapter loaded later)
+        self.build = list(self.loaded.values()) + [
+            self._read(entry["path"], entry["alpha"]) for name, entry in (spec.get("lora_build") or {}).items()
+            if name not in self.loaded]
         # the adapter a BASE config names at alpha 0 (config_for), kept when it is unloaded
-        self.anchor = next(iter(self.loaded.values()))[0] if self.loaded else None
+        self.anchor = self.build[0][0] if self.build else None
 
     def __bool__(self) -> bool:
         """Whether the pipeline was built with LoRA (adapters unloaded since leave it so)."""
@@ -34,8 +39,12 @@ class Adapters:
         return name == BASE or name in self.loaded
 
     def load(self, name: str, path: str, alpha: float) -> None:
+        self.loaded[name] = self._read(path, alpha)
+
+    @staticmethod
+    def _read(path: str, alpha: float) -> tuple[Any, float]:
         import openvino_genai
-        self.loaded[name] = (openvino_genai.Adapter(path), float(alpha))
+        return openvino_genai.Adapter(path), float(alpha)
 
     def unload(self, name: str) -> None:
         self.loaded.pop(name, None)
@@ -44,10 +53,10 @@ class Adapters:
         """The AdapterConfig a pipeline is built with (every adapter held, dynamic mode, so any of them, or none,
         can be applied later), or None for a model without adapters."""
         import openvino_genai
-        if not self.loaded:
+        if not self.build:
             return None
         config = openvino_genai.AdapterConfig(openvino_genai.AdapterConfig.Mode.MODE_DYNAMIC)
-        for adapter, alpha in self.loaded.values():
+        for adapter, alpha in self.build:
             config.add(adapter, alpha)
         return config
 

@@ -98,6 +98,11 @@ class BatchingEngine(LLMEngine):
         """Requests running with it finish with it (genai holds the adapter while a config names it); those waiting
         for its turn fail, as a request naming it after the unload would."""
         super().unload_adapter(name)
+        if self.group == name:
+            # the pipeline still runs this adapter's weights: a request naming an adapter loaded later under the same
+            # name must wait for a turn of its own, whose generate() applies the new one (joining now, it would run
+            # the old file's weights)
+            self.group = None
         for req in self.held.pop(name, ()):
             self.fail(req.id, INVALID_REQUEST, f"the adapter {name!r} was unloaded before the request ran")
 

@@ -183,3 +183,24 @@ def test_server_prunes_its_cache_after_loading_and_the_load_metric_tells_cache_f
     scrape = samples(second.metrics())
     assert value(scrape, "openarc_model_load_seconds_count", model="demo", source="cache") == 1
     assert value(scrape, "openarc_model_load_seconds_count", model="demo", source="compiled") == 0
+
+
+def test_prune_never_deletes_or_counts_what_a_symlink_in_the_cache_points_at(tmp_path):
+    # A cache directory may hold links (an operator's, or a runtime directory moved to another disk and linked
+    # back): what they point at is not the cache's. Pruning to a bound of 0 deletes every entry it may, and nothing
+    # outside the cache directory.
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    (outside / "victim").mkdir(parents=True)
+    (outside / "victim" / "precious").write_bytes(b"x" * 4096)
+    (outside / "loose.blob").write_bytes(b"y" * 4096)
+    cache.mkdir()
+    (cache / OLD_RUNTIME).symlink_to(outside)                                  # a runtime directory that is a link
+    (cache / RUNTIME).mkdir()
+    (cache / RUNTIME / "gone").symlink_to(outside / "victim")                  # a model directory that is a link
+    (cache / RUNTIME / "a").mkdir()
+    (cache / RUNTIME / "a" / "inside").symlink_to(outside / "victim")          # a link inside an entry
+    (cache / "old.blob").symlink_to(outside / "loose.blob")                    # a flat-layout file that is a link
+    assert all(entry.size == 0 for entry in compile_cache.scan(cache))         # a link's target is not counted
+    compile_cache.prune(cache, 0, RUNTIME, CONFIGURED, ())
+    assert (outside / "victim" / "precious").read_bytes() == b"x" * 4096
+    assert (outside / "loose.blob").read_bytes() == b"y" * 4096

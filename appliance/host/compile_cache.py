@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -112,27 +113,45 @@ def mark_used(directory: Path | None) -> None:
 # --- what the cache holds ------------------------------------------------------------------------------------------
 
 def _size_and_newest(path: Path) -> tuple[int, float]:
+    """The bytes of the regular files at or under `path` and the newest mtime, never following a link: a link's
+    target is not the cache's (it may be a user's directory), so it is neither counted nor pruned."""
     size, newest = 0, 0.0
-    for item in (path.rglob("*") if path.is_dir() else [path]):
+    for item in _walk(path):
         try:
             st = item.lstat()
         except OSError:  # deleted under us
             continue
-        if item.is_file():
+        if stat.S_ISREG(st.st_mode):
             size += st.st_size
         newest = max(newest, st.st_mtime)
     return size, newest
 
 
+def _walk(path: Path) -> Iterable[Path]:
+    """Everything under a real directory `path` (a file: itself); links are yielded, not followed."""
+    if path.is_symlink() or not path.is_dir():
+        yield path
+        return
+    for root, dirs, files in os.walk(path, followlinks=False):
+        yield from (Path(root) / name for name in dirs + files)
+
+
+def _own(path: Path) -> bool:
+    """Whether `path` is the cache's own: a real file or directory, not a link to somewhere else."""
+    return not path.is_symlink()
+
+
 def scan(cache_dir: str | Path) -> list[Entry]:
-    """The cache's entries; anything else in the directory (a demo model, a user's file) is not the cache's and is
-    left out, so never pruned."""
+    """The cache's entries; anything else in the directory (a demo model, a user's file, a link to anywhere) is not
+    the cache's and is left out, so never pruned."""
     base = Path(cache_dir)
     entries = []
     for child in sorted(base.iterdir()) if base.is_dir() else []:
+        if not _own(child):
+            continue
         if child.is_dir() and RUNTIME_DIR.fullmatch(child.name):
             for model in sorted(child.iterdir()):
-                if model.is_dir():
+                if _own(model) and model.is_dir():
                     size, newest = _size_and_newest(model)
                     marker = model / LAST_USED
                     used = marker.stat().st_mtime if marker.exists() else newest
@@ -174,7 +193,9 @@ def prune(cache_dir: str | Path, bound: int, runtime: str, configured: Iterable[
     """Carry out the plan on the cache directory; the entries deleted."""
     chosen = plan(scan(cache_dir), bound, runtime, configured, loaded)
     for entry in chosen:
-        if entry.path.is_dir():
+        if not _own(entry.path):  # became a link since the scan: what it points at is not the cache's
+            continue
+        if entry.path.is_dir():  # rmtree unlinks the links inside, never what they point at
             shutil.rmtree(entry.path, ignore_errors=True)
         else:
             entry.path.unlink(missing_ok=True)

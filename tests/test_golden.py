@@ -111,13 +111,68 @@ def test_the_file_keeps_any_token_text_and_vector(tmp_path_factory, answer, vect
 def test_a_broken_record_names_the_file_and_key(tmp_path):
     path = tmp_path / "golden.yaml"
     path.write_text("format: 1\nmodels:\n  chat: {kind: llm, answers: [{tokens: [a]}]}\n")
-    with pytest.raises(RecordError, match=f"^{path}: models.chat.answers\\[0\\]: expected probe"):
+    with pytest.raises(RecordError, match=f"^{path}: models.chat.answers\\[0\\].probe: required key is missing"):
         load(path)
     path.write_text("format: 9\nmodels: {}\n")
     with pytest.raises(RecordError, match=f"^{path}: format: expected 1"):
         load(path)
     assert load(tmp_path / "absent.yaml") == {}
 
+
+
+HOSTILE = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(allow_nan=True),
+                    st.text(max_size=8), st.lists(st.one_of(st.text(max_size=3), st.floats(), st.none()), max_size=3),
+                    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+VALID_MODELS = {"chat": {"kind": "llm", "speed": 10.0, "speed_unit": "tokens/s", "load_seconds": 0.5, "tolerance": 0.01,
+                         "answers": [{"probe": "p", "tokens": ["a", "b"]}]},
+                "emb": {"kind": "embedding", "speed": 3.0, "answers": [{"probe": "t", "vector": [0.5, 0.25]}]},
+                "say": {"kind": "tts", "answers": [{"probe": "s", "samples": 100, "checksum": "ab12"}]}}
+VALID_RECORDS = {"chat": ModelRecord("llm", [Answer("p", tokens=["a", "b"])], speed=10.0),
+                 "emb": ModelRecord("embedding", [Answer("t", vector=[0.5, 0.25])], speed=3.0, speed_unit="probes/s"),
+                 "say": ModelRecord("tts", [Answer("s", samples=100, checksum="ab12")])}
+KEY_PATHS = [("chat", "kind"), ("chat", "speed"), ("chat", "speed_unit"), ("chat", "load_seconds"),
+             ("chat", "tolerance"), ("chat", "answers"), ("chat", "answers", 0), ("chat", "answers", 0, "probe"),
+             ("chat", "answers", 0, "tokens"), ("emb", "answers", 0, "vector"), ("say", "answers", 0, "samples"),
+             ("say", "answers", 0, "checksum")]
+FIELD_TYPES = {"kind": str, "speed": float, "speed_unit": str, "tolerance": float}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(KEY_PATHS), HOSTILE)
+def test_a_record_of_any_wrong_shape_is_refused_naming_its_key_or_read_as_checkable(tmp_path_factory, at, value):
+    """Whatever a hand-edited record holds at a key, reading it is a RecordError naming the file and that key, or
+    records of the right types that the comparison judges without raising (never a TypeError deep in a check)."""
+    models = copy.deepcopy(VALID_MODELS)
+    holder = models
+    for key in at[:-1]:
+        holder = holder[key]
+    holder[at[-1]] = value
+    path = tmp_path_factory.mktemp("golden") / "golden.yaml"
+    path.write_text(yaml.safe_dump({"format": 1, "models": models}))
+    try:
+        records = load(path)
+    except RecordError as exc:
+        key = "models." + ".".join(str(k) for k in at[:2])
+        assert str(exc).startswith(f"{path}: {key}"), str(exc)
+        return
+    for name, record in records.items():
+        assert all(isinstance(getattr(record, f), t) for f, t in FIELD_TYPES.items())
+        assert record.speed >= 0 and 0 <= record.tolerance < float("inf")
+        for answer in record.answers:
+            assert isinstance(answer.probe, str)
+            assert answer.tokens is None or all(isinstance(t, str) for t in answer.tokens)
+            assert answer.vector is None or all(isinstance(x, float) for x in answer.vector)
+        compare(name, record, VALID_RECORDS[name], 0.5)
+
+
+def test_a_record_too_deep_or_too_large_is_refused_at_once(tmp_path):
+    path = tmp_path / "golden.yaml"
+    path.write_text("format: 1\nmodels:\n  chat: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(RecordError, match=f"^{path}: "):
+        load(path)
+    path.write_text("format: 1\nmodels: {}\n# " + "x" * (64 << 20) + "\n")
+    with pytest.raises(RecordError, match=f"^{path}: .*larger than"):
+        load(path)
 
 # --- the real thing: demo models, `openarc golden`, `openarc serve` ----------------------------------------------
 

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -23,7 +24,7 @@ from hypothesis import given, settings, strategies as st
 
 from appliance.golden.compare import ANSWER, END, SPEED, compare, token_difference
 from appliance.golden.record import Answer, ModelRecord, RecordError, load, save
-from conftest import REPO, http, model_entry, wait_until
+from conftest import REPO, http, model_entry, pid_alive, wait_until
 
 EXIT_BOUND_S = 120  # catches a hang only
 
@@ -245,6 +246,18 @@ def test_golden_check_prints_what_differs_and_fails(recorded, tmp_path, demo_mod
     assert lines[1].startswith("emb: OK ("), lines
 
 
+def child_pids(parent: int) -> list[int]:
+    """The processes whose parent is `parent` now, from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                pids.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return pids
+
+
 def test_gate_never_sends_ready_and_exits_with_one_line(recorded, tmp_path, appliance_factory, demo_model,
                                                         embedding_model):
     notify = NotifySocket(tmp_path)
@@ -257,7 +270,10 @@ def test_gate_never_sends_ready_and_exits_with_one_line(recorded, tmp_path, appl
         status, _, body = http("GET", app.base + "/ready", timeout=5)
         return status == 503 and body.get("reason") == "canary: checking chat against the golden record" and body
     assert wait_until(checking, EXIT_BOUND_S, "checking")["models"]["chat"] == "loading"
+    children = child_pids(app.proc.pid)  # the workers (the one being checked among them) and any parked spare
+    assert children
     assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
+    assert not [pid for pid in children if pid_alive(pid)], "a worker outlived the server that the canary refused"
     messages = notify.messages()
     assert messages and not any("READY=1" in m.split("\n") for m in messages), messages
     assert any("chat: loading, checking its golden answers" in m for m in messages), messages  # systemctl status

@@ -166,6 +166,16 @@ def test_a_record_of_any_wrong_shape_is_refused_naming_its_key_or_read_as_checka
         compare(name, record, VALID_RECORDS[name], 0.5)
 
 
+def test_recording_again_replaces_a_broken_record(tmp_path):
+    """`openarc golden record` over a file that cannot be read (`check` refuses it, naming the key) writes a new
+    one: the record of the models it ran, never a traceback after all its probes have run."""
+    path = tmp_path / "golden.yaml"
+    record = {"chat": chat_record([["a", "b"]])}
+    for broken in ("format: 1\nmodels:\n  chat: {kind: llm, speed: [1], answers: []}\n", "models: [", "\xff"):
+        path.write_text(broken)
+        save(path, record, "test")
+        assert load(path) == record
+
 def test_a_record_too_deep_or_too_large_is_refused_at_once(tmp_path):
     path = tmp_path / "golden.yaml"
     path.write_text("format: 1\nmodels:\n  chat: " + "[" * 5000 + "]" * 5000 + "\n")

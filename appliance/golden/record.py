@@ -157,8 +157,12 @@ def _record_problems(record: ModelRecord, at: str) -> list[str]:
 
 
 def save(path: Path, records: dict[str, ModelRecord], version: str) -> None:
-    """Write the whole file atomically; models recorded before and not recorded now are kept."""
-    kept = {**load(path), **records} if path.exists() else records
+    """Write the whole file atomically; models recorded before and not recorded now are kept, from a file that
+    reads (a broken one is replaced: `openarc golden record` says so before it runs its probes)."""
+    try:
+        kept = {**load(path), **records}
+    except RecordError:
+        kept = records
     data = {"format": FORMAT,
             "recorded_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "openarc": version, "models": {name: kept[name].as_dict() for name in sorted(kept)}}

@@ -10,6 +10,7 @@ first differing token; warn serves and logs; an on-demand model that fails is re
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import re
 import signal
@@ -22,7 +23,7 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from appliance.golden.compare import ANSWER, END, SPEED, compare, token_difference
+from appliance.golden.compare import ANSWER, END, ERROR, SPEED, compare, token_difference
 from appliance.golden.record import Answer, ModelRecord, RecordError, load, save
 from conftest import REPO, http, model_entry, pid_alive, wait_until
 
@@ -175,6 +176,22 @@ def test_recording_again_replaces_a_broken_record(tmp_path):
         path.write_text(broken)
         save(path, record, "test")
         assert load(path) == record
+
+def test_the_canarys_verdict_on_a_broken_record_is_one_line(tmp_path):
+    """A record with several broken keys fails every model's check (nothing unchecked serves under gate); the verdict
+    the journal shows and the start's exit line carry is still one line, naming the model, the file and a key."""
+    from appliance.config import parse_config
+    from appliance.front.canary import Canary
+    from appliance.front.metrics import Metrics
+    config = parse_config({"server": {"canary": "gate"}, "models": [model_entry("chat", tmp_path)]},
+                          str(tmp_path / "openarc.yaml"))
+    (tmp_path / "golden.yaml").write_text("format: 1\nmodels:\n  chat: {kind: llm, speed: [1], tolerance: x, "
+                                          "answers: [{probe: 1}]}\n")
+    canary = Canary(lambda: config, Metrics())
+    assert canary.wants("chat")
+    difference = asyncio.run(canary.check(config.models[0], None, None))
+    assert difference.reason == ERROR and "\n" not in difference.detail, difference.detail
+    assert difference.detail.startswith(f"model chat: {tmp_path / 'golden.yaml'}: models.chat.")
 
 def test_a_record_too_deep_or_too_large_is_refused_at_once(tmp_path):
     path = tmp_path / "golden.yaml"

@@ -70,7 +70,7 @@ class Canary:
         try:
             recorded = self._records().get(model.name)
         except RecordError as exc:
-            return Difference(ERROR, f"model {model.name}: {exc}")
+            return Difference(ERROR, f"model {model.name}: {exc.summary}")
         if recorded is None:  # its record was taken out since it loaded
             return None
         try:

@@ -44,7 +44,13 @@ MAX_FILE_BYTES = 4 << 20  # a record of every probe of dozens of models is a few
 
 
 class RecordError(Exception):
-    """A golden file that cannot be read: the message names the file and the key."""
+    """A golden file that cannot be read: the message names the file and the key, one line per problem."""
+
+    @property
+    def summary(self) -> str:
+        """One line, for the canary's verdict (a journal line, the failed start's exit line): the first problem."""
+        first, *rest = str(self).splitlines() or [""]
+        return first + (f" (and {len(rest)} more: `openarc golden check` lists them)" if rest else "")
 
 
 @dataclass

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ import yaml
 from hypothesis import given, settings, strategies as st
 
 from appliance.golden.compare import ANSWER, END, ERROR, SPEED, compare, token_difference
-from appliance.golden.record import Answer, ModelRecord, RecordError, load, save
+from appliance.golden.record import MAX_FILE_BYTES, Answer, ModelRecord, RecordError, load, save
 from conftest import REPO, http, model_entry, pid_alive, wait_until
 
 EXIT_BOUND_S = 120  # catches a hang only
@@ -193,12 +194,67 @@ def test_the_canarys_verdict_on_a_broken_record_is_one_line(tmp_path):
     assert difference.reason == ERROR and "\n" not in difference.detail, difference.detail
     assert difference.detail.startswith(f"model chat: {tmp_path / 'golden.yaml'}: models.chat.")
 
+def test_each_replica_of_a_recorded_model_is_checked_and_counted_under_the_models_name(tmp_path):
+    """A replicated model's workers are lives keyed NAME@LABEL: each is checked against the model's record (a replica
+    on a card whose runtime changed its answers must not serve unchecked), and its failure is counted under the
+    model's name as every other metric's `model` label is."""
+    from appliance.config import parse_config
+    from appliance.front.canary import Canary
+    from appliance.front.metrics import Metrics
+    from appliance.golden.compare import Difference
+    config = parse_config({"server": {"canary": "gate"},
+                           "models": [model_entry("chat", tmp_path, device=["CPU", "CPU"])]},
+                          str(tmp_path / "openarc.yaml"))
+    save(tmp_path / "golden.yaml", {"chat": chat_record([["a"]])}, "test")
+    metrics = Metrics()
+    canary = Canary(lambda: config, metrics)
+    assert canary.wants("chat") and canary.wants("chat@CPU#1")
+    canary.judge("chat@CPU#1", Difference(ANSWER, "model chat: differs"))
+    assert metrics.canary_failures.labels(model="chat", reason=ANSWER)._value.get() == 1
+
+def test_the_canary_reads_a_large_record_off_the_event_loop_once(tmp_path):
+    """The front reads golden.yaml before it vets each loaded worker: a large record takes seconds to parse, and the event loop (health, the watchdog, other models' requests) keeps running meanwhile; a record that
+    has not changed is not parsed again."""
+    from appliance.config import parse_config
+    from appliance.front.canary import Canary
+    from appliance.front.metrics import Metrics
+    config = parse_config({"server": {"canary": "warn"}, "models": [model_entry("chat", tmp_path)]},
+                          str(tmp_path / "openarc.yaml"))
+    answer = "    - {probe: p, tokens: [" + ", ".join(["tok"] * 60) + "]}\n"
+    text = "format: 1\nmodels:\n  chat:\n    kind: llm\n    answers:\n"
+    (tmp_path / "golden.yaml").write_text(text + answer * ((256 << 10) // len(answer)))  # a quarter of the bound
+    started = time.monotonic()
+    load(tmp_path / "golden.yaml")
+    parse_s = time.monotonic() - started
+
+    async def run() -> float:
+        canary, gaps, done = Canary(lambda: config, Metrics()), [], asyncio.Event()
+
+        async def ticker():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+        ticking = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        await canary.refresh()
+        done.set()
+        await ticking
+        assert canary.wants("chat")
+        again = time.monotonic()
+        await canary.refresh()  # unchanged: not parsed again
+        assert time.monotonic() - again < parse_s / 4
+        return max(gaps)
+    assert asyncio.run(run()) < max(0.25, parse_s / 4), parse_s
+
 def test_a_record_too_deep_or_too_large_is_refused_at_once(tmp_path):
     path = tmp_path / "golden.yaml"
     path.write_text("format: 1\nmodels:\n  chat: " + "[" * 5000 + "]" * 5000 + "\n")
     with pytest.raises(RecordError, match=f"^{path}: "):
         load(path)
-    path.write_text("format: 1\nmodels: {}\n# " + "x" * (64 << 20) + "\n")
+    path.write_text("format: 1\nmodels: {}\n# " + "x" * MAX_FILE_BYTES + "\n")
     with pytest.raises(RecordError, match=f"^{path}: .*larger than"):
         load(path)
 

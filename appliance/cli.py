@@ -91,10 +91,11 @@ def cmd_golden(args: argparse.Namespace) -> int:
     try:
         records = golden.load(path)
     except golden.RecordError as exc:
+        print(f"openarc golden: {exc}", file=sys.stderr)
         if args.action == "check":
-            print(f"openarc golden: {exc}", file=sys.stderr)
             return 2
-        records = {}  # recording again replaces a broken file
+        print(f"openarc golden: {path}: recording replaces it", file=sys.stderr)
+        records = {}  # recording again replaces a broken file (golden.save)
     names = args.models or [m.name for m in config.models]
     if args.action == "check" and not (names := [name for name in names if name in records]):
         print(f"openarc golden: {path}: no record of {', '.join(args.models) or 'any model'}; "

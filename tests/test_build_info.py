@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
+from hypothesis import given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import __version__
@@ -46,3 +47,20 @@ def test_metrics_status_and_doctor_agree_on_the_build(appliance_factory, demo_mo
     assert build_series(app.metrics()) == [A770_BUILD]
     assert app.status()["build"] == A770_BUILD
     assert f"build: {build_info.describe(A770_BUILD)}" in app.logs()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=3000), st.text(alphabet=st.characters(blacklist_characters="\n"), max_size=3000))
+def test_any_reader_text_makes_a_short_single_line_label(tmp_path_factory, osrelease, version):
+    """The readers give whatever a box's files hold (a recorded root, a patched kernel, a hand-built package): each
+    label is still one printable line, never empty, short enough for a dashboard header and a log line."""
+    root = tmp_path_factory.mktemp("root")
+    (root / "proc/sys/kernel").mkdir(parents=True)
+    (root / "proc/sys/kernel/osrelease").write_text(osrelease, encoding="utf-8", errors="surrogateescape")
+    (root / "var/lib/dpkg").mkdir(parents=True)
+    (root / "var/lib/dpkg/status").write_text(
+        f"Package: intel-opencl-icd\nStatus: install ok installed\nVersion: {version}\n", errors="surrogateescape")
+    _, info = build_info.read_machine(str(root))
+    for value in info.values():
+        assert value and value.isprintable() and value.strip() == value and len(value) <= build_info.MAX_LABEL_CHARS
+    assert "\n" not in build_info.describe(info)

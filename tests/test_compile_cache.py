@@ -5,6 +5,7 @@ and a real server that prunes its cache to the bound after loading and tells a l
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -183,3 +184,49 @@ def test_server_prunes_its_cache_after_loading_and_the_load_metric_tells_cache_f
     scrape = samples(second.metrics())
     assert value(scrape, "openarc_model_load_seconds_count", model="demo", source="cache") == 1
     assert value(scrape, "openarc_model_load_seconds_count", model="demo", source="compiled") == 0
+
+
+def test_prune_never_deletes_or_counts_what_a_symlink_in_the_cache_points_at(tmp_path):
+    # A cache directory may hold links (an operator's, or a runtime directory moved to another disk and linked
+    # back): what they point at is not the cache's. Pruning to a bound of 0 deletes every entry it may, and nothing
+    # outside the cache directory.
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    (outside / "victim").mkdir(parents=True)
+    (outside / "victim" / "precious").write_bytes(b"x" * 4096)
+    (outside / "loose.blob").write_bytes(b"y" * 4096)
+    cache.mkdir()
+    (cache / OLD_RUNTIME).symlink_to(outside)                                  # a runtime directory that is a link
+    (cache / RUNTIME).mkdir()
+    (cache / RUNTIME / "gone").symlink_to(outside / "victim")                  # a model directory that is a link
+    (cache / RUNTIME / "a").mkdir()
+    (cache / RUNTIME / "a" / "inside").symlink_to(outside / "victim")          # a link inside an entry
+    (cache / "old.blob").symlink_to(outside / "loose.blob")                    # a flat-layout file that is a link
+    assert all(entry.size == 0 for entry in compile_cache.scan(cache))         # a link's target is not counted
+    compile_cache.prune(cache, 0, RUNTIME, CONFIGURED, ())
+    assert (outside / "victim" / "precious").read_bytes() == b"x" * 4096
+    assert (outside / "loose.blob").read_bytes() == b"y" * 4096
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=600), st.text(max_size=600))
+def test_any_runtime_versions_make_one_directory_a_load_can_use(tmp_path_factory, openvino, runtime):
+    # the versions come from package metadata and dpkg's status file: empty, odd characters, or very long
+    name = compile_cache.runtime_name(openvino, runtime)
+    assert compile_cache.RUNTIME_DIR.fullmatch(name) and len(name.encode()) <= 255
+    spec = {"name": "demo", "properties": {"CACHE_DIR": str(tmp_path_factory.mktemp("ov"))}}
+    assert compile_cache.place(spec, name).is_dir()
+
+
+def test_the_cache_bookkeeping_of_a_load_never_fails_it(tmp_path):
+    # A load reads its cache directory before and after compiling and marks it used; the pruner (another process's
+    # thread) may delete the directory meanwhile, or the cache may be no directory at all: the load goes on.
+    directory = compile_cache.place({"name": "demo", "properties": {"CACHE_DIR": str(tmp_path / "ov")}}, RUNTIME)
+    blob(directory, "1.blob", 10, time.time())
+    assert compile_cache.snapshot(directory)
+    shutil.rmtree(directory)  # pruned under the load
+    assert compile_cache.snapshot(directory) == {}
+    compile_cache.mark_used(directory)
+    (tmp_path / "a-file").write_text("not a directory")
+    spec = {"name": "demo", "properties": {"CACHE_DIR": str(tmp_path / "a-file")}}
+    assert compile_cache.place(spec, RUNTIME) is None
+    assert spec["properties"]["CACHE_DIR"] == str(tmp_path / "a-file")  # OpenVINO is left to say what it makes of it

@@ -10,20 +10,23 @@ first differing token; warn serves and logs; an on-demand model that fails is re
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import re
 import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from appliance.golden.compare import ANSWER, END, SPEED, compare, token_difference
-from appliance.golden.record import Answer, ModelRecord, RecordError, load, save
-from conftest import REPO, http, model_entry, wait_until
+from appliance.golden.compare import ANSWER, END, ERROR, SPEED, compare, token_difference
+from appliance.golden.record import MAX_FILE_BYTES, Answer, ModelRecord, RecordError, load, save
+from conftest import REPO, http, model_entry, pid_alive, wait_until
 
 EXIT_BOUND_S = 120  # catches a hang only
 
@@ -111,13 +114,149 @@ def test_the_file_keeps_any_token_text_and_vector(tmp_path_factory, answer, vect
 def test_a_broken_record_names_the_file_and_key(tmp_path):
     path = tmp_path / "golden.yaml"
     path.write_text("format: 1\nmodels:\n  chat: {kind: llm, answers: [{tokens: [a]}]}\n")
-    with pytest.raises(RecordError, match=f"^{path}: models.chat.answers\\[0\\]: expected probe"):
+    with pytest.raises(RecordError, match=f"^{path}: models.chat.answers\\[0\\].probe: required key is missing"):
         load(path)
     path.write_text("format: 9\nmodels: {}\n")
     with pytest.raises(RecordError, match=f"^{path}: format: expected 1"):
         load(path)
     assert load(tmp_path / "absent.yaml") == {}
 
+
+
+HOSTILE = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(allow_nan=True),
+                    st.text(max_size=8), st.lists(st.one_of(st.text(max_size=3), st.floats(), st.none()), max_size=3),
+                    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+VALID_MODELS = {"chat": {"kind": "llm", "speed": 10.0, "speed_unit": "tokens/s", "load_seconds": 0.5, "tolerance": 0.01,
+                         "answers": [{"probe": "p", "tokens": ["a", "b"]}]},
+                "emb": {"kind": "embedding", "speed": 3.0, "answers": [{"probe": "t", "vector": [0.5, 0.25]}]},
+                "say": {"kind": "tts", "answers": [{"probe": "s", "samples": 100, "checksum": "ab12"}]}}
+VALID_RECORDS = {"chat": ModelRecord("llm", [Answer("p", tokens=["a", "b"])], speed=10.0),
+                 "emb": ModelRecord("embedding", [Answer("t", vector=[0.5, 0.25])], speed=3.0, speed_unit="probes/s"),
+                 "say": ModelRecord("tts", [Answer("s", samples=100, checksum="ab12")])}
+KEY_PATHS = [("chat", "kind"), ("chat", "speed"), ("chat", "speed_unit"), ("chat", "load_seconds"),
+             ("chat", "tolerance"), ("chat", "answers"), ("chat", "answers", 0), ("chat", "answers", 0, "probe"),
+             ("chat", "answers", 0, "tokens"), ("emb", "answers", 0, "vector"), ("say", "answers", 0, "samples"),
+             ("say", "answers", 0, "checksum")]
+FIELD_TYPES = {"kind": str, "speed": float, "speed_unit": str, "tolerance": float}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(KEY_PATHS), HOSTILE)
+def test_a_record_of_any_wrong_shape_is_refused_naming_its_key_or_read_as_checkable(tmp_path_factory, at, value):
+    """Whatever a hand-edited record holds at a key, reading it is a RecordError naming the file and that key, or
+    records of the right types that the comparison judges without raising (never a TypeError deep in a check)."""
+    models = copy.deepcopy(VALID_MODELS)
+    holder = models
+    for key in at[:-1]:
+        holder = holder[key]
+    holder[at[-1]] = value
+    path = tmp_path_factory.mktemp("golden") / "golden.yaml"
+    path.write_text(yaml.safe_dump({"format": 1, "models": models}))
+    try:
+        records = load(path)
+    except RecordError as exc:
+        key = "models." + ".".join(str(k) for k in at[:2])
+        assert str(exc).startswith(f"{path}: {key}"), str(exc)
+        return
+    for name, record in records.items():
+        assert all(isinstance(getattr(record, f), t) for f, t in FIELD_TYPES.items())
+        assert record.speed >= 0 and 0 <= record.tolerance < float("inf")
+        for answer in record.answers:
+            assert isinstance(answer.probe, str)
+            assert answer.tokens is None or all(isinstance(t, str) for t in answer.tokens)
+            assert answer.vector is None or all(isinstance(x, float) for x in answer.vector)
+        compare(name, record, VALID_RECORDS[name], 0.5)
+
+
+def test_recording_again_replaces_a_broken_record(tmp_path):
+    """`openarc golden record` over a file that cannot be read (`check` refuses it, naming the key) writes a new
+    one: the record of the models it ran, never a traceback after all its probes have run."""
+    path = tmp_path / "golden.yaml"
+    record = {"chat": chat_record([["a", "b"]])}
+    for broken in ("format: 1\nmodels:\n  chat: {kind: llm, speed: [1], answers: []}\n", "models: [", "\xff"):
+        path.write_text(broken)
+        save(path, record, "test")
+        assert load(path) == record
+
+def test_the_canarys_verdict_on_a_broken_record_is_one_line(tmp_path):
+    """A record with several broken keys fails every model's check (nothing unchecked serves under gate); the verdict
+    the journal shows and the start's exit line carry is still one line, naming the model, the file and a key."""
+    from appliance.config import parse_config
+    from appliance.front.canary import Canary
+    from appliance.front.metrics import Metrics
+    config = parse_config({"server": {"canary": "gate"}, "models": [model_entry("chat", tmp_path)]},
+                          str(tmp_path / "openarc.yaml"))
+    (tmp_path / "golden.yaml").write_text("format: 1\nmodels:\n  chat: {kind: llm, speed: [1], tolerance: x, "
+                                          "answers: [{probe: 1}]}\n")
+    canary = Canary(lambda: config, Metrics())
+    assert canary.wants("chat")
+    difference = asyncio.run(canary.check(config.models[0], None, None))
+    assert difference.reason == ERROR and "\n" not in difference.detail, difference.detail
+    assert difference.detail.startswith(f"model chat: {tmp_path / 'golden.yaml'}: models.chat.")
+
+def test_each_replica_of_a_recorded_model_is_checked_and_counted_under_the_models_name(tmp_path):
+    """A replicated model's workers are lives keyed NAME@LABEL: each is checked against the model's record (a replica
+    on a card whose runtime changed its answers must not serve unchecked), and its failure is counted under the
+    model's name as every other metric's `model` label is."""
+    from appliance.config import parse_config
+    from appliance.front.canary import Canary
+    from appliance.front.metrics import Metrics
+    from appliance.golden.compare import Difference
+    config = parse_config({"server": {"canary": "gate"},
+                           "models": [model_entry("chat", tmp_path, device=["CPU", "CPU"])]},
+                          str(tmp_path / "openarc.yaml"))
+    save(tmp_path / "golden.yaml", {"chat": chat_record([["a"]])}, "test")
+    metrics = Metrics()
+    canary = Canary(lambda: config, metrics)
+    assert canary.wants("chat") and canary.wants("chat@CPU#1")
+    canary.judge("chat@CPU#1", Difference(ANSWER, "model chat: differs"))
+    assert metrics.canary_failures.labels(model="chat", reason=ANSWER)._value.get() == 1
+
+def test_the_canary_reads_a_large_record_off_the_event_loop_once(tmp_path):
+    """The front reads golden.yaml before it vets each loaded worker: a large record takes seconds to parse, and the event loop (health, the watchdog, other models' requests) keeps running meanwhile; a record that
+    has not changed is not parsed again."""
+    from appliance.config import parse_config
+    from appliance.front.canary import Canary
+    from appliance.front.metrics import Metrics
+    config = parse_config({"server": {"canary": "warn"}, "models": [model_entry("chat", tmp_path)]},
+                          str(tmp_path / "openarc.yaml"))
+    answer = "    - {probe: p, tokens: [" + ", ".join(["tok"] * 60) + "]}\n"
+    text = "format: 1\nmodels:\n  chat:\n    kind: llm\n    answers:\n"
+    (tmp_path / "golden.yaml").write_text(text + answer * ((256 << 10) // len(answer)))  # a quarter of the bound
+    started = time.monotonic()
+    load(tmp_path / "golden.yaml")
+    parse_s = time.monotonic() - started
+
+    async def run() -> float:
+        canary, gaps, done = Canary(lambda: config, Metrics()), [], asyncio.Event()
+
+        async def ticker():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+        ticking = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        await canary.refresh()
+        done.set()
+        await ticking
+        assert canary.wants("chat")
+        again = time.monotonic()
+        await canary.refresh()  # unchanged: not parsed again
+        assert time.monotonic() - again < parse_s / 4
+        return max(gaps)
+    assert asyncio.run(run()) < max(0.25, parse_s / 4), parse_s
+
+def test_a_record_too_deep_or_too_large_is_refused_at_once(tmp_path):
+    path = tmp_path / "golden.yaml"
+    path.write_text("format: 1\nmodels:\n  chat: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(RecordError, match=f"^{path}: "):
+        load(path)
+    path.write_text("format: 1\nmodels: {}\n# " + "x" * MAX_FILE_BYTES + "\n")
+    with pytest.raises(RecordError, match=f"^{path}: .*larger than"):
+        load(path)
 
 # --- the real thing: demo models, `openarc golden`, `openarc serve` ----------------------------------------------
 
@@ -190,6 +329,18 @@ def test_golden_check_prints_what_differs_and_fails(recorded, tmp_path, demo_mod
     assert lines[1].startswith("emb: OK ("), lines
 
 
+def child_pids(parent: int) -> list[int]:
+    """The processes whose parent is `parent` now, from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                pids.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return pids
+
+
 def test_gate_never_sends_ready_and_exits_with_one_line(recorded, tmp_path, appliance_factory, demo_model,
                                                         embedding_model):
     notify = NotifySocket(tmp_path)
@@ -202,7 +353,10 @@ def test_gate_never_sends_ready_and_exits_with_one_line(recorded, tmp_path, appl
         status, _, body = http("GET", app.base + "/ready", timeout=5)
         return status == 503 and body.get("reason") == "canary: checking chat against the golden record" and body
     assert wait_until(checking, EXIT_BOUND_S, "checking")["models"]["chat"] == "loading"
+    children = child_pids(app.proc.pid)  # the workers (the one being checked among them) and any parked spare
+    assert children
     assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
+    assert not [pid for pid in children if pid_alive(pid)], "a worker outlived the server that the canary refused"
     messages = notify.messages()
     assert messages and not any("READY=1" in m.split("\n") for m in messages), messages
     assert any("chat: loading, checking its golden answers" in m for m in messages), messages  # systemctl status

@@ -13,6 +13,7 @@ model's router queues it to its worker like any client's (appliance.front.routin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,6 +23,7 @@ import time
 from typing import Any, Callable
 
 from appliance.config import Config, ModelConfig
+from appliance.config.replicas import model_name
 from appliance.front.api import embeddings, rerank
 from appliance.front.api.audio import AudioRequest
 from appliance.front.api.completions import parse_chat
@@ -43,34 +45,57 @@ class Canary:
     def __init__(self, config_of: Callable[[], Config], metrics: Metrics):
         self.config_of = config_of  # the config in force (a reload may change the mode or the record's place)
         self.metrics = metrics
-        self.failures: dict[str, Difference] = {}  # the latest failed check of each model (a pass removes it)
+        self.failures: dict[str, Difference] = {}  # the latest failed check of each unit (a pass removes it)
+        # the record file as last read: (path, its version), and its models or why it cannot be read
+        self._read: tuple[tuple, dict[str, ModelRecord] | RecordError] | None = None
 
     @property
     def mode(self) -> str:
         return self.config_of().server.canary
 
-    def wants(self, name: str) -> bool:
-        """Whether a worker of this model that just loaded is checked before it serves: canary on, and a record of
-        it (or a record file that cannot be read, which is a failure of every model: under gate, nothing
-        unchecked serves)."""
+    def wants(self, key: str) -> bool:
+        """Whether a worker of this model (or of one of its replicas: `key` is a unit key, NAME@LABEL) that just
+        loaded is checked before it serves: canary on, and a record of its model (or a record file that cannot be
+        read, which is a failure of every model: under gate, nothing unchecked serves)."""
         if self.mode == "off":
             return False
         try:
-            return name in self._records()
+            return model_name(key) in self._records()
         except RecordError:
             return True
 
+    async def refresh(self) -> None:
+        """Read the record file in a thread if it changed since it was last read: a large one takes seconds to parse,
+        and the front's event loop (health, the watchdog, every other model's requests) must not wait for it.
+        Called before a worker is vetted, so wants() and check() find it read."""
+        if self.mode != "off":
+            with contextlib.suppress(RecordError):  # kept as read: wants() and check() say it
+                await asyncio.to_thread(self._records)
+
     def _records(self) -> dict[str, ModelRecord]:
+        """The record file's models, parsed once per version of the file (its inode, size and mtime)."""
         path = golden_path(self.config_of().source)
-        return load(path) if path else {}
+        if path is None:
+            return {}
+        version = (path, _file_version(path))
+        if self._read is None or self._read[0] != version:
+            try:
+                self._read = (version, load(path))
+            except RecordError as exc:
+                self._read = (version, exc)
+        result = self._read[1]
+        if isinstance(result, RecordError):
+            raise result
+        return result
 
     async def check(self, model: ModelConfig, router: RequestRouter, load_seconds: float | None) -> Difference | None:
         """Check one freshly loaded worker against its record (bounded by the model's load_timeout_s): the first
         difference, or None when it passes. Judged by judge(), unless the worker's life ended meanwhile."""
+        await self.refresh()
         try:
             recorded = self._records().get(model.name)
         except RecordError as exc:
-            return Difference(ERROR, f"model {model.name}: {exc}")
+            return Difference(ERROR, f"model {model.name}: {exc.summary}")
         if recorded is None:  # its record was taken out since it loaded
             return None
         try:
@@ -90,9 +115,17 @@ class Canary:
             log.info("canary: model %s answers as recorded", name)
             return
         self.failures[name] = difference
-        self.metrics.canary_failures.labels(model=name, reason=difference.reason).inc()
+        self.metrics.canary_failures.labels(model=model_name(name), reason=difference.reason).inc()
         if self.mode == "warn":
             log.warning("canary (server.canary: warn): %s", difference)
+
+
+def _file_version(path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:  # absent (no record), or unreadable (load() says why)
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 async def observe(model: ModelConfig, router: RequestRouter, load_seconds: float | None) -> ModelRecord:

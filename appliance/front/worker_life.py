@@ -278,6 +278,8 @@ class WorkerLife:
 
     async def _serve(self) -> None:
         """Hand the worker's frames on until its channel ends; the monitor ends a worker that stalls."""
+        if self.canary:  # the golden record read off the event loop, so wants() below finds it read
+            await self.canary.refresh()
         channel = self.current.process.channel
         self.router.attach(channel)
         monitor = asyncio.create_task(self._monitor())

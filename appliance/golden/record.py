@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -31,13 +32,25 @@ from typing import Any
 
 import yaml
 
+from appliance.config.kinds import MODEL_KINDS
+from appliance.config.validator import Problems, build, key_name
+from appliance.sizes import format_size
+
 FORMAT = 1
 FILE_NAME = "golden.yaml"
 DEFAULT_TOLERANCE = 0.01
 
+MAX_FILE_BYTES = 1 << 20  # a model's record is about 2 KiB: hundreds of models fit
+
 
 class RecordError(Exception):
-    """A golden file that cannot be read: the message names the file and the key."""
+    """A golden file that cannot be read: the message names the file and the key, one line per problem."""
+
+    @property
+    def summary(self) -> str:
+        """One line, for the canary's verdict (a journal line, the failed start's exit line): the first problem."""
+        first, *rest = str(self).splitlines() or [""]
+        return first + (f" (and {len(rest)} more: `openarc golden check` lists them)" if rest else "")
 
 
 @dataclass
@@ -87,46 +100,75 @@ def golden_path(config_source: str) -> Path | None:
 
 
 def load(path: Path) -> dict[str, ModelRecord]:
-    """Every model's record in the file; {} when there is none. RecordError names a broken file's key."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return {}
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecordError(f"{path}: cannot read the golden record: {exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise RecordError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    """Every model's record in the file; {} when there is none. RecordError names each broken key, in one line each,
+    for any file: too large, nested too deep, or any value of the wrong type (never a traceback later in a check)."""
+    data = _read(path)
     if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
         raise RecordError(f"{path}: models: expected a mapping of model names to records")
     if data.get("format") != FORMAT:
         raise RecordError(f"{path}: format: expected {FORMAT} (record again with `openarc golden record`)")
-    return {name: _model(path, name, raw) for name, raw in data["models"].items()}
+    problems, records = Problems(), {}
+    for name, raw in data["models"].items():
+        at = f"models.{key_name(name)}"
+        if not isinstance(name, str):
+            problems.append(f"{at}: expected a model's name (a string)")
+        elif not isinstance(raw, dict):
+            problems.append(f"{at}: expected a mapping with kind, speed and a list of answers")
+        elif (record := build(ModelRecord, raw, at, problems)) is not None:
+            problems.extend(_record_problems(record, at))
+            records[name] = record
+    if problems:
+        raise RecordError("\n".join(f"{path}: {problem}" for problem in problems))
+    return records
 
 
-def _model(path: Path, name: str, raw: Any) -> ModelRecord:
-    at = f"{path}: models.{name}"
-    if not isinstance(raw, dict) or not isinstance(raw.get("answers"), list):
-        raise RecordError(f"{at}: expected kind, speed and a list of answers")
-    answer_keys = {f.name for f in dataclasses.fields(Answer)}
-    answers = []
-    for i, item in enumerate(raw["answers"]):
-        if not isinstance(item, dict) or "probe" not in item or set(item) - answer_keys:
-            raise RecordError(f"{at}.answers[{i}]: expected probe and its answer ({', '.join(sorted(answer_keys))})")
-        answers.append(Answer(**item))
+def _read(path: Path) -> Any:
+    """The file's YAML, bounded: a golden record is a few KiB, so a larger file is refused before it is parsed (the
+    front reads it on its event loop at each load)."""
     try:
-        return ModelRecord(kind=str(raw["kind"]), answers=answers, speed=float(raw.get("speed") or 0.0),
-                           speed_unit=str(raw.get("speed_unit", "tokens/s")),
-                           load_seconds=None if raw.get("load_seconds") is None else float(raw["load_seconds"]),
-                           tolerance=float(raw.get("tolerance", DEFAULT_TOLERANCE)))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RecordError(f"{at}: {exc}") from None
+        with path.open("rb") as source:
+            raw = source.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return {"format": FORMAT, "models": {}}
+    except OSError as exc:
+        raise RecordError(f"{path}: cannot read the golden record: {exc.strerror or exc}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise RecordError(f"{path}: larger than {format_size(MAX_FILE_BYTES)}: not a golden record")
+    try:
+        return yaml.safe_load(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RecordError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        raise RecordError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise RecordError(f"{path}: nested too deeply to be a golden record") from None
+
+
+def _record_problems(record: ModelRecord, at: str) -> list[str]:
+    """What the types cannot say: a kind openarc serves, finite non-negative numbers (a NaN tolerance or an infinite
+    speed would fail or pass every check whatever the model answers)."""
+    problems = [] if record.kind in MODEL_KINDS else [f"{at}.kind: expected one of {', '.join(MODEL_KINDS)}"]
+    numbers = {"speed": record.speed, "tolerance": record.tolerance, "load_seconds": record.load_seconds}
+    problems += [f"{at}.{key}: expected a finite non-negative number, got {value!r}"
+                 for key, value in numbers.items() if value is not None and not 0 <= value < math.inf]
+    for i, answer in enumerate(record.answers):
+        if answer is None:  # its problem is reported already
+            continue
+        where = f"{at}.answers[{i}]"
+        if answer.vector is not None and not all(math.isfinite(x) for x in answer.vector):
+            problems.append(f"{where}.vector: expected finite numbers")
+        if answer.samples is not None and answer.samples < 0:
+            problems.append(f"{where}.samples: expected a non-negative integer")
+    return problems
 
 
 def save(path: Path, records: dict[str, ModelRecord], version: str) -> None:
-    """Write the whole file atomically; models recorded before and not recorded now are kept."""
-    kept = {**load(path), **records} if path.exists() else records
+    """Write the whole file atomically; models recorded before and not recorded now are kept, from a file that
+    reads (a broken one is replaced: `openarc golden record` says so before it runs its probes)."""
+    try:
+        kept = {**load(path), **records}
+    except RecordError:
+        kept = records
     data = {"format": FORMAT,
             "recorded_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "openarc": version, "models": {name: kept[name].as_dict() for name in sorted(kept)}}

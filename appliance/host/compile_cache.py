@@ -18,9 +18,12 @@ appliance.front.cache_keeper is its one caller in the server).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import re
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -32,6 +35,7 @@ LAST_USED = ".last-used"  # touched by each load of the model: its mtime is when
 RUNTIME_DIR = re.compile(r"openvino-[^/]+_runtime-[^/]+")
 LEGACY_SUFFIXES = (".blob", ".cl_cache")  # files of the flat layout openarc used before (CACHE_DIR itself)
 UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
+MAX_VERSION_CHARS = 100  # two of them and the words around stay within a file name's 255 bytes
 
 
 @dataclass(frozen=True)
@@ -50,8 +54,17 @@ class Entry:
 
 
 def runtime_name(openvino: str, compute_runtime: str) -> str:
-    """The directory of the blobs one OpenVINO and compute runtime write (their versions, made path-safe)."""
-    return f"openvino-{UNSAFE.sub('_', openvino)}_runtime-{UNSAFE.sub('_', compute_runtime)}"
+    """The directory of the blobs one OpenVINO and compute runtime write (their versions, made path-safe): a name
+    scan() knows as a runtime's for any versions the readers give (empty, odd characters, or longer than a file
+    name may be: cut, with a digest of the whole so two versions still get two directories)."""
+    return f"openvino-{_path_safe(openvino)}_runtime-{_path_safe(compute_runtime)}"
+
+
+def _path_safe(version: str, limit: int = MAX_VERSION_CHARS) -> str:
+    safe = UNSAFE.sub("_", version) or build_info.UNKNOWN
+    if len(safe) <= limit:
+        return safe
+    return f"{safe[:limit - 17]}-{hashlib.sha256(version.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
 
 
 def current_runtime(root: str | Path = "/") -> str:
@@ -77,7 +90,10 @@ def place(spec: dict, runtime: str) -> Path | None:
     if not base:
         return None
     directory = model_dir(base, runtime, spec["name"])
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:  # the cache is a speed-up: a load goes on without its bookkeeping (OpenVINO says what it can)
+        return None
     spec["properties"]["CACHE_DIR"] = str(directory)
     draft = spec.get("draft_model") or {}
     if draft.get("properties", {}).get("CACHE_DIR"):
@@ -88,13 +104,17 @@ def place(spec: dict, runtime: str) -> Path | None:
 # --- a load: from the cache, or compiled ------------------------------------------------------------------------------
 
 def snapshot(directory: Path | None) -> dict[str, tuple[int, int]]:
-    """Every file under `directory` (but LAST_USED) with its size and mtime: what a load may add to or rewrite."""
+    """Every file under `directory` (but LAST_USED) with its size and mtime: what a load may add to or rewrite.
+    The pruner (the front's thread) may delete any of it meanwhile: what is gone is left out, never an error."""
     if directory is None:
         return {}
     found = {}
-    for path in directory.rglob("*"):
-        if path.name != LAST_USED and path.is_file():
-            st = path.stat()
+    for path in _walk(directory):
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if path.name != LAST_USED and stat.S_ISREG(st.st_mode):
             found[str(path)] = (st.st_size, st.st_mtime_ns)
     return found
 
@@ -105,34 +125,56 @@ def load_source(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, 
 
 
 def mark_used(directory: Path | None) -> None:
+    """Touch the entry's LAST_USED; an entry pruned under the load is made again (its blobs are gone, the next load
+    compiles), and a cache that cannot be written costs a load nothing."""
     if directory is not None:
-        (directory / LAST_USED).touch()
+        with contextlib.suppress(OSError):
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / LAST_USED).touch()
 
 
 # --- what the cache holds ------------------------------------------------------------------------------------------
 
 def _size_and_newest(path: Path) -> tuple[int, float]:
+    """The bytes of the regular files at or under `path` and the newest mtime, never following a link: a link's
+    target is not the cache's (it may be a user's directory), so it is neither counted nor pruned."""
     size, newest = 0, 0.0
-    for item in (path.rglob("*") if path.is_dir() else [path]):
+    for item in _walk(path):
         try:
             st = item.lstat()
         except OSError:  # deleted under us
             continue
-        if item.is_file():
+        if stat.S_ISREG(st.st_mode):
             size += st.st_size
         newest = max(newest, st.st_mtime)
     return size, newest
 
 
+def _walk(path: Path) -> Iterable[Path]:
+    """Everything under a real directory `path` (a file: itself); links are yielded, not followed."""
+    if path.is_symlink() or not path.is_dir():
+        yield path
+        return
+    for root, dirs, files in os.walk(path, followlinks=False):
+        yield from (Path(root) / name for name in dirs + files)
+
+
+def _own(path: Path) -> bool:
+    """Whether `path` is the cache's own: a real file or directory, not a link to somewhere else."""
+    return not path.is_symlink()
+
+
 def scan(cache_dir: str | Path) -> list[Entry]:
-    """The cache's entries; anything else in the directory (a demo model, a user's file) is not the cache's and is
-    left out, so never pruned."""
+    """The cache's entries; anything else in the directory (a demo model, a user's file, a link to anywhere) is not
+    the cache's and is left out, so never pruned."""
     base = Path(cache_dir)
     entries = []
     for child in sorted(base.iterdir()) if base.is_dir() else []:
+        if not _own(child):
+            continue
         if child.is_dir() and RUNTIME_DIR.fullmatch(child.name):
             for model in sorted(child.iterdir()):
-                if model.is_dir():
+                if _own(model) and model.is_dir():
                     size, newest = _size_and_newest(model)
                     marker = model / LAST_USED
                     used = marker.stat().st_mtime if marker.exists() else newest
@@ -174,7 +216,9 @@ def prune(cache_dir: str | Path, bound: int, runtime: str, configured: Iterable[
     """Carry out the plan on the cache directory; the entries deleted."""
     chosen = plan(scan(cache_dir), bound, runtime, configured, loaded)
     for entry in chosen:
-        if entry.path.is_dir():
+        if not _own(entry.path):  # became a link since the scan: what it points at is not the cache's
+            continue
+        if entry.path.is_dir():  # rmtree unlinks the links inside, never what they point at
             shutil.rmtree(entry.path, ignore_errors=True)
         else:
             entry.path.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from appliance.host.doctor.cards import CardFacts
 
 LABELS = ("version", "openvino", "genai", "kernel", "gpu_driver", "compute_runtime", "card")
 UNKNOWN = "unknown"
+MAX_LABEL_CHARS = 120  # a version or a kernel release is far shorter; a longer value is a reader's garbage
 NONE = "none"  # no Intel GPU, no driver bound, no runtime package: said, not left empty
 
 
@@ -33,14 +34,25 @@ def joined(values: list[str]) -> str:
 
 
 def read(box: Box, cards: list[CardFacts]) -> dict[str, str]:
-    """The build info labels, each a string (Prometheus labels have no null)."""
-    return {"version": __version__,
-            "openvino": package_version("openvino"),
-            "genai": package_version("openvino-genai"),
-            "kernel": box.kernel_release() or UNKNOWN,
-            "gpu_driver": joined([card.driver or NONE for card in cards]),
-            "compute_runtime": runtime.installed_version(box.packages()) or NONE,
-            "card": joined([card.name for card in cards])}
+    """The build info labels, each a string (Prometheus labels have no null), each made a label by label()."""
+    raw = {"version": __version__,
+           "openvino": package_version("openvino"),
+           "genai": package_version("openvino-genai"),
+           "kernel": box.kernel_release() or UNKNOWN,
+           "gpu_driver": joined([card.driver or NONE for card in cards]),
+           "compute_runtime": runtime.installed_version(box.packages()) or NONE,
+           "card": joined([card.name for card in cards])}
+    return {key: label(value) for key, value in raw.items()}
+
+
+def label(value: object, default: str = UNKNOWN) -> str:
+    """A reader's text as a label: one printable line (a kernel release or package version is whatever a box's file
+    holds: it must not split the log line or the dashboard header it is shown in), at most MAX_LABEL_CHARS, never
+    empty."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in str(value or "")).split())
+    if len(text) > MAX_LABEL_CHARS:
+        text = text[:MAX_LABEL_CHARS - 1] + "…"
+    return text or default
 
 
 def read_machine(root: str = "/") -> tuple[list[CardFacts], dict[str, str]]:

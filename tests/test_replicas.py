@@ -138,6 +138,22 @@ def test_a_killed_replica_fails_only_its_own_requests(app):
     assert value(scrape, "openarc_worker_crashes_total", model="twin", signal="SIGKILL", reason="crash") >= 1
 
 
+def test_a_replicas_key_is_no_model_name(app):
+    """NAME@DEVICE is how residency keys a replica, never a name a client may use: the admin routes and the API
+    answer it with the model's 404 (naming only the model), and no replica is loaded or unloaded by it."""
+    before = [(r["pid"], r["state"]) for r in both_ready(app)]
+    for key in ("twin@CPU%230", "twin@CPU%231"):
+        for verb in ("load", "unload"):
+            status, _, body = http("POST", f"{app.base}/openarc/models/{key}/{verb}")
+            assert status == 404 and body["error"]["code"] == "model_not_found", (verb, status, body)
+            assert body["error"]["message"].endswith("(have: twin)"), body
+    status, _, body = http("POST", app.base + "/v1/chat/completions",
+                           {"model": "twin@CPU#0", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert status == 404 and body["error"]["code"] == "model_not_found", body
+    assert [(r["pid"], r["state"]) for r in replicas(app)] == before
+    assert "@" not in app.metrics()
+
+
 def test_replicas_load_on_demand_unload_together_and_reload_to_one_device(appliance_factory, demo_model):
     """A replicated model on demand: its first request loads its replicas (answered by the first ready), an unload
     takes every replica's worker, and a reload to one device leaves one worker under the name, no replica."""

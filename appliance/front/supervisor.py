@@ -68,7 +68,11 @@ class Supervisor:
         return models
 
     def units_of(self, name: str) -> list[ModelSupervisor]:
-        """The supervisors serving a model: its own, or its replicas' in the config's order ([] for no model)."""
+        """The supervisors serving a model: its own, or its replicas' in the config's order ([] for no model). A
+        replica's key (NAME@DEVICE) is no model's name: [] too, so no route reaches one replica by it (a client
+        would load, unload or be served by a replica alone, under a name /v1/models never shows)."""
+        if KEY_SEPARATOR in name:
+            return []
         if name in self.units:
             return [self.units[name]]
         return [sup for key, sup in self.units.items() if model_name(key) == name and KEY_SEPARATOR in key]

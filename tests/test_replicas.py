@@ -180,3 +180,40 @@ def test_replicas_load_on_demand_unload_together_and_reload_to_one_device(applia
     assert model["device"] == "CPU" and "replicas" not in model
     assert live_worker_children(app.proc.pid) == {model["pid"]}
     assert [w["model"] for w in app.status()["residency"]["workers"]] == ["lazy"]
+
+
+def test_a_reload_between_one_device_and_replicas_fails_no_request(appliance_factory, demo_model):
+    """`device: CPU` -> `[CPU, CPU]` -> `CPU` by SIGHUP while clients stream: the model's units change keys (its
+    name, then a key per replica), and no request fails on the way (docs/configuration.md `reload:`): a request
+    waits for the new units while the old ones drain, as a `reload: restart` does."""
+    config = {"server": {"parked_workers": 0}, "models": [model_entry("shift", demo_model)]}
+    app = appliance_factory(config)
+    for device in (["CPU", "CPU"], "CPU"):
+        stop, outcomes = threading.Event(), []
+
+        def client_loop(i: int) -> None:
+            while not stop.is_set():
+                status, _, body = http("POST", app.base + "/v1/chat/completions",
+                                       {"model": "shift", "max_tokens": 2,
+                                        "messages": [{"role": "user", "content": f"{i} {uuid.uuid4().hex}"}]})
+                outcomes.append("ok" if status == 200 else f"{status} {body}")
+
+        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(outcomes) >= 8, 60, "requests answered before the reload")
+        config["models"][0]["device"] = device
+        app.config_path.write_text(yaml.safe_dump(config))
+        app.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: app.model_status("shift")["device"] == device
+                   and all(r["state"] == "ready" for r in app.model_status("shift").get("replicas", [])), 120,
+                   f"the reload to {device}")
+        count = len(outcomes)
+        wait_until(lambda: len(outcomes) >= count + 8, 60, "requests answered after the reload")
+        stop.set()
+        for thread in threads:
+            thread.join(90)
+            assert not thread.is_alive(), "a client hangs"
+        assert [o for o in outcomes if o != "ok"] == [], device
+        app.worker_pids |= {w["pid"] for w in app.status()["residency"]["workers"]}
+    wait_until(lambda: len(live_worker_children(app.proc.pid)) == 1, 30, "the replicas' workers gone")

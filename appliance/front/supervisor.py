@@ -60,22 +60,23 @@ class Supervisor:
         speaks for its kind, settings and state."""
         def rank(sup: ModelSupervisor) -> tuple[bool, bool]:
             return sup.life.admits(), sup.state is not ModelState.FAILED
-        models: dict[str, ModelSupervisor] = {}
-        for key, sup in self.units.items():
-            name = model_name(key)
-            if name not in models or rank(sup) > rank(models[name]):
-                models[name] = sup
-        return models
+        names = dict.fromkeys(model_name(key) for key in self.units)
+        return {name: max(self.units_of(name), key=rank) for name in names}  # ties: the first in config order
 
     def units_of(self, name: str) -> list[ModelSupervisor]:
         """The supervisors serving a model: its own, or its replicas' in the config's order ([] for no model). A
         replica's key (NAME@DEVICE) is no model's name: [] too, so no route reaches one replica by it (a client
-        would load, unload or be served by a replica alone, under a name /v1/models never shows)."""
+        would load, unload or be served by a replica alone, under a name /v1/models never shows).
+
+        Units a reload removed (draining under their keys) speak for the model only while it has no others: a
+        reload that changes a model's units (`device: CPU` -> `[CPU, CPU]`: one key leaves, two come) has its
+        requests wait for the new units, as a `reload: restart` does, not fail on the old one's drain; a model
+        the config dropped, or a server that stops, still answers its 503 under its name."""
         if KEY_SEPARATOR in name:
             return []
-        if name in self.units:
-            return [self.units[name]]
-        return [sup for key, sup in self.units.items() if model_name(key) == name and KEY_SEPARATOR in key]
+        ours = [sup for key, sup in self.units.items() if model_name(key) == name]
+        staying = [sup for sup in ours if self.placement.phases.get(sup.name) not in (Phase.LEAVING, Phase.GONE)]
+        return staying or ours
 
     @property
     def changes(self) -> Changes:

@@ -115,7 +115,7 @@ def test_a_killed_replica_fails_only_its_own_requests(app):
                     pass
                 outcomes.append("ok")
             except (openai.APIError, openai.APIStatusError) as exc:
-                outcomes.append(f"error: {type(exc).__name__}")
+                outcomes.append(f"error: {type(exc).__name__}: {exc}")
 
     threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(8)]
     for thread in threads:
@@ -131,6 +131,8 @@ def test_a_killed_replica_fails_only_its_own_requests(app):
         assert not thread.is_alive(), "a client hangs"
     failed = [o for o in outcomes[before:] if o != "ok"]
     assert 0 < len(failed) <= 8, outcomes[before:]  # at most what ran or waited on the killed replica
+    # each error names the model as clients know it, and which replica, never a replica's key NAME@DEVICE
+    assert all("twin (replica CPU#" in o and "@" not in o for o in failed), failed
     assert time.monotonic() - killed_at < 120
     both_ready(app)
     assert victim not in [r["pid"] for r in replicas(app)]

@@ -29,7 +29,7 @@ from appliance.front.model_supervisor import ModelSupervisor
 from appliance.front.placement import STANDING, Placement
 from appliance.front.residency_states import Event, Phase
 from appliance.config.launch_spec import worker_spec
-from appliance.config.replicas import KEY_SEPARATOR, all_units, model_name
+from appliance.config.replicas import KEY_SEPARATOR, all_units, model_name, shown
 from appliance.front.replica_choice import AffinityMemory, ReplicaView, choose, prefix_chain
 
 log = logging.getLogger("openarc.supervisor")
@@ -173,9 +173,9 @@ class Supervisor:
         head = next(v for v in views if v.name == name)
         retry = max(1.0, sup.model.restart.backoff_initial_s)
         if not sup.model.ready_wait_s:
-            return RequestFailed(503, "model_unavailable", f"model {name} is unloaded and is being loaded now "
+            return RequestFailed(503, "model_unavailable", f"model {shown(name)} is unloaded and is being loaded now "
                                  "(ready_wait_s is 0: requests do not wait for a load); retry shortly", retry_after=retry)
-        return RequestFailed(503, "model_unavailable", f"model {name} is unloaded and waited "
+        return RequestFailed(503, "model_unavailable", f"model {shown(name)} is unloaded and waited "
                              f"{sup.model.ready_wait_s:g}s for room to load: "
                              + residency.why_waiting(head, views, self.placement.limits()), retry_after=retry)
 

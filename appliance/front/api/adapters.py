@@ -34,34 +34,53 @@ from appliance.front.request import RequestFailed
 def add_routes(app: web.Application, appliance: ServerView) -> None:
     async def load(request: web.Request, call: Call) -> web.Response:
         sup = await admitted_model(request, call)
+        model = sup.model.name  # the model's name: a replica's key is no client's (appliance.config.replicas)
         name, path, alpha = load_body(await request.read())
         served = lookup.served_adapters(sup)
         if name in served:
-            raise RequestFailed(409, "invalid_request", f"the model '{sup.name}' already serves an adapter named "
-                                f"'{name}'; unload it first (DELETE /openarc/models/{sup.name}/adapters/{name})",
+            raise RequestFailed(409, "invalid_request", f"the model '{model}' already serves an adapter named "
+                                f"'{name}'; unload it first (DELETE /openarc/models/{model}/adapters/{name})",
                                 "adapter_exists")
         if len(served) >= sup.model.max_adapters:
-            raise RequestFailed(409, "invalid_request", f"the model '{sup.name}' holds max_adapters "
+            raise RequestFailed(409, "invalid_request", f"the model '{model}' holds max_adapters "
                                 f"({sup.model.max_adapters}) adapters; unload one first", "max_adapters")
         problem = path_problem(sup, path)
         if problem:
             raise InvalidRequest(problem, "path")
         entry = {"path": str(adapter_file(path)), "alpha": alpha}
-        await ask_worker(sup, {"action": "load", "name": name, **entry})
-        served[name] = entry  # the spec: a restarted worker loads it again
-        return web.json_response({"model": f"{sup.name}{lookup.ADAPTER_SEPARATOR}{name}", "parent": sup.name,
+        loaded = []
+        try:
+            for unit in every_unit(model):
+                await ask_worker(unit, {"action": "load", "name": name, **entry})
+                loaded.append(unit)
+        except BaseException:  # one replica refused it: none serves it (a name half the requests would miss)
+            for unit in loaded:
+                await ask_worker(unit, {"action": "unload", "name": name})
+            raise
+        for unit in appliance.supervisor.units_of(model):
+            lookup.served_adapters(unit)[name] = entry  # the spec: a restarted worker loads it again
+        return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "parent": model,
                                   "root": entry["path"], "alpha": alpha}, status=201)
 
     async def unload(request: web.Request, call: Call) -> web.Response:
         sup = await admitted_model(request, call)
+        model = sup.model.name
         name = request.match_info["adapter"]
         served = lookup.served_adapters(sup)
         if name not in served:
-            raise RequestFailed(404, "model_not_found", f"the model '{sup.name}' has no adapter named '{name}' "
+            raise RequestFailed(404, "model_not_found", f"the model '{model}' has no adapter named '{name}' "
                                 f"(have: {', '.join(served) or 'none'})")
-        await ask_worker(sup, {"action": "unload", "name": name})
-        del served[name]
-        return web.json_response({"model": f"{sup.name}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
+        for unit in appliance.supervisor.units_of(model):
+            lookup.served_adapters(unit).pop(name, None)  # first: no new request is let through for it
+        for unit in every_unit(model):
+            await ask_worker(unit, {"action": "unload", "name": name})
+        return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
+
+    def every_unit(model: str) -> list:
+        """The supervisors whose workers take a runtime adapter now: every replica of a replicated model (each
+        serves the model's requests), the ones with a worker that admits requests; the others load it from their
+        spec when their worker starts."""
+        return [unit for unit in appliance.supervisor.units_of(model) if unit.life.admits()]
 
     async def admitted_model(request: web.Request, call: Call):
         """The ready supervisor of the model the route names, once the key may use it (a key learns no other

@@ -581,3 +581,24 @@ def test_a_runtime_adapter_of_a_replicated_model_is_served_by_every_replica(tmp_
         assert [chat(app, "twin:t", prompt)[0] for prompt in prompts] == [404] * len(prompts)
     finally:
         app.stop()
+
+
+def test_a_runtime_adapter_serves_from_every_replica(appliance_factory, demo_model, lora_dir, in_process):
+    """A replicated model (`device: [CPU, CPU]`) takes a runtime adapter on each replica: every request for it is
+    served whichever replica the router picks, the answer names the model (never a replica's key), and its unload
+    makes the name a 404 on every replica."""
+    app = appliance_factory({"server": {"parked_workers": 0}, "models": [
+        model_entry("twin", demo_model, device=["CPU", "CPU"], adapters={"upper": str(lora_dir / "upper")})]})
+    wait_until(lambda: [r["state"] for r in app.model_status("twin")["replicas"]] == ["ready", "ready"], 120,
+               "both replicas ready")
+    url = app.base + "/openarc/models/twin/adapters"
+    status, _, body = http("POST", url, {"name": "t", "path": str(lora_dir / "title")})
+    assert status == 201 and body["model"] == "twin:t" and body["parent"] == "twin", body
+    title = in_process("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", "title", max_new_tokens=12)
+    assert chat(app, "twin:t", "hello") == (200, title)
+    assert [chat(app, "twin:t", f"hello {i}")[0] for i in range(6)] == [200] * 6  # new prompts: either replica
+    routed = [r["requests_routed"] for r in app.model_status("twin")["replicas"]]
+    assert all(routed), routed  # both replicas answered for the adapter
+    status, _, body = http("DELETE", url + "/t")
+    assert status == 200 and body["model"] == "twin:t", body
+    assert [chat(app, "twin:t", "hello")[0] for _ in range(4)] == [404] * 4

@@ -30,7 +30,7 @@ def test_a_replica_not_ready_gets_nothing(replicas, bound, turn, round_robin):
 
 
 @given(views, st.integers(0, 8), st.integers(0, 100))
-def test_the_longest_prefix_wins_unless_its_queue_is_over_the_bound(replicas, bound, turn):
+def test_the_longest_prefix_wins_unless_its_queue_or_its_lead_is_over_the_bound(replicas, bound, turn):
     chosen = choose(replicas, bound, turn)
     ready = [v for v in replicas if v.ready]
     if not ready:
@@ -39,7 +39,8 @@ def test_the_longest_prefix_wins_unless_its_queue_is_over_the_bound(replicas, bo
     longest = max(v.matched for v in ready)
     holders = [v for v in ready if v.matched == longest]
     least_holder = min(v.load for v in holders)
-    if longest > 0 and all(v.waiting <= bound for v in holders if v.load == least_holder):
+    least = min(v.load for v in ready)
+    if longest > 0 and all(v.waiting <= bound and v.load - least <= bound for v in holders if v.load == least_holder):
         assert by_key[chosen].matched == longest  # affinity: the conversation stays where its cache is
     else:
         assert by_key[chosen].load == min(v.load for v in ready)  # nobody holds it, or its holder is busy
@@ -50,6 +51,35 @@ def test_round_robin_takes_the_ready_replicas_in_turn(count, start):
     replicas = [ReplicaView(str(i), True) for i in range(count)]
     assert [choose(replicas, 0, turn, True) for turn in range(start, start + count)] == \
         [str(turn % count) for turn in range(start, start + count)]
+
+
+@given(views, st.integers(0, 8), st.integers(0, 100))
+def test_no_replica_takes_more_than_the_bound_beyond_the_least_loaded(replicas, bound, turn):
+    """Affinity never piles load on one replica: the chosen one's load is at most `bound` over the least loaded
+    ready one's (else a prefix all requests share, such as a chat UI's system prompt, left the others idle)."""
+    chosen = choose(replicas, bound, turn)
+    ready = {v.key: v for v in replicas if v.ready}
+    if ready:
+        assert ready[chosen].load <= min(v.load for v in ready.values()) + bound
+
+
+@given(st.integers(2, 4), st.integers(4, 24), st.integers(1, 4), st.text(min_size=1, max_size=200))
+def test_new_conversations_sharing_a_system_prompt_use_every_replica(count, clients, bound, system):
+    """Clients open conversations at once with one system prompt (Open WebUI's, an agent's) and none ends: the
+    first replica holds that prefix first, and still each replica takes requests and no replica runs more than
+    `bound` over another."""
+    memories = [AffinityMemory() for _ in range(count)]
+    loads = [0] * count
+    for client in range(clients):
+        chain = prefix_chain({"messages": [{"role": "system", "content": system},
+                                           {"role": "user", "content": f"question {client}"}]})
+        views = [ReplicaView(str(i), True, running=loads[i], matched=memories[i].matched(chain)) for i in range(count)]
+        chosen = int(choose(views, bound, client))
+        memories[chosen].remember(chain)
+        loads[chosen] += 1
+    assert max(loads) - min(loads) <= bound + 1, loads
+    if clients >= count * (bound + 1):
+        assert min(loads) > 0, loads
 
 
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),

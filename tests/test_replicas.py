@@ -115,7 +115,7 @@ def test_a_killed_replica_fails_only_its_own_requests(app):
                     pass
                 outcomes.append("ok")
             except (openai.APIError, openai.APIStatusError) as exc:
-                outcomes.append(f"error: {type(exc).__name__}")
+                outcomes.append(f"error: {type(exc).__name__}: {exc}")
 
     threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(8)]
     for thread in threads:
@@ -131,11 +131,29 @@ def test_a_killed_replica_fails_only_its_own_requests(app):
         assert not thread.is_alive(), "a client hangs"
     failed = [o for o in outcomes[before:] if o != "ok"]
     assert 0 < len(failed) <= 8, outcomes[before:]  # at most what ran or waited on the killed replica
+    # each error names the model as clients know it, and which replica, never a replica's key NAME@DEVICE
+    assert all("twin (replica CPU#" in o and "@" not in o for o in failed), failed
     assert time.monotonic() - killed_at < 120
     both_ready(app)
     assert victim not in [r["pid"] for r in replicas(app)]
     scrape = samples(app.metrics())
     assert value(scrape, "openarc_worker_crashes_total", model="twin", signal="SIGKILL", reason="crash") >= 1
+
+
+def test_a_replicas_key_is_no_model_name(app):
+    """NAME@DEVICE is how residency keys a replica, never a name a client may use: the admin routes and the API
+    answer it with the model's 404 (naming only the model), and no replica is loaded or unloaded by it."""
+    before = [(r["pid"], r["state"]) for r in both_ready(app)]
+    for key in ("twin@CPU%230", "twin@CPU%231"):
+        for verb in ("load", "unload"):
+            status, _, body = http("POST", f"{app.base}/openarc/models/{key}/{verb}")
+            assert status == 404 and body["error"]["code"] == "model_not_found", (verb, status, body)
+            assert body["error"]["message"].endswith("(have: twin)"), body
+    status, _, body = http("POST", app.base + "/v1/chat/completions",
+                           {"model": "twin@CPU#0", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert status == 404 and body["error"]["code"] == "model_not_found", body
+    assert [(r["pid"], r["state"]) for r in replicas(app)] == before
+    assert "@" not in app.metrics()
 
 
 def test_replicas_load_on_demand_unload_together_and_reload_to_one_device(appliance_factory, demo_model):
@@ -164,3 +182,40 @@ def test_replicas_load_on_demand_unload_together_and_reload_to_one_device(applia
     assert model["device"] == "CPU" and "replicas" not in model
     assert live_worker_children(app.proc.pid) == {model["pid"]}
     assert [w["model"] for w in app.status()["residency"]["workers"]] == ["lazy"]
+
+
+def test_a_reload_between_one_device_and_replicas_fails_no_request(appliance_factory, demo_model):
+    """`device: CPU` -> `[CPU, CPU]` -> `CPU` by SIGHUP while clients stream: the model's units change keys (its
+    name, then a key per replica), and no request fails on the way (docs/configuration.md `reload:`): a request
+    waits for the new units while the old ones drain, as a `reload: restart` does."""
+    config = {"server": {"parked_workers": 0}, "models": [model_entry("shift", demo_model)]}
+    app = appliance_factory(config)
+    for device in (["CPU", "CPU"], "CPU"):
+        stop, outcomes = threading.Event(), []
+
+        def client_loop(i: int) -> None:
+            while not stop.is_set():
+                status, _, body = http("POST", app.base + "/v1/chat/completions",
+                                       {"model": "shift", "max_tokens": 2,
+                                        "messages": [{"role": "user", "content": f"{i} {uuid.uuid4().hex}"}]})
+                outcomes.append("ok" if status == 200 else f"{status} {body}")
+
+        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(outcomes) >= 8, 60, "requests answered before the reload")
+        config["models"][0]["device"] = device
+        app.config_path.write_text(yaml.safe_dump(config))
+        app.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: app.model_status("shift")["device"] == device
+                   and all(r["state"] == "ready" for r in app.model_status("shift").get("replicas", [])), 120,
+                   f"the reload to {device}")
+        count = len(outcomes)
+        wait_until(lambda: len(outcomes) >= count + 8, 60, "requests answered after the reload")
+        stop.set()
+        for thread in threads:
+            thread.join(90)
+            assert not thread.is_alive(), "a client hangs"
+        assert [o for o in outcomes if o != "ok"] == [], device
+        app.worker_pids |= {w["pid"] for w in app.status()["residency"]["workers"]}
+    wait_until(lambda: len(live_worker_children(app.proc.pid)) == 1, 30, "the replicas' workers gone")

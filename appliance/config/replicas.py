@@ -65,6 +65,13 @@ def all_units(models: list[ModelConfig | None]) -> list[Unit]:
     return [unit for model in models if model is not None for unit in units(model)]
 
 
+def shown(key: str) -> str:
+    """A unit's key as a client reads it in an error: the model's name, and which replica (`twin (replica CPU#0)`);
+    never NAME@LABEL, which reads as a model name that no route takes."""
+    name, _, label = key.partition(KEY_SEPARATOR)
+    return f"{name} (replica {label})" if label else name
+
+
 def model_name(key: str) -> str:
     """The model a unit key belongs to."""
     return key.split(KEY_SEPARATOR, 1)[0]

@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 from appliance.config import Config, ModelConfig
-from appliance.config.replicas import Unit, all_units, model_name
+from appliance.config.replicas import Unit, all_units, model_name, shown
 from appliance.front import cards, invariants, residency
 from appliance.front.canary import Canary
 from appliance.front.lifecycle import Changes, ModelState
@@ -434,7 +434,7 @@ class Placement(ResidencyBook):
             return
         backoff = sup.life.last_backoff_s or sup.model.restart.backoff_initial_s
         self._refuse(sup.name, RequestFailed(
-            503, "model_unavailable", f"model {sup.name} failed to load: {sup.life.last_error}; the next load is tried "
+            503, "model_unavailable", f"model {shown(sup.name)} failed to load: {sup.life.last_error}; the next load is tried "
             f"after {backoff:g}s", hint=sup.life.last_hint, retry_after=max(1.0, backoff)), retry_s=backoff)
         self.send(sup.name, Event.REFUSED, why="its load failed", drain_s=0)
 

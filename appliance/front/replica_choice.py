@@ -5,7 +5,10 @@ it holds) and names one; the Supervisor (appliance.front.supervisor) gathers the
 keeps each replica's AffinityMemory. Rules, in order:
 - a replica that is not ready gets nothing (None when none is);
 - the ready replica holding the longest part of this request's prefix takes it, unless more than `max_queue`
-  requests already wait for it (a conversation is not worth a queue: its prefill elsewhere costs less than waiting);
+  requests already wait for it (a conversation is not worth a queue: its prefill elsewhere costs less than waiting),
+  or its load is more than `max_queue` over the least loaded one's (a prefix every request shares, a chat UI's
+  system prompt, is held first by whichever replica took the first request: without this bound that replica took
+  every new conversation while the others idled, until a queue formed behind its whole batch);
 - else the least loaded (running plus waiting), ties taken in turn.
 `round_robin` (the bench's baseline) takes the ready replicas in turn, blind to prefixes and load.
 
@@ -109,8 +112,8 @@ def choose(replicas: Sequence[ReplicaView], max_queue: int, turn: int = 0, round
     if round_robin:
         return ready[turn % len(ready)].key
     affine = max(ready, key=lambda view: (view.matched, -view.load))
-    if affine.matched > 0 and affine.waiting <= max_queue:
-        return affine.key
     least = min(view.load for view in ready)
+    if affine.matched > 0 and affine.waiting <= max_queue and affine.load - least <= max_queue:
+        return affine.key
     ties = [view for view in ready if view.load == least]
     return ties[turn % len(ties)].key

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from appliance.front.lifecycle import ModelState
+from appliance.config.replicas import shown
 from appliance.sizes import format_size
 
 OCCUPYING = frozenset({ModelState.LOADING, ModelState.READY, ModelState.RESTARTING, ModelState.DRAINING})
@@ -217,10 +218,10 @@ def _evictions(head: ModelView, staying: list[ModelView], limits: Limits) -> tup
 def why_waiting(head: ModelView, models: list[ModelView], limits: Limits) -> str:
     """For the 503 of a request that waited in vain: what holds its model's load back."""
     occupied = [m for m in models if m.state in OCCUPYING]
-    held = ", ".join(f"{m.name} ({m.state.value}{', busy' if m.busy else ''}{', pinned' if m.pinned else ''})"
+    held = ", ".join(f"{shown(m.name)} ({m.state.value}{', busy' if m.busy else ''}{', pinned' if m.pinned else ''})"
                      for m in occupied) or "none"
     bounds = [f"max_loaded {limits.max_loaded}"] if limits.max_loaded else []
     if head.device in limits.memory_budget:
         bounds.append(f"memory_budget {head.device}: {format_size(limits.memory_budget[head.device])}")
-    return (f"no room to load model {head.name} ({', '.join(bounds) or 'no limit'}): loaded {held}; none of them "
+    return (f"no room to load model {shown(head.name)} ({', '.join(bounds) or 'no limit'}): loaded {held}; none of them "
             "can be evicted (only an idle model that is not load: at_start can)")

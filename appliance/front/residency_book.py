@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from appliance.config import Config, ModelConfig
 from appliance.config.devices import DEVICE_IN_STRING, budget_device
+from appliance.config.replicas import shown
 from appliance.front import cards, residency
 from appliance.front.lifecycle import ModelState
 from appliance.front.model_supervisor import ModelSupervisor
@@ -94,7 +95,7 @@ class ResidencyBook:
             source = self.footprint(name)[1]
             advice = ("raise the budget, or declare models[].memory if the measure was wrong, and reload"
                       if source == "measured" else "raise the budget and reload")
-            return RequestFailed(503, "model_unavailable", f"model {name} cannot load here: {self.impossible[name]} "
+            return RequestFailed(503, "model_unavailable", f"model {shown(name)} cannot load here: {self.impossible[name]} "
                                  f"({source} footprint; {advice})")
         return None
 

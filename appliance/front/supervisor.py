@@ -29,7 +29,7 @@ from appliance.front.model_supervisor import ModelSupervisor
 from appliance.front.placement import STANDING, Placement
 from appliance.front.residency_states import Event, Phase
 from appliance.config.launch_spec import worker_spec
-from appliance.config.replicas import KEY_SEPARATOR, all_units, model_name
+from appliance.config.replicas import KEY_SEPARATOR, all_units, model_name, shown
 from appliance.front.replica_choice import AffinityMemory, ReplicaView, choose, prefix_chain
 
 log = logging.getLogger("openarc.supervisor")
@@ -60,18 +60,23 @@ class Supervisor:
         speaks for its kind, settings and state."""
         def rank(sup: ModelSupervisor) -> tuple[bool, bool]:
             return sup.life.admits(), sup.state is not ModelState.FAILED
-        models: dict[str, ModelSupervisor] = {}
-        for key, sup in self.units.items():
-            name = model_name(key)
-            if name not in models or rank(sup) > rank(models[name]):
-                models[name] = sup
-        return models
+        names = dict.fromkeys(model_name(key) for key in self.units)
+        return {name: max(self.units_of(name), key=rank) for name in names}  # ties: the first in config order
 
     def units_of(self, name: str) -> list[ModelSupervisor]:
-        """The supervisors serving a model: its own, or its replicas' in the config's order ([] for no model)."""
-        if name in self.units:
-            return [self.units[name]]
-        return [sup for key, sup in self.units.items() if model_name(key) == name and KEY_SEPARATOR in key]
+        """The supervisors serving a model: its own, or its replicas' in the config's order ([] for no model). A
+        replica's key (NAME@DEVICE) is no model's name: [] too, so no route reaches one replica by it (a client
+        would load, unload or be served by a replica alone, under a name /v1/models never shows).
+
+        Units a reload removed (draining under their keys) speak for the model only while it has no others: a
+        reload that changes a model's units (`device: CPU` -> `[CPU, CPU]`: one key leaves, two come) has its
+        requests wait for the new units, as a `reload: restart` does, not fail on the old one's drain; a model
+        the config dropped, or a server that stops, still answers its 503 under its name."""
+        if KEY_SEPARATOR in name:
+            return []
+        ours = [sup for key, sup in self.units.items() if model_name(key) == name]
+        staying = [sup for sup in ours if self.placement.phases.get(sup.name) not in (Phase.LEAVING, Phase.GONE)]
+        return staying or ours
 
     @property
     def changes(self) -> Changes:
@@ -168,9 +173,9 @@ class Supervisor:
         head = next(v for v in views if v.name == name)
         retry = max(1.0, sup.model.restart.backoff_initial_s)
         if not sup.model.ready_wait_s:
-            return RequestFailed(503, "model_unavailable", f"model {name} is unloaded and is being loaded now "
+            return RequestFailed(503, "model_unavailable", f"model {shown(name)} is unloaded and is being loaded now "
                                  "(ready_wait_s is 0: requests do not wait for a load); retry shortly", retry_after=retry)
-        return RequestFailed(503, "model_unavailable", f"model {name} is unloaded and waited "
+        return RequestFailed(503, "model_unavailable", f"model {shown(name)} is unloaded and waited "
                              f"{sup.model.ready_wait_s:g}s for room to load: "
                              + residency.why_waiting(head, views, self.placement.limits()), retry_after=retry)
 

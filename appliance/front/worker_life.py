@@ -36,6 +36,7 @@ from appliance.host.kernel_log import KernelLog
 from appliance.ipc import ProtocolError
 from appliance.config.model_checks import served_path_check
 from appliance.config import window
+from appliance.config.replicas import shown
 from appliance.config.kinds import GENERATIVE_KINDS
 
 log = logging.getLogger("openarc.supervisor")  # the same name as appliance.front.supervisor: one source in the log
@@ -134,16 +135,16 @@ class WorkerLife:
     def unavailable(self) -> RequestFailed:
         """Why a request cannot be admitted now."""
         if self.state is ModelState.FAILED:
-            return RequestFailed(503, "model_failed", f"model {self.name} is failed: {self.last_error}", hint=self.last_hint)
+            return RequestFailed(503, "model_failed", f"model {shown(self.name)} is failed: {self.last_error}", hint=self.last_hint)
         if self.stopping:
             return self._unloading()
-        return RequestFailed(503, "model_unavailable", f"model {self.name} is {self.state.value}; retry shortly",
+        return RequestFailed(503, "model_unavailable", f"model {shown(self.name)} is {self.state.value}; retry shortly",
                              retry_after=self._retry_after())
 
     def _unloading(self) -> RequestFailed:
         """The 503 of a request this model's drain refuses or ends: the model unloads (an unload, a reload, or the
         server's stop, whose new requests the routes refuse as shutting down first) and may load again."""
-        return RequestFailed(503, "model_unavailable", f"model {self.name} is unloading; retry shortly",
+        return RequestFailed(503, "model_unavailable", f"model {shown(self.name)} is unloading; retry shortly",
                              retry_after=self._retry_after())
 
     def _retry_after(self) -> float:
@@ -308,7 +309,7 @@ class WorkerLife:
             difference = await self.canary.check(self.model, self.router, self.load_seconds)
         except Exception as exc:  # a bug in the check must not leave the model loading for good
             log.exception("model %s: the canary check failed", self.name)
-            difference = Difference(ERROR, f"model {self.name}: the check itself failed: {describe(exc)}")
+            difference = Difference(ERROR, f"model {shown(self.name)}: the check itself failed: {describe(exc)}")
         if self.stopping or self.state is not ModelState.LOADING:
             return  # stopped while checked: the probes it cut short say nothing of the model
         self.canary.judge(self.name, difference)
@@ -319,7 +320,7 @@ class WorkerLife:
             self.enter(ModelState.READY)
 
     def _worker_gone(self) -> RequestFailed:
-        return RequestFailed(503, "worker_crash", f"the worker of model {self.name} died; it is being restarted",
+        return RequestFailed(503, "worker_crash", f"the worker of model {shown(self.name)} died; it is being restarted",
                              retry_after=self._retry_after())
 
     def _leave_ready(self) -> None:
@@ -347,7 +348,7 @@ class WorkerLife:
         log.error("model %s: no progress for %.1fs, killing worker %s", self.name, stall, self.pid)
         self.end_worker(Exit(ExitReason.STALL, detail=f"worker made no progress for stall_timeout_s={stall:g}; killed"))
         self.router.fail_all(RequestFailed(
-            504, "stall", f"model {self.name} made no progress for {stall:g}s; its worker was killed and is "
+            504, "stall", f"model {shown(self.name)} made no progress for {stall:g}s; its worker was killed and is "
                           "restarting", retry_after=self.model.restart.backoff_initial_s))
 
     # --- the one exit path -----------------------------------------------------------------------------------
@@ -401,7 +402,7 @@ class WorkerLife:
             self.enter(ModelState.FAILED, f"restart budget used up ({self.model.restart.max_failures} failures "
                                           f"within {self.model.restart.window_s:g}s); last: {self.last_error}", hint)
             if not exit.ever_ready and self.canary and self.canary.wants(self.name):  # it never got to its check
-                self.canary.judge(self.name, Difference(LOAD, f"model {self.name} did not load: {self.last_error}"))
+                self.canary.judge(self.name, Difference(LOAD, f"model {shown(self.name)} did not load: {self.last_error}"))
             return None
         self.enter(ModelState.RESTARTING)
         self.last_backoff_s = backoff

@@ -110,12 +110,13 @@ def blob(directory: Path, name: str, size: int, used: float) -> Path:
     return path
 
 
-def fill_stale(cache: Path, now: float) -> dict[str, Path]:
+def fill_stale(cache: Path, now: float, scale: int = 1) -> dict[str, Path]:
     """A cache as a box has it after an update and a config change: blobs of the old runtime, of a model gone from
-    the config, and of the flat layout of before; plus a demo model's directory that is not the cache's."""
-    return {"old runtime": blob(cache / OLD_RUNTIME / "demo", "1.blob", 3 * MiB, now - 50).parent,
-            "model gone": blob(cache / RUNTIME / "gone", "2.blob", 2 * MiB, now - 40).parent,
-            "flat": blob(cache, "3.blob", 1 * MiB, now - 30),
+    the config, and of the flat layout of before; plus a demo model's directory that is not the cache's. `scale`
+    multiplies their sizes (3, 2 and 1 MiB)."""
+    return {"old runtime": blob(cache / OLD_RUNTIME / "demo", "1.blob", 3 * scale * MiB, now - 50).parent,
+            "model gone": blob(cache / RUNTIME / "gone", "2.blob", 2 * scale * MiB, now - 40).parent,
+            "flat": blob(cache, "3.blob", 1 * scale * MiB, now - 30),
             "not the cache's": blob(cache / "models" / "demo-1234", "openvino_model.bin", 4 * MiB, now - 60).parent}
 
 
@@ -162,8 +163,10 @@ def test_server_prunes_its_cache_after_loading_and_the_load_metric_tells_cache_f
     GenAI 2026.4's continuous-batching pipeline writes its blob anew on every load (a compile each time, which the
     metric then says), its stateful one reads it back."""
     cache, now = tmp_path / "ov", time.time()
-    stale = fill_stale(cache, now)
-    config = {"server": {"cache_dir": str(cache), "cache_max_size": "2MiB"},
+    # the bound holds the demo's blob (3.0 MiB with GenAI 2026.4) and not it with any stale entry: every stale one
+    # goes, for a blob of 1 to 5 MiB
+    stale = fill_stale(cache, now, scale=4)
+    config = {"server": {"cache_dir": str(cache), "cache_max_size": "5MiB"},
               "models": [model_entry("demo", demo_model, pipeline="stateful")]}
     first = appliance_factory(config)
     runtime_dir = cache / compile_cache.current_runtime()
@@ -172,12 +175,12 @@ def test_server_prunes_its_cache_after_loading_and_the_load_metric_tells_cache_f
         entries = compile_cache.scan(cache)
         return entries if [entry.path for entry in entries] == [runtime_dir / "demo"] else None
     (entry,) = wait_until(pruned, 30, "the stale blobs pruned")
-    assert 0 < entry.size <= 2 * MiB and list((runtime_dir / "demo").glob("*.blob"))
+    assert 0 < entry.size <= 5 * MiB and list((runtime_dir / "demo").glob("*.blob"))
     assert not any(path.exists() for what, path in stale.items() if what != "not the cache's")
     scrape = samples(first.metrics())
     assert value(scrape, "openarc_model_load_seconds_count", model="demo", source="compiled") == 1
     assert value(scrape, "openarc_model_load_seconds_count", model="demo", source="cache") == 0
-    assert "compiled-model cache over its bound of 2.0 MiB: deleted" in first.logs()
+    assert "compiled-model cache over its bound of 5.0 MiB: deleted" in first.logs()
     first.stop()
 
     second = appliance_factory(config)

@@ -44,9 +44,10 @@ def image_model(tmp_path, files=SD_FILES):
 
 
 def write_safetensors(path):
-    """A safetensors file of one LoRA tensor (the config's adapter check reads the tensors' names)."""
-    header = b'{"unet.lora_A.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
-    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    """A safetensors file of one LoRA pair of rank 1 (the config's adapter check reads the pairs' shapes)."""
+    header = (b'{"unet.lora_A.weight":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]},'
+              b'"unet.lora_B.weight":{"dtype":"F32","shape":[2,1],"data_offsets":[8,16]}}')
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
     return path
 
 

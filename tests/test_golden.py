@@ -287,3 +287,18 @@ def test_gate_fails_a_start_whose_recorded_model_does_not_load(recorded, tmp_pat
     assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
     refusal = [line for line in app.logs().splitlines() if "canary failed" in line]
     assert len(refusal) == 1 and "not ready: model chat did not load: " in refusal[0], refusal
+
+
+def test_each_replica_of_a_model_is_checked_against_the_models_record(recorded, tmp_path, appliance_factory,
+                                                                      demo_model, embedding_model):
+    """A replicated model (device: [CPU, CPU]: units chat@CPU#0, chat@CPU#1) has one record, under its name: each
+    replica's worker is checked against it before it serves, and under gate one that answers otherwise is refused
+    with the evidence, as the model alone would be."""
+    config = serve_config(tmp_path, edited(recorded, other_answer), "gate", demo_model, embedding_model)
+    config["models"][0].update(device=["CPU", "CPU"], load="on_demand")
+    app = appliance_factory(config)
+    status, _, body = http("POST", app.base + "/v1/chat/completions",
+                           {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert status == 503 and "model chat: probe 1 ('Name three colours.'): differs at token 3" in \
+        body["error"]["message"], body
+    assert 'openarc_canary_failures_total{model="chat",reason="answer"}' in app.metrics()

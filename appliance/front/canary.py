@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable
 
 from appliance.config import Config, ModelConfig
+from appliance.config.replicas import model_name
 from appliance.front.api import embeddings, rerank
 from appliance.front.api.audio import AudioRequest
 from appliance.front.api.completions import parse_chat
@@ -49,14 +50,15 @@ class Canary:
     def mode(self) -> str:
         return self.config_of().server.canary
 
-    def wants(self, name: str) -> bool:
+    def wants(self, model: ModelConfig) -> bool:
         """Whether a worker of this model that just loaded is checked before it serves: canary on, and a record of
         it (or a record file that cannot be read, which is a failure of every model: under gate, nothing
-        unchecked serves)."""
+        unchecked serves). The record is the model's, under its name: each replica's worker is checked against
+        it (a replica's unit key, NAME@DEVICE#i, names no record)."""
         if self.mode == "off":
             return False
         try:
-            return name in self._records()
+            return model.name in self._records()
         except RecordError:
             return True
 
@@ -83,14 +85,15 @@ class Canary:
         return compare(model.name, recorded, observed, self.config_of().server.canary_min_speed)
 
     def judge(self, name: str, difference: Difference | None) -> None:
-        """A check's outcome: a pass clears the model's failure; a failure is kept (the start's gate reads it),
-        counted, and under warn logged (under gate the refused model's error says it)."""
+        """A check's outcome for the model (or replica: its unit key) `name`: a pass clears its failure; a failure
+        is kept (the start's gate reads it), counted under the model's name, and under warn logged (under gate the
+        refused model's error says it)."""
         if difference is None:
             self.failures.pop(name, None)
             log.info("canary: model %s answers as recorded", name)
             return
         self.failures[name] = difference
-        self.metrics.canary_failures.labels(model=name, reason=difference.reason).inc()
+        self.metrics.canary_failures.labels(model=model_name(name), reason=difference.reason).inc()
         if self.mode == "warn":
             log.warning("canary (server.canary: warn): %s", difference)
 

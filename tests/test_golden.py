@@ -302,3 +302,23 @@ def test_each_replica_of_a_model_is_checked_against_the_models_record(recorded, 
     assert status == 503 and "model chat: probe 1 ('Name three colours.'): differs at token 3" in \
         body["error"]["message"], body
     assert 'openarc_canary_failures_total{model="chat",reason="answer"}' in app.metrics()
+
+
+def test_a_kind_without_probes_is_skipped_by_record_and_never_held_by_the_canary(tmp_path, demo_image):
+    """An image model has no golden probes: `golden record` says so in one line and exits 0 (no traceback), and
+    the canary never holds such a model in `loading` for a check it cannot run, even where a record names it."""
+    from appliance.config import parse_config
+    from appliance.front.canary import Canary
+    from appliance.front.metrics import Metrics
+
+    config = tmp_path / "openarc.yaml"
+    config.write_text(yaml.safe_dump({"models": [model_entry("img", demo_image, kind="image")]}))
+    done = golden("record", "--config", str(config))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert done.stdout.splitlines() == ["img: skipped: kind image has no golden probes (the canary does not check "
+                                        "it)"], done.stdout
+    save(tmp_path / "golden.yaml", {"img": ModelRecord("image", [Answer("a red square", checksum="ab")], speed=1)},
+         "test")
+    parsed = parse_config({"server": {"canary": "gate"}, "models": [model_entry("img", demo_image, kind="image")]},
+                          str(config))
+    assert not Canary(lambda: parsed, Metrics()).wants(parsed.models[0])

@@ -53,9 +53,9 @@ class Canary:
     def wants(self, model: ModelConfig) -> bool:
         """Whether a worker of this model that just loaded is checked before it serves: canary on, and a record of
         it (or a record file that cannot be read, which is a failure of every model: under gate, nothing
-        unchecked serves). The record is the model's, under its name: each replica's worker is checked against
+        unchecked serves); never a kind without probes (image). The record is the model's, under its name: each replica's worker is checked against
         it (a replica's unit key, NAME@DEVICE#i, names no record)."""
-        if self.mode == "off":
+        if self.mode == "off" or not probed(model.kind):
             return False
         try:
             return model.name in self._records()
@@ -162,6 +162,12 @@ async def _tts(model: ModelConfig, router: RequestRouter, spool: str) -> tuple[l
 
 PROBES = {"llm": _chat, "vlm": _chat, "embedding": _embedding, "rerank": _rerank, "transcription": _transcription,
           "tts": _tts}
+
+
+def probed(kind: str) -> bool:
+    """Whether models of this kind have golden probes: `golden record` skips the others, and the canary never
+    holds one of them in `loading` for a check it cannot run (an image model: no probe yet)."""
+    return kind in PROBES
 
 
 async def _result(router: RequestRouter, model: ModelConfig, body: dict[str, Any]) -> dict[str, Any]:

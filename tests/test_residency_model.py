@@ -1,11 +1,11 @@
-"""A model-based test of models on demand: hypothesis drives a real front (real supervision, real workers of the
-demo models; one of them replicated, so an eviction may take one replica of it) through random interleavings of
-chat requests (whole, streamed, hung up mid-way), speech requests
-(whole, streamed, hung up, and streamed speeches whose model is unloaded once their first audio is out, so that
-later sentences are opened and their places reserved during the drain), load and unload calls, config reloads of
-both kinds, idle unloads, pressure on the two slots (`max_loaded: 2`) and on the memory budget (model p declares
-the whole 2 GiB: its load evicts every other model), workers killed (SIGKILL, SIGABRT), stopped during their load
-or while serving (a stall) and resumed later, and SIGTERM.
+"""A model-based test of models on demand: hypothesis drives a real front (real supervision, real workers of the demo
+models; model a replicated, `device: [CPU, CPU]`, so an eviction may take one replica of it and a reload or a signal
+meet two workers under one name) through random interleavings of chat requests (whole, streamed, hung up mid-way),
+speech requests (whole, streamed, hung up, and streamed speeches whose model is unloaded once their first audio is
+out, so that later sentences are opened and their places reserved during the drain), load and unload calls, config
+reloads of both kinds, idle unloads, pressure on the two slots (`max_loaded: 2`) and on the memory budget (model p
+declares the whole 2 GiB: its load evicts every other model), workers killed (SIGKILL, SIGABRT), stopped during
+their load or while serving (a stall) and resumed later, and SIGTERM.
 
 After each run everything is let settle, then what a user and an operator see must hold: every request got an
 answer within its bound; the worker processes alive are exactly the ones /openarc/status shows; no more than

@@ -205,7 +205,7 @@ def test_config_takes_paths_or_path_and_alpha_and_checks_them(lora_dir, demo_mod
     ({"adapters": {"a": "/x"}, "prompt_lookup": True}, "models[0].adapters: not with speculative decoding"),
     ({"adapters": {"a": "/x"}, "scheduler_config": {"enable_prefix_caching": True}},
      "models[0].scheduler_config.enable_prefix_caching: not with adapters"),
-    ({"adapters": {"a": "/x"}, "kind": "embedding"}, "models[0].adapters: applies to kind 'llm' models only"),
+    ({"adapters": {"a": "/x"}, "kind": "embedding"}, "models[0].adapters: applies to kind 'llm' or 'image' models only"),
     ({"max_adapters": 0}, "models[0].max_adapters: expected at least 1"),
 ])
 def test_config_names_each_adapter_mistake(entry, expected):
@@ -421,3 +421,31 @@ def test_metrics_say_which_adapters_run_in_vllms_shape_and_count_by_adapter(serv
     assert counted.get('adapter="upper",model="demo"', 0) >= 1 and counted.get('adapter="",model="demo"', 0) >= 1, \
         counted
     assert not lora_info(metrics, "plain") and 'model="plain"' not in "".join(counted)
+
+
+@pytest.mark.parametrize("device", ["CPU", ["CPU", "CPU"]], ids=["one worker", "replicas"])
+def test_a_runtime_adapter_lasts_across_an_unload_and_is_served_by_every_replica(appliance_factory, demo_model,
+                                                                                 lora_dir, device):
+    """A runtime adapter lasts while the server runs (docs/lora.md): the model's unload (the API here; an idle
+    unload or an eviction alike) and its next load on demand keep it, and a replicated model serves it from each
+    replica, whichever a request is routed to."""
+    app = appliance_factory({"server": {"parked_workers": 0}, "models": [model_entry(
+        "lo", demo_model, adapters={"upper": str(lora_dir / "upper")}, device=device)]})
+    if isinstance(device, list):
+        wait_until(lambda: all(r["state"] == "ready" for r in app.model_status("lo")["replicas"]), 120, "replicas")
+    url = app.base + "/openarc/models/lo/adapters"
+    status, _, body = http("POST", url, {"name": "shout", "path": str(lora_dir / "upper")})
+    assert status == 201 and (body["model"], body["parent"]) == ("lo:shout", "lo"), body
+    ask = {"model": "lo:shout", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
+    first = http("POST", app.base + "/v1/chat/completions", ask)
+    assert first[0] == 200, first[2]
+    if isinstance(device, list):  # each replica in turn: a new conversation each time, so no prefix affinity
+        answers = {http("POST", app.base + "/v1/chat/completions", {**ask, "messages": [
+            {"role": "user", "content": f"hello {i}"}]})[0] for i in range(6)}
+        assert answers == {200}, answers
+        routed = [r["requests_routed"] for r in app.model_status("lo")["replicas"]]
+        assert all(routed), routed
+    assert http("POST", app.base + "/openarc/models/lo/unload")[0] == 200
+    again = http("POST", app.base + "/v1/chat/completions", ask)
+    assert again[0] == 200 and again[2]["choices"][0]["message"]["content"] == \
+        first[2]["choices"][0]["message"]["content"], again[2]

@@ -37,19 +37,19 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
         name, path, alpha = load_body(await request.read())
         served = lookup.served_adapters(sup)
         if name in served:
-            raise RequestFailed(409, "invalid_request", f"the model '{sup.name}' already serves an adapter named "
-                                f"'{name}'; unload it first (DELETE /openarc/models/{sup.name}/adapters/{name})",
+            raise RequestFailed(409, "invalid_request", f"the model '{sup.model.name}' already serves an adapter named "
+                                f"'{name}'; unload it first (DELETE /openarc/models/{sup.model.name}/adapters/{name})",
                                 "adapter_exists")
         if len(served) >= sup.model.max_adapters:
-            raise RequestFailed(409, "invalid_request", f"the model '{sup.name}' holds max_adapters "
+            raise RequestFailed(409, "invalid_request", f"the model '{sup.model.name}' holds max_adapters "
                                 f"({sup.model.max_adapters}) adapters; unload one first", "max_adapters")
         problem = path_problem(sup, path)
         if problem:
             raise InvalidRequest(problem, "path")
         entry = {"path": str(adapter_file(path)), "alpha": alpha}
-        await ask_worker(sup, {"action": "load", "name": name, **entry})
-        served[name] = entry  # the spec: a restarted worker loads it again
-        return web.json_response({"model": f"{sup.name}{lookup.ADAPTER_SEPARATOR}{name}", "parent": sup.name,
+        await ask_workers(appliance, sup, {"action": "load", "name": name, **entry})
+        served[name] = entry  # the model's spec: a restarted worker, a replica or a later load loads it too
+        return web.json_response({"model": f"{sup.model.name}{lookup.ADAPTER_SEPARATOR}{name}", "parent": sup.model.name,
                                   "root": entry["path"], "alpha": alpha}, status=201)
 
     async def unload(request: web.Request, call: Call) -> web.Response:
@@ -57,11 +57,11 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
         name = request.match_info["adapter"]
         served = lookup.served_adapters(sup)
         if name not in served:
-            raise RequestFailed(404, "model_not_found", f"the model '{sup.name}' has no adapter named '{name}' "
+            raise RequestFailed(404, "model_not_found", f"the model '{sup.model.name}' has no adapter named '{name}' "
                                 f"(have: {', '.join(served) or 'none'})")
-        await ask_worker(sup, {"action": "unload", "name": name})
+        await ask_workers(appliance, sup, {"action": "unload", "name": name})
         del served[name]
-        return web.json_response({"model": f"{sup.name}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
+        return web.json_response({"model": f"{sup.model.name}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
 
     async def admitted_model(request: web.Request, call: Call):
         """The ready supervisor of the model the route names, once the key may use it (a key learns no other
@@ -109,6 +109,14 @@ def path_problem(sup, path: str) -> str | None:
     if not os.path.isabs(path) or root not in where.parents:
         return f"the adapter's path must be absolute and under {str(root)!r} (the directory holding the model's own)"
     return adapter_problem(str(where))
+
+
+async def ask_workers(appliance: ServerView, sup, adapter: dict[str, Any]) -> None:
+    """Every worker of the model that serves now (each replica's) loads or unloads the adapter; one still loading
+    or restarting reads it from the model's spec as it starts."""
+    for unit in appliance.supervisor.units_of(sup.model.name):
+        if unit.life.admits():
+            await ask_worker(unit, adapter)
 
 
 async def ask_worker(sup, adapter: dict[str, Any]) -> dict[str, Any]:

@@ -322,3 +322,16 @@ def test_a_kind_without_probes_is_skipped_by_record_and_never_held_by_the_canary
     parsed = parse_config({"server": {"canary": "gate"}, "models": [model_entry("img", demo_image, kind="image")]},
                           str(config))
     assert not Canary(lambda: parsed, Metrics()).wants(parsed.models[0])
+
+
+def test_gate_fails_a_start_where_a_replica_answers_otherwise(recorded, tmp_path, appliance_factory, demo_model,
+                                                              embedding_model):
+    """Under gate, a replicated model at start whose replicas answer otherwise fails the start as the model alone
+    would (exit 3, one line naming the model and the token), though the other model passes and serves."""
+    config = serve_config(tmp_path, edited(recorded, other_answer), "gate", demo_model, embedding_model)
+    config["models"][0].update(device=["CPU", "CPU"])
+    app = appliance_factory(config, wait_ready=False)
+    assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
+    refusal = [line for line in app.logs().splitlines() if "canary failed (server.canary: gate), not ready" in line]
+    assert len(refusal) == 1 and "model chat: probe 1 ('Name three colours.'): differs at token 3" in refusal[0], \
+        refusal

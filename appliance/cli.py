@@ -103,9 +103,14 @@ def cmd_golden(args: argparse.Namespace) -> int:
         return 1
     setup_logging("warning")
     prepare_demo_model(config)
+    from appliance.front.canary import probed
     from appliance.front.golden_run import observe_model
     failed, recorded = False, {}
     for name in names:
+        kind = config.model(name).kind
+        if not probed(kind):
+            print(f"{name}: skipped: kind {kind} has no golden probes (the canary does not check it)")
+            continue
         observed = asyncio.run(observe_model(config, name))
         if isinstance(observed, str):  # it did not load
             line, failed = f"load: {observed}", True

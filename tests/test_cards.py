@@ -242,3 +242,28 @@ def test_the_owner_counts_what_a_model_holds_on_its_other_cards_there(two_b580):
 
     assert asyncio.run(needs(draft)) == asyncio.run(needs(split)) == {"GPU.0": 8 * GIB, "GPU.1": 3 * GIB}
     assert asyncio.run(needs(alone)) == {"GPU.0": 8 * GIB}
+
+
+def test_a_replica_listed_as_bare_gpu_stays_on_gpu0_and_never_joins_its_sibling(two_b580):
+    """`device: [GPU, GPU.1]` is one replica per card (bare GPU is GPU.0, as the config check says): its bare-GPU
+    replica is not placed by the placer like a bare-GPU model on a two-card box, so however full GPU.0 is, it never
+    goes on GPU.1 beside its sibling (two copies of the weights and KV cache on one card)."""
+    from dataclasses import replace
+
+    from appliance.front.metrics import Metrics
+    from appliance.front.placement import Placement
+
+    config = parse_config({"server": {"memory_budget": {"GPU.0": "12GiB", "GPU.1": "12GiB"}}, "models": [
+        {"name": "big", "path": "/a", "device": "GPU.0", "memory": "9GiB", "load": "on_demand"},
+        {"name": "rep", "path": "/b", "device": ["GPU", "GPU.1"], "memory": "2GiB", "load": "on_demand"}]}, "o.yaml")
+
+    async def scenario():
+        placement = Placement(config, Metrics(), host_gpus=two_b580)
+        assert placement.placement_status("rep@GPU")["device"] in ("GPU", "GPU.0")
+        loaded = {"big", "rep@GPU.1"}  # GPU.0: 3 GiB free; GPU.1: 10 GiB free
+        views = [replace(v, state=S.READY, last_used=1.0) if v.name in loaded else
+                 replace(v, wanted_since=1.0) if v.name == "rep@GPU" else v for v in placement.views(2.0)]
+        decided = plan(views, placement.limits(), 2.0)
+        assert decided.load == "rep@GPU" and decided.device in (None, "GPU.0"), decided
+
+    asyncio.run(scenario())

@@ -441,3 +441,51 @@ def test_gate_fails_a_start_whose_recorded_model_does_not_load(recorded, tmp_pat
     assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
     refusal = [line for line in app.logs().splitlines() if "canary failed" in line]
     assert len(refusal) == 1 and "not ready: model chat did not load: " in refusal[0], refusal
+
+
+def test_each_replica_of_a_model_is_checked_against_the_models_record(recorded, tmp_path, appliance_factory,
+                                                                      demo_model, embedding_model):
+    """A replicated model (device: [CPU, CPU]: units chat@CPU#0, chat@CPU#1) has one record, under its name: each
+    replica's worker is checked against it before it serves, and under gate one that answers otherwise is refused
+    with the evidence, as the model alone would be."""
+    config = serve_config(tmp_path, edited(recorded, other_answer), "gate", demo_model, embedding_model)
+    config["models"][0].update(device=["CPU", "CPU"], load="on_demand")
+    app = appliance_factory(config)
+    status, _, body = http("POST", app.base + "/v1/chat/completions",
+                           {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert status == 503 and "model chat: probe 1 ('Name three colours.'): differs at token 3" in \
+        body["error"]["message"], body
+    assert 'openarc_canary_failures_total{model="chat",reason="answer"}' in app.metrics()
+
+
+def test_a_kind_without_probes_is_skipped_by_record_and_never_held_by_the_canary(tmp_path, demo_image):
+    """An image model has no golden probes: `golden record` says so in one line and exits 0 (no traceback), and
+    the canary never holds such a model in `loading` for a check it cannot run, even where a record names it."""
+    from appliance.config import parse_config
+    from appliance.front.canary import Canary
+    from appliance.front.metrics import Metrics
+
+    config = tmp_path / "openarc.yaml"
+    config.write_text(yaml.safe_dump({"models": [model_entry("img", demo_image, kind="image")]}))
+    done = golden("record", "--config", str(config))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert done.stdout.splitlines() == ["img: skipped: kind image has no golden probes (the canary does not check "
+                                        "it)"], done.stdout
+    save(tmp_path / "golden.yaml", {"img": ModelRecord("image", [Answer("a red square", checksum="ab")], speed=1)},
+         "test")
+    parsed = parse_config({"server": {"canary": "gate"}, "models": [model_entry("img", demo_image, kind="image")]},
+                          str(config))
+    assert not Canary(lambda: parsed, Metrics()).wants(parsed.models[0])
+
+
+def test_gate_fails_a_start_where_a_replica_answers_otherwise(recorded, tmp_path, appliance_factory, demo_model,
+                                                              embedding_model):
+    """Under gate, a replicated model at start whose replicas answer otherwise fails the start as the model alone
+    would (exit 3, one line naming the model and the token), though the other model passes and serves."""
+    config = serve_config(tmp_path, edited(recorded, other_answer), "gate", demo_model, embedding_model)
+    config["models"][0].update(device=["CPU", "CPU"])
+    app = appliance_factory(config, wait_ready=False)
+    assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
+    refusal = [line for line in app.logs().splitlines() if "canary failed (server.canary: gate), not ready" in line]
+    assert len(refusal) == 1 and "model chat: probe 1 ('Name three colours.'): differs at token 3" in refusal[0], \
+        refusal

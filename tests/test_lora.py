@@ -583,22 +583,29 @@ def test_a_runtime_adapter_of_a_replicated_model_is_served_by_every_replica(tmp_
         app.stop()
 
 
-def test_a_runtime_adapter_serves_from_every_replica(appliance_factory, demo_model, lora_dir, in_process):
-    """A replicated model (`device: [CPU, CPU]`) takes a runtime adapter on each replica: every request for it is
-    served whichever replica the router picks, the answer names the model (never a replica's key), and its unload
-    makes the name a 404 on every replica."""
-    app = appliance_factory({"server": {"parked_workers": 0}, "models": [
-        model_entry("twin", demo_model, device=["CPU", "CPU"], adapters={"upper": str(lora_dir / "upper")})]})
-    wait_until(lambda: [r["state"] for r in app.model_status("twin")["replicas"]] == ["ready", "ready"], 120,
-               "both replicas ready")
-    url = app.base + "/openarc/models/twin/adapters"
-    status, _, body = http("POST", url, {"name": "t", "path": str(lora_dir / "title")})
-    assert status == 201 and body["model"] == "twin:t" and body["parent"] == "twin", body
-    title = in_process("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", "title", max_new_tokens=12)
-    assert chat(app, "twin:t", "hello") == (200, title)
-    assert [chat(app, "twin:t", f"hello {i}")[0] for i in range(6)] == [200] * 6  # new prompts: either replica
-    routed = [r["requests_routed"] for r in app.model_status("twin")["replicas"]]
-    assert all(routed), routed  # both replicas answered for the adapter
-    status, _, body = http("DELETE", url + "/t")
-    assert status == 200 and body["model"] == "twin:t", body
-    assert [chat(app, "twin:t", "hello")[0] for _ in range(4)] == [404] * 4
+@pytest.mark.parametrize("device", ["CPU", ["CPU", "CPU"]], ids=["one worker", "replicas"])
+def test_a_runtime_adapter_lasts_across_an_unload_and_is_served_by_every_replica(appliance_factory, demo_model,
+                                                                                 lora_dir, device):
+    """A runtime adapter lasts while the server runs (docs/lora.md): the model's unload (the API here; an idle
+    unload or an eviction alike) and its next load on demand keep it, and a replicated model serves it from each
+    replica, whichever a request is routed to."""
+    app = appliance_factory({"server": {"parked_workers": 0}, "models": [model_entry(
+        "lo", demo_model, adapters={"upper": str(lora_dir / "upper")}, device=device)]})
+    if isinstance(device, list):
+        wait_until(lambda: all(r["state"] == "ready" for r in app.model_status("lo")["replicas"]), 120, "replicas")
+    url = app.base + "/openarc/models/lo/adapters"
+    status, _, body = http("POST", url, {"name": "shout", "path": str(lora_dir / "upper")})
+    assert status == 201 and (body["model"], body["parent"]) == ("lo:shout", "lo"), body
+    ask = {"model": "lo:shout", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
+    first = http("POST", app.base + "/v1/chat/completions", ask)
+    assert first[0] == 200, first[2]
+    if isinstance(device, list):  # each replica in turn: a new conversation each time, so no prefix affinity
+        answers = {http("POST", app.base + "/v1/chat/completions", {**ask, "messages": [
+            {"role": "user", "content": f"hello {i}"}]})[0] for i in range(6)}
+        assert answers == {200}, answers
+        routed = [r["requests_routed"] for r in app.model_status("lo")["replicas"]]
+        assert all(routed), routed
+    assert http("POST", app.base + "/openarc/models/lo/unload")[0] == 200
+    again = http("POST", app.base + "/v1/chat/completions", ask)
+    assert again[0] == 200 and again[2]["choices"][0]["message"]["content"] == \
+        first[2]["choices"][0]["message"]["content"], again[2]

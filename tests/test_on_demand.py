@@ -706,3 +706,26 @@ def test_an_unload_the_server_stop_overtakes_is_answered_503_not_500(appliance_f
     code, _, body = answered[0]
     assert code in (200, 503) and (code == 200 or body["error"]["code"] == "shutting_down"), (code, body)
     assert app.proc.wait(HANG_BOUND_S) == 0
+
+
+def test_a_request_for_an_unloaded_model_during_the_stop_is_answered_503_not_404(appliance_factory, demo_model):
+    """Found by the model-based test's long walk (OPENARC_MODEL_TEST_STEPS=600, with model a replicated; shrunk to
+    a request for an unloaded model sent as SIGTERM came): the stop forgets an unloaded model's name at once, and a
+    request reaching the front while another model still drained was answered 404 "does not exist" for a
+    configured model. During the stop every request is a 503 "shutting down", whatever it names."""
+    app = appliance_factory({"server": {"drain_timeout_s": 10},
+                             "models": [on_demand("a", demo_model), on_demand("p", demo_model)]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.08"})
+    stream = iter(app.client(timeout=HANG_BOUND_S).chat.completions.create(model="a", messages=CHAT, max_tokens=40,
+                                                                          stream=True))
+    assert next(stream).choices  # a generates for about 3 s: the stop's drain waits for it
+    app.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: "draining" in app.logs(), HANG_BOUND_S, "the stop under way")
+    time.sleep(0.3)  # p, never loaded, is forgotten by now
+    for model in ("p", "a", "nonesuch"):
+        code, _, body = http("POST", app.base + "/v1/chat/completions", {"model": model, "messages": CHAT,
+                                                                         "max_tokens": 4}, timeout=HANG_BOUND_S)
+        assert (code, body["error"]["code"]) == (503, "shutting_down"), (model, code, body)
+    for _ in stream:
+        pass
+    assert app.proc.wait(HANG_BOUND_S) == 0

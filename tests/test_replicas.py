@@ -219,3 +219,21 @@ def test_a_reload_between_one_device_and_replicas_fails_no_request(appliance_fac
         assert [o for o in outcomes if o != "ok"] == [], device
         app.worker_pids |= {w["pid"] for w in app.status()["residency"]["workers"]}
     wait_until(lambda: len(live_worker_children(app.proc.pid)) == 1, 30, "the replicas' workers gone")
+
+
+def test_a_replica_that_cannot_load_leaves_requests_to_the_one_that_can(appliance_factory, demo_model):
+    """A replicated model on demand whose first replica cannot load (its card, GPU.7, is on no box here): the
+    requests that wait for the model are served by the replica that loads, never answered with the other's
+    refusal while it is still coming up; the broken one's failure shows in its own status."""
+    config = {"server": {"parked_workers": 0},
+              "models": [model_entry("half", demo_model, device=["GPU.7", "CPU"], load="on_demand",
+                                     restart={"backoff_initial_s": 5, "backoff_max_s": 5, "max_failures": 50,
+                                              "window_s": 60})]}
+    app = appliance_factory(config)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda _: http("POST", app.base + "/v1/chat/completions", {
+            "model": "half", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=120), range(3)))
+    assert [status for status, _, _ in replies] == [200] * 3, [body for _, _, body in replies]
+    broken, working = app.model_status("half")["replicas"]
+    assert working["state"] == "ready" and broken["device"] == "GPU.7" and broken["state"] != "ready" \
+        and "load_error" in (broken["last_error"] or ""), (broken, working)

@@ -1,10 +1,12 @@
-"""A model-based test of models on demand: hypothesis drives a real front (real supervision, real workers of the
-demo models) through random interleavings of chat requests (whole, streamed, hung up mid-way), speech requests
-(whole, streamed, hung up, and streamed speeches whose model is unloaded once their first audio is out, so that
-later sentences are opened and their places reserved during the drain), load and unload calls, config reloads of
-both kinds, idle unloads, pressure on the two slots (`max_loaded: 2`) and on the memory budget (model p declares
-the whole 2 GiB: its load evicts every other model), workers killed (SIGKILL, SIGABRT), stopped during their load
-or while serving (a stall) and resumed later, and SIGTERM.
+"""A model-based test of models on demand: hypothesis drives a real front (real supervision, real workers of the demo
+models; with OPENARC_MODEL_TEST_REPLICAS=1 model a is replicated, `device: [CPU, CPU]`, so an eviction may take one
+replica of it and a reload or a signal meet two workers under one name) through random interleavings of chat
+requests (whole, streamed, hung up mid-way), speech requests (whole, streamed, hung up, and streamed speeches whose
+model is unloaded once their first audio is out, so that later sentences are opened and their places reserved during
+the drain), load and unload calls, config reloads of both kinds, idle unloads, pressure on the two slots
+(`max_loaded: 2`) and on the memory budget (model p declares the whole 2 GiB: its load evicts every other model),
+workers killed (SIGKILL, SIGABRT), stopped during their load or while serving (a stall) and resumed later, and
+SIGTERM.
 
 After each run everything is let settle, then what a user and an operator see must hold: every request got an
 answer within its bound; the worker processes alive are exactly the ones /openarc/status shows; no more than
@@ -26,6 +28,14 @@ stayed, and its place was given back twice (`reserved` -1 on the retired supervi
 the queue gauges kept 8 running and 13 waiting). On today's code the same walk found the gauges' share of that
 last class (a name's queue gauges kept a drained speech's figures after its unload): fixed in
 Placement._act_retire, regression test tests/test_speech.py::test_a_speech_playing_while_its_model_unloads_....
+
+With OPENARC_MODEL_TEST_REPLICAS=1 and OPENARC_MODEL_TEST_STEPS=400 (2 cores, shared) the walk found, besides the
+defects fixed with their regression tests (tests/test_on_demand.py: test_a_request_for_an_unloaded_model_during_
+the_stop_...), two that do not reproduce on every run and are open: "BUG: residency invariant: model a: a request
+handle was never closed (its request ended)" after hung-up requests for a while its replicas' workers were SIGSTOPped,
+SIGABRTed and SIGKILLed; and /openarc/status showing a worker pid of a that was no longer alive after the walk
+settled (SIGKILL and SIGABRT of a's workers during speeches unloaded mid-way). The CI walk with model a replicated
+failed once in three runs; hence off in CI.
 
 OPENARC_MODEL_TEST_STEPS=N runs about N steps instead (e.g. 2000 for a long run), new random walks each time. A
 failure found here is shrunk by hypothesis and becomes a named regression test (tests/test_on_demand.py:
@@ -62,6 +72,9 @@ STEPS_PER_RUN = 20
 STEPS = int(os.environ.get("OPENARC_MODEL_TEST_STEPS", "240"))
 # The CI run walks the same interleavings every time; a longer run walks new ones.
 DERANDOMIZE = "OPENARC_MODEL_TEST_STEPS" not in os.environ
+# OPENARC_MODEL_TEST_REPLICAS=1: model a is replicated (two workers under one name). Off in CI until the two
+# timing-dependent defects it found are fixed (see the module's docstring).
+REPLICAS = os.environ.get("OPENARC_MODEL_TEST_REPLICAS") == "1"
 REQUEST_BOUND_S = 90  # every request is answered within this (catches a hang, not a timing)
 SETTLE_BOUND_S = 60
 MODELS = ("a", "b")  # the chat models that reloads change
@@ -76,16 +89,24 @@ CALLS: collections.Counter = collections.Counter()  # (what, outcome) of every c
 
 
 def base_config(model: Path, tts: Path) -> dict:
-    """Two slots and 2 GiB declared: a and b (1 GiB each) fit together, a third model takes a slot from one of
-    them (max_loaded), and p (2 GiB) fits only alone: its load evicts by the budget, not by the slots."""
+    """Two slots and 2 GiB declared: a is replicated (`device: [CPU, CPU]`: units a@CPU#0 and a@CPU#1, 512 MiB and a
+    slot each), so a's two replicas fill the slots and b's load (1 GiB) evicts one of them, not the model; a third
+    model takes a slot from what is loaded (max_loaded), and p (2 GiB) fits only alone: its load evicts by the
+    budget, not by the slots."""
     def entry(name: str, path: Path = model, **overrides) -> dict:
         return model_entry(name, path, load="on_demand", ready_wait_s=15, load_timeout_s=30, stall_timeout_s=3,
                            max_queue=16, **overrides)
     return {"server": {"max_loaded": 2, "memory_budget": {"CPU": "2GiB"}, "drain_timeout_s": 2},
-            "models": [entry("a", reload="side_by_side", memory="1GiB"),
+            "models": [entry("a", reload="side_by_side", **(dict(memory="512MiB", device=["CPU", "CPU"]) if REPLICAS
+                                                             else dict(memory="1GiB"))),
                        entry("b", reload="restart", idle_unload_s=1, memory="1GiB"),
                        entry(SPEECH, tts, kind="tts", memory="512MiB"),
                        entry(PRESSURE, memory="2GiB")]}
+
+
+def pids_of(model: dict) -> set[int]:
+    """The worker pids /openarc/status shows for a model: its own, or each of its replicas'."""
+    return {unit["pid"] for unit in model.get("replicas", [model]) if unit["pid"]}
 
 
 class Residency(RuleBasedStateMachine):
@@ -320,14 +341,14 @@ class Residency(RuleBasedStateMachine):
         with contextlib.suppress(AssertionError):  # not settled within the bound: what is left is judged below
             wait_until(self._settled, SETTLE_BOUND_S, "the front settled", interval=0.2)
         status, live = self.app.status(), live_worker_children(self.app.proc.pid)  # parked spares too
-        shown = {m["pid"] for m in status["models"] if m["pid"]}
+        shown = {pid for m in status["models"] for pid in pids_of(m)}
         shown |= {w["pid"] for w in status["residency"].get("workers", [])}
         problems = []  # every one found, so that a failure names all it broke
         if live != shown:
             problems.append(f"worker processes {sorted(live)}, /openarc/status shows {sorted(shown)}")
         if len(worker_pids(self.app)) > self.config["server"]["max_loaded"]:
             problems.append(f"model workers {worker_pids(self.app)} beyond max_loaded")
-        declared = {m["name"]: m["memory"]["bytes"] for m in status["models"] if m["pid"]}
+        declared = {m["name"]: m["memory"]["bytes"] * len(pids_of(m)) for m in status["models"] if pids_of(m)}
         if sum(declared.values()) > 2 << 30:
             problems.append(f"declared footprints {declared} exceed the 2 GiB budget")
         metrics = self.app.metrics()
@@ -351,7 +372,8 @@ class Residency(RuleBasedStateMachine):
         """Nothing on its way (no load, drain or restart), the same twice, and the live workers the ones serving."""
         def snapshot():
             status = self.app.status()
-            return [(m["name"], m["state"], m["pid"]) for m in status["models"]], sorted(worker_pids(self.app))
+            return ([(m["name"], r["state"], r["pid"]) for m in status["models"] for r in m.get("replicas", [m])],
+                    sorted(worker_pids(self.app)))
         first = snapshot()
         if any(state in ("loading", "draining", "restarting") for _, state, _ in first[0]):
             return False

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from appliance.config.devices import DEVICE_PATTERN, PLACED
+from appliance.config.devices import DEVICE_PATTERN, PLACED, budget_device
 
 if TYPE_CHECKING:
     from appliance.config import ModelConfig
@@ -56,8 +56,12 @@ def units(model: ModelConfig) -> list[Unit]:
         return []
     if not replicated(model):
         return [Unit(model.name, dataclasses.replace(model, device=devices[0]))]
-    return [Unit(f"{model.name}{KEY_SEPARATOR}{replica_label(devices, i)}", dataclasses.replace(model, device=device),
-                 replica_label(devices, i)) for i, device in enumerate(devices)]
+    # A replica's card is the one listed, never the placer's choice: bare GPU is GPU.0 (as device_problems reads
+    # it), not "any card" as a lone bare-GPU model on a box of several cards is; else [GPU, GPU.1] could put both
+    # replicas on GPU.1 once GPU.0 is full.
+    return [Unit(f"{model.name}{KEY_SEPARATOR}{replica_label(devices, i)}",
+                 dataclasses.replace(model, device=budget_device(device)), replica_label(devices, i))
+            for i, device in enumerate(devices)]
 
 
 def all_units(models: list[ModelConfig | None]) -> list[Unit]:
@@ -92,7 +96,7 @@ def device_problems(device: str | list[str]) -> list[str]:
         elif item.startswith(COMPOSITE_PREFIXES):
             problems.append(f"one device per replica; {item!r} is a composite device (list its devices instead, "
                             "or give it alone as a string)")
-    cards = [("GPU.0" if d == "GPU" else d) for d in device if d != "CPU" and not d.startswith(COMPOSITE_PREFIXES)]
+    cards = [budget_device(d) for d in device if d != "CPU" and not d.startswith(COMPOSITE_PREFIXES)]
     twice = sorted({d for d in cards if cards.count(d) > 1})
     if twice:
         problems.append(f"each card once ({', '.join(twice)} listed twice; bare GPU is GPU.0): two replicas on "

@@ -53,14 +53,15 @@ class Canary:
     def mode(self) -> str:
         return self.config_of().server.canary
 
-    def wants(self, key: str) -> bool:
-        """Whether a worker of this model (or of one of its replicas: `key` is a unit key, NAME@LABEL) that just
-        loaded is checked before it serves: canary on, and a record of its model (or a record file that cannot be
-        read, which is a failure of every model: under gate, nothing unchecked serves)."""
-        if self.mode == "off":
+    def wants(self, model: ModelConfig) -> bool:
+        """Whether a worker of this model that just loaded is checked before it serves: canary on, and a record of
+        it (or a record file that cannot be read, which is a failure of every model: under gate, nothing
+        unchecked serves); never a kind without probes (image). The record is the model's, under its name: each
+        replica's worker is checked against it (a replica's unit key, NAME@DEVICE#i, names no record)."""
+        if self.mode == "off" or not probed(model.kind):
             return False
         try:
-            return model_name(key) in self._records()
+            return model.name in self._records()
         except RecordError:
             return True
 
@@ -108,8 +109,9 @@ class Canary:
         return compare(model.name, recorded, observed, self.config_of().server.canary_min_speed)
 
     def judge(self, name: str, difference: Difference | None) -> None:
-        """A check's outcome: a pass clears the model's failure; a failure is kept (the start's gate reads it),
-        counted, and under warn logged (under gate the refused model's error says it)."""
+        """A check's outcome for the model (or replica: its unit key) `name`: a pass clears its failure; a failure
+        is kept (the start's gate reads it), counted under the model's name, and under warn logged (under gate the
+        refused model's error says it)."""
         if difference is None:
             self.failures.pop(name, None)
             log.info("canary: model %s answers as recorded", name)
@@ -192,6 +194,12 @@ async def _tts(model: ModelConfig, router: RequestRouter, spool: str) -> tuple[l
 
 PROBES = {"llm": _chat, "vlm": _chat, "embedding": _embedding, "rerank": _rerank, "transcription": _transcription,
           "tts": _tts}
+
+
+def probed(kind: str) -> bool:
+    """Whether models of this kind have golden probes: `golden record` skips the others, and the canary never
+    holds one of them in `loading` for a check it cannot run (an image model: no probe yet)."""
+    return kind in PROBES
 
 
 async def _result(router: RequestRouter, model: ModelConfig, body: dict[str, Any]) -> dict[str, Any]:

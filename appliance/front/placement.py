@@ -80,6 +80,10 @@ class Placement(ResidencyBook):
         self.leaving: dict[ModelSupervisor, str] = {}  # draining or stopping, and why: they hold their slot until gone
         self.usage: dict[str, Usage] = {}
         self.asked: dict[str, str] = {}  # model -> its device as configured (auto, or GPU on several cards: placed)
+        # model name -> the LoRA adapters its workers serve (its config's and those loaded at runtime): one dict
+        # shared by every supervisor of the model, its replicas' and its next loads' (a ModelSupervisor lives for
+        # one load), so a runtime adapter lasts while the server runs; a reload starts from the config's again
+        self.adapters: dict[str, dict[str, dict]] = {}
         self.wants: dict[str, dict[object, tuple[float, str]]] = {}  # model -> its waiters' (arrival, load reason)
         self.impossible: dict[str, str] = {}  # the latest plan's: wanted models that cannot fit now, and why
         self.evicting_for: dict[str, float] = {}  # the head of the line -> when evictions to make room for it began
@@ -105,6 +109,8 @@ class Placement(ResidencyBook):
         self.usage.setdefault(sup.name, Usage())
         sup.router.on_idle = lambda: self._went_idle(sup.name)
         sup.router.on_first_output = lambda: self._switch_done(sup)
+        if "adapters" in sup.spec:  # a kind that takes adapters
+            sup.spec["adapters"] = self.adapters.setdefault(model.name, sup.spec["adapters"])
         return sup
 
     def add(self, unit: Unit) -> ModelSupervisor:
@@ -282,6 +288,8 @@ class Placement(ResidencyBook):
     def _act_forget(self, name: str, **_) -> None:
         self.models.pop(name, None)
         self.wants.pop(name, None)
+        if not any(model_name(key) == model_name(name) for key in self.models):  # its last unit: the model is gone
+            self.adapters.pop(model_name(name), None)
 
     def _switch(self, old: ModelSupervisor, new: ModelSupervisor) -> None:
         """From now on `new` serves the name: requests, gauges, and waiters (woken to look again)."""
@@ -366,6 +374,8 @@ class Placement(ResidencyBook):
         the switch is done and the old worker gone (or the replacement was overtaken)."""
         model, name, old = unit.model, unit.key, self.models[unit.key]
         self.asked[name] = model.device
+        if self.adapters.get(model.name) is old.spec.get("adapters"):  # the first of its units the reload reaches:
+            self.adapters.pop(model.name, None)  # its new settings start from the config's adapters
         chosen = self.card_now(model, old.model.device)
         new = self._new(dataclasses.replace(model, device=chosen[0]) if chosen else model, name)
         if chosen:

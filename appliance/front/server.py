@@ -93,7 +93,8 @@ class Appliance:
         canary = self.supervisor.placement.canary
         if canary.mode != "gate":
             return None
-        failed = next((canary.failures[name] for name in self.supervisor.models if name in canary.failures), None)
+        # by unit: a replica's check is its own (canary.failures is keyed as each worker's life is named)
+        failed = next((canary.failures[key] for key in self.supervisor.units if key in canary.failures), None)
         return f"canary failed (server.canary: gate), not ready: {failed}" if failed else None
 
     def not_ready_reason(self) -> str | None:

@@ -134,17 +134,18 @@ class Supervisor:
                 if deadline is None:
                     deadline = loop.time() + sups[0].model.ready_wait_s
                 remaining = deadline - loop.time()
-                unloaded = [sup for sup in sups if sup.state is ModelState.UNLOADED]
-                for sup in unloaded:  # a replicated model: each of its replicas is wanted
-                    self.placement.want(sup.name, waiter, reason)
-                    wanted.add(sup.name)
+                unloaded, refusals = self._want_unloaded(sups, waiter, reason)
+                wanted.update(sup.name for sup in unloaded)
+                coming = [sup for sup in sups if sup.life.coming_up()]
+                if refusals and not unloaded and not coming:
+                    raise refusals[0]  # no replica may still serve it: the refusal of the first
                 if unloaded and remaining <= 0:
                     for sup in unloaded:
                         if not sup.model.ready_wait_s and sup.life.task is None:  # no request waits for its load:
                             self.placement.want(sup.name, STANDING, reason)  # it begins without one
                     raise self._unloaded_refusal(unloaded[0].name, unloaded[0])
-                if not unloaded and (remaining <= 0 or not any(sup.life.coming_up() for sup in sups)):
-                    raise sups[0].life.unavailable()
+                if not unloaded and (remaining <= 0 or not coming):
+                    raise (coming or sups)[0].life.unavailable()
                 counted = self._count_waiter(counted, sups[0])  # the current supervisor, across a replacement
                 await self.changes.wait(remaining)
             return None
@@ -154,6 +155,23 @@ class Supervisor:
                 self.placement.unwant(key, waiter)
             if deadline is not None:  # it had to wait
                 self.metrics.model_load_wait.labels(model=name).observe(loop.time() - waited_from)
+
+    def _want_unloaded(self, sups: list[ModelSupervisor], waiter: object,
+                       reason: str) -> tuple[list[ModelSupervisor], list[RequestFailed]]:
+        """Want every unloaded unit of a model (a replicated model: each replica): those wanted, and the refusals of
+        those whose last load failed lately. A replica's refusal answers the request only when no other replica
+        may serve it: one replica that cannot load leaves the requests to those that can."""
+        wanted, refusals = [], []
+        for sup in sups:
+            if sup.state is not ModelState.UNLOADED:
+                continue
+            try:
+                self.placement.want(sup.name, waiter, reason)
+            except RequestFailed as refusal:
+                refusals.append(refusal)
+            else:
+                wanted.append(sup)
+        return wanted, refusals
 
     def _count_waiter(self, counted: ModelSupervisor | None, current: ModelSupervisor | None) -> ModelSupervisor | None:
         """Move one waiting request's count from the supervisor it was counted on to `current`: the model is busy

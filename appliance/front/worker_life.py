@@ -286,7 +286,7 @@ class WorkerLife:
         monitor = asyncio.create_task(self._monitor())
         # A model with a golden record stays LOADING while its probes run on this worker (no request is admitted,
         # its waiters wait, a side-by-side replacement is not switched to); READY only once they pass, or warn.
-        vetting = asyncio.create_task(self._vet()) if self.canary and self.canary.wants(self.name) else None
+        vetting = asyncio.create_task(self._vet()) if self.canary and self.canary.wants(self.model) else None
         if vetting is None:
             self.enter(ModelState.READY)
         try:
@@ -401,7 +401,7 @@ class WorkerLife:
         if backoff is None:
             self.enter(ModelState.FAILED, f"restart budget used up ({self.model.restart.max_failures} failures "
                                           f"within {self.model.restart.window_s:g}s); last: {self.last_error}", hint)
-            if not exit.ever_ready and self.canary and self.canary.wants(self.name):  # it never got to its check
+            if not exit.ever_ready and self.canary and self.canary.wants(self.model):  # it never got to its check
                 self.canary.judge(self.name, Difference(LOAD, f"model {shown(self.name)} did not load: {self.last_error}"))
             return None
         self.enter(ModelState.RESTARTING)

@@ -103,6 +103,10 @@ def model_served(appliance: ServerView, name: str, call, kinds: tuple[str, ...])
 def not_found(appliance: ServerView, name: str, key=None) -> RequestFailed:
     """A 404 for a model that does not exist, or that the request's key may not use (the same answer, so a
     key learns no names beyond its own models). `name` is the name the client sent, never what it reaches: an
-    alias's target is a model name the key may not know."""
+    alias's target is a model name the key may not know. While the server stops, a 503 "shutting down" instead:
+    the stop forgets each model's name as its drain ends (an unloaded one's at once), and a configured model must
+    not read as unknown to a request that comes meanwhile (nor tell a key which names went)."""
+    if appliance.draining:
+        return shutting_down()
     have = [model for model in appliance.supervisor.models if key is None or key.may_use(model)]
     return RequestFailed(404, "model_not_found", f"the model '{name}' does not exist (have: {', '.join(have)})")

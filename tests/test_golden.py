@@ -189,7 +189,7 @@ def test_the_canarys_verdict_on_a_broken_record_is_one_line(tmp_path):
     (tmp_path / "golden.yaml").write_text("format: 1\nmodels:\n  chat: {kind: llm, speed: [1], tolerance: x, "
                                           "answers: [{probe: 1}]}\n")
     canary = Canary(lambda: config, Metrics())
-    assert canary.wants("chat")
+    assert canary.wants(config.models[0])
     difference = asyncio.run(canary.check(config.models[0], None, None))
     assert difference.reason == ERROR and "\n" not in difference.detail, difference.detail
     assert difference.detail.startswith(f"model chat: {tmp_path / 'golden.yaml'}: models.chat.")
@@ -208,7 +208,7 @@ def test_each_replica_of_a_recorded_model_is_checked_and_counted_under_the_model
     save(tmp_path / "golden.yaml", {"chat": chat_record([["a"]])}, "test")
     metrics = Metrics()
     canary = Canary(lambda: config, metrics)
-    assert canary.wants("chat") and canary.wants("chat@CPU#1")
+    assert canary.wants(config.models[0])  # the model's config, which each replica's life holds
     canary.judge("chat@CPU#1", Difference(ANSWER, "model chat: differs"))
     assert metrics.canary_failures.labels(model="chat", reason=ANSWER)._value.get() == 1
 
@@ -242,7 +242,7 @@ def test_the_canary_reads_a_large_record_off_the_event_loop_once(tmp_path):
         await canary.refresh()
         done.set()
         await ticking
-        assert canary.wants("chat")
+        assert canary.wants(config.models[0])
         again = time.monotonic()
         await canary.refresh()  # unchanged: not parsed again
         assert time.monotonic() - again < parse_s / 4

@@ -178,7 +178,9 @@ def save(path: Path, records: dict[str, ModelRecord], version: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as out:
-            out.write(header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120))
+            # allow_unicode off: every character outside ASCII escaped, so a token such as U+0085 (which YAML reads
+            # as a line break in a plain scalar) comes back as it was written
+            out.write(header + yaml.safe_dump(data, sort_keys=False, allow_unicode=False, width=120))
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:

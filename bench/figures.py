@@ -229,6 +229,9 @@ def concurrency(found: list[Aggregate], baseline: dict | None, max_running: int 
     return figures + [scaling(found, judge=baseline is not None), cpu_shares(found[-1], baseline)]
 
 
+SCALING_NOISE_PERCENT = 5.0
+
+
 def scaling(found: list[Aggregate], judge: bool) -> Figure:
     """The aggregate must not fall as clients double from 8 to 16 (the in-process batch keeps rising); judged only
     where the in-process batch was measured on the same machine in the same run and every reply of both levels
@@ -245,7 +248,10 @@ def scaling(found: list[Aggregate], judge: bool) -> Figure:
     incomplete = next((level for level in (low, high) if not level.counts.comparable()), None)
     if incomplete:
         return unequal(name, measured, change, "%", incomplete.counts)
-    return judged(name, change, "%", measured, at_least=100) if judge else Figure(name, measured, change, "%")
+    # two single measurements: where 8 clients already fill the cores (2 here) both levels run at the machine's
+    # rate, and a few percent between them is the run's own wobble (-1 % seen on a quiet 2-core CI run), not a fall
+    return judged(name, change, "%", measured, at_least=100, noise=SCALING_NOISE_PERCENT) if judge else \
+        Figure(name, measured, change, "%")
 
 
 def cpu_shares(level: Aggregate, baseline: dict | None) -> Figure:

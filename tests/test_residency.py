@@ -210,8 +210,10 @@ def test_every_act_of_the_table_is_carried_out_by_the_owner():
 
 
 def test_every_message_from_outside_has_a_transition_in_every_phase_a_name_lives_in():
-    """An unload, a reload or the stop can arrive whatever the name is doing: none of them may be lost."""
-    for phase in set(Phase) - {Phase.GONE, Phase.LEAVING}:
+    """An unload, a reload or the stop can arrive whatever the name is doing, leaving included (a reload that read
+    its config as the stop began: found by the model-based test, a reload after SIGTERM): none of them may be
+    lost."""
+    for phase in set(Phase) - {Phase.GONE}:
         for event in (Event.UNLOAD, Event.RELOAD_SIDE_BY_SIDE, Event.RELOAD_RESTART, Event.REMOVE, Event.STOP):
             assert step(phase, event) is not None, (phase, event)
     for phase in (Phase.LOADING, Phase.READY, Phase.REPLACING):  # a started one may become ready or give up any time

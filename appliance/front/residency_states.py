@@ -122,6 +122,9 @@ TABLE: dict[tuple[Phase, Event], Step] = {
         # a load that ended as the stop began
         E.LOADED: Step(P.LEAVING), E.GAVE_UP: Step(P.LEAVING), E.REFUSED: Step(P.LEAVING),
         E.STOP: Step(P.LEAVING),  # removed by a reload, and then the server stops
+        # a reload that was reading its config (or bringing other models in line) as the stop began: the name is
+        # going, so its new settings are moot (the replacement is never started: no worker, nothing to drain)
+        E.RELOAD_SIDE_BY_SIDE: Step(P.LEAVING), E.RELOAD_RESTART: Step(P.LEAVING), E.REMOVE: Step(P.LEAVING),
         E.DRAINED: Step(P.GONE, (A.FORGET,)),
     }.items()},
 }

@@ -191,6 +191,8 @@ class Appliance:
             self.notifier.reloading()
             try:
                 config = await asyncio.get_running_loop().run_in_executor(None, self.reload_config)
+                if self.draining:  # the stop began while the file was read: nothing to bring in line
+                    return
                 # a new config's keys, or the error naming an unset variable: the previous keys keep serving
                 await self._apply(config, KeyRing(config, config.key_secrets(), previous=self.keys))
             except ConfigError as exc:

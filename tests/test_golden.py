@@ -367,6 +367,32 @@ def test_gate_never_sends_ready_and_exits_with_one_line(recorded, tmp_path, appl
                               f"colours.'): differs at token 3: recorded ' a different token', got {want!r}"), errors
 
 
+def test_a_refused_start_whose_every_model_failed_lingers_for_prometheus_and_never_triggers_the_watchdog(
+        recorded, tmp_path, appliance_factory, demo_model):
+    """The one model fails its check, so every model of the service is failed: the start still ends by itself
+    (exit 3) after answering /metrics with the failure for a scrape, and no WATCHDOG=trigger cuts that short (found
+    by the podman rollback test under load: the restart killed the linger and the journal said "watchdog")."""
+    notify = NotifySocket(tmp_path)
+    (tmp_path / "golden.yaml").write_text(yaml.safe_dump(edited(recorded, other_answer)))
+    config = {"server": {"canary": "gate", "canary_min_speed": 0}, "models": [model_entry("chat", demo_model)]}
+    app = appliance_factory(config, env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "2000000"},
+                            wait_ready=False)
+
+    def scraped():
+        status, _, text = http("GET", app.base + "/metrics", timeout=5)
+        return status == 200 and 'openarc_canary_failures_total{model="chat",reason="answer"} 1.0' in text
+    wait_until(scraped, EXIT_BOUND_S, "the canary failure on /metrics")
+    seen: list[str] = []
+
+    def two_watchdog_ticks():  # each tick asks for a restart if it wants one, else pings (a triggered one never does)
+        seen.extend(notify.messages())
+        return any("WATCHDOG=trigger" in m for m in seen) or sum(m == "WATCHDOG=1" for m in seen) >= 2
+    wait_until(two_watchdog_ticks, EXIT_BOUND_S, "two watchdog ticks after the failure")
+    assert not any("WATCHDOG=trigger" in m for m in seen), seen
+    assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
+    assert not any("WATCHDOG=trigger" in m for m in notify.messages())
+
+
 def test_gate_with_matching_answers_says_ready_and_refuses_an_on_demand_model_that_differs(
         recorded, tmp_path, appliance_factory, demo_model, embedding_model):
     def other_vector(models):

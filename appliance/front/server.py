@@ -64,6 +64,7 @@ class Appliance:
         # counts a model's prompts without its worker (count_tokens, a waiting stream's window check); started on use
         self.prompt_counter = PromptCounter()
         self.draining = False
+        self.ready_sent = False  # READY=1 went to systemd: from then on a service that cannot serve asks for a restart
         self.started = time.time()
         self.cards: list = []  # the Intel cards as doctor sees them (read at serve())
         self.build: dict[str, str] = {}  # openarc_build_info's labels (read at serve())
@@ -83,9 +84,16 @@ class Appliance:
         return ("draining; " if self.draining else "") + "; ".join(parts)
 
     def trigger_reason(self) -> str | None:
+        """Why this service can no longer serve (/health says it), or None."""
         if self.supervisor.all_failed():
             return "every model of this service is failed: " + self.status_line()
         return None
+
+    def restart_reason(self) -> str | None:
+        """Why the watchdog asks systemd for a restart, or None. Only after READY=1: before it, a start whose models
+        all failed ends on its own (exit 1, or CANARY_EXIT after its linger), and a trigger would cut the canary's
+        linger short, hide its failure from Prometheus and put "watchdog" in the journal instead of the cause."""
+        return self.trigger_reason() if self.ready_sent else None
 
     def canary_refusal(self) -> str | None:
         """Under server.canary: gate, why this server must not be ready: the first model (in the config's order)
@@ -147,7 +155,7 @@ class Appliance:
         self.supervisor.start()
         self.background = [asyncio.create_task(c) for c in (
             self.loop_health.run(),
-            watchdog_loop(self.notifier, self.healthy, self.trigger_reason, self.status_line),
+            watchdog_loop(self.notifier, self.healthy, self.restart_reason, self.status_line),
             self.gpu.watch(),
             CacheKeeper(self.supervisor).run())]
         loads = asyncio.create_task(self.await_first_loads())
@@ -169,6 +177,7 @@ class Appliance:
             status = 1
         else:
             self.notifier.ready(self.status_line())
+            self.ready_sent = True
             log.info("ready: %s", self.status_line())
             await stop.wait()
         await self.shutdown(runner)

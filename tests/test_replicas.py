@@ -5,6 +5,7 @@ under load fails only its own requests, and status and metrics show each replica
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import signal
@@ -16,7 +17,13 @@ import openai
 import pytest
 import yaml
 
+from appliance.config import load_config
+from appliance.front.api.adapters import on_every_unit
 from appliance.front.invariants import live_worker_children
+from appliance.front.lifecycle import ModelState
+from appliance.front.metrics import Metrics
+from appliance.front.request import RequestFailed
+from appliance.front.supervisor import Supervisor
 from conftest import Appliance, http, model_entry, pid_alive, wait_until
 from test_metrics import samples, value
 
@@ -237,3 +244,21 @@ def test_a_replica_that_cannot_load_leaves_requests_to_the_one_that_can(applianc
     broken, working = app.model_status("half")["replicas"]
     assert working["state"] == "ready" and broken["device"] == "GPU.7" and broken["state"] != "ready" \
         and "load_error" in (broken["last_error"] or ""), (broken, working)
+
+
+def test_an_adapter_change_while_a_replica_loads_is_a_503_naming_the_replica_as_clients_know_it(tmp_path, demo_model):
+    """A runtime adapter load (or unload) while one replica's worker is loading: that worker started with the model's
+    adapters of before the change and would come up without it, so the call is refused with a 503 to retry, naming
+    the replica as `twin (replica CPU#1)`, never by its residency key twin@CPU#1 (a name no route takes). Real
+    supervisors, not started: the replica is put in `loading` as its worker's start puts it."""
+    config_path = tmp_path / "openarc.yaml"
+    config_path.write_text(yaml.safe_dump({"models": [model_entry("twin", demo_model, device=["CPU", "CPU"])]}))
+    supervisor = Supervisor(load_config(config_path), Metrics())
+    units = supervisor.units_of("twin")
+    units[1].life.lifecycle.enter(ModelState.LOADING)
+    for change in ({"action": "load", "name": "shout", "path": "/x", "alpha": 1.0}, {"action": "unload", "name": "x"}):
+        with pytest.raises(RequestFailed) as refused:
+            asyncio.run(on_every_unit(units, change))
+        assert (refused.value.status, refused.value.kind, refused.value.retry_after) == (503, "model_unavailable", 5)
+        assert "(twin (replica CPU#1))" in refused.value.message and "@" not in refused.value.message, \
+            refused.value.message

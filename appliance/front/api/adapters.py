@@ -21,6 +21,7 @@ from aiohttp import web
 
 from appliance.config import adapter_problem
 from appliance.config.model_checks import adapter_file, adapter_fit_problem
+from appliance.config.replicas import shown
 from appliance.config.rules import MODEL_NAME, adapter_weight_ok
 from appliance.front.api import lookup
 from appliance.front.lifecycle import ModelState
@@ -129,7 +130,7 @@ def path_problem(sup, path: str) -> str | None:
 async def on_every_unit(units: list, adapter: dict[str, Any]) -> None:
     """The load or unload done by the worker of each unit of a model (its replicas) that runs one; a unit without a
     worker now loads what its spec says when it starts. A refusal undoes the loads done and is the caller's 400."""
-    loading = [unit.name for unit in units if unit.state is ModelState.LOADING]
+    loading = [shown(unit.name) for unit in units if unit.state is ModelState.LOADING]
     if loading:  # its worker started with the spec of before this change, and would come up without it
         raise RequestFailed(503, "model_unavailable", f"a replica of the model is loading ({', '.join(loading)}); "
                             "change its adapters once it is ready", retry_after=5)

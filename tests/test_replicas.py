@@ -16,6 +16,7 @@ import uuid
 import openai
 import pytest
 import yaml
+from hypothesis import given, settings, strategies as st
 
 from appliance.config import load_config
 from appliance.front.api.adapters import on_every_unit
@@ -251,10 +252,7 @@ def test_an_adapter_change_while_a_replica_loads_is_a_503_naming_the_replica_as_
     adapters of before the change and would come up without it, so the call is refused with a 503 to retry, naming
     the replica as `twin (replica CPU#1)`, never by its residency key twin@CPU#1 (a name no route takes). Real
     supervisors, not started: the replica is put in `loading` as its worker's start puts it."""
-    config_path = tmp_path / "openarc.yaml"
-    config_path.write_text(yaml.safe_dump({"models": [model_entry("twin", demo_model, device=["CPU", "CPU"])]}))
-    supervisor = Supervisor(load_config(config_path), Metrics())
-    units = supervisor.units_of("twin")
+    units = unstarted(tmp_path, demo_model).units_of("twin")
     units[1].life.lifecycle.enter(ModelState.LOADING)
     for change in ({"action": "load", "name": "shout", "path": "/x", "alpha": 1.0}, {"action": "unload", "name": "x"}):
         with pytest.raises(RequestFailed) as refused:
@@ -262,3 +260,37 @@ def test_an_adapter_change_while_a_replica_loads_is_a_503_naming_the_replica_as_
         assert (refused.value.status, refused.value.kind, refused.value.retry_after) == (503, "model_unavailable", 5)
         assert "(twin (replica CPU#1))" in refused.value.message and "@" not in refused.value.message, \
             refused.value.message
+
+
+def unstarted(tmp_path, demo_model, metrics: Metrics | None = None, **entry) -> Supervisor:
+    """Real supervisors of a model `twin` on [CPU, CPU], not started: a test moves their states as workers would."""
+    config_path = tmp_path / "openarc.yaml"
+    config_path.write_text(yaml.safe_dump({"models": [model_entry("twin", demo_model, device=["CPU", "CPU"], **entry)]}))
+    return Supervisor(load_config(config_path), metrics or Metrics())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["unloaded", "ready", "loading", "restarting", "draining", "failed"]), min_size=2,
+                max_size=2))
+def test_a_replicated_models_state_is_its_best_replicas_in_status_and_metrics_alike(tmp_path_factory, demo_model,
+                                                                                    states):
+    """/openarc/status's `state` of a replicated model and its openarc_model_state say the same, whatever its
+    replicas' states, and something true of the model: ready if any replica serves, else coming up if any is. Before,
+    status took the first replica among those neither ready nor failed: `unloaded` while the other one loaded, where
+    the metric said `loading`."""
+    metrics = Metrics()
+    supervisor = unstarted(tmp_path_factory.mktemp("state"), demo_model, metrics, load="on_demand")
+    paths = {"unloaded": [], "ready": ["loading", "ready"], "loading": ["loading"],
+             "restarting": ["loading", "restarting"], "draining": ["draining"], "failed": ["loading", "failed"]}
+    for unit, state in zip(supervisor.units_of("twin"), states):
+        for step in paths[state]:
+            unit.life.lifecycle.enter(ModelState(step))
+    model = supervisor.status("twin")
+    assert [r["state"] for r in model["replicas"]] == states
+    scrape = samples(metrics.exposition()[0].decode())
+    assert value(scrape, "openarc_model_state", model="twin", state=model["state"]) == 1, model["state"]
+    assert model["state"] in states
+    if "ready" in states:
+        assert model["state"] == "ready"
+    elif {"loading", "restarting"} & set(states):
+        assert model["state"] in ("loading", "restarting", "draining"), states

@@ -294,3 +294,17 @@ def test_a_replicated_models_state_is_its_best_replicas_in_status_and_metrics_al
         assert model["state"] == "ready"
     elif {"loading", "restarting"} & set(states):
         assert model["state"] in ("loading", "restarting", "draining"), states
+
+
+def test_a_replicated_models_device_memory_is_its_replicas_sum():
+    """openarc_model_device_memory_bytes of a model on [GPU.0, GPU.1] adds its replicas' GPU buffers up, as its
+    resident memory does (before, it showed whichever replica's telemetry came last)."""
+    metrics = Metrics()
+    for key, device in (("twin@GPU.0", "GPU.0"), ("twin@GPU.1", "GPU.1")):
+        metrics.add_replica(key, "twin", device)
+    for _ in range(2):  # telemetry repeats: each replica's latest counts once
+        metrics.set_device_memory("twin@GPU.0", {"vram": 3 << 30, "system": 1 << 20})
+        metrics.set_device_memory("twin@GPU.1", {"vram": 2 << 30, "system": 1 << 20})
+    scrape = samples(metrics.exposition()[0].decode())
+    assert value(scrape, "openarc_model_device_memory_bytes", model="twin", region="vram") == 5 << 30
+    assert value(scrape, "openarc_model_device_memory_bytes", model="twin", region="system") == 2 << 20

@@ -398,10 +398,13 @@ class Metrics:
         self.build_info.labels(**labels).set(1)
 
     def set_device_memory(self, name: str, regions: dict[str, int]) -> None:
-        """A worker's {vram, system} resident bytes (its telemetry frame's device_memory_regions)."""
+        """A worker's {vram, system} resident bytes (its telemetry frame's device_memory_regions); a replica's add
+        up to its model's, as its resident memory does."""
         model = self.model_of(name)
         for region, size in regions.items():
             if region in ("vram", "system"):
+                if name in self.replicas and model in self.replicated:
+                    size = self.replica_value(name, f"device_memory_{region}", size, mean=False)
                 self.model_device_memory.labels(model=model, region=region).set(size)
 
     def set_state(self, name: str, state: str) -> None:

@@ -25,7 +25,9 @@ from appliance.front.lifecycle import ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.request import RequestFailed
 from appliance.front.supervisor import Supervisor
+from appliance.golden.record import Answer, ModelRecord, save
 from conftest import Appliance, http, model_entry, pid_alive, wait_until
+from test_lora import lora_dir  # noqa: F401 (a fixture: the demo adapters)
 from test_metrics import samples, value
 
 # A short system prompt and long questions: a turn served by a replica that holds only its conversation's turn
@@ -245,6 +247,36 @@ def test_a_replica_that_cannot_load_leaves_requests_to_the_one_that_can(applianc
     broken, working = app.model_status("half")["replicas"]
     assert working["state"] == "ready" and broken["device"] == "GPU.7" and broken["state"] != "ready" \
         and "load_error" in (broken["last_error"] or ""), (broken, working)
+
+
+def test_an_adapter_loaded_while_a_replica_still_loads_waits_for_it_and_reaches_both(appliance_factory, demo_model,
+                                                                                      lora_dir, tmp_path):
+    """At the start of a replicated model /ready answers once one replica serves, while the other still loads (one
+    load at a time): an adapter loaded then waits for that load to end (as a request waits for a load, up to
+    ready_wait_s) and reaches both replicas' workers, instead of a 503 to retry (before). The second replica stays
+    `loading` for seconds by construction: each replica is checked against a golden record (server.canary: warn)
+    with slowed steps before it serves."""
+    save(tmp_path / "golden.yaml", {"twin": ModelRecord("llm", [Answer("Name three colours.", tokens=["x"])])}, "test")
+    app = appliance_factory({"server": {"parked_workers": 0, "load_concurrency": 1, "canary": "warn"},
+                             "models": [model_entry("twin", demo_model, adapters={"upper": str(lora_dir / "upper")},
+                                                    device=["CPU", "CPU"])]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.1"})
+    assert sorted(r["state"] for r in replicas_of(app, "twin")) == ["loading", "ready"]
+    status, _, body = http("POST", app.base + "/openarc/models/twin/adapters",
+                           {"name": "shout", "path": str(lora_dir / "title")}, timeout=120)
+    assert status == 201 and body["model"] == "twin:shout", body
+    assert [r["state"] for r in replicas_of(app, "twin")] == ["ready", "ready"]
+    routed = [r["requests_routed"] for r in replicas_of(app, "twin")]
+    answers = [http("POST", app.base + "/v1/chat/completions",
+                    {"model": "twin:shout", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2})
+               for i in range(4)]  # (distinct prompts, one at a time: idle replicas take them in turn)
+    assert [status for status, _, _ in answers] == [200] * 4, answers
+    took = [r["requests_routed"] - before for r, before in zip(replicas_of(app, "twin"), routed)]
+    assert took == [2, 2], took  # both replicas answered the adapter
+
+
+def replicas_of(app, name: str) -> list[dict]:
+    return app.model_status(name)["replicas"]
 
 
 def test_an_adapter_change_while_a_replica_loads_is_a_503_naming_the_replica_as_clients_know_it(tmp_path, demo_model):

@@ -41,6 +41,7 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
         name, path, alpha = load_body(await request.read())
         units = appliance.supervisor.units_of(model)  # every replica serves the same adapters
         async with units[0].adapter_changes:  # the checks and the load as one step: racing loads cannot both pass them
+            units = await loads_ended(appliance.supervisor, model)
             served = lookup.served_adapters(sup)
             if name in served:
                 raise RequestFailed(409, "invalid_request", f"the model '{model}' already serves an adapter named "
@@ -64,6 +65,7 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
         model, name = sup.model.name, request.match_info["adapter"]
         units = appliance.supervisor.units_of(model)
         async with units[0].adapter_changes:
+            units = await loads_ended(appliance.supervisor, model)
             served = lookup.served_adapters(sup)
             if name not in served:
                 raise RequestFailed(404, "model_not_found", f"the model '{model}' has no adapter named '{name}' "
@@ -125,6 +127,20 @@ def path_problem(sup, path: str) -> str | None:
     return adapter_problem(str(where)) or next(
         (problem for entry in sup.configured_spec["adapters"].values()  # (what genai built the model's LoRA for)
          if (problem := adapter_fit_problem(adapter_file(str(where)), entry["path"]))), None)
+
+
+async def loads_ended(supervisor, model: str) -> list:
+    """The model's units once none of them is loading, waited for up to the model's ready_wait_s as a request
+    waits for a load: a replica still loading when the first one serves (the start of a replicated model; /ready
+    answers then) started with the adapters of before, so a change waits for its load to end; past the wait,
+    on_every_unit refuses it with a 503 to retry."""
+    loop = asyncio.get_running_loop()
+    units = supervisor.units_of(model)
+    deadline = loop.time() + (units[0].model.ready_wait_s if units else 0)
+    while any(unit.state is ModelState.LOADING for unit in units) and deadline > loop.time():
+        await supervisor.changes.wait(deadline - loop.time())
+        units = supervisor.units_of(model)
+    return units
 
 
 async def on_every_unit(units: list, adapter: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from appliance.front.lifecycle import ModelState
 from appliance.front.metrics import Metrics
 from appliance.front.request import RequestFailed
 from appliance.front.supervisor import Supervisor
+from appliance.golden.compare import Difference
 from appliance.golden.record import Answer, ModelRecord, save
 from conftest import Appliance, http, model_entry, pid_alive, wait_until
 from test_lora import lora_dir  # noqa: F401 (a fixture: the demo adapters)
@@ -340,3 +341,19 @@ def test_a_replicated_models_device_memory_is_its_replicas_sum():
     scrape = samples(metrics.exposition()[0].decode())
     assert value(scrape, "openarc_model_device_memory_bytes", model="twin", region="vram") == 5 << 30
     assert value(scrape, "openarc_model_device_memory_bytes", model="twin", region="system") == 2 << 20
+
+
+def test_a_replica_that_failed_its_golden_check_shows_it_in_status(tmp_path, demo_model):
+    """server.canary: warn serves a replica whose answers differ from the record; /openarc/status shows the failure
+    on that replica and on the model, though the other replica (ready) speaks for the model's state (before, the
+    model showed its head replica's `canary_failure` only: none)."""
+    supervisor = unstarted(tmp_path, demo_model)
+    first, second = supervisor.units_of("twin")
+    for unit in (first, second):
+        unit.life.lifecycle.enter(ModelState.LOADING)
+    first.life.lifecycle.enter(ModelState.READY)
+    difference = Difference("answer", "model twin: probe 1 ('Name three colours.'): differs at token 3")
+    supervisor.placement.canary.judge(second.name, difference)  # what the check of its worker concluded
+    model = supervisor.status("twin")
+    assert model["state"] == "ready" and model["canary_failure"] == difference.detail
+    assert [r["canary_failure"] for r in model["replicas"]] == [None, difference.detail]

@@ -213,7 +213,9 @@ class Supervisor:
         sups, head = self.units_of(name), self.models[name]
         view = {**head.status(), **self.placement.status(head.name), "name": name}
         if len(sups) > 1:
-            view.update(device=[sup.model.device for sup in sups],
+            # a replica that failed its golden-answer check speaks for the model, whichever replica is its head
+            view.update(canary_failure=next((f for f in map(ModelSupervisor.canary_failure, sups) if f), None),
+                        device=[sup.model.device for sup in sups],
                         requests_running=sum(len(sup.router.running) for sup in sups),
                         requests_waiting=sum(sup.router.queued() for sup in sups),
                         replicas=[{"device": self.metrics.replicas.get(sup.name, (name, sup.model.device))[1],
@@ -221,7 +223,8 @@ class Supervisor:
                                    "requests_running": len(sup.router.running),
                                    "requests_waiting": sup.router.queued(), "restarts": sup.life.restarts,
                                    "requests_routed": self.replicas.routed.get(sup.name, 0),
-                                   "last_error": sup.life.last_error} for sup in sups])
+                                   "last_error": sup.life.last_error, "canary_failure": sup.canary_failure()}
+                                  for sup in sups])
         return view
 
     def _serves(self, sup: ModelSupervisor, settled: tuple[ModelState, ...]) -> bool:

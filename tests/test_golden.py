@@ -243,9 +243,9 @@ def test_the_canary_reads_a_large_record_off_the_event_loop_once(tmp_path):
         done.set()
         await ticking
         assert canary.wants(config.models[0])
-        again = time.monotonic()
-        await canary.refresh()  # unchanged: not parsed again
-        assert time.monotonic() - again < parse_s / 4
+        parsed = canary._read
+        await canary.refresh()  # unchanged: not parsed again (the very result of the first parse is kept)
+        assert canary._read is parsed
         return max(gaps)
     assert asyncio.run(run()) < max(0.25, parse_s / 4), parse_s
 
@@ -510,8 +510,18 @@ def test_gate_fails_a_start_where_a_replica_answers_otherwise(recorded, tmp_path
     would (exit 3, one line naming the model and the token), though the other model passes and serves."""
     config = serve_config(tmp_path, edited(recorded, other_answer), "gate", demo_model, embedding_model)
     config["models"][0].update(device=["CPU", "CPU"])
-    app = appliance_factory(config, wait_ready=False)
+    notify = NotifySocket(tmp_path)
+    # slowed steps: the check lasts seconds, long enough to ask /ready while it runs
+    app = appliance_factory(config, env={"NOTIFY_SOCKET": notify.path, "OPENARC_DEBUG_STEP_DELAY_S": "0.05"},
+                            wait_ready=False)
+
+    def checking():
+        status, _, body = http("GET", app.base + "/ready", timeout=5)
+        return status == 503 and "canary: checking chat (replica CPU#" in body.get("reason", "") and body
+    # /ready's reason names the replica under check as clients know the model, never by its key chat@CPU#0
+    assert "@" not in wait_until(checking, EXIT_BOUND_S, "checking")["reason"]
     assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
+    assert not any("@" in m for m in notify.messages())  # systemctl status names the model, not a replica's key
     refusal = [line for line in app.logs().splitlines() if "canary failed (server.canary: gate), not ready" in line]
     assert len(refusal) == 1 and "model chat: probe 1 ('Name three colours.'): differs at token 3" in refusal[0], \
         refusal

@@ -21,6 +21,7 @@ from typing import Callable
 from aiohttp import web
 
 from appliance.config import Config, ConfigError
+from appliance.config.replicas import shown
 from appliance.front import listen
 from appliance.front.app import make_app
 from appliance.front.api.health import SYSTEM_ROOT_ENV
@@ -74,8 +75,8 @@ class Appliance:
 
     def status_line(self) -> str:
         parts = []
-        for m in self.supervisor.models.values():
-            part = f"{m.name}: {m.state.value}" + (", checking its golden answers" if m.life.checking else "")
+        for name, m in self.supervisor.models.items():  # (a replicated model's: its best replica's)
+            part = f"{name}: {m.state.value}" + (", checking its golden answers" if m.life.checking else "")
             if m.life.restarts:
                 part += f", {m.life.restarts} restarts"
             if m.state is not ModelState.READY and m.life.last_error:
@@ -107,7 +108,8 @@ class Appliance:
 
     def not_ready_reason(self) -> str | None:
         """Why /ready answers 503 beside a model's state: a check under way or failed (server.canary)."""
-        checking = [m.name for m in self.supervisor.models.values() if m.life.checking]
+        # each replica under check, named as clients know it (`chat (replica CPU#1)`), never by its key chat@CPU#1
+        checking = [shown(key) for key, m in self.supervisor.units.items() if m.life.checking]
         return self.canary_refusal() or (f"canary: checking {', '.join(checking)} against the golden record"
                                          if checking else None)
 

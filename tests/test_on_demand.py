@@ -378,26 +378,35 @@ def test_memory_budget_evicts_by_declared_footprint_and_reports_measured_ones(ap
 
 def test_no_idle_model_to_evict_means_a_bounded_wait_then_503_with_retry_after(appliance_factory, demo_model,
                                                                                  long_demo_model):
-    app = appliance_factory({"server": {"max_loaded": 1},
+    # Two keys: `all` may use every model; `guest` only `other`, and never learns another model's name.
+    app = appliance_factory({"server": {"max_loaded": 1, "api_keys": [
+                                 {"name": "all", "key_env": "ALL_KEY"},
+                                 {"name": "guest", "key_env": "GUEST_KEY", "models": ["other"]}]},
                              "models": [on_demand("busy", long_demo_model),
                                         on_demand("other", demo_model, ready_wait_s=1)]},
-                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.02"})
-    response = app.client(timeout=HANG_BOUND_S).chat.completions.create(model="busy", messages=CHAT, max_tokens=2000,
-                                                                        stream=True)
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.02", "ALL_KEY": "all-secret",
+                                 "GUEST_KEY": "guest-secret"})
+    response = app.client(timeout=HANG_BOUND_S, api_key="all-secret").chat.completions.create(
+        model="busy", messages=CHAT, max_tokens=2000, stream=True)
     assert next(iter(response)).choices  # `busy` holds the one slot, generating
     started = time.monotonic()
     status, headers, body = http("POST", app.base + "/v1/chat/completions", {"model": "other", "messages": CHAT},
-                                 timeout=HANG_BOUND_S)
+                                 headers=app.auth, timeout=HANG_BOUND_S)
     waited = time.monotonic() - started
     assert status == 503 and body["error"]["code"] == "model_unavailable" and int(headers["Retry-After"]) >= 1
     assert "no room to load model other" in body["error"]["message"] and "busy (ready, busy)" in body["error"]["message"]
+    status, _, body = http("POST", app.base + "/v1/chat/completions", {"model": "other", "messages": CHAT},
+                           headers={"Authorization": "Bearer guest-secret"}, timeout=HANG_BOUND_S)
+    assert status == 503 and "loaded 1 other model;" in body["error"]["message"], body
+    assert "busy" not in body["error"]["message"], body
     assert 1 <= waited < HANG_BOUND_S / 2  # it waited ready_wait_s, not forever
     assert app.model_status("busy")["state"] == "ready"  # never evicted mid-request
     response.close()  # the client hangs up: its request ends, and busy is idle
     # Once busy is idle it is evicted for other: a client retrying after Retry-After is served (the load a waiter
     # started goes on after that waiter gave up).
     wait_until(lambda: http("POST", app.base + "/v1/chat/completions", {"model": "other", "messages": CHAT},
-                            timeout=HANG_BOUND_S)[0] == 200, HANG_BOUND_S, "other served", interval=0.5)
+                            headers=app.auth, timeout=HANG_BOUND_S)[0] == 200, HANG_BOUND_S, "other served",
+               interval=0.5)
     assert app.model_status("busy")["state"] == "unloaded"
     assert samples(app, "openarc_model_unloads_total")["busy"]["evicted"] == 1
 

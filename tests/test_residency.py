@@ -52,9 +52,20 @@ def test_when_every_loaded_model_is_busy_the_wanted_one_waits():
 
 def test_why_a_load_waits_names_the_bounds_and_what_holds_them():
     models = [view("a", busy=1), view("b", pinned=True), view("want", S.UNLOADED, wanted_since=1)]
-    text = why_waiting(models[2], models, Limits(max_loaded=2, memory_budget={"GPU.0": 14 * GIB}))
+    text = why_waiting(models[2], models, Limits(max_loaded=2, memory_budget={"GPU.0": 14 * GIB}), lambda name: True)
     assert text == ("no room to load model want (max_loaded 2, memory_budget GPU.0: 14.0 GiB): loaded a (ready, busy), "
                     "b (ready, pinned); none of them can be evicted (only an idle model that is not load: at_start can)")
+
+
+@given(st.lists(st.sampled_from(["a", "b", "c", "d"]), unique=True), st.sets(st.sampled_from(["a", "b", "c", "d"])))
+def test_why_a_load_waits_names_only_the_models_the_callers_key_may_see(loaded, allowed):
+    """A key kept off a model never learns its name from another model's 503 (the others are counted)."""
+    models = [view(name, busy=1) for name in loaded] + [view("want", S.UNLOADED, wanted_since=1)]
+    text = why_waiting(models[-1], models, Limits(max_loaded=len(loaded)), lambda name: name in allowed)
+    held = text.split("loaded ", 1)[1].split(";")[0]
+    assert all((f"{name} (" in held) == (name in allowed) for name in loaded), text
+    hidden = len([name for name in loaded if name not in allowed])
+    assert (f"{hidden} other model" in held) == bool(hidden), text
 
 
 def test_a_model_is_never_evicted_for_itself_and_the_line_is_first_come_first_served():

@@ -29,10 +29,11 @@ The rules, in the order they are applied:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from appliance.front.lifecycle import ModelState
-from appliance.config.replicas import shown
+from appliance.config.replicas import model_name, shown
 from appliance.sizes import format_size
 
 OCCUPYING = frozenset({ModelState.LOADING, ModelState.READY, ModelState.RESTARTING, ModelState.DRAINING})
@@ -215,11 +216,16 @@ def _evictions(head: ModelView, staying: list[ModelView], limits: Limits) -> tup
     return tuple(chosen) if _fits(head, remaining, limits) else ()
 
 
-def why_waiting(head: ModelView, models: list[ModelView], limits: Limits) -> str:
-    """For the 503 of a request that waited in vain: what holds its model's load back."""
+def why_waiting(head: ModelView, models: list[ModelView], limits: Limits, may_see: Callable[[str], bool]) -> str:
+    """For the 503 of a request that waited in vain: what holds its model's load back. Only the models the caller
+    may see (`may_see`, by model name: its key's allow-list) are named; the others are counted."""
     occupied = [m for m in models if m.state in OCCUPYING]
-    held = ", ".join(f"{shown(m.name)} ({m.state.value}{', busy' if m.busy else ''}{', pinned' if m.pinned else ''})"
-                     for m in occupied) or "none"
+    named = [m for m in occupied if may_see(model_name(m.name))]
+    held = [f"{shown(m.name)} ({m.state.value}{', busy' if m.busy else ''}{', pinned' if m.pinned else ''})"
+            for m in named]
+    if hidden := len(occupied) - len(named):
+        held.append(f"{hidden} other model{'s' if hidden > 1 else ''}")
+    held = ", ".join(held) or "none"
     bounds = [f"max_loaded {limits.max_loaded}"] if limits.max_loaded else []
     if head.device in limits.memory_budget:
         bounds.append(f"memory_budget {head.device}: {format_size(limits.memory_budget[head.device])}")

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 from appliance.host.kernel_log import KernelLog
@@ -110,7 +111,8 @@ class Supervisor:
     def get(self, name: str) -> ModelSupervisor | None:
         return self.models.get(name)
 
-    async def ready_model(self, name: str, reason: str = "demand", body: Any = None) -> ModelSupervisor | None:
+    async def ready_model(self, name: str, may_see: Callable[[str], bool], reason: str = "demand",
+                          body: Any = None) -> ModelSupervisor | None:
         """The model's supervisor once it can take a request (a replicated model's: the replica that takes it, as
         appliance.front.replica_choice decides from `body`'s prefix); None when there is no such model.
 
@@ -118,7 +120,8 @@ class Supervisor:
         openarc_requests_waiting), then its 503 is raised; a failed or draining one raises at once. An unloaded one
         is wanted (the residency plan loads it, `reason` says why) and waited for the same way (ready_wait_s 0: the
         request is answered 503 at once and the load begins without it). A client that hangs up cancels the wait
-        (the front runs with aiohttp's handler cancellation)."""
+        (the front runs with aiohttp's handler cancellation). `may_see`: the models the caller's key may see, by
+        name (the only ones a 503 names)."""
         loop = asyncio.get_running_loop()
         deadline: float | None = None
         waited_from = loop.time()
@@ -143,7 +146,7 @@ class Supervisor:
                     for sup in unloaded:
                         if not sup.model.ready_wait_s and sup.life.task is None:  # no request waits for its load:
                             self.placement.want(sup.name, STANDING, reason)  # it begins without one
-                    raise self._unloaded_refusal(unloaded[0].name, unloaded[0])
+                    raise self._unloaded_refusal(unloaded[0].name, unloaded[0], may_see)
                 if not unloaded and (remaining <= 0 or not coming):
                     raise (coming or sups)[0].life.unavailable()
                 counted = self._count_waiter(counted, sups[0])  # the current supervisor, across a replacement
@@ -184,7 +187,7 @@ class Supervisor:
             self.placement.replan.set()
         return current
 
-    def _unloaded_refusal(self, name: str, sup: ModelSupervisor) -> RequestFailed:
+    def _unloaded_refusal(self, name: str, sup: ModelSupervisor, may_see: Callable[[str], bool]) -> RequestFailed:
         """The 503 of a request that waited ready_wait_s (or not at all) for an unloaded model, whose load goes on
         without it: what holds its load back, if anything does."""
         views = self.placement.views(time.monotonic())
@@ -195,7 +198,7 @@ class Supervisor:
                                  "(ready_wait_s is 0: requests do not wait for a load); retry shortly", retry_after=retry)
         return RequestFailed(503, "model_unavailable", f"model {shown(name)} is unloaded and waited "
                              f"{sup.model.ready_wait_s:g}s for room to load: "
-                             + residency.why_waiting(head, views, self.placement.limits()), retry_after=retry)
+                             + residency.why_waiting(head, views, self.placement.limits(), may_see), retry_after=retry)
 
     async def unload(self, name: str, reason: str) -> bool:
         """Drain the model (every replica of it), then stop its workers; it stays unloaded until a request or a load.

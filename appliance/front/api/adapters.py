@@ -89,7 +89,7 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
             raise RequestFailed(409, "invalid_request", f"the model '{name}' takes no adapters at runtime: only an llm "
                                 "model with an adapter in its config does (OpenVINO GenAI builds LoRA into the model as "
                                 "it loads; docs/lora.md)", "no_adapters")
-        ready = await appliance.supervisor.ready_model(name, reason="api")
+        ready = await appliance.supervisor.ready_model(name, call.may_use, reason="api")
         if ready is None:
             raise lookup.not_found(appliance, name, call.api_key)
         return ready

@@ -63,7 +63,7 @@ async def model_for(appliance: ServerView, name: str, call, kinds: tuple[str, ..
             and call.may_use(task_model):
         target = task_model  # (a key kept off the task model is answered by the model it named)
     admit(call, sup)  # the key's limits: a 429 before any queue place is taken
-    ready = await appliance.supervisor.ready_model(target, body=call.body)  # the body: which replica holds its prefix
+    ready = await appliance.supervisor.ready_model(target, call.may_use, body=call.body)  # the body: which replica holds its prefix
     if ready is None:  # removed by a reload while the request waited
         raise not_found(appliance, name, call.api_key)
     return ready

@@ -19,7 +19,7 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
         name = admitted_model(request, call)
         if appliance.draining:
             raise shutting_down()
-        sup = await appliance.supervisor.ready_model(name, reason="api")
+        sup = await appliance.supervisor.ready_model(name, call.may_use, reason="api")
         if sup is None:  # removed by a reload while it waited
             raise lookup.not_found(appliance, name, call.api_key)
         return web.json_response({"model": name, "state": sup.state.value, "pid": sup.life.pid,

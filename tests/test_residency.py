@@ -199,7 +199,7 @@ def test_the_views_the_plan_and_status_read_change_nothing():
         before = copy.deepcopy(placement.usage)
         views = placement.views(now=100.0)
         assert [(v.name, v.busy, v.last_used) for v in views] == [("a", 1, 100.0), ("b", 0, 0.0)]
-        placement.status("a"), placement.summary(), supervisor._unloaded_refusal("b", supervisor.models["b"])
+        placement.status("a"), placement.summary(), supervisor._unloaded_refusal("b", supervisor.models["b"], lambda name: True)
         assert placement.usage == before and placement.views(now=100.0) == views
 
     asyncio.run(main())

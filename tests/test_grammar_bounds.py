@@ -34,7 +34,9 @@ BOMBS = {
     "deep brackets": "start: " + "(" * 5000 + '"a"' + ")" * 5000,
     "long definition": 'start: "' + "a" * (lark_grammar.MAX_DEFINITION_CHARS + 1) + '"',
 }
-BOUND_S = 1.0  # a refusal is counting, not converting: milliseconds; this only catches a conversion that ran
+# A refusal is counting, not converting: milliseconds of CPU; this only catches a conversion that ran. CPU time, not
+# wall time: under `make test` two cores are shared by three workers, and a 1.0 s wall bound failed on waiting alone.
+BOUND_S = 1.0
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,11 +47,11 @@ def lark_loaded():
 
 @pytest.mark.parametrize("name", BOMBS)
 def test_each_bomb_is_refused_as_too_large_before_lark_expands_it(name):
-    started = time.monotonic()
+    started = time.process_time()
     result = lark_grammar.converted(BOMBS[name])
-    waited = time.monotonic() - started
+    spent = time.process_time() - started
     assert result.code == lark_grammar.TOO_LARGE and result.ebnf == "", result
-    assert waited < BOUND_S, f"{name}: {waited:.2f} s"
+    assert spent < BOUND_S, f"{name}: {spent:.2f} s of CPU"
 
 
 def test_grammars_inside_the_limits_still_convert():
@@ -113,10 +115,10 @@ def test_a_regex_inside_the_limit_and_one_python_cannot_read_pass_to_genai():
 def test_a_schema_that_expands_to_100_mb_is_refused_in_milliseconds():
     bomb = schema_bomb(21)  # 2 M leaves of 70 characters: over 100 MB written out, 3 KB as sent
     assert len(json.dumps(bomb)) < 4096
-    started = time.monotonic()
+    started = time.process_time()
     with pytest.raises(InvalidRequest) as refused:
         bounds.bounded_schema(bomb, "response_format.json_schema.schema")
-    assert time.monotonic() - started < BOUND_S
+    assert time.process_time() - started < BOUND_S
     assert refused.value.code == "grammar_too_large"
 
 

@@ -56,7 +56,7 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
             for unit in units:
                 lookup.served_adapters(unit)[name] = entry  # the spec: a restarted worker loads it again
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "parent": model,
-                                  "root": entry["path"], "alpha": alpha}, status=201)
+                                  "root": name, "alpha": alpha}, status=201)  # root: as /v1/models lists it
 
     async def unload(request: web.Request, call: Call) -> web.Response:
         sup = await admitted_model(request, call)

@@ -215,6 +215,18 @@ def test_config_names_each_adapter_mistake(entry, expected):
     assert any(line.startswith(f"lora.yaml: {expected}") for line in error.value.lines), error.value.lines
 
 
+def test_a_keys_models_naming_an_adapter_is_a_config_error_naming_the_base():
+    """A key's `models` are matched against model names, which hold no ':': `demo:sql` there never let the key in (a
+    404 for every name); a key that may use `demo` may use its adapters (docs/lora.md), so the config says so."""
+    with pytest.raises(ConfigError) as error:
+        parse_config({"server": {"api_keys": [{"name": "sql-team", "key_env": "SQL_KEY",
+                                               "models": ["other", "demo:sql"]}]},
+                      "models": [{"name": "demo", "path": "/m", "adapters": {"sql": "/x"}}]}, "lora.yaml", [])
+    assert error.value.lines == ["lora.yaml: server.api_keys[0].models[1]: expected a model's name or glob, not an "
+                                 "adapter's ('demo:sql'): a key may use the adapters of the models it may use, so "
+                                 "name the base model ('demo')"], error.value.lines
+
+
 # --- the rotation policy -----------------------------------------------------------------------------------------
 
 QUANTUM = 3

@@ -152,6 +152,7 @@ IMAGE_SIZE_STEP, MIN_IMAGE_SIDE, MAX_IMAGE_SIDE = 8, 64, 4096
 MAX_IMAGES_PER_REQUEST = 10  # OpenAI's own bound on n
 MAX_INFERENCE_STEPS = 500
 ADAPTER_NAME = MODEL_NAME  # a request names an adapter as it names a model
+ADAPTER_SEPARATOR = ":"  # a model's adapter is served as BASE:ADAPTER; no model name holds one (MODEL_NAME)
 
 
 def adapter_weight_ok(alpha: float) -> bool:
@@ -214,6 +215,12 @@ def _check_keys(s: ServerConfig, problems: Problems) -> None:
                 problems.append(f"{at}.{limit}: expected at least 1 (leave it out for no limit)")
         if key.models is not None and not key.models:
             problems.append(f"{at}.models: expected at least one model name or glob (leave it out for all models)")
+        for j, pattern in enumerate(key.models or ()):
+            # matched against model names, which hold no ':': an adapter's name here would never let the key in
+            if ADAPTER_SEPARATOR in pattern:
+                problems.append(f"{at}.models[{j}]: expected a model's name or glob, not an adapter's ({pattern!r}): "
+                                f"a key may use the adapters of the models it may use, so name the base model "
+                                f"({pattern.partition(ADAPTER_SEPARATOR)[0]!r})")
 
 
 def _check_task_models(config: Config, problems: Problems) -> None:

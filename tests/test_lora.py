@@ -623,3 +623,24 @@ def test_a_runtime_adapter_lasts_across_an_unload_and_is_served_by_every_replica
     again = http("POST", app.base + "/v1/chat/completions", ask)
     assert again[0] == 200 and again[2]["choices"][0]["message"]["content"] == \
         first[2]["choices"][0]["message"]["content"], again[2]
+
+
+def test_unloading_an_adapter_of_an_unloaded_model_loads_no_model(appliance_factory, demo_model, lora_dir):
+    """An adapter's unload only changes what the model's workers are started with while none runs: it waited for the
+    model's load (of seconds, evicting others under a budget) to unload an adapter from a worker that had none. The
+    model's next load comes up without the adapter, whose name is a 404, and with LoRA built (another loads later)."""
+    app = appliance_factory({"server": {"parked_workers": 0}, "models": [model_entry(
+        "lo", demo_model, adapters={"upper": str(lora_dir / "upper")}, max_adapters=2)]})
+    url = app.base + "/openarc/models/lo/adapters"
+    assert http("POST", url, {"name": "shout", "path": str(lora_dir / "upper")})[0] == 201
+    assert http("POST", app.base + "/openarc/models/lo/unload")[0] == 200
+    app.wait_model("lo", "unloaded")
+    status, _, body = http("DELETE", url + "/shout")
+    assert status == 200 and body == {"model": "lo:shout", "unloaded": True}, body
+    assert app.model_status("lo")["state"] == "unloaded"  # no worker started for it
+    assert http("DELETE", url + "/upper")[0] == 200
+    ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
+    assert [http("POST", app.base + "/v1/chat/completions", {**ask, "model": m})[0]
+            for m in ("lo:shout", "lo:upper", "lo")] == [404, 404, 200]
+    assert http("POST", url, {"name": "t", "path": str(lora_dir / "title")})[0] == 201
+    assert http("POST", app.base + "/v1/chat/completions", {**ask, "model": "lo:t"})[0] == 200

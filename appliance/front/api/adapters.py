@@ -59,7 +59,8 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
                                   "root": name, "alpha": alpha}, status=201)  # root: as /v1/models lists it
 
     async def unload(request: web.Request, call: Call) -> web.Response:
-        sup = await admitted_model(request, call)
+        # no model is loaded for it: the workers running unload the adapter, the others start without it
+        sup = await admitted_model(request, call, load=False)
         model, name = sup.model.name, request.match_info["adapter"]
         units = appliance.supervisor.units_of(model)
         async with units[0].adapter_changes:
@@ -73,9 +74,10 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
             sup.series.drop_adapter(name)
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
 
-    async def admitted_model(request: web.Request, call: Call):
-        """The ready supervisor of the model the route names, once the key may use it (a key learns no other
-        names), it is an llm with adapters configured, and the key's limits admit the call as any request."""
+    async def admitted_model(request: web.Request, call: Call, load: bool = True):
+        """The ready supervisor of the model the route names (loaded for it unless `load` is False: then its
+        supervisor as it is), once the key may use it (a key learns no other names), it is an llm with adapters
+        configured, and the key's limits admit the call as any request."""
         name = request.match_info["name"]
         if not call.may_use(name) or appliance.supervisor.get(name) is None:
             raise lookup.not_found(appliance, name, call.api_key)
@@ -86,6 +88,8 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
             raise RequestFailed(409, "invalid_request", f"the model '{name}' takes no adapters at runtime: only an llm "
                                 "model with an adapter in its config does (OpenVINO GenAI builds LoRA into the model as "
                                 "it loads; docs/lora.md)", "no_adapters")
+        if not load:
+            return sup
         ready = await appliance.supervisor.ready_model(name, reason="api")
         if ready is None:
             raise lookup.not_found(appliance, name, call.api_key)
@@ -130,7 +134,8 @@ async def on_every_unit(units: list, adapter: dict[str, Any]) -> None:
     """The load or unload done by the worker of each unit of a model (its replicas) that runs one; a unit without a
     worker now loads what its spec says when it starts. A refusal undoes the loads done and is the caller's 400."""
     loading = [unit.name for unit in units if unit.state is ModelState.LOADING]
-    if loading:  # its worker started with the spec of before this change, and would come up without it
+    if loading and adapter["action"] == "load":  # its worker started with the spec of before this change, and would
+        # come up without it (one started with an adapter since unloaded holds it unserved: no request names it)
         raise RequestFailed(503, "model_unavailable", f"a replica of the model is loading ({', '.join(loading)}); "
                             "change its adapters once it is ready", retry_after=5)
     done = []

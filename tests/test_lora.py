@@ -644,3 +644,33 @@ def test_unloading_an_adapter_of_an_unloaded_model_loads_no_model(appliance_fact
             for m in ("lo:shout", "lo:upper", "lo")] == [404, 404, 200]
     assert http("POST", url, {"name": "t", "path": str(lora_dir / "title")})[0] == 201
     assert http("POST", app.base + "/v1/chat/completions", {**ask, "model": "lo:t"})[0] == 200
+
+
+def test_a_replica_started_while_an_adapter_loads_serves_it(appliance_factory, demo_model, lora_dir, in_process):
+    """A load asks each running replica's worker in turn; a replica whose worker starts meanwhile (here: restarting
+    after a crash, while the other replica's worker is held stopped mid-ask) must come up with the adapter. It read
+    the model's adapters as they were before the load, which were only written once every ask had answered: it came
+    up without it, and each request routed to it was a 400 "not loaded on this model"."""
+    app = appliance_factory({"models": [model_entry("twin", demo_model, device=["CPU", "CPU"], restart={
+        "backoff_initial_s": 2.0}, adapters={"upper": str(lora_dir / "upper")})]})
+    replicas = lambda: app.model_status("twin")["replicas"]  # noqa: E731
+    wait_until(lambda: all(r["state"] == "ready" for r in replicas()), 120, "both replicas ready")
+    asked, restarting = (r["pid"] for r in replicas())
+    os.kill(restarting, signal.SIGKILL)
+    wait_until(lambda: replicas()[1]["state"] == "restarting", 30, "the killed replica waiting out its backoff")
+    os.kill(asked, signal.SIGSTOP)  # the load's ask to it waits until the other replica's worker has started
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            load = pool.submit(http, "POST", app.base + "/openarc/models/twin/adapters",
+                               {"name": "t", "path": str(lora_dir / "title")}, timeout=120)
+            wait_until(lambda: replicas()[1]["state"] in ("loading", "ready"), 30, "the other replica starting")
+            os.kill(asked, signal.SIGCONT)
+            status, _, body = load.result(120)
+    finally:
+        os.kill(asked, signal.SIGCONT)
+    assert status == 201, body
+    wait_until(lambda: all(r["state"] == "ready" for r in replicas()), 120, "both replicas ready again")
+    prompts = ["hello", "what now?", "tell me more", "hi there", "and then?", "why not"]
+    answers = [chat(app, "twin:t", prompt) for prompt in prompts]  # distinct prompts: both replicas take some
+    assert all(r["requests_routed"] for r in replicas()), replicas()
+    assert answers == [(200, in_process(_templated(prompt), "title", 12)) for prompt in prompts], answers

@@ -51,10 +51,7 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
             problem = await asyncio.to_thread(path_problem, sup, path)  # (file reads: off the event loop)
             if problem:
                 raise InvalidRequest(problem, "path")
-            entry = {"path": str(adapter_file(path)), "alpha": alpha}
-            await on_every_unit(units, {"action": "load", "name": name, **entry})
-            for unit in units:
-                lookup.served_adapters(unit)[name] = entry  # the spec: a restarted worker loads it again
+            await on_every_unit(units, name, {"path": str(adapter_file(path)), "alpha": alpha})
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "parent": model,
                                   "root": name, "alpha": alpha}, status=201)  # root: as /v1/models lists it
 
@@ -68,10 +65,10 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
             if name not in served:
                 raise RequestFailed(404, "model_not_found", f"the model '{model}' has no adapter named '{name}' "
                                     f"(have: {', '.join(served) or 'none'})")
-            await on_every_unit(units, {"action": "unload", "name": name})
-            for unit in units:
-                lookup.served_adapters(unit).pop(name, None)
-            sup.series.drop_adapter(name)
+            try:
+                await on_every_unit(units, name, None)
+            finally:  # (served no more even where a worker's answer failed: it died, and restarts without it)
+                sup.series.drop_adapter(name)
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
 
     async def admitted_model(request: web.Request, call: Call, load: bool = True):
@@ -130,24 +127,36 @@ def path_problem(sup, path: str) -> str | None:
          if (problem := adapter_fit_problem(adapter_file(str(where)), entry["path"]))), None)
 
 
-async def on_every_unit(units: list, adapter: dict[str, Any]) -> None:
-    """The load or unload done by the worker of each unit of a model (its replicas) that runs one; a unit without a
-    worker now loads what its spec says when it starts. A refusal undoes the loads done and is the caller's 400."""
+async def on_every_unit(units: list, name: str, entry: dict[str, Any] | None) -> None:
+    """Load the adapter `name` ({"path", "alpha"} `entry`), or unload it (None), in the model of `units` (its
+    replicas): the adapters the model serves, which each of its workers is started with (its spec's), change first,
+    before any await, then the worker of each unit that runs one is asked to do the same. A worker that starts while
+    the others are asked so starts with the change (written after the asks, a replica restarting meanwhile came up
+    without a loaded adapter); a request naming the adapter before its load answered may reach a worker that does not
+    hold it yet: a 400, as for one naming it once its unload began. A refusal undoes the load: the caller's 400."""
     loading = [unit.name for unit in units if unit.state is ModelState.LOADING]
-    if loading and adapter["action"] == "load":  # its worker started with the spec of before this change, and would
-        # come up without it (one started with an adapter since unloaded holds it unserved: no request names it)
+    if loading and entry is not None:  # its worker started with the adapters of before this change, and would come
+        # up without it (one started with an adapter since unloaded holds it unserved: no request names it)
         raise RequestFailed(503, "model_unavailable", f"a replica of the model is loading ({', '.join(loading)}); "
                             "change its adapters once it is ready", retry_after=5)
+    for served in map(lookup.served_adapters, units):  # (the units share one: appliance.front.placement)
+        if entry is None:
+            served.pop(name, None)
+        else:
+            served[name] = entry
+    action = {"action": "load", "name": name, **entry} if entry is not None else {"action": "unload", "name": name}
     done = []
     try:
         for unit in units:
             if unit.life.admits():
-                await ask_worker(unit, adapter)
+                await ask_worker(unit, action)
                 done.append(unit)
     except RequestFailed:
-        if adapter["action"] == "load":
+        if entry is not None:
+            for served in map(lookup.served_adapters, units):
+                served.pop(name, None)
             for unit in done:
-                await ask_worker(unit, {"action": "unload", "name": adapter["name"]})
+                await ask_worker(unit, {"action": "unload", "name": name})
         raise
 
 

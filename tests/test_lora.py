@@ -674,3 +674,35 @@ def test_a_replica_started_while_an_adapter_loads_serves_it(appliance_factory, d
     answers = [chat(app, "twin:t", prompt) for prompt in prompts]  # distinct prompts: both replicas take some
     assert all(r["requests_routed"] for r in replicas()), replicas()
     assert answers == [(200, in_process(_templated(prompt), "title", 12)) for prompt in prompts], answers
+
+
+def test_an_adapter_change_that_a_reload_overtakes_is_refused_not_lost(appliance_factory, demo_model, lora_dir):
+    """A reload that replaces the model (its config changed) while an adapter loads into it: the new workers serve
+    the config's adapters (docs/lora.md), so the load must not answer 201 for an adapter no worker serves (it did:
+    the change went to the replaced model, and its name was a 404 from then on)."""
+    import yaml
+    config = {"models": [model_entry("lo", demo_model, adapters={"upper": str(lora_dir / "upper")}, max_adapters=3)]}
+    app = appliance_factory(config)
+    old = app.worker_pid("lo")
+    os.kill(old, signal.SIGSTOP)  # the load's ask waits in it while the reload replaces the model
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            load = pool.submit(http, "POST", app.base + "/openarc/models/lo/adapters",
+                               {"name": "t", "path": str(lora_dir / "title")}, timeout=120)
+            wait_until(lambda: app.model_status("lo")["requests_running"], 30, "the load asking the worker")
+            config["models"][0]["max_adapters"] = 4
+            config["server"]["port"] = app.port
+            app.config_path.write_text(yaml.safe_dump(config))
+            app.proc.send_signal(signal.SIGHUP)
+            app.wait_model("lo", "ready", 120, new_pid_not=old)
+            os.kill(old, signal.SIGCONT)
+            status, _, body = load.result(120)
+    finally:
+        os.kill(old, signal.SIGCONT)
+    assert status == 503 and "replaced by a reload" in body["error"]["message"], (status, body)
+    ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    assert [http("POST", app.base + "/v1/chat/completions", {**ask, "model": m})[0]
+            for m in ("lo:t", "lo:upper")] == [404, 200]
+    assert http("POST", app.base + "/openarc/models/lo/adapters",
+                {"name": "t", "path": str(lora_dir / "title")})[0] == 201  # asked again, it loads
+    assert http("POST", app.base + "/v1/chat/completions", {**ask, "model": "lo:t"})[0] == 200

@@ -52,6 +52,7 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
             if problem:
                 raise InvalidRequest(problem, "path")
             await on_every_unit(units, name, {"path": str(adapter_file(path)), "alpha": alpha})
+            still_served_by(model, units)
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "parent": model,
                                   "root": name, "alpha": alpha}, status=201)  # root: as /v1/models lists it
 
@@ -69,7 +70,17 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
                 await on_every_unit(units, name, None)
             finally:  # (served no more even where a worker's answer failed: it died, and restarts without it)
                 sup.series.drop_adapter(name)
+            still_served_by(model, units)
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
+
+    def still_served_by(model: str, units: list) -> None:
+        """A reload that replaced the model while its adapters changed (its config changed: its new workers serve
+        the config's adapters, docs/lora.md) made the change to the replaced model: a 503 saying so, not a 2xx for
+        a change no worker has."""
+        if appliance.supervisor.units_of(model) != units:
+            raise RequestFailed(503, "model_unavailable", f"the model '{model}' was replaced by a reload while its "
+                                "adapters changed; it serves its config's adapters now: change them again",
+                                retry_after=1)
 
     async def admitted_model(request: web.Request, call: Call, load: bool = True):
         """The ready supervisor of the model the route names (loaded for it unless `load` is False: then its

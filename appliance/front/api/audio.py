@@ -33,7 +33,6 @@ from appliance.front.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESP
 from appliance.front.audio_decoder import AudioDecoder, AudioError, HelperFault
 from appliance.front.helper_process import HelperUser
 from appliance.front.request import Event, RequestFailed
-from appliance.front.request_ledger import LEDGER
 
 KIND = "transcription"
 # Upload files the front holds in memory at once (read, or waiting for the one decoder process): the front's
@@ -115,8 +114,7 @@ class AudioRoutes(UploadRoutes):
 
     async def _handle(self, request: web.Request, call: Call, task: str) -> web.StreamResponse:
         self.serial += 1
-        audio_path = os.path.join(self.spool, f"{self.serial}.f32")
-        LEDGER.spooled(audio_path)
+        audio_path = self.spool_file(f"{self.serial}.f32")
         upload = Upload(self, call)
         try:
             form = await read_form(request, upload.before_file)

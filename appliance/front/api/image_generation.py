@@ -323,7 +323,7 @@ class ImageRoutes(UploadRoutes):
     async def _decode(self, data: bytes, model, name: str, paths: list[str]) -> dict[str, Any]:
         """One uploaded picture into an RGB spool file: {"path", "width", "height"}; a 400 naming the field for a
         picture that cannot be used, a 503 for a fault of the decoder's."""
-        path = os.path.join(self.spool, f"{next(self.serial)}.rgb")
+        path = self.spool_file(f"{next(self.serial)}.rgb")
         paths.append(path)
         try:
             info = await self.decoder.decode(bytes(data), model.max_resolution ** 2, EDIT_FORMATS, path,

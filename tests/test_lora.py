@@ -652,11 +652,12 @@ def test_a_replica_started_while_an_adapter_loads_serves_it(appliance_factory, d
     the model's adapters as they were before the load, which were only written once every ask had answered: it came
     up without it, and each request routed to it was a 400 "not loaded on this model"."""
     app = appliance_factory({"models": [model_entry("twin", demo_model, device=["CPU", "CPU"], restart={
-        "backoff_initial_s": 2.0}, adapters={"upper": str(lora_dir / "upper")})]})
+        "backoff_initial_s": 4.0}, adapters={"upper": str(lora_dir / "upper")})]})
     replicas = lambda: app.model_status("twin")["replicas"]  # noqa: E731
     wait_until(lambda: all(r["state"] == "ready" for r in replicas()), 120, "both replicas ready")
     asked, restarting = (r["pid"] for r in replicas())
     os.kill(restarting, signal.SIGKILL)
+    # (its backoff, 4 s, leaves the load time to see it restarting, not loading: that is a 503 to retry)
     wait_until(lambda: replicas()[1]["state"] == "restarting", 30, "the killed replica waiting out its backoff")
     os.kill(asked, signal.SIGSTOP)  # the load's ask to it waits until the other replica's worker has started
     try:

@@ -313,6 +313,26 @@ def test_metrics_count_pictures_and_steps(app):
     assert 1 <= value(after, steps) - value(before, steps) <= 4  # a step genai did not call back is not seen
 
 
+def test_more_pixels_than_a_request_may_make_are_a_400_before_any_is_painted(appliance_factory, image_model,
+                                                                            tmp_path):
+    """A model whose own size is 4096 x 4096 under max_resolution 4096: `size: auto` asks for one picture of
+    16,777,216 pixels, past what one request may make (docs/images.md): the worker refuses it before painting (it
+    painted for 40 s here, and a picture of that many pixels may not fit the frame that carries it back), as the
+    front refuses a size asked for; both OpenAI-shaped 400s naming the limit, and the model paints on."""
+    import shutil
+    big = shutil.copytree(image_model, tmp_path / "big")
+    unet = json.loads((big / "unet" / "config.json").read_text())
+    (big / "unet" / "config.json").write_text(json.dumps({**unet, "sample_size": 512}))  # x 8: 4096 pixels a side
+    app = appliance_factory({"models": [image_entry(big, max_resolution=4096)]})
+    for size in ("auto", "4096x4096"):
+        status, _, body = http("POST", app.base + "/v1/images/generations",
+                               {"model": "pictures", "prompt": "a red square", "size": size, "num_inference_steps": 2},
+                               timeout=HANG_BOUND_S)
+        assert (status, body["error"]["code"]) == (400, "too_many_pixels"), body
+        assert "at most 16,000,000 (n x width x height)" in body["error"]["message"], body
+    assert colour_of(picture(app, "a blue square", size="256x256", num_inference_steps=2)) == "blue"
+
+
 # --- with the worker slowed: mid-generation faults and hang-ups ------------------------------------------------
 
 # A slow picture: genai does not wait for its step callback, so a debug delay there would not slow the steps; a demo

@@ -141,6 +141,32 @@ def test_bad_requests_are_openai_shaped_400s_and_the_worker_lives_on(app, call, 
     assert colour_of(picture(app, "a green square")) == "green"
 
 
+def test_an_edit_form_of_more_files_than_it_uses_is_a_400_before_the_next_is_read(app):
+    """Each file part of an edit may hold 50 MiB; a form of many (up to its 32 parts) was read whole, held in the
+    front's memory, before the route refused it for its second picture. The third file part is refused as it begins:
+    here most of its body never comes, and the answer must not wait for it (it did, reading on to the part's end)."""
+    import socket
+    boundary = "openarc-test-boundary"
+
+    def part(name: str, headers: str = "", data: bytes = b"") -> bytes:
+        return (f"--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"{headers}\r\n\r\n").encode() + data
+
+    picture_part = '; filename="in.png"\r\nContent-Type: image/png'
+    head = b"".join([part("model", data=b"pictures\r\n"), part("prompt", data=b"a red square\r\n"),
+                     part("image", picture_part, png_bytes((0, 0, 255)) + b"\r\n"),
+                     part("image[]", picture_part, png_bytes((0, 0, 255)) + b"\r\n"),
+                     # the third file: 256 KiB of it (the multipart reader reads ahead to find a part's end), and
+                     # the rest never comes
+                     part("mask", picture_part, b"\x89PNG" + bytes(256 << 10))])
+    with socket.create_connection(("127.0.0.1", app.port), timeout=HANG_BOUND_S) as sock:
+        sock.sendall(f"POST /v1/images/edits HTTP/1.1\r\nHost: x\r\nContent-Length: {40 << 20}\r\n"
+                     f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n".encode() + head)
+        answer = sock.recv(65536).decode(errors="replace")
+    assert answer.startswith("HTTP/1.1 400"), answer[:300]
+    assert "more than 2 files" in answer and '"param": "mask"' in answer, answer
+    assert colour_of(picture(app, "a green square", num_inference_steps=2)) == "green"
+
+
 def progress_steps(app, path: str, **request) -> set[int]:
     """The `steps` a streamed request's progress events announce."""
     if path.endswith("edits"):

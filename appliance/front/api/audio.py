@@ -224,9 +224,12 @@ class Upload:
             self.place.release()
 
 
-async def read_form(request: web.Request, before_file, file_parts: tuple[str, ...] = ("file",)) -> Form:
+async def read_form(request: web.Request, before_file, file_parts: tuple[str, ...] = ("file",),
+                    max_files: int = 1) -> Form:
     """The multipart form, each file part (`file_parts` name them) held in memory up to the bytes
-    `before_file(fields so far)` allows (413 past it); `before_file` may refuse the request before a file is read."""
+    `before_file(fields so far)` allows (413 past it); `before_file` may refuse the request before a file is read.
+    More than `max_files` file parts are a 400 before the next is read: each may hold the whole limit, and a form of
+    MAX_FIELDS of them held that many times it (1.6 GB of an image edit's) before the route looked at them."""
     if request.content_type != "multipart/form-data":
         raise InvalidRequest(f"the request must be multipart/form-data with a '{file_parts[0]}' part (as the OpenAI "
                              "SDK sends it)")
@@ -239,6 +242,9 @@ async def read_form(request: web.Request, before_file, file_parts: tuple[str, ..
             if count > MAX_FIELDS:
                 raise InvalidRequest(f"the form has more than {MAX_FIELDS} fields")
             if part.name in file_parts:
+                if sum(map(len, form.files.values())) == max_files:
+                    raise InvalidRequest(f"the form has more than {max_files} file{'s' if max_files > 1 else ''} "
+                                         f"({' or '.join(file_parts)})", part.name)
                 data = await _read_part(part, await before_file(form.fields), part.name)
                 form.files.setdefault(part.name, []).append(data)
                 form.file = data if part.name == "file" else form.file

@@ -294,7 +294,7 @@ class ImageRoutes(UploadRoutes):
         upload = Upload(self, call)
         paths: list[str] = []
         try:
-            form = await read_form(request, upload.before_file, ("image", "image[]", "mask"))
+            form = await read_form(request, upload.before_file, ("image", "image[]", "mask"), max_files=2)
             call.label(form.fields)
             req = parse(form_values(form.fields), edit=True)
             sup = await upload.admit(req.model)

@@ -439,14 +439,21 @@ def test_one_model_at_a_time_chat_then_a_picture_then_chat_all_succeed(appliance
     assert loads["chat"]["state"] == "ready"
 
 
+# A step's seconds are a difference (a picture of 32 steps less one of 8: bench.images); on the demo model, whose 24
+# steps take milliseconds, --quick's 2 rounds under load may make it 0 or less. A timing, not the report's shape.
+STEP_FIGURES = {"In process, seconds per step", "Server, seconds per step", "Server / in process, seconds per step"}
+
+
 def test_quick_images_bench_reports_every_figure(tmp_path):
     """`python -m bench.images --quick`: server against in-process, and the swap; every figure there (no timing)."""
+    import math
     from conftest import quick_side_bench
     figures = quick_side_bench("images", tmp_path)
     assert {"Server / in process, pictures per second", "Server / in process, seconds per step",
             "Swap: chat model loaded, time to the picture",
             "Swap: after the picture, the chat model's first token"} <= set(figures)
-    assert all(f["value"] > 0 for f in figures.values())
+    assert STEP_FIGURES <= set(figures) and all(math.isfinite(f["value"]) for f in figures.values())
+    assert all(f["value"] > 0 for name, f in figures.items() if name not in STEP_FIGURES), figures
 
 
 def test_step_frames_keep_a_long_picture_alive_and_a_stalled_worker_is_a_504(appliance_factory, slow_image_model):

@@ -151,6 +151,8 @@ def _check_ranges(config: Config, raw_models: list, problems: Problems) -> None:
 IMAGE_SIZE_STEP, MIN_IMAGE_SIDE, MAX_IMAGE_SIDE = 8, 64, 4096
 MAX_IMAGES_PER_REQUEST = 10  # OpenAI's own bound on n
 MAX_INFERENCE_STEPS = 500
+ADAPTER_NAME = MODEL_NAME  # a request names an adapter as it names a model
+ADAPTER_SEPARATOR = ":"  # a model's adapter is served as BASE:ADAPTER; no model name holds one (MODEL_NAME)
 # The pictures of one image request together, n x width x height: a picture goes from its worker in one frame, base64
 # of a PNG that for an incompressible picture takes 4.01 bytes a pixel, so a request inside this bound has every
 # picture fit the 64 MiB frame (appliance.ipc.MAX_FRAME), its answer held by the front under that, and its denoising
@@ -165,8 +167,6 @@ def image_pixels_problem(n: int, width: int, height: int) -> str | None:
         return None
     return (f"{n} picture{'s' if n > 1 else ''} of {width}x{height} are {n * width * height:,} pixels; one request "
             f"makes at most {MAX_IMAGE_REQUEST_PIXELS:,} (n x width x height): ask for fewer or smaller pictures")
-ADAPTER_NAME = MODEL_NAME  # a request names an adapter as it names a model
-ADAPTER_SEPARATOR = ":"  # a model's adapter is served as BASE:ADAPTER; no model name holds one (MODEL_NAME)
 
 
 def adapter_weight_ok(alpha: float) -> bool:

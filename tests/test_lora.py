@@ -6,6 +6,7 @@ adapters loaded and unloaded at runtime behind the API key."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import concurrent.futures
 import json
 import os
@@ -668,7 +669,8 @@ def test_a_replica_started_while_an_adapter_loads_serves_it(appliance_factory, d
             os.kill(asked, signal.SIGCONT)
             status, _, body = load.result(120)
     finally:
-        os.kill(asked, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # (once continued, it may have ended)
+            os.kill(asked, signal.SIGCONT)
     assert status == 201, body
     wait_until(lambda: all(r["state"] == "ready" for r in replicas()), 120, "both replicas ready again")
     prompts = ["hello", "what now?", "tell me more", "hi there", "and then?", "why not"]
@@ -699,7 +701,8 @@ def test_an_adapter_change_that_a_reload_overtakes_is_refused_not_lost(appliance
             os.kill(old, signal.SIGCONT)
             status, _, body = load.result(120)
     finally:
-        os.kill(old, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # (once continued, it may have ended: a reload's drain)
+            os.kill(old, signal.SIGCONT)
     assert status == 503 and "replaced by a reload" in body["error"]["message"], (status, body)
     ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
     assert [http("POST", app.base + "/v1/chat/completions", {**ask, "model": m})[0]

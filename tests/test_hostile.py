@@ -476,8 +476,12 @@ LIMIT_CASES: dict[str, Any] = {
     "picture width or height": "test_images.py::test_the_models_limits_are_400s",
     "pictures per image request": "test_images.py::test_the_models_limits_are_400s",
     "denoising steps": "test_images.py::test_the_models_limits_are_400s",
+    "pixels of one image request's pictures together (`n` x width x height)":
+        "test_images.py::test_more_pixels_than_one_request_may_make_are_a_400_before_any_picture_is_painted",
     "form fields of an upload": ("transcription", {"model": "whisper", **{f"f{i}": "x" for i in range(33)},
                                                    "file": wav_bytes(tone(0.5))}, 400, "invalid_request"),
+    "files of an upload (each up to its size above)":
+        "test_image_generation.py::test_an_edit_form_of_more_files_than_it_uses_is_a_400_before_the_next_is_read",
     "speech `input`": ("speech", {**ROUTES["speech"].body, "input": "a" * 4097}, 400, "string_above_max_length"),
     "a key's requests, tokens, concurrent requests": "test_a_key_that_may_not_make_a_request_costs_no_conversion",
 }

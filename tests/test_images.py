@@ -8,7 +8,7 @@ import io
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from appliance import model_files
 from appliance.config import ConfigError, parse_config
@@ -17,7 +17,9 @@ from appliance.front.api.errors import InvalidRequest
 from appliance.front.image_decoder import decode
 from appliance.front.request import Event
 from appliance.worker.engines.base import InvalidInput
-from appliance.worker.engines.image import partial_steps, settle
+from appliance.config.rules import MAX_IMAGE_REQUEST_PIXELS, MAX_IMAGE_SIDE, MAX_IMAGES_PER_REQUEST
+from appliance.ipc import MAX_FRAME, encode, frame
+from appliance.worker.engines.image import encode_picture, partial_steps, settle
 
 SD_FILES = ["model_index.json", "scheduler/scheduler_config.json"] + [
     f"{stem}.{ext}" for stem in ("unet/openvino_model", "vae_decoder/openvino_model", "text_encoder/openvino_model",
@@ -148,6 +150,48 @@ def test_the_models_limits_are_400s(fields, param, code):
     assert (err.value.param, err.value.code) == (param, code)
     images.check_limits(images.parse(body(n=2, size="512x512", num_inference_steps=20, lora=[{"name": "red"}])),
                         Model)
+
+
+class LargestModel(Model):
+    max_images_per_request, max_resolution = MAX_IMAGES_PER_REQUEST, MAX_IMAGE_SIDE
+
+
+def test_more_pixels_than_one_request_may_make_are_a_400_before_any_picture_is_painted():
+    """The model's largest limits let 10 pictures of 4096 x 4096 through, each past the frame that carries it back
+    from the worker: found only after it was painted. n x width x height is bounded at admission for a size asked
+    for or an edit's, and by the worker before it paints for the model's own size (auto)."""
+    def refused(check) -> str | None:
+        try:
+            check()
+        except (InvalidRequest, InvalidInput) as err:
+            return err.fault.code if isinstance(err, InvalidInput) else f"{err.param} {err.code}"
+        return None
+
+    for n, size, code in [(1, "4096x4096", "size too_many_pixels"), (1, "4000x4000", None),
+                          (2, "4000x2000", None), (3, "4000x2000", "size too_many_pixels")]:
+        assert refused(lambda: images.check_limits(images.parse(body(n=n, size=size)), LargestModel)) == code
+    edit = images.parse(body(n=4), edit=True)
+    assert refused(lambda: images.check_edit_sizes(edit, {"width": 2048, "height": 2048}, None, 4096)) \
+        == "size too_many_pixels"
+    own = {"steps": 50, "guidance_scale": 7.5, "strength": 1.0, "width": 2048, "height": 2048}
+    auto = {"width": None, "height": None, "max_resolution": 4096, "image": None, "steps": 4, "guidance_scale": None,
+            "negative_prompt": None}
+    assert refused(lambda: settle({**auto, "n": 3}, own)) is None
+    assert refused(lambda: settle({**auto, "n": 4}, own)) == "too_many_pixels"
+    assert "4 pictures of 2048x2048 are 16,777,216 pixels" in str(pytest.raises(InvalidInput, settle,
+                                                                                {**auto, "n": 4}, own).value)
+
+
+def test_a_picture_of_the_most_pixels_a_request_may_make_fits_the_workers_frame():
+    """The bound's reason: the worst picture (noise, which PNG cannot compress; jpeg and webp make it smaller) of
+    MAX_IMAGE_REQUEST_PIXELS, as the worker's `picture` frame, stays under ipc.MAX_FRAME. Measured per pixel on a
+    smaller noise picture (the PNG's overhead is per row and per block: no larger per pixel for a larger picture)."""
+    import numpy as np
+    side = 1024
+    pixels = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    per_pixel = max(len(encode_picture(pixels, fmt, 100)) for fmt in ("png", "jpeg", "webp")) / side ** 2
+    picture = frame("picture", id=1 << 40, index=9, data="", seconds=1e9)
+    assert per_pixel * MAX_IMAGE_REQUEST_PIXELS + len(encode(picture)) < MAX_FRAME, per_pixel
 
 
 @given(st.integers(1, 4096), st.integers(1, 4096))
@@ -287,9 +331,11 @@ SIDES = st.integers(8, 512).map(lambda k: k * 8)
 @given(own=st.tuples(SIDES, SIDES), max_resolution=SIDES)
 def test_the_models_own_size_is_fitted_into_max_resolution(own, max_resolution):
     """`size: auto` is the model's own size (1024 for SDXL): bound by max_resolution like a size asked for, it is
-    scaled down to fit, its sides multiples of 8, its longer side kept longer."""
+    scaled down to fit, its sides multiples of 8, its longer side kept longer. (Past 3992 a side it may be more pixels
+    than a request may make: the test above.)"""
+    assume(min(max_resolution, max(own)) <= 3992)
     body = {"width": None, "height": None, "max_resolution": max_resolution, "image": None, "steps": 4,
-            "guidance_scale": None, "negative_prompt": None}
+            "guidance_scale": None, "negative_prompt": None, "n": 1}
     got = settle(body, {"steps": 50, "guidance_scale": 7.5, "strength": 1.0, "width": own[0], "height": own[1]})
     width, height = got["width"], got["height"]
     assert width % 8 == 0 and height % 8 == 0 and min(width, height) >= min(64, max_resolution, *own)

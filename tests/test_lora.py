@@ -6,6 +6,7 @@ adapters loaded and unloaded at runtime behind the API key."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import concurrent.futures
 import json
 import os
@@ -215,6 +216,18 @@ def test_config_names_each_adapter_mistake(entry, expected):
     assert any(line.startswith(f"lora.yaml: {expected}") for line in error.value.lines), error.value.lines
 
 
+def test_a_keys_models_naming_an_adapter_is_a_config_error_naming_the_base():
+    """A key's `models` are matched against model names, which hold no ':': `demo:sql` there never let the key in (a
+    404 for every name); a key that may use `demo` may use its adapters (docs/lora.md), so the config says so."""
+    with pytest.raises(ConfigError) as error:
+        parse_config({"server": {"api_keys": [{"name": "sql-team", "key_env": "SQL_KEY",
+                                               "models": ["other", "demo:sql"]}]},
+                      "models": [{"name": "demo", "path": "/m", "adapters": {"sql": "/x"}}]}, "lora.yaml", [])
+    assert error.value.lines == ["lora.yaml: server.api_keys[0].models[1]: expected a model's name or glob, not an "
+                                 "adapter's ('demo:sql'): a key may use the adapters of the models it may use, so "
+                                 "name the base model ('demo')"], error.value.lines
+
+
 # --- the rotation policy -----------------------------------------------------------------------------------------
 
 QUANTUM = 3
@@ -309,7 +322,9 @@ def test_models_lists_each_adapter_with_its_parent(server, lora_dir):
     listed = {m["id"]: m for m in body["data"]}
     assert set(listed) == {"demo", "demo:upper", "demo:title", "seq", "seq:upper", "plain"}
     assert listed["demo:upper"]["parent"] == "demo" and "parent" not in listed["demo"]
-    assert listed["demo:title"]["root"] == str(lora_dir / "title" / "adapter_model.safetensors")
+    # `root` names the adapter, never its file on the server (a client has no business with the server's paths)
+    assert (listed["demo:title"]["root"], listed["demo:upper"]["root"]) == ("title", "upper")
+    assert str(lora_dir) not in json.dumps(body)
 
 
 def test_interleaved_requests_of_two_adapters_and_the_base_each_get_their_own(server, in_process):
@@ -339,7 +354,7 @@ def test_runtime_load_serves_the_adapter_and_unload_makes_its_name_a_404(server,
     assert http("POST", url, {"name": "shout", "path": str(shout)})[0] == 401  # behind the key
     status, _, body = http("POST", url, {"name": "shout", "path": str(shout)}, headers=server.auth)
     assert status == 201, body
-    assert body["model"] == "demo:shout" and body["parent"] == "demo"
+    assert (body["model"], body["parent"], body["root"]) == ("demo:shout", "demo", "shout")
     expected = in_process("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", "upper", max_new_tokens=12)
     assert chat(server, "demo:shout", "hello") == (200, expected)
     models = http("GET", server.base + "/v1/models", headers=server.auth)[2]["data"]
@@ -609,3 +624,89 @@ def test_a_runtime_adapter_lasts_across_an_unload_and_is_served_by_every_replica
     again = http("POST", app.base + "/v1/chat/completions", ask)
     assert again[0] == 200 and again[2]["choices"][0]["message"]["content"] == \
         first[2]["choices"][0]["message"]["content"], again[2]
+
+
+def test_unloading_an_adapter_of_an_unloaded_model_loads_no_model(appliance_factory, demo_model, lora_dir):
+    """An adapter's unload only changes what the model's workers are started with while none runs: it waited for the
+    model's load (of seconds, evicting others under a budget) to unload an adapter from a worker that had none. The
+    model's next load comes up without the adapter, whose name is a 404, and with LoRA built (another loads later)."""
+    app = appliance_factory({"server": {"parked_workers": 0}, "models": [model_entry(
+        "lo", demo_model, adapters={"upper": str(lora_dir / "upper")}, max_adapters=2)]})
+    url = app.base + "/openarc/models/lo/adapters"
+    assert http("POST", url, {"name": "shout", "path": str(lora_dir / "upper")})[0] == 201
+    assert http("POST", app.base + "/openarc/models/lo/unload")[0] == 200
+    app.wait_model("lo", "unloaded")
+    status, _, body = http("DELETE", url + "/shout")
+    assert status == 200 and body == {"model": "lo:shout", "unloaded": True}, body
+    assert app.model_status("lo")["state"] == "unloaded"  # no worker started for it
+    assert http("DELETE", url + "/upper")[0] == 200
+    ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
+    assert [http("POST", app.base + "/v1/chat/completions", {**ask, "model": m})[0]
+            for m in ("lo:shout", "lo:upper", "lo")] == [404, 404, 200]
+    assert http("POST", url, {"name": "t", "path": str(lora_dir / "title")})[0] == 201
+    assert http("POST", app.base + "/v1/chat/completions", {**ask, "model": "lo:t"})[0] == 200
+
+
+def test_a_replica_started_while_an_adapter_loads_serves_it(appliance_factory, demo_model, lora_dir, in_process):
+    """A load asks each running replica's worker in turn; a replica whose worker starts meanwhile (here: restarting
+    after a crash, while the other replica's worker is held stopped mid-ask) must come up with the adapter. It read
+    the model's adapters as they were before the load, which were only written once every ask had answered: it came
+    up without it, and each request routed to it was a 400 "not loaded on this model"."""
+    app = appliance_factory({"models": [model_entry("twin", demo_model, device=["CPU", "CPU"], restart={
+        "backoff_initial_s": 4.0}, adapters={"upper": str(lora_dir / "upper")})]})
+    replicas = lambda: app.model_status("twin")["replicas"]  # noqa: E731
+    wait_until(lambda: all(r["state"] == "ready" for r in replicas()), 120, "both replicas ready")
+    asked, restarting = (r["pid"] for r in replicas())
+    os.kill(restarting, signal.SIGKILL)
+    # (its backoff, 4 s, leaves the load time to see it restarting, not loading: that is a 503 to retry)
+    wait_until(lambda: replicas()[1]["state"] == "restarting", 30, "the killed replica waiting out its backoff")
+    os.kill(asked, signal.SIGSTOP)  # the load's ask to it waits until the other replica's worker has started
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            load = pool.submit(http, "POST", app.base + "/openarc/models/twin/adapters",
+                               {"name": "t", "path": str(lora_dir / "title")}, timeout=120)
+            wait_until(lambda: replicas()[1]["state"] in ("loading", "ready"), 30, "the other replica starting")
+            os.kill(asked, signal.SIGCONT)
+            status, _, body = load.result(120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (once continued, it may have ended)
+            os.kill(asked, signal.SIGCONT)
+    assert status == 201, body
+    wait_until(lambda: all(r["state"] == "ready" for r in replicas()), 120, "both replicas ready again")
+    prompts = ["hello", "what now?", "tell me more", "hi there", "and then?", "why not"]
+    answers = [chat(app, "twin:t", prompt) for prompt in prompts]  # distinct prompts: both replicas take some
+    assert all(r["requests_routed"] for r in replicas()), replicas()
+    assert answers == [(200, in_process(_templated(prompt), "title", 12)) for prompt in prompts], answers
+
+
+def test_an_adapter_change_that_a_reload_overtakes_is_refused_not_lost(appliance_factory, demo_model, lora_dir):
+    """A reload that replaces the model (its config changed) while an adapter loads into it: the new workers serve
+    the config's adapters (docs/lora.md), so the load must not answer 201 for an adapter no worker serves (it did:
+    the change went to the replaced model, and its name was a 404 from then on)."""
+    import yaml
+    config = {"models": [model_entry("lo", demo_model, adapters={"upper": str(lora_dir / "upper")}, max_adapters=3)]}
+    app = appliance_factory(config)
+    old = app.worker_pid("lo")
+    os.kill(old, signal.SIGSTOP)  # the load's ask waits in it while the reload replaces the model
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            load = pool.submit(http, "POST", app.base + "/openarc/models/lo/adapters",
+                               {"name": "t", "path": str(lora_dir / "title")}, timeout=120)
+            wait_until(lambda: app.model_status("lo")["requests_running"], 30, "the load asking the worker")
+            config["models"][0]["max_adapters"] = 4
+            config["server"]["port"] = app.port
+            app.config_path.write_text(yaml.safe_dump(config))
+            app.proc.send_signal(signal.SIGHUP)
+            app.wait_model("lo", "ready", 120, new_pid_not=old)
+            os.kill(old, signal.SIGCONT)
+            status, _, body = load.result(120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (once continued, it may have ended: a reload's drain)
+            os.kill(old, signal.SIGCONT)
+    assert status == 503 and "replaced by a reload" in body["error"]["message"], (status, body)
+    ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    assert [http("POST", app.base + "/v1/chat/completions", {**ask, "model": m})[0]
+            for m in ("lo:t", "lo:upper")] == [404, 200]
+    assert http("POST", app.base + "/openarc/models/lo/adapters",
+                {"name": "t", "path": str(lora_dir / "title")})[0] == 201  # asked again, it loads
+    assert http("POST", app.base + "/v1/chat/completions", {**ask, "model": "lo:t"})[0] == 200

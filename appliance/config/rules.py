@@ -152,6 +152,21 @@ IMAGE_SIZE_STEP, MIN_IMAGE_SIDE, MAX_IMAGE_SIDE = 8, 64, 4096
 MAX_IMAGES_PER_REQUEST = 10  # OpenAI's own bound on n
 MAX_INFERENCE_STEPS = 500
 ADAPTER_NAME = MODEL_NAME  # a request names an adapter as it names a model
+ADAPTER_SEPARATOR = ":"  # a model's adapter is served as BASE:ADAPTER; no model name holds one (MODEL_NAME)
+# The pictures of one image request together, n x width x height: a picture goes from its worker in one frame, base64
+# of a PNG that for an incompressible picture takes 4.01 bytes a pixel, so a request inside this bound has every
+# picture fit the 64 MiB frame (appliance.ipc.MAX_FRAME), its answer held by the front under that, and its denoising
+# work under this times max_inference_steps. max_resolution and max_images_per_request alone let 10 pictures of 4096
+# x 4096 through: each past the frame, found only once painted.
+MAX_IMAGE_REQUEST_PIXELS = 16_000_000
+
+
+def image_pixels_problem(n: int, width: int, height: int) -> str | None:
+    """Why `n` pictures of width x height are too many pixels for one request (MAX_IMAGE_REQUEST_PIXELS), or None."""
+    if n * width * height <= MAX_IMAGE_REQUEST_PIXELS:
+        return None
+    return (f"{n} picture{'s' if n > 1 else ''} of {width}x{height} are {n * width * height:,} pixels; one request "
+            f"makes at most {MAX_IMAGE_REQUEST_PIXELS:,} (n x width x height): ask for fewer or smaller pictures")
 
 
 def adapter_weight_ok(alpha: float) -> bool:
@@ -214,6 +229,12 @@ def _check_keys(s: ServerConfig, problems: Problems) -> None:
                 problems.append(f"{at}.{limit}: expected at least 1 (leave it out for no limit)")
         if key.models is not None and not key.models:
             problems.append(f"{at}.models: expected at least one model name or glob (leave it out for all models)")
+        for j, pattern in enumerate(key.models or ()):
+            # matched against model names, which hold no ':': an adapter's name here would never let the key in
+            if ADAPTER_SEPARATOR in pattern:
+                problems.append(f"{at}.models[{j}]: expected a model's name or glob, not an adapter's ({pattern!r}): "
+                                f"a key may use the adapters of the models it may use, so name the base model "
+                                f"({pattern.partition(ADAPTER_SEPARATOR)[0]!r})")
 
 
 def _check_task_models(config: Config, problems: Problems) -> None:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
 from typing import Any
 
 from appliance.front.request import RequestFailed
+from appliance.front.request_ledger import LEDGER
 
 log = logging.getLogger("openarc")
 
@@ -151,6 +153,13 @@ class HelperUser:
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, config
         self.kind, self.helper = kind, helper
         self.spool = tempfile.mkdtemp(prefix=spool_prefix)
+
+    def spool_file(self, name: str) -> str:
+        """The path of a spool file of the current request, `name` in the spool directory: named here, so that
+        the request ledger (appliance.front.request_ledger) checks it is gone when its request ends."""
+        path = os.path.join(self.spool, name)
+        LEDGER.spooled(path)
+        return path
 
     def mount(self, app) -> None:
         app.on_startup.append(self.start)

@@ -53,32 +53,41 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
             problem = await asyncio.to_thread(path_problem, sup, path)  # (file reads: off the event loop)
             if problem:
                 raise InvalidRequest(problem, "path")
-            entry = {"path": str(adapter_file(path)), "alpha": alpha}
-            await on_every_unit(units, {"action": "load", "name": name, **entry})
-            for unit in units:
-                lookup.served_adapters(unit)[name] = entry  # the spec: a restarted worker loads it again
+            await on_every_unit(units, name, {"path": str(adapter_file(path)), "alpha": alpha})
+            still_served_by(model, units)
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "parent": model,
-                                  "root": entry["path"], "alpha": alpha}, status=201)
+                                  "root": name, "alpha": alpha}, status=201)  # root: as /v1/models lists it
 
     async def unload(request: web.Request, call: Call) -> web.Response:
-        sup = await admitted_model(request, call)
+        # no model is loaded for it: the workers running unload the adapter, the others start without it
+        sup = await admitted_model(request, call, load=False)
         model, name = sup.model.name, request.match_info["adapter"]
         units = appliance.supervisor.units_of(model)
         async with units[0].adapter_changes:
-            units = await loads_ended(appliance.supervisor, model)
             served = lookup.served_adapters(sup)
             if name not in served:
                 raise RequestFailed(404, "model_not_found", f"the model '{model}' has no adapter named '{name}' "
                                     f"(have: {', '.join(served) or 'none'})")
-            await on_every_unit(units, {"action": "unload", "name": name})
-            for unit in units:
-                lookup.served_adapters(unit).pop(name, None)
-            sup.series.drop_adapter(name)
+            try:
+                await on_every_unit(units, name, None)
+            finally:  # (served no more even where a worker's answer failed: it died, and restarts without it)
+                sup.series.drop_adapter(name)
+            still_served_by(model, units)
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
 
-    async def admitted_model(request: web.Request, call: Call):
-        """The ready supervisor of the model the route names, once the key may use it (a key learns no other
-        names), it is an llm with adapters configured, and the key's limits admit the call as any request."""
+    def still_served_by(model: str, units: list) -> None:
+        """A reload that replaced the model while its adapters changed (its config changed: its new workers serve
+        the config's adapters, docs/lora.md) made the change to the replaced model: a 503 saying so, not a 2xx for
+        a change no worker has."""
+        if appliance.supervisor.units_of(model) != units:
+            raise RequestFailed(503, "model_unavailable", f"the model '{model}' was replaced by a reload while its "
+                                "adapters changed; it serves its config's adapters now: change them again",
+                                retry_after=1)
+
+    async def admitted_model(request: web.Request, call: Call, load: bool = True):
+        """The ready supervisor of the model the route names (loaded for it unless `load` is False: then its
+        supervisor as it is), once the key may use it (a key learns no other names), it is an llm with adapters
+        configured, and the key's limits admit the call as any request."""
         name = request.match_info["name"]
         if not call.may_use(name) or appliance.supervisor.get(name) is None:
             raise lookup.not_found(appliance, name, call.api_key)
@@ -89,6 +98,8 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
             raise RequestFailed(409, "invalid_request", f"the model '{name}' takes no adapters at runtime: only an llm "
                                 "model with an adapter in its config does (OpenVINO GenAI builds LoRA into the model as "
                                 "it loads; docs/lora.md)", "no_adapters")
+        if not load:
+            return sup
         ready = await appliance.supervisor.ready_model(name, call.may_use, reason="api")
         if ready is None:
             raise lookup.not_found(appliance, name, call.api_key)
@@ -132,7 +143,7 @@ def path_problem(sup, path: str) -> str | None:
 async def loads_ended(supervisor, model: str) -> list:
     """The model's units once none of them is loading, waited for up to the model's ready_wait_s as a request
     waits for a load: a replica still loading when the first one serves (the start of a replicated model; /ready
-    answers then) started with the adapters of before, so a change waits for its load to end; past the wait,
+    answers then) started with the adapters of before, so a load waits for its load to end; past the wait,
     on_every_unit refuses it with a 503 to retry."""
     loop = asyncio.get_running_loop()
     units = supervisor.units_of(model)
@@ -143,23 +154,36 @@ async def loads_ended(supervisor, model: str) -> list:
     return units
 
 
-async def on_every_unit(units: list, adapter: dict[str, Any]) -> None:
-    """The load or unload done by the worker of each unit of a model (its replicas) that runs one; a unit without a
-    worker now loads what its spec says when it starts. A refusal undoes the loads done and is the caller's 400."""
+async def on_every_unit(units: list, name: str, entry: dict[str, Any] | None) -> None:
+    """Load the adapter `name` ({"path", "alpha"} `entry`), or unload it (None), in the model of `units` (its
+    replicas): the adapters the model serves, which each of its workers is started with (its spec's), change first,
+    before any await, then the worker of each unit that runs one is asked to do the same. A worker that starts while
+    the others are asked so starts with the change (written after the asks, a replica restarting meanwhile came up
+    without a loaded adapter); a request naming the adapter before its load answered may reach a worker that does not
+    hold it yet: a 400, as for one naming it once its unload began. A refusal undoes the load: the caller's 400."""
     loading = [shown(unit.name) for unit in units if unit.state is ModelState.LOADING]
-    if loading:  # its worker started with the spec of before this change, and would come up without it
+    if loading and entry is not None:  # its worker started with the adapters of before this change, and would come
+        # up without it (one started with an adapter since unloaded holds it unserved: no request names it)
         raise RequestFailed(503, "model_unavailable", f"a replica of the model is loading ({', '.join(loading)}); "
                             "change its adapters once it is ready", retry_after=5)
+    for served in map(lookup.served_adapters, units):  # (the units share one: appliance.front.placement)
+        if entry is None:
+            served.pop(name, None)
+        else:
+            served[name] = entry
+    action = {"action": "load", "name": name, **entry} if entry is not None else {"action": "unload", "name": name}
     done = []
     try:
         for unit in units:
             if unit.life.admits():
-                await ask_worker(unit, adapter)
+                await ask_worker(unit, action)
                 done.append(unit)
     except RequestFailed:
-        if adapter["action"] == "load":
+        if entry is not None:
+            for served in map(lookup.served_adapters, units):
+                served.pop(name, None)
             for unit in done:
-                await ask_worker(unit, {"action": "unload", "name": adapter["name"]})
+                await ask_worker(unit, {"action": "unload", "name": name})
         raise
 
 

@@ -33,7 +33,6 @@ from appliance.front.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESP
 from appliance.front.audio_decoder import AudioDecoder, AudioError, HelperFault
 from appliance.front.helper_process import HelperUser
 from appliance.front.request import Event, RequestFailed
-from appliance.front.request_ledger import LEDGER
 
 KIND = "transcription"
 # Upload files the front holds in memory at once (read, or waiting for the one decoder process): the front's
@@ -115,8 +114,7 @@ class AudioRoutes(UploadRoutes):
 
     async def _handle(self, request: web.Request, call: Call, task: str) -> web.StreamResponse:
         self.serial += 1
-        audio_path = os.path.join(self.spool, f"{self.serial}.f32")
-        LEDGER.spooled(audio_path)
+        audio_path = self.spool_file(f"{self.serial}.f32")
         upload = Upload(self, call)
         try:
             form = await read_form(request, upload.before_file)
@@ -226,9 +224,12 @@ class Upload:
             self.place.release()
 
 
-async def read_form(request: web.Request, before_file, file_parts: tuple[str, ...] = ("file",)) -> Form:
+async def read_form(request: web.Request, before_file, file_parts: tuple[str, ...] = ("file",),
+                    max_files: int = 1) -> Form:
     """The multipart form, each file part (`file_parts` name them) held in memory up to the bytes
-    `before_file(fields so far)` allows (413 past it); `before_file` may refuse the request before a file is read."""
+    `before_file(fields so far)` allows (413 past it); `before_file` may refuse the request before a file is read.
+    More than `max_files` file parts are a 400 before the next is read: each may hold the whole limit, and a form of
+    MAX_FIELDS of them held that many times it (1.6 GB of an image edit's) before the route looked at them."""
     if request.content_type != "multipart/form-data":
         raise InvalidRequest(f"the request must be multipart/form-data with a '{file_parts[0]}' part (as the OpenAI "
                              "SDK sends it)")
@@ -241,6 +242,9 @@ async def read_form(request: web.Request, before_file, file_parts: tuple[str, ..
             if count > MAX_FIELDS:
                 raise InvalidRequest(f"the form has more than {MAX_FIELDS} fields")
             if part.name in file_parts:
+                if sum(map(len, form.files.values())) == max_files:
+                    raise InvalidRequest(f"the form has more than {max_files} file{'s' if max_files > 1 else ''} "
+                                         f"({' or '.join(file_parts)})", part.name)
                 data = await _read_part(part, await before_file(form.fields), part.name)
                 form.files.setdefault(part.name, []).append(data)
                 form.file = data if part.name == "file" else form.file

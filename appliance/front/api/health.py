@@ -92,10 +92,11 @@ class HealthRoutes:
                 continue
             entry = {"id": name, "object": "model", "created": created, "owned_by": "openarc",
                      "kind": sup.model.kind, **window_fields(sup.spec)}
-            # each LoRA adapter as its own model, with `parent` and `root` as vLLM lists its LoRA modules
+            # each LoRA adapter as its own model, with `parent` and `root` as vLLM lists its LoRA modules; `root` is
+            # the adapter's name, never its file: a path on the server is no client's business
             data += [entry] + [{**entry, "id": f"{name}{lookup.ADAPTER_SEPARATOR}{adapter}", "parent": name,
-                                "root": served["path"]}
-                               for adapter, served in lookup.served_adapters(sup).items()]
+                                "root": adapter}
+                               for adapter in lookup.served_adapters(sup)]
         return web.json_response({"object": "list", "data": data})
 
 

@@ -11,7 +11,8 @@ webp), `stream` with `partial_images` (0-3), and `quality`, `style`, `background
 of the image is repainted). Edits take `image` (or `image[]`, one picture) and an optional `mask` (transparent, or
 white where to paint), decoded and checked in the image decoder process (appliance.front.image_decoder).
 
-The model's limits (max_resolution, max_images_per_request, max_inference_steps) are 400s. A streamed request gets
+The model's limits (max_resolution, max_images_per_request, max_inference_steps) are 400s, and so are more than
+MAX_IMAGE_REQUEST_PIXELS (appliance.config.rules) in one request's pictures together. A streamed request gets
 SSE events: `progress` (an extension: step, steps, image_index) after each denoising step, OpenAI's
 `image_generation.partial_image` (`image_edit.partial_image`) at the partial pictures, and `image_generation.completed`
 (`image_edit.completed`) per picture; a client that hangs up cancels the request, which the worker stops at its next
@@ -31,7 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.config.rules import IMAGE_SIZE_STEP, MIN_IMAGE_SIDE
+from appliance.config.rules import IMAGE_SIZE_STEP, MIN_IMAGE_SIDE, image_pixels_problem
 from appliance.front.api import fields, lookup, sse
 from appliance.front.api.audio import TRANSCRIPT_ERRORS, Upload, UploadRoutes, read_form
 from appliance.front.api.errors import InvalidRequest
@@ -200,6 +201,8 @@ def check_limits(req: ImageRequest, model) -> None:
     if req.size and max(req.size) > model.max_resolution:
         raise InvalidRequest(f"'size' {req.size[0]}x{req.size[1]} exceeds the model '{model.name}''s max_resolution="
                              f"{model.max_resolution} (per side)", "size", "invalid_size")
+    if req.size:
+        check_pixels(req.n, *req.size)
     if req.steps is not None and req.steps > model.max_inference_steps:
         raise InvalidRequest(f"'num_inference_steps' is {req.steps}; the model '{model.name}' runs at most "
                              f"max_inference_steps={model.max_inference_steps}", "num_inference_steps",
@@ -210,6 +213,14 @@ def check_limits(req: ImageRequest, model) -> None:
             have = ", ".join(sorted(adapters)) or "none"
             raise InvalidRequest(f"'lora[{i}]': the model '{model.name}' has no adapter '{name}' (its adapters: "
                                  f"{have})", f"lora[{i}]", "unknown_adapter")
+
+
+def check_pixels(n: int, width: int, height: int) -> None:
+    """A request's pictures together within MAX_IMAGE_REQUEST_PIXELS (one frame each, one answer the front holds); a
+    size left to the model (auto) is checked by the worker once it knows it (appliance.worker.engines.image)."""
+    problem = image_pixels_problem(n, width, height)
+    if problem:
+        raise InvalidRequest(f"'n' x 'size': {problem}", "size", "too_many_pixels")
 
 
 def form_values(form_fields: dict[str, str]) -> dict[str, Any]:
@@ -283,7 +294,7 @@ class ImageRoutes(UploadRoutes):
         upload = Upload(self, call)
         paths: list[str] = []
         try:
-            form = await read_form(request, upload.before_file, ("image", "image[]", "mask"))
+            form = await read_form(request, upload.before_file, ("image", "image[]", "mask"), max_files=2)
             call.label(form.fields)
             req = parse(form_values(form.fields), edit=True)
             sup = await upload.admit(req.model)
@@ -312,7 +323,7 @@ class ImageRoutes(UploadRoutes):
     async def _decode(self, data: bytes, model, name: str, paths: list[str]) -> dict[str, Any]:
         """One uploaded picture into an RGB spool file: {"path", "width", "height"}; a 400 naming the field for a
         picture that cannot be used, a 503 for a fault of the decoder's."""
-        path = os.path.join(self.spool, f"{next(self.serial)}.rgb")
+        path = self.spool_file(f"{next(self.serial)}.rgb")
         paths.append(path)
         try:
             info = await self.decoder.decode(bytes(data), model.max_resolution ** 2, EDIT_FORMATS, path,
@@ -368,6 +379,7 @@ def check_edit_sizes(req: ImageRequest, image: dict[str, Any], mask: dict[str, A
     if req.size and req.size != (width, height):
         raise InvalidRequest(f"'size' {req.size[0]}x{req.size[1]} differs from the image's {width}x{height}; an "
                              "edit keeps the picture's size (send size auto)", "size", "invalid_size")
+    check_pixels(req.n, width, height)
     if mask and (mask["width"], mask["height"]) != (width, height):
         raise InvalidRequest(f"'mask' is {mask['width']}x{mask['height']}; it must be the image's size "
                              f"{width}x{height}", "mask", "invalid_mask")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from appliance.config import rules
 from appliance.front.api.server_view import ServerView
 from appliance.front.api.token_budget import budget_of
 from appliance.front.request import RequestFailed, shutting_down
@@ -32,7 +33,7 @@ def configured_name(appliance: ServerView, name: str) -> str | None:
     return appliance.config.server.alias_target(name)
 
 
-ADAPTER_SEPARATOR = ":"  # a model name is never one with it (config.rules.MODEL_NAME)
+ADAPTER_SEPARATOR = rules.ADAPTER_SEPARATOR
 
 
 def adapter_name(name: str) -> tuple[str, str]:

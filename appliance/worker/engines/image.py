@@ -36,7 +36,7 @@ import random
 import time
 from typing import Any
 
-from appliance.config.rules import IMAGE_SIZE_STEP, MIN_IMAGE_SIDE
+from appliance.config.rules import IMAGE_SIZE_STEP, MIN_IMAGE_SIDE, image_pixels_problem
 from appliance.ipc import frame
 from appliance.worker.engines.base import InvalidInput, ResultEngine
 
@@ -78,6 +78,11 @@ def settle(body: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
     size = picture_size(body, own)
     if size is not None:
         settings["width"], settings["height"] = size
+    image = body.get("image")
+    made = size or (image and (image["width"], image["height"]))
+    problem = made and image_pixels_problem(body["n"], *made)
+    if problem:  # (a size asked for, and an edit's, the front refused already: here the model's own, now known)
+        raise InvalidInput(f"'n' x 'size': {problem}", "too_many_pixels")
     return settings
 
 

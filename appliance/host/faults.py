@@ -133,6 +133,25 @@ def _after_reset(fault: Fault) -> Fault:
     return replace(fault, kind="device_lost", code="device_lost", hint=None, retryable=True)
 
 
+# What a client is told of a runtime fault, by its code: the runtime's own text starts with the C++ source
+# locations of its build ("Exception from src/cpp/src/...hpp:148:") and may name server paths, so it goes to the
+# worker's log (the journal) in full and the client gets the classified line; hints are sent as they are.
+_CLIENT_MESSAGES = {
+    "device_out_of_memory": "the device ran out of memory running this request",
+    "device_lost": "the model's device was lost (a GPU reset); the model is restarted",
+    "scheduler_out_of_memory": "the model's KV cache has no room for this request now",
+    "gpu_runtime_missing": "the GPU runtime is missing on the server",
+    "invalid_device": "the model's device is misconfigured on the server",
+    "context_length_exceeded": "the prompt and the answer's limit do not fit in the model's context window",
+}
+INTERNAL_MESSAGE = "internal error in the model's worker (the server's log has the details)"
+
+
+def client_message(fault: Fault) -> str:
+    """The error body's message for a fault classified from a runtime's exception (never the exception's text)."""
+    return _CLIENT_MESSAGES.get(fault.code, INTERNAL_MESSAGE)
+
+
 # The worker's exit status after its device was lost (EX_TEMPFAIL): restart it with a fresh device context.
 EXIT_DEVICE_LOST = 75
 

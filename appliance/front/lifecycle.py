@@ -156,8 +156,9 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip()}" if str(exc).strip() else type(exc).__name__
 
 
-def describe_exit(exit: Exit) -> str:
-    """The one-line account of a worker's end, for the log and /openarc/status."""
+def describe_exit(exit: Exit, detail: bool = True) -> str:
+    """The one-line account of a worker's end, for the log and /openarc/status; without its `detail` (the text of an
+    exception, the worker's report: source files of the runtime's build, server paths), as a client reads it."""
     how = faults.signal_name(exit.returncode) if exit.returncode is not None else None
     if exit.reason is ExitReason.CRASH:
         text = f"worker exited: {how}"
@@ -169,4 +170,4 @@ def describe_exit(exit: Exit) -> str:
         text = "the golden-answer check failed (server.canary: gate)"
     else:
         text = f"worker ended: {exit.reason.value}" + (f" ({how})" if how else "")
-    return text + (f": {exit.detail}" if exit.detail else "")
+    return text + (f": {exit.detail}" if exit.detail and detail else "")

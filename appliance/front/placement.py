@@ -134,8 +134,7 @@ class Placement(ResidencyBook):
         new = self._new(model, old.name)
         if old.state is not ModelState.FAILED:
             new.life.budget = old.life.budget
-            new.life.last_error, new.life.last_hint = old.life.last_error, old.life.last_hint
-            new.life.last_exit = old.life.last_exit
+            new.life.carry_error(old.life)
         new.life.restarts, new.life.crashes = old.life.restarts, old.life.crashes
         new.life.last_backoff_s = old.life.last_backoff_s
         new.series.draft = old.series.draft  # /openarc/status's draft totals count since the model was configured
@@ -444,8 +443,8 @@ class Placement(ResidencyBook):
             return
         backoff = sup.life.last_backoff_s or sup.model.restart.backoff_initial_s
         self._refuse(sup.name, RequestFailed(
-            503, "model_unavailable", f"model {shown(sup.name)} failed to load: {sup.life.last_error}; the next load is tried "
-            f"after {backoff:g}s", hint=sup.life.last_hint, retry_after=max(1.0, backoff)), retry_s=backoff)
+            503, "model_unavailable", f"model {shown(sup.name)} failed to load: {sup.life.last_error_shown}; the next "
+            f"load is tried after {backoff:g}s", hint=sup.life.last_hint, retry_after=max(1.0, backoff)), retry_s=backoff)
         self.send(sup.name, Event.REFUSED, why="its load failed", drain_s=0)
 
     def _switch_done(self, sup: ModelSupervisor) -> None:

@@ -82,9 +82,11 @@ class Appliance:
             parts.append(part)
         return ("draining; " if self.draining else "") + "; ".join(parts)
 
-    def trigger_reason(self) -> str | None:
+    def trigger_reason(self, names: bool = True) -> str | None:
+        """Why the watchdog should restart this service; `names`: with each model's state and last error (the
+        journal's; not /health's when keys are configured: a probe carries no key)."""
         if self.supervisor.all_failed():
-            return "every model of this service is failed: " + self.status_line()
+            return "every model of this service is failed" + (": " + self.status_line() if names else "")
         return None
 
     def canary_refusal(self) -> str | None:
@@ -107,8 +109,8 @@ class Appliance:
         """The watchdog pings while this holds; /health fails on its reason, and on a trigger_reason() too."""
         return self._broken() is None
 
-    def unhealthy_reason(self) -> str | None:
-        return self._broken() or self.trigger_reason()
+    def unhealthy_reason(self, names: bool = True) -> str | None:
+        return self._broken() or self.trigger_reason(names)
 
     def _broken(self) -> str | None:
         if not self.loop_health.healthy():

@@ -228,3 +228,29 @@ def test_waiters_wake_on_the_change_itself():
 
     woke, after, timed_out = asyncio.run(scenario())
     assert woke and after < 1.0 and timed_out is False
+
+
+def test_a_waiter_cancelled_as_the_change_comes_ends_cancelled():
+    """What a request waiting for its model's load does when its client leaves just as the model comes up: its wait
+    is cancelled in the loop iteration the change wakes it. It must end cancelled, not go on (it would open a request
+    handle after its route ended, which nobody closes: tests/test_residency_model.py found it). On Python 3.11
+    asyncio.wait_for returned the change and dropped the cancellation."""
+    from appliance.front.lifecycle import Changes
+
+    async def scenario() -> str:
+        changes = Changes()
+
+        async def waiter() -> str:
+            await changes.wait(10)
+            return "went on"
+
+        task = asyncio.ensure_future(waiter())
+        await asyncio.sleep(0)  # waiting
+        changes.notify()
+        task.cancel()
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return "cancelled"
+
+    assert asyncio.run(scenario()) == "cancelled"

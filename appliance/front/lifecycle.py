@@ -53,10 +53,18 @@ class Changes:
         self._event = asyncio.Event()
 
     async def wait(self, timeout: float | None) -> bool:
-        """Until the next notify(); False when the timeout passes first."""
+        """Until the next notify(); False when the timeout passes first. A waiter cancelled as the notify comes ends
+        cancelled.
+
+        Why the front's bounded waits use asyncio.timeout, never asyncio.wait_for: on Python 3.11 a wait_for cancelled
+        in the loop iteration its awaitable completes returns the result and drops the cancellation (cpython
+        gh-86296). A streamed request whose client left just as its model came up was cancelled that way: its lookup
+        went on, opened a request handle after the route had ended, and nobody closed it (found by
+        tests/test_residency_model.py)."""
         try:
-            await asyncio.wait_for(self._event.wait(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                await self._event.wait()
+        except TimeoutError:
             return False
         return True
 

@@ -503,8 +503,9 @@ class Placement(ResidencyBook):
         graces = [at + HANDOFF_GRACE_S - now for sup in self.models.values() for at in sup.router.handouts.values()
                   if at + HANDOFF_GRACE_S > now]
         timeout = min([t for t in (plan.recheck_s, *graces) if t is not None], default=None)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.replan.wait(), timeout)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):  # (not wait_for: lifecycle.Changes.wait says why)
+                await self.replan.wait()
 
     # --- invariants, status and stop ---------------------------------------------------------------------------
 

@@ -162,8 +162,9 @@ class Appliance:
             # failed, and podman auto-update rolls the image back.
             log.error("%s", refused)
             self.notifier.status(refused)
-            with contextlib.suppress(asyncio.TimeoutError):  # SIGTERM ends the wait
-                await asyncio.wait_for(stop.wait(), CANARY_LINGER_S)
+            with contextlib.suppress(TimeoutError):  # SIGTERM ends the wait
+                async with asyncio.timeout(CANARY_LINGER_S):
+                    await stop.wait()
             status = CANARY_EXIT
         elif self.supervisor.all_failed():
             # Not READY: the start fails, and the journal says why, instead of a "running" unit that serves nothing.

@@ -177,8 +177,9 @@ class WorkerLife:
         self.stop_requested.set()
         if self.state is not ModelState.STOPPED:
             self.enter(ModelState.DRAINING)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.router.idle.wait(), drain_timeout_s)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(drain_timeout_s):  # (not wait_for: lifecycle.Changes.wait says why)
+                await self.router.idle.wait()
         self.drained = True
         self.router.fail_all(self._unloading())
         if self.current.process:
@@ -206,8 +207,9 @@ class WorkerLife:
             backoff = self._on_exit(await self._one_life())
             if backoff is None or self.stopping:
                 return
-            with contextlib.suppress(asyncio.TimeoutError):  # the backoff, cut short by a stop
-                await asyncio.wait_for(self.stop_requested.wait(), backoff)
+            with contextlib.suppress(TimeoutError):  # the backoff, cut short by a stop
+                async with asyncio.timeout(backoff):
+                    await self.stop_requested.wait()
             if self.stopping:
                 return
             self.restarts += 1
@@ -257,8 +259,9 @@ class WorkerLife:
             self.end_worker(Exit(ExitReason.STOPPED))
             return False
         try:
-            message = await asyncio.wait_for(self.current.process.channel.recv(), self.model.load_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.model.load_timeout_s):  # (not wait_for: lifecycle.Changes.wait says why)
+                message = await self.current.process.channel.recv()
+        except TimeoutError:
             self.end_worker(Exit(ExitReason.LOAD_TIMEOUT,
                                  detail=f"model load took longer than load_timeout_s={self.model.load_timeout_s:g}"))
             return False

@@ -22,7 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import http, model_entry, pid_alive, wait_until
+from conftest import REPO as REPO_ROOT, http, model_entry, pid_alive, wait_until
 from appliance.host.faults import INTERNAL_MESSAGE
 
 HANG_BOUND_S = 5.0  # well under the default stall_timeout_s (60 s) that a silent end used to cost
@@ -254,3 +254,11 @@ def test_a_waiter_cancelled_as_the_change_comes_ends_cancelled():
             return "cancelled"
 
     assert asyncio.run(scenario()) == "cancelled"
+
+
+def test_no_bounded_wait_of_the_appliance_uses_asyncio_wait_for():
+    """The class of the defect above, not its one instance: every bounded wait uses asyncio.timeout."""
+    found = [f"{path.relative_to(REPO_ROOT)}:{number}" for path in sorted((REPO_ROOT / "appliance").rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if "asyncio.wait_for(" in line and not line.lstrip().startswith("#")]
+    assert not found, found

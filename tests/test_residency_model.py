@@ -34,8 +34,8 @@ defects fixed with their regression tests (tests/test_on_demand.py: test_a_reque
 the_stop_...), two that did not reproduce on every run. "BUG: residency invariant: model b: a request handle was never
 closed (its request ended)" came from hung-up requests whose model came up as they were cancelled (not from
 replicas: asyncio.wait_for dropped the cancellation, appliance.front.lifecycle.Changes.wait; regression test
-tests/test_lifecycle.py::test_a_waiter_cancelled_as_the_change_comes_ends_cancelled): the first replicated walk
-after it was found failed at its 6th run (100 steps); three replicated walks after the fix (292, 404 and 409
+tests/test_lifecycle.py::test_a_waiter_cancelled_as_the_change_comes_ends_cancelled): a replicated walk
+before the fix failed at its 6th run (after 100 steps); three replicated walks after the fix (292, 404 and 409
 steps, 2 shared cores) passed.
 Still open, not met again since: /openarc/status showing a worker pid of a that was no longer alive after the walk
 settled (SIGKILL and SIGABRT of a's workers during speeches unloaded mid-way). Off in CI until that one is found

@@ -126,6 +126,14 @@ def _fault_from(fault: Fault, match: re.Match, device: str, pci_family: str | No
     return replace(fault, hint=hint and hint.format_map({"device": device, **match.groupdict()}))
 
 
+def after_gpu_reset(fault: Fault, pci_family: str | None = None) -> Fault:
+    """A fault the worker classified, as it reads next to a kernel-logged hang or reset of its card (a device
+    out-of-memory was the reset), with the card family's hint: judged by the fault, not by the runtime's text, which
+    the worker keeps to its log."""
+    fault = _after_reset(fault)
+    return replace(fault, hint=fault.hint or _FAMILY_HINTS.get((pci_family, fault.kind)))
+
+
 def _after_reset(fault: Fault) -> Fault:
     """An out-of-memory error next to a kernel-logged reset of the same card was the reset."""
     if fault.kind != "device_oom":

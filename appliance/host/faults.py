@@ -147,7 +147,7 @@ def _after_reset(fault: Fault) -> Fault:
 _CLIENT_MESSAGES = {
     "device_out_of_memory": "the device ran out of memory running this request",
     "device_lost": "the model's device was lost (a GPU reset); the model is restarted",
-    "scheduler_out_of_memory": "the model's KV cache has no room for this request now",
+    "scheduler_out_of_memory": "the model's KV cache is out of memory for this request now (a shorter one may fit)",
     "gpu_runtime_missing": "the GPU runtime is missing on the server",
     "invalid_device": "the model's device is misconfigured on the server",
     "context_length_exceeded": "the prompt and the answer's limit do not fit in the model's context window",

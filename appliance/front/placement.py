@@ -432,7 +432,10 @@ class Placement(ResidencyBook):
             if clock is not None:
                 clock.spawned, clock.ready = sup.life.spawned_at, sup.life.current.ready_at
                 clock.parked, clock.construction = sup.life.parked, sup.life.pipeline_load_seconds
-                if sup.router.first_output is not None or not self.wants.get(sup.name):  # no request waits
+                # no request waits: none wants the model, and none was handed it or opened on it (a waiter handed
+                # the model as it came up has left the wants already: its first output ends the switch)
+                if sup.router.first_output is not None or not (self.wants.get(sup.name)
+                                                               or self.busy(sup, time.monotonic())):
                     self._switch_done(sup)
             return
         self.switches.pop(sup, None)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
+import yaml
 from hypothesis import given, settings, strategies as st
 
 from appliance.config import parse_config
@@ -187,6 +189,27 @@ def test_server_prunes_its_cache_after_loading_and_the_load_metric_tells_cache_f
     scrape = samples(second.metrics())
     assert value(scrape, "openarc_model_load_seconds_count", model="demo", source="cache") == 1
     assert value(scrape, "openarc_model_load_seconds_count", model="demo", source="compiled") == 0
+
+
+def test_a_reload_that_lowers_cache_max_size_prunes_at_once(appliance_factory, demo_model, tmp_path):
+    """server.cache_max_size lowered by a reload (SIGHUP) bounds the cache then, not at the next model's load: the
+    stale blobs that fitted the old bound are gone with no load in between. (Before, the pruner looked only when
+    the set of loaded models changed, so a reload of the bound alone did nothing.)"""
+    cache = tmp_path / "ov"
+    stale = fill_stale(cache, time.time(), scale=4)
+    config = {"server": {"cache_dir": str(cache), "cache_max_size": "1GiB"},
+              "models": [model_entry("demo", demo_model, pipeline="stateful")]}
+    app = appliance_factory(config)
+    wait_until(lambda: list((cache / compile_cache.current_runtime() / "demo").glob("*.blob")), 30, "its blob")
+    assert all(path.exists() for path in stale.values())  # within 1 GiB: nothing to prune
+    pid = app.model_status("demo")["pid"]
+    config["server"]["cache_max_size"] = "5MiB"
+    app.config_path.write_text(yaml.safe_dump(config))
+    app.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: not any(path.exists() for what, path in stale.items() if what != "not the cache's"), 30,
+               "the stale blobs pruned to the new bound")
+    assert (stale["not the cache's"] / "openvino_model.bin").exists()
+    assert app.model_status("demo")["pid"] == pid  # no load came between: the reload itself pruned
 
 
 def test_prune_never_deletes_or_counts_what_a_symlink_in_the_cache_points_at(tmp_path):

@@ -243,9 +243,9 @@ def test_the_canary_reads_a_large_record_off_the_event_loop_once(tmp_path):
         done.set()
         await ticking
         assert canary.wants(config.models[0])
-        again = time.monotonic()
-        await canary.refresh()  # unchanged: not parsed again
-        assert time.monotonic() - again < parse_s / 4
+        parsed = canary._read
+        await canary.refresh()  # unchanged: not parsed again (the very result of the first parse is kept)
+        assert canary._read is parsed
         return max(gaps)
     assert asyncio.run(run()) < max(0.25, parse_s / 4), parse_s
 
@@ -367,6 +367,32 @@ def test_gate_never_sends_ready_and_exits_with_one_line(recorded, tmp_path, appl
                               f"colours.'): differs at token 3: recorded ' a different token', got {want!r}"), errors
 
 
+def test_a_refused_start_whose_every_model_failed_lingers_for_prometheus_and_never_triggers_the_watchdog(
+        recorded, tmp_path, appliance_factory, demo_model):
+    """The one model fails its check, so every model of the service is failed: the start still ends by itself
+    (exit 3) after answering /metrics with the failure for a scrape, and no WATCHDOG=trigger cuts that short (found
+    by the podman rollback test under load: the restart killed the linger and the journal said "watchdog")."""
+    notify = NotifySocket(tmp_path)
+    (tmp_path / "golden.yaml").write_text(yaml.safe_dump(edited(recorded, other_answer)))
+    config = {"server": {"canary": "gate", "canary_min_speed": 0}, "models": [model_entry("chat", demo_model)]}
+    app = appliance_factory(config, env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "2000000"},
+                            wait_ready=False)
+
+    def scraped():
+        status, _, text = http("GET", app.base + "/metrics", timeout=5)
+        return status == 200 and 'openarc_canary_failures_total{model="chat",reason="answer"} 1.0' in text
+    wait_until(scraped, EXIT_BOUND_S, "the canary failure on /metrics")
+    seen: list[str] = []
+
+    def two_watchdog_ticks():  # each tick asks for a restart if it wants one, else pings (a triggered one never does)
+        seen.extend(notify.messages())
+        return any("WATCHDOG=trigger" in m for m in seen) or sum(m == "WATCHDOG=1" for m in seen) >= 2
+    wait_until(two_watchdog_ticks, EXIT_BOUND_S, "two watchdog ticks after the failure")
+    assert not any("WATCHDOG=trigger" in m for m in seen), seen
+    assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
+    assert not any("WATCHDOG=trigger" in m for m in notify.messages())
+
+
 def test_gate_with_matching_answers_says_ready_and_refuses_an_on_demand_model_that_differs(
         recorded, tmp_path, appliance_factory, demo_model, embedding_model):
     def other_vector(models):
@@ -484,8 +510,18 @@ def test_gate_fails_a_start_where_a_replica_answers_otherwise(recorded, tmp_path
     would (exit 3, one line naming the model and the token), though the other model passes and serves."""
     config = serve_config(tmp_path, edited(recorded, other_answer), "gate", demo_model, embedding_model)
     config["models"][0].update(device=["CPU", "CPU"])
-    app = appliance_factory(config, wait_ready=False)
+    notify = NotifySocket(tmp_path)
+    # slowed steps: the check lasts seconds, long enough to ask /ready while it runs
+    app = appliance_factory(config, env={"NOTIFY_SOCKET": notify.path, "OPENARC_DEBUG_STEP_DELAY_S": "0.05"},
+                            wait_ready=False)
+
+    def checking():
+        status, _, body = http("GET", app.base + "/ready", timeout=5)
+        return status == 503 and "canary: checking chat (replica CPU#" in body.get("reason", "") and body
+    # /ready's reason names the replica under check as clients know the model, never by its key chat@CPU#0
+    assert "@" not in wait_until(checking, EXIT_BOUND_S, "checking")["reason"]
     assert app.proc.wait(EXIT_BOUND_S) == 3, app.logs()[-3000:]
+    assert not any("@" in m for m in notify.messages())  # systemctl status names the model, not a replica's key
     refusal = [line for line in app.logs().splitlines() if "canary failed (server.canary: gate), not ready" in line]
     assert len(refusal) == 1 and "model chat: probe 1 ('Name three colours.'): differs at token 3" in refusal[0], \
         refusal

@@ -17,6 +17,9 @@ import yaml
 from appliance.config import load_config, worker_spec
 from appliance.front.gpu_sentinel import (INCIDENT_GAP_S, MITIGATION_WINDOW_S, SDPA_OFF, CardEvent, GpuSentinel,
                                           decide)
+from appliance.front.gpu_watch import model_cards
+from appliance.front.metrics import Metrics
+from appliance.front.supervisor import Supervisor
 from appliance.host.kernel_log import KernelLog
 from conftest import http, model_entry, wait_until
 
@@ -87,8 +90,8 @@ def test_only_the_cards_workers_restart_with_sdpa_off_and_an_explicit_value_wins
         {"name": "b580-chat", "path": str(demo_model), "device": "GPU.1"},
         {"name": "cpu-chat", "path": str(demo_model), "device": "CPU"}]}))
     config = load_config(config_path)
-    cards = {"a770-chat": A770, "a770-pinned": A770, "a770-runtime": A770, "a770-off": A770, "b580-chat": B580,
-             "cpu-chat": None}
+    cards = {"a770-chat": {A770}, "a770-pinned": {A770}, "a770-runtime": {A770}, "a770-off": {A770},
+             "b580-chat": {B580}, "cpu-chat": set()}
     sentinel = GpuSentinel()
     replay(tmp_path, [incident("i915-a770-guc-hang.kmsg", A770, n) for n in range(3)], sentinel)
     mitigated = sentinel.apply(config, cards)
@@ -106,6 +109,26 @@ def test_only_the_cards_workers_restart_with_sdpa_off_and_an_explicit_value_wins
     assert sentinel.apply(load_config(config_path), {}).model("a770-chat").sdpa_optimization is False
     assert sentinel.status() == [{"card": A770, "mitigation": SDPA_OFF, "models": ["a770-chat"],
                                   "reason": "3 fence timeouts or GPU hangs on 0000:03:00.0 within 60 min"}]
+
+
+def test_a_replicated_model_is_mitigated_by_a_hang_on_any_replicas_card(tmp_path, demo_model):
+    """`device: [GPU.0, GPU.1]` with GPU.1 on the A770: the A770's hangs mitigate the model whichever replica
+    speaks for it in status (before, the sentinel saw only that one's card, the B580 here, and never the A770's)."""
+    config_path = tmp_path / "openarc.yaml"
+    config_path.write_text(yaml.safe_dump({"models": [
+        {"name": "twin", "path": str(demo_model), "device": ["GPU.0", "GPU.1"]},
+        {"name": "b580-chat", "path": str(demo_model), "device": "GPU.0"}]}))
+    config = load_config(config_path)
+    supervisor = Supervisor(config, Metrics())  # not started: the cards are what each worker's ready frame said
+    for key, card in (("twin@GPU.0", B580), ("twin@GPU.1", A770), ("b580-chat", B580)):
+        supervisor.units[key].life.device_faults.card = card
+    cards = model_cards(supervisor)
+    assert cards == {"twin": {B580, A770}, "b580-chat": {B580}}
+    sentinel = GpuSentinel()
+    replay(tmp_path, [incident("i915-a770-guc-hang.kmsg", A770, n) for n in range(3)], sentinel)
+    mitigated = sentinel.apply(config, cards)
+    assert mitigated.model("twin").sdpa_optimization is False and mitigated.model("b580-chat") == config.model("b580-chat")
+    assert sentinel.status()[0]["models"] == ["twin"]
 
 
 def test_a_live_server_counts_the_mitigation_and_shows_it_in_status(appliance_factory, demo_model, tmp_path):

@@ -615,8 +615,13 @@ def test_auto_update_rolls_back_an_image_whose_canary_fails_and_keeps_one_that_p
         with ThreadPoolExecutor(1) as pool:
             update = pool.submit(auto_update, ns)
             # The failed start lingers (server.CANARY_LINGER_S) with the failure on /metrics, for Prometheus.
-            ns.wait_for(lambda: canary_failure_scraped(ns), timeout=300, interval=1, what="the canary failure on /metrics")
-            lines = update.result()
+            try:
+                ns.wait_for(lambda: canary_failure_scraped(ns), timeout=300, interval=1,
+                            what="the canary failure on /metrics")
+            finally:
+                lines = update.result()
+                print("\n".join(l for l in ns.journal("openarc@demo").splitlines()
+                                if "podman[" not in l and "conmon[" not in l)[-20000:])
         assert lines == [f"openarc@demo.service {UPDATE_IMAGE} rolled back"], lines
         journal = ns.journal("openarc@demo")
         failure = [line for line in journal.splitlines() if "canary failed (server.canary: gate), not ready" in line]

@@ -5,6 +5,7 @@ under load fails only its own requests, and status and metrics show each replica
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import signal
@@ -15,9 +16,19 @@ import uuid
 import openai
 import pytest
 import yaml
+from hypothesis import given, settings, strategies as st
 
+from appliance.config import load_config
+from appliance.front.api.adapters import on_every_unit
 from appliance.front.invariants import live_worker_children
+from appliance.front.lifecycle import ModelState
+from appliance.front.metrics import Metrics
+from appliance.front.request import RequestFailed
+from appliance.front.supervisor import Supervisor
+from appliance.golden.compare import Difference
+from appliance.golden.record import Answer, ModelRecord, save
 from conftest import Appliance, http, model_entry, pid_alive, wait_until
+from test_lora import lora_dir  # noqa: F401 (a fixture: the demo adapters)
 from test_metrics import samples, value
 
 # A short system prompt and long questions: a turn served by a replica that holds only its conversation's turn
@@ -237,3 +248,112 @@ def test_a_replica_that_cannot_load_leaves_requests_to_the_one_that_can(applianc
     broken, working = app.model_status("half")["replicas"]
     assert working["state"] == "ready" and broken["device"] == "GPU.7" and broken["state"] != "ready" \
         and "load_error" in (broken["last_error"] or ""), (broken, working)
+
+
+def test_an_adapter_loaded_while_a_replica_still_loads_waits_for_it_and_reaches_both(appliance_factory, demo_model,
+                                                                                      lora_dir, tmp_path):
+    """At the start of a replicated model /ready answers once one replica serves, while the other still loads (one
+    load at a time): an adapter loaded then waits for that load to end (as a request waits for a load, up to
+    ready_wait_s) and reaches both replicas' workers, instead of a 503 to retry (before). The second replica stays
+    `loading` for seconds by construction: each replica is checked against a golden record (server.canary: warn)
+    with slowed steps before it serves."""
+    save(tmp_path / "golden.yaml", {"twin": ModelRecord("llm", [Answer("Name three colours.", tokens=["x"])])}, "test")
+    app = appliance_factory({"server": {"parked_workers": 0, "load_concurrency": 1, "canary": "warn"},
+                             "models": [model_entry("twin", demo_model, adapters={"upper": str(lora_dir / "upper")},
+                                                    device=["CPU", "CPU"])]},
+                            env={"OPENARC_DEBUG_STEP_DELAY_S": "0.1"})
+    assert sorted(r["state"] for r in replicas_of(app, "twin")) == ["loading", "ready"]
+    status, _, body = http("POST", app.base + "/openarc/models/twin/adapters",
+                           {"name": "shout", "path": str(lora_dir / "title")}, timeout=120)
+    assert status == 201 and body["model"] == "twin:shout", body
+    assert [r["state"] for r in replicas_of(app, "twin")] == ["ready", "ready"]
+    routed = [r["requests_routed"] for r in replicas_of(app, "twin")]
+    answers = [http("POST", app.base + "/v1/chat/completions",
+                    {"model": "twin:shout", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2})
+               for i in range(4)]  # (distinct prompts, one at a time: idle replicas take them in turn)
+    assert [status for status, _, _ in answers] == [200] * 4, answers
+    took = [r["requests_routed"] - before for r, before in zip(replicas_of(app, "twin"), routed)]
+    assert took == [2, 2], took  # both replicas answered the adapter
+
+
+def replicas_of(app, name: str) -> list[dict]:
+    return app.model_status(name)["replicas"]
+
+
+def test_an_adapter_change_while_a_replica_loads_is_a_503_naming_the_replica_as_clients_know_it(tmp_path, demo_model):
+    """A runtime adapter load (or unload) while one replica's worker is loading: that worker started with the model's
+    adapters of before the change and would come up without it, so the call is refused with a 503 to retry, naming
+    the replica as `twin (replica CPU#1)`, never by its residency key twin@CPU#1 (a name no route takes). Real
+    supervisors, not started: the replica is put in `loading` as its worker's start puts it."""
+    units = unstarted(tmp_path, demo_model).units_of("twin")
+    units[1].life.lifecycle.enter(ModelState.LOADING)
+    for change in ({"action": "load", "name": "shout", "path": "/x", "alpha": 1.0}, {"action": "unload", "name": "x"}):
+        with pytest.raises(RequestFailed) as refused:
+            asyncio.run(on_every_unit(units, change))
+        assert (refused.value.status, refused.value.kind, refused.value.retry_after) == (503, "model_unavailable", 5)
+        assert "(twin (replica CPU#1))" in refused.value.message and "@" not in refused.value.message, \
+            refused.value.message
+
+
+def unstarted(tmp_path, demo_model, metrics: Metrics | None = None, **entry) -> Supervisor:
+    """Real supervisors of a model `twin` on [CPU, CPU], not started: a test moves their states as workers would."""
+    config_path = tmp_path / "openarc.yaml"
+    config_path.write_text(yaml.safe_dump({"models": [model_entry("twin", demo_model, device=["CPU", "CPU"], **entry)]}))
+    return Supervisor(load_config(config_path), metrics or Metrics())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["unloaded", "ready", "loading", "restarting", "draining", "failed"]), min_size=2,
+                max_size=2))
+def test_a_replicated_models_state_is_its_best_replicas_in_status_and_metrics_alike(tmp_path_factory, demo_model,
+                                                                                    states):
+    """/openarc/status's `state` of a replicated model and its openarc_model_state say the same, whatever its
+    replicas' states, and something true of the model: ready if any replica serves, else coming up if any is. Before,
+    status took the first replica among those neither ready nor failed: `unloaded` while the other one loaded, where
+    the metric said `loading`."""
+    metrics = Metrics()
+    supervisor = unstarted(tmp_path_factory.mktemp("state"), demo_model, metrics, load="on_demand")
+    paths = {"unloaded": [], "ready": ["loading", "ready"], "loading": ["loading"],
+             "restarting": ["loading", "restarting"], "draining": ["draining"], "failed": ["loading", "failed"]}
+    for unit, state in zip(supervisor.units_of("twin"), states):
+        for step in paths[state]:
+            unit.life.lifecycle.enter(ModelState(step))
+    model = supervisor.status("twin")
+    assert [r["state"] for r in model["replicas"]] == states
+    scrape = samples(metrics.exposition()[0].decode())
+    assert value(scrape, "openarc_model_state", model="twin", state=model["state"]) == 1, model["state"]
+    assert model["state"] in states
+    if "ready" in states:
+        assert model["state"] == "ready"
+    elif {"loading", "restarting"} & set(states):
+        assert model["state"] in ("loading", "restarting", "draining"), states
+
+
+def test_a_replicated_models_device_memory_is_its_replicas_sum():
+    """openarc_model_device_memory_bytes of a model on [GPU.0, GPU.1] adds its replicas' GPU buffers up, as its
+    resident memory does (before, it showed whichever replica's telemetry came last)."""
+    metrics = Metrics()
+    for key, device in (("twin@GPU.0", "GPU.0"), ("twin@GPU.1", "GPU.1")):
+        metrics.add_replica(key, "twin", device)
+    for _ in range(2):  # telemetry repeats: each replica's latest counts once
+        metrics.set_device_memory("twin@GPU.0", {"vram": 3 << 30, "system": 1 << 20})
+        metrics.set_device_memory("twin@GPU.1", {"vram": 2 << 30, "system": 1 << 20})
+    scrape = samples(metrics.exposition()[0].decode())
+    assert value(scrape, "openarc_model_device_memory_bytes", model="twin", region="vram") == 5 << 30
+    assert value(scrape, "openarc_model_device_memory_bytes", model="twin", region="system") == 2 << 20
+
+
+def test_a_replica_that_failed_its_golden_check_shows_it_in_status(tmp_path, demo_model):
+    """server.canary: warn serves a replica whose answers differ from the record; /openarc/status shows the failure
+    on that replica and on the model, though the other replica (ready) speaks for the model's state (before, the
+    model showed its head replica's `canary_failure` only: none)."""
+    supervisor = unstarted(tmp_path, demo_model)
+    first, second = supervisor.units_of("twin")
+    for unit in (first, second):
+        unit.life.lifecycle.enter(ModelState.LOADING)
+    first.life.lifecycle.enter(ModelState.READY)
+    difference = Difference("answer", "model twin: probe 1 ('Name three colours.'): differs at token 3")
+    supervisor.placement.canary.judge(second.name, difference)  # what the check of its worker concluded
+    model = supervisor.status("twin")
+    assert model["state"] == "ready" and model["canary_failure"] == difference.detail
+    assert [r["canary_failure"] for r in model["replicas"]] == [None, difference.detail]

@@ -83,12 +83,19 @@ def mitigated_model(model: ModelConfig) -> ModelConfig:
     return dataclasses.replace(model, sdpa_optimization=False, reload="restart")
 
 
-def mitigated_config(config: Config, model_cards: Mapping[str, str | None], in_force: Mapping[str, set[str]],
+def mitigated_cards(cards: Iterable[str], in_force: Mapping[str, set[str]]) -> list[str]:
+    """Those of a model's cards where the SDPA mitigation is in force."""
+    return sorted(card for card in cards if SDPA_OFF in in_force.get(card, set()))
+
+
+def mitigated_config(config: Config, model_cards: Mapping[str, Iterable[str]], in_force: Mapping[str, set[str]],
                      mitigated: set[str] = frozenset()) -> Config:
-    """`config` with the SDPA mitigation applied to each model on a card where it is in force (model_cards: the
-    card each model's worker runs on, where known) and to the models it was applied to before (`mitigated`)."""
+    """`config` with the SDPA mitigation applied to each model with a worker on a card where it is in force
+    (model_cards: the cards each model's workers run on, where known; a replicated model's replicas are on several,
+    and a hang on any of them mitigates the model: its config is one for all its replicas) and to the models it was
+    applied to before (`mitigated`)."""
     def applies(model: ModelConfig) -> bool:
-        return model.name in mitigated or SDPA_OFF in in_force.get(model_cards.get(model.name) or "", set())
+        return model.name in mitigated or bool(mitigated_cards(model_cards.get(model.name, ()), in_force))
     models = [mitigated_model(model) if applies(model) else model for model in config.models]
     return dataclasses.replace(config, models=models)
 
@@ -117,12 +124,13 @@ class GpuSentinel:
             self.reasons[(mitigation.card, mitigation.mitigation)] = mitigation.reason
         return new
 
-    def apply(self, config: Config, model_cards: Mapping[str, str | None]) -> Config:
-        """The config with the mitigations in force; remembers which models it changed."""
+    def apply(self, config: Config, model_cards: Mapping[str, Iterable[str]]) -> Config:
+        """The config with the mitigations in force; remembers which models it changed, and for which card."""
         mitigated = mitigated_config(config, model_cards, self.in_force, set(self.mitigated))
         for old, new in zip(config.models, mitigated.models):
             if new != old:
-                self.mitigated.setdefault(new.name, model_cards.get(new.name))
+                self.mitigated.setdefault(new.name, next(iter(mitigated_cards(model_cards.get(new.name, ()),
+                                                                              self.in_force)), None))
         return mitigated
 
     def status(self) -> list[dict]:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Callable
+from typing import Callable, Mapping
 
 from appliance.config import Config
+from appliance.config.replicas import model_name
 from appliance.front.device_faults import sole_card
 from appliance.front.gpu_sentinel import GpuSentinel
 from appliance.front.metrics import Metrics
@@ -66,7 +67,16 @@ class GpuWatch:
         self.kernel_log.close()
 
 
-def model_cards(supervisor) -> dict[str, str | None]:
-    """The card each model's worker runs on: its ready frame's PCI address, else the box's only card."""
+def model_cards(supervisor) -> dict[str, frozenset[str]]:
+    """The cards each model's workers run on (every replica's): each one's ready frame's PCI address, else the
+    box's only card."""
     only = sole_card()
-    return {name: sup.life.device_faults.card or only for name, sup in supervisor.models.items()}
+    return cards_by_model({key: sup.life.device_faults.card or only for key, sup in supervisor.units.items()})
+
+
+def cards_by_model(unit_cards: Mapping[str, str | None]) -> dict[str, frozenset[str]]:
+    """The known cards of each model, from each unit's (a model's own, or each replica's NAME@LABEL)."""
+    found: dict[str, set[str]] = {}
+    for key, card in unit_cards.items():
+        found.setdefault(model_name(key), set()).update([card] if card else [])
+    return {name: frozenset(cards) for name, cards in found.items()}

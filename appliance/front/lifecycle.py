@@ -30,6 +30,17 @@ class ModelState(enum.Enum):
                                # same config: Supervisor.apply) or a restart
 
 
+# A replicated model's state is its best replica's, in this order (one that serves makes the model serve): the one
+# order /openarc/status (Supervisor.models) and openarc_model_state (Metrics.set_state) both read it by.
+BEST_FIRST = (ModelState.READY, ModelState.DRAINING, ModelState.LOADING, ModelState.RESTARTING, ModelState.UNLOADED,
+              ModelState.STOPPED, ModelState.FAILED)
+
+
+def best_rank(state: ModelState) -> int:
+    """Where a replica's state stands in BEST_FIRST: the lowest speaks for its model."""
+    return BEST_FIRST.index(state)
+
+
 S = ModelState
 TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
     S.STOPPED: frozenset({S.LOADING, S.UNLOADED}),

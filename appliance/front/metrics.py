@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from appliance.config.window import BOUND_DEFAULT, BOUND_REQUEST, BOUND_WINDOW
-from appliance.front.lifecycle import ModelState
+from appliance.front.lifecycle import ModelState, best_rank
 from appliance.front.priority import CLASSES
 from appliance.host.doctor import build_info
 
@@ -26,8 +26,6 @@ LOAD_SOURCES = ("cache", "compiled")  # a load found its compiled blobs, or comp
 CUT_REASONS = (BOUND_REQUEST, BOUND_DEFAULT, BOUND_WINDOW)  # what ends an answer with finish_reason "length"
 
 
-# A replicated model's state is its best replica's: one that serves makes the model serve.
-BEST_STATES = ("ready", "draining", "loading", "restarting", "unloaded", "stopped", "failed")
 # A replica's gauges (ModelMetrics field, its replica family, whether the model's gauge is their mean, not sum).
 REPLICA_GAUGES = (("requests_running", "replica_requests_running", False),
                   ("requests_waiting", "replica_requests_waiting", False),
@@ -400,10 +398,13 @@ class Metrics:
         self.build_info.labels(**labels).set(1)
 
     def set_device_memory(self, name: str, regions: dict[str, int]) -> None:
-        """A worker's {vram, system} resident bytes (its telemetry frame's device_memory_regions)."""
+        """A worker's {vram, system} resident bytes (its telemetry frame's device_memory_regions); a replica's add
+        up to its model's, as its resident memory does."""
         model = self.model_of(name)
         for region, size in regions.items():
             if region in ("vram", "system"):
+                if name in self.replicas and model in self.replicated:
+                    size = self.replica_value(name, f"device_memory_{region}", size, mean=False)
                 self.model_device_memory.labels(model=model, region=region).set(size)
 
     def set_state(self, name: str, state: str) -> None:
@@ -417,7 +418,7 @@ class Metrics:
                 return
             states = self.replica_states.setdefault(model, {})
             states[name] = state
-            name, state = model, min(states.values(), key=BEST_STATES.index)
+            name, state = model, min(states.values(), key=lambda each: best_rank(ModelState(each)))
         elif name in self.replicated:  # a single worker leaving after a reload to replicas: theirs is the state
             return
         model = name

@@ -528,7 +528,7 @@ class Placement(ResidencyBook):
         self.cards = cards.cards_of(self.gpus, config.server.memory_budget_bytes)
         self.parked.resize(config.server.parked_workers)
         self.limits_lowered = self.limits_lowered or self.limits() != before
-        self.replan.set()
+        self.changed()  # waiters on the config's settings too (the cache keeper's bound) look again
 
     def role(self, sup: ModelSupervisor) -> str | None:
         """What `sup` is to its name: serving, replacement, leaving; None: the owner does not hold it (a bug)."""

@@ -21,6 +21,7 @@ from typing import Callable
 from aiohttp import web
 
 from appliance.config import Config, ConfigError
+from appliance.config.replicas import shown
 from appliance.front import listen
 from appliance.front.app import make_app
 from appliance.front.api.health import SYSTEM_ROOT_ENV
@@ -64,6 +65,7 @@ class Appliance:
         # counts a model's prompts without its worker (count_tokens, a waiting stream's window check); started on use
         self.prompt_counter = PromptCounter()
         self.draining = False
+        self.ready_sent = False  # READY=1 went to systemd: from then on a service that cannot serve asks for a restart
         self.started = time.time()
         self.cards: list = []  # the Intel cards as doctor sees them (read at serve())
         self.build: dict[str, str] = {}  # openarc_build_info's labels (read at serve())
@@ -73,8 +75,8 @@ class Appliance:
 
     def status_line(self) -> str:
         parts = []
-        for m in self.supervisor.models.values():
-            part = f"{m.name}: {m.state.value}" + (", checking its golden answers" if m.life.checking else "")
+        for name, m in self.supervisor.models.items():  # (a replicated model's: its best replica's)
+            part = f"{name}: {m.state.value}" + (", checking its golden answers" if m.life.checking else "")
             if m.life.restarts:
                 part += f", {m.life.restarts} restarts"
             if m.state is not ModelState.READY and m.life.last_error:
@@ -83,11 +85,17 @@ class Appliance:
         return ("draining; " if self.draining else "") + "; ".join(parts)
 
     def trigger_reason(self, names: bool = True) -> str | None:
-        """Why the watchdog should restart this service; `names`: with each model's state and last error (the
-        journal's; not /health's when keys are configured: a probe carries no key)."""
+        """Why this service can no longer serve (/health says it), or None; `names`: with each model's state and last
+        error (the journal's and the watchdog's; not /health's when keys are configured: a probe carries no key)."""
         if self.supervisor.all_failed():
             return "every model of this service is failed" + (": " + self.status_line() if names else "")
         return None
+
+    def restart_reason(self) -> str | None:
+        """Why the watchdog asks systemd for a restart, or None. Only after READY=1: before it, a start whose models
+        all failed ends on its own (exit 1, or CANARY_EXIT after its linger), and a trigger would cut the canary's
+        linger short, hide its failure from Prometheus and put "watchdog" in the journal instead of the cause."""
+        return self.trigger_reason() if self.ready_sent else None
 
     def canary_refusal(self) -> str | None:
         """Under server.canary: gate, why this server must not be ready: the first model (in the config's order)
@@ -101,7 +109,8 @@ class Appliance:
 
     def not_ready_reason(self) -> str | None:
         """Why /ready answers 503 beside a model's state: a check under way or failed (server.canary)."""
-        checking = [m.name for m in self.supervisor.models.values() if m.life.checking]
+        # each replica under check, named as clients know it (`chat (replica CPU#1)`), never by its key chat@CPU#1
+        checking = [shown(key) for key, m in self.supervisor.units.items() if m.life.checking]
         return self.canary_refusal() or (f"canary: checking {', '.join(checking)} against the golden record"
                                          if checking else None)
 
@@ -149,7 +158,7 @@ class Appliance:
         self.supervisor.start()
         self.background = [asyncio.create_task(c) for c in (
             self.loop_health.run(),
-            watchdog_loop(self.notifier, self.healthy, self.trigger_reason, self.status_line),
+            watchdog_loop(self.notifier, self.healthy, self.restart_reason, self.status_line),
             self.gpu.watch(),
             CacheKeeper(self.supervisor).run())]
         loads = asyncio.create_task(self.await_first_loads())
@@ -172,6 +181,7 @@ class Appliance:
             status = 1
         else:
             self.notifier.ready(self.status_line())
+            self.ready_sent = True
             log.info("ready: %s", self.status_line())
             await stop.wait()
         await self.shutdown(runner)

@@ -22,7 +22,7 @@ from typing import Any
 from appliance.host.kernel_log import KernelLog
 from appliance.config import Config
 from appliance.front import residency
-from appliance.front.lifecycle import Changes, ModelState
+from appliance.front.lifecycle import Changes, ModelState, best_rank
 from appliance.front.request import RequestFailed, shutting_down
 from appliance.front.metrics import Metrics
 from appliance.front.model_supervisor import ModelSupervisor
@@ -56,12 +56,12 @@ class Supervisor:
 
     @property
     def models(self) -> dict[str, ModelSupervisor]:
-        """Every model by the name clients use; a replicated model by its best replica (a ready one if any), which
-        speaks for its kind, settings and state."""
-        def rank(sup: ModelSupervisor) -> tuple[bool, bool]:
-            return sup.life.admits(), sup.state is not ModelState.FAILED
+        """Every model by the name clients use; a replicated model by its best replica (one that admits requests if
+        any, else by lifecycle.BEST_FIRST, as openarc_model_state), which speaks for its kind, settings and state."""
+        def rank(sup: ModelSupervisor) -> tuple[bool, int]:
+            return not sup.life.admits(), best_rank(sup.state)
         names = dict.fromkeys(model_name(key) for key in self.units)
-        return {name: max(self.units_of(name), key=rank) for name in names}  # ties: the first in config order
+        return {name: min(self.units_of(name), key=rank) for name in names}  # ties: the first in config order
 
     def units_of(self, name: str) -> list[ModelSupervisor]:
         """The supervisors serving a model: its own, or its replicas' in the config's order ([] for no model). A
@@ -213,7 +213,9 @@ class Supervisor:
         sups, head = self.units_of(name), self.models[name]
         view = {**head.status(), **self.placement.status(head.name), "name": name}
         if len(sups) > 1:
-            view.update(device=[sup.model.device for sup in sups],
+            # a replica that failed its golden-answer check speaks for the model, whichever replica is its head
+            view.update(canary_failure=next((f for f in map(ModelSupervisor.canary_failure, sups) if f), None),
+                        device=[sup.model.device for sup in sups],
                         requests_running=sum(len(sup.router.running) for sup in sups),
                         requests_waiting=sum(sup.router.queued() for sup in sups),
                         replicas=[{"device": self.metrics.replicas.get(sup.name, (name, sup.model.device))[1],
@@ -221,7 +223,8 @@ class Supervisor:
                                    "requests_running": len(sup.router.running),
                                    "requests_waiting": sup.router.queued(), "restarts": sup.life.restarts,
                                    "requests_routed": self.replicas.routed.get(sup.name, 0),
-                                   "last_error": sup.life.last_error} for sup in sups])
+                                   "last_error": sup.life.last_error, "canary_failure": sup.canary_failure()}
+                                  for sup in sups])
         return view
 
     def _serves(self, sup: ModelSupervisor, settled: tuple[ModelState, ...]) -> bool:

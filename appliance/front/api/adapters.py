@@ -21,6 +21,7 @@ from aiohttp import web
 
 from appliance.config import adapter_problem
 from appliance.config.model_checks import adapter_file, adapter_fit_problem
+from appliance.config.replicas import shown
 from appliance.config.rules import MODEL_NAME, adapter_weight_ok
 from appliance.front.api import lookup
 from appliance.front.lifecycle import ModelState
@@ -40,6 +41,7 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
         name, path, alpha = load_body(await request.read())
         units = appliance.supervisor.units_of(model)  # every replica serves the same adapters
         async with units[0].adapter_changes:  # the checks and the load as one step: racing loads cannot both pass them
+            units = await loads_ended(appliance.supervisor, model)
             served = lookup.served_adapters(sup)
             if name in served:
                 raise RequestFailed(409, "invalid_request", f"the model '{model}' already serves an adapter named "
@@ -63,6 +65,7 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
         model, name = sup.model.name, request.match_info["adapter"]
         units = appliance.supervisor.units_of(model)
         async with units[0].adapter_changes:
+            units = await loads_ended(appliance.supervisor, model)
             served = lookup.served_adapters(sup)
             if name not in served:
                 raise RequestFailed(404, "model_not_found", f"the model '{model}' has no adapter named '{name}' "
@@ -126,10 +129,24 @@ def path_problem(sup, path: str) -> str | None:
          if (problem := adapter_fit_problem(adapter_file(str(where)), entry["path"]))), None)
 
 
+async def loads_ended(supervisor, model: str) -> list:
+    """The model's units once none of them is loading, waited for up to the model's ready_wait_s as a request
+    waits for a load: a replica still loading when the first one serves (the start of a replicated model; /ready
+    answers then) started with the adapters of before, so a change waits for its load to end; past the wait,
+    on_every_unit refuses it with a 503 to retry."""
+    loop = asyncio.get_running_loop()
+    units = supervisor.units_of(model)
+    deadline = loop.time() + (units[0].model.ready_wait_s if units else 0)
+    while any(unit.state is ModelState.LOADING for unit in units) and deadline > loop.time():
+        await supervisor.changes.wait(deadline - loop.time())
+        units = supervisor.units_of(model)
+    return units
+
+
 async def on_every_unit(units: list, adapter: dict[str, Any]) -> None:
     """The load or unload done by the worker of each unit of a model (its replicas) that runs one; a unit without a
     worker now loads what its spec says when it starts. A refusal undoes the loads done and is the caller's 400."""
-    loading = [unit.name for unit in units if unit.state is ModelState.LOADING]
+    loading = [shown(unit.name) for unit in units if unit.state is ModelState.LOADING]
     if loading:  # its worker started with the spec of before this change, and would come up without it
         raise RequestFailed(503, "model_unavailable", f"a replica of the model is loading ({', '.join(loading)}); "
                             "change its adapters once it is ready", retry_after=5)

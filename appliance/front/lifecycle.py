@@ -175,9 +175,15 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip()}" if str(exc).strip() else type(exc).__name__
 
 
-def describe_exit(exit: Exit, detail: bool = True) -> str:
-    """The one-line account of a worker's end, for the log and /openarc/status; without its `detail` (the text of an
-    exception, the worker's report: source files of the runtime's build, server paths), as a client reads it."""
+# Ends whose detail is another program's text (the worker's report of a load or internal error, an exception, a
+# malformed frame): it can name server paths and the runtime's source files, so a client's error body leaves it out.
+FOREIGN_DETAIL = frozenset({ExitReason.SPAWN_ERROR, ExitReason.PROTOCOL_ERROR, ExitReason.LOAD_ERROR,
+                            ExitReason.WORKER_ERROR, ExitReason.SUPERVISOR_ERROR})
+
+
+def describe_exit(exit: Exit, for_client: bool = False) -> str:
+    """The one-line account of a worker's end, for the log and /openarc/status; `for_client`: as a client's error
+    body says it, without a detail that is another program's text (FOREIGN_DETAIL)."""
     how = faults.signal_name(exit.returncode) if exit.returncode is not None else None
     if exit.reason is ExitReason.CRASH:
         text = f"worker exited: {how}"
@@ -189,4 +195,5 @@ def describe_exit(exit: Exit, detail: bool = True) -> str:
         text = "the golden-answer check failed (server.canary: gate)"
     else:
         text = f"worker ended: {exit.reason.value}" + (f" ({how})" if how else "")
-    return text + (f": {exit.detail}" if exit.detail and detail else "")
+    shown = exit.detail and not (for_client and exit.reason in FOREIGN_DETAIL)
+    return text + (f": {exit.detail}" if shown else "")

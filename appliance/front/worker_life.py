@@ -144,7 +144,8 @@ class WorkerLife:
     def unavailable(self) -> RequestFailed:
         """Why a request cannot be admitted now."""
         if self.state is ModelState.FAILED:
-            return RequestFailed(503, "model_failed", f"model {shown(self.name)} is failed: {self.last_error_shown}", hint=self.last_hint)
+            return RequestFailed(503, "model_failed", f"model {shown(self.name)} is failed: {self.last_error_shown}",
+                                 hint=self.last_hint)
         if self.stopping:
             return self._unloading()
         return RequestFailed(503, "model_unavailable", f"model {shown(self.name)} is {self.state.value}; retry shortly",
@@ -396,7 +397,7 @@ class WorkerLife:
             log.info("model %s: worker ended (%s)", self.name, exit.reason.value)
             return None
         if exit.reason in FINAL_REASONS:  # a restart would answer the same: refused until a reload
-            self.enter(ModelState.FAILED, describe_exit(exit), shown=describe_exit(exit, detail=False))
+            self.enter(ModelState.FAILED, describe_exit(exit), shown=describe_exit(exit, for_client=True))
             return None
         fault = faults.classify_exit(exit.returncode or 0, during_load=not exit.ever_ready,
                                      oom_killed=exit.reason is ExitReason.OOM_KILL)
@@ -407,7 +408,8 @@ class WorkerLife:
             hint = exit.hint or fault.hint
         else:
             hint = exit.hint
-        self.last_error, self.last_error_shown, self.last_hint = describe_exit(exit), describe_exit(exit, False), hint
+        self.last_error, self.last_hint = describe_exit(exit), hint
+        self.last_error_shown = describe_exit(exit, for_client=True)
         log.error("model %s: %s%s", self.name, self.last_error, f" (hint: {hint})" if hint else "")
         backoff = self.budget.record_failure(time.monotonic(), exit.served_s)
         if backoff is None:

@@ -130,6 +130,16 @@ def test_each_mistake_is_one_line_naming_file_and_key(tmp_path, data, expected):
     assert expected in error_of(tmp_path, data)
 
 
+@pytest.mark.parametrize("text", [
+    "server:\n  memory_budget: " + "[" * 5000 + "]" * 5000 + "\n",
+    "models:\n" + "".join("  " * depth + "a:\n" for depth in range(1, 2000)),
+], ids=["flow", "block"])
+def test_yaml_nested_past_the_readers_depth_is_a_config_error(tmp_path, text):
+    """The YAML reader recurses per level: a config nested thousands deep is a one-line config error naming the
+    file, not a RecursionError traceback from `openarc serve` or a reload."""
+    assert "not valid YAML: nested too deeply" in error_of(tmp_path, text)
+
+
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="missing.yaml: cannot read config: No such file"):
         load_config(tmp_path / "missing.yaml")

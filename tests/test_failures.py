@@ -393,6 +393,21 @@ def test_a_service_whose_every_model_failed_is_not_live(appliance_factory, demo_
     assert "SIGABRT" in body["reason"]
 
 
+def test_health_names_no_model_to_a_caller_without_a_key_when_keys_are_configured(appliance_factory, demo_model):
+    """/health takes no key (probes carry none): with keys configured its reason says the service is failed and
+    names no model and no error text, as /ready names none; the operator's key reads them in /openarc/status."""
+    budget = {"backoff_initial_s": 0.05, "backoff_max_s": 0.1, "max_failures": 1, "window_s": 60}
+    app = appliance_factory({"server": {"api_key_env": "TEST_HEALTH_KEY"},
+                             "models": [model_entry("secret-model", demo_model, restart=budget)]},
+                            env={"TEST_HEALTH_KEY": "k"})
+    os.kill(app.worker_pid("secret-model"), signal.SIGABRT)
+    app.wait_model("secret-model", "failed")
+    status, _, body = http("GET", app.base + "/health")
+    assert status == 503 and body["status"] == "unhealthy"
+    assert body["reason"] == "every model of this service is failed", body
+    assert "SIGABRT" in app.model_status("secret-model")["last_error"]
+
+
 # --- the front going away -------------------------------------------------------------------------------
 
 def test_no_worker_survives_a_killed_front(two_models):

@@ -159,3 +159,20 @@ def test_real_worker_deaths_get_their_signal_label():
     assert signal_name(aborted.returncode) == "SIGABRT"
     assert signal_name(killed.returncode) == "SIGKILL"
     assert classify_exit(killed.returncode, during_load=True, oom_killed=True).hint == LOAD_OOM_KILL_HINT
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_a_runtime_error_reaches_the_client_as_its_classified_line_and_the_log_whole(name, caplog):
+    """The engine's failure path (Engine.fail_all, what a pipeline exception mid-generation takes) with each
+    recorded runtime text: the client's error frame carries the fault's code and a short line, never the text's
+    source locations or server paths; the worker's log (the journal) keeps the whole text."""
+    from appliance.worker.engines.base import Engine
+    text = (ERRORS / name).read_text().strip()
+    engine = Engine({"device": "GPU"}, channel=None)
+    fault = engine.fail_all([type("Req", (), {"id": 7})()], RuntimeError(text))
+    (sent,) = engine.outbox
+    assert sent["op"] == "error" and sent["id"] == 7 and sent["code"] == fault.code == EXPECTED[name].code
+    for line in text.splitlines():
+        assert line.strip() not in sent["message"]
+    assert ".cpp" not in sent["message"] and "/" not in sent["message"], sent["message"]
+    assert text in caplog.text

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import types
 from pathlib import Path
 
 import pytest
 import yaml
 
-from appliance import ipc
 from appliance.config import load_config
 from appliance.host.faults import OOM_HINT
 from appliance.front.lifecycle import Exit, ExitReason, ModelState
@@ -43,6 +43,16 @@ def supervisor(tmp_path, demo_model, kernel_log, device: str) -> tuple[ModelSupe
     sup = ModelSupervisor(config.models[0], config, metrics, asyncio.Semaphore(1), kernel_log=kernel_log)
     sup.life.enter(ModelState.LOADING)
     return sup, metrics
+
+
+def worker_error_frame(text: str) -> dict:
+    """The error frame a GPU worker's engine sends when genai raises `text` mid-generation (Engine.fail_all: the
+    classified fault and its client line; the text itself stays in the worker's log)."""
+    from appliance.worker.engines.base import Engine
+    engine = Engine({"device": "GPU"}, channel=None)
+    engine.fail_all([types.SimpleNamespace(id=1)], RuntimeError(text))
+    (frame,) = engine.outbox
+    return frame
 
 
 def request_error(sup: ModelSupervisor, frame: dict) -> RequestFailed:
@@ -81,8 +91,7 @@ def test_a_cpu_workers_crash_is_not_blamed_on_a_gpu_reset(tmp_path, demo_model, 
 def test_a_device_oom_next_to_a_gpu_hang_is_a_lost_device_and_ends_the_worker(tmp_path, demo_model, kernel_log):
     log, source = kernel_log
     sup, _ = supervisor(tmp_path, demo_model, log, "GPU")
-    frame = ipc.frame("error", id=1, kind="device_oom", code="device_out_of_memory", hint=OOM_HINT,
-                      message=OCL_OUT_OF_RESOURCES, retryable=False)
+    frame = worker_error_frame(OCL_OUT_OF_RESOURCES)
     plain = request_error(sup, frame)
     assert (plain.status, plain.kind, plain.code, plain.hint) == (500, "device_oom", "device_out_of_memory", OOM_HINT)
     assert sup.life.current.ending is None
@@ -112,8 +121,7 @@ def test_a_reset_on_another_card_leaves_this_gpus_failures_its_own(tmp_path, dem
     log, source = kernel_log
     sup, metrics = supervisor(tmp_path, demo_model, log, "GPU.0")
     sup.life.device_faults.card = CARD0  # what the worker's ready frame reported (device_bdf)
-    frame = ipc.frame("error", id=1, kind="device_oom", code="device_out_of_memory", hint=OOM_HINT,
-                      message=OCL_OUT_OF_RESOURCES, retryable=False)
+    frame = worker_error_frame(OCL_OUT_OF_RESOURCES)
     with open(source, "a") as kmsg:
         kmsg.write(as_kmsg((FIXTURES / "dmesg/xe-b60-vllm55425.txt").read_text(), 50001))
     assert log.gpu_trouble() is not None and log.gpu_trouble().bdf == CARD1  # the reset was seen, on card 1

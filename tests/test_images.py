@@ -113,10 +113,11 @@ def test_a_generation_body_becomes_the_workers_request():
     assert worker["lora"] == [["red", 0.5], ["blue", None]] and worker["guidance_scale"] == 0
     assert worker["partial_images"] == 2 and worker["image"] is None
     assert images.parse(body(partial_images=2)).body()["partial_images"] == 0  # partials are for streams
-    # a served name BASE:ADAPTER (as /v1/models lists adapters) applies its adapter, at the weight lora gives it
-    assert images.parse(body(model="pictures:red")).lora == [("red", None)]
-    assert images.parse(body(model="pictures:red", lora=[{"name": "blue"}, {"name": "red", "weight": 0.3}])).lora \
-        == [("blue", None), ("red", 0.3)]
+    # a served name BASE:ADAPTER (as /v1/models lists adapters; lookup.named_adapter reads it once the model is
+    # found) applies its adapter, at the weight lora gives it
+    assert images.with_named_adapter("red", images.parse(body(model="pictures:red")).lora) == [("red", None)]
+    assert images.with_named_adapter("red", images.parse(body(model="pictures:red", lora=[
+        {"name": "blue"}, {"name": "red", "weight": 0.3}])).lora) == [("blue", None), ("red", 0.3)]
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -297,7 +297,8 @@ def test_next_group_cycles_by_name_and_a_lone_group_keeps_its_turn():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_model, lora_dir):
-    config = {"server": {"api_key_env": KEY_ENV}, "models": [
+    # an Ollama-style alias (a colon, as Open WebUI and Ollama clients name models) to the model with adapters
+    config = {"server": {"api_key_env": KEY_ENV, "model_aliases": {"llama3:*": "demo"}}, "models": [
         model_entry("demo", demo_model, adapters={"upper": str(lora_dir / "upper"), "title": str(lora_dir / "title")},
                     max_adapters=3),
         model_entry("seq", demo_model, pipeline="stateful", adapters={"upper": str(lora_dir / "upper")}),
@@ -339,6 +340,18 @@ def test_interleaved_requests_of_two_adapters_and_the_base_each_get_their_own(se
         expected = in_process(templated, model.partition(":")[2], max_new_tokens=12)
         assert text == expected, (model, prompt, text, expected)
     assert len({text for _, text in answers}) >= 3 * 2  # adapters and prompts both change the words
+
+
+def test_an_alias_with_a_colon_reaches_the_base_model_never_an_adapter(server, in_process):
+    """`llama3:8b` aliased to demo is demo's base: its tag is no adapter "8b" (a 400 "adapter not loaded" before),
+    over chat completions and the Anthropic dialect alike."""
+    status, text = chat(server, "llama3:8b", "hello")
+    assert status == 200, text
+    assert text == in_process("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", BASE, max_new_tokens=12)
+    status, _, body = http("POST", server.base + "/v1/messages", {
+        "model": "llama3:8b", "max_tokens": 12, "messages": [{"role": "user", "content": "hello"}]},
+        headers=server.auth)
+    assert status == 200 and body["content"][0]["text"] == text, body
 
 
 def test_an_unknown_adapter_is_a_404_naming_the_models(server):

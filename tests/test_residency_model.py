@@ -31,15 +31,26 @@ Placement._act_retire, regression test tests/test_speech.py::test_a_speech_playi
 
 With OPENARC_MODEL_TEST_REPLICAS=1 and OPENARC_MODEL_TEST_STEPS=400 (2 cores, shared) the walk found, besides the
 defects fixed with their regression tests (tests/test_on_demand.py: test_a_request_for_an_unloaded_model_during_
-the_stop_...), two that do not reproduce on every run and are open: "BUG: residency invariant: model a: a request
-handle was never closed (its request ended)" after hung-up requests for a while its replicas' workers were SIGSTOPped,
-SIGABRTed and SIGKILLed; and /openarc/status showing a worker pid of a that was no longer alive after the walk
-settled (SIGKILL and SIGABRT of a's workers during speeches unloaded mid-way). The CI walk with model a replicated
-failed once in three runs; hence off in CI.
+the_stop_...), two that did not reproduce on every run. "BUG: residency invariant: model b: a request handle was never
+closed (its request ended)" came from hung-up requests whose model came up as they were cancelled (not from
+replicas: asyncio.wait_for dropped the cancellation, appliance.front.lifecycle.Changes.wait; regression test
+tests/test_lifecycle.py::test_a_waiter_cancelled_as_the_change_comes_ends_cancelled): a replicated walk
+before the fix failed at its 6th run (after 100 steps); three replicated walks after the fix (292, 404 and 409
+steps, 2 shared cores) passed.
+Still open, not met again since: /openarc/status showing a worker pid of a that was no longer alive after the walk
+settled (SIGKILL and SIGABRT of a's workers during speeches unloaded mid-way). Off in CI until that one is found
+or ruled out.
 
 OPENARC_MODEL_TEST_STEPS=N runs about N steps instead (e.g. 2000 for a long run), new random walks each time. A
-failure found here is shrunk by hypothesis and becomes a named regression test (tests/test_on_demand.py:
-test_an_unload_overtaking_a_side_by_side_reload_..., test_an_unload_the_server_stop_...).
+failure found here becomes a named regression test (tests/test_on_demand.py: test_an_unload_overtaking_a_side_by_
+side_reload_..., test_an_unload_the_server_stop_...), written from the failing run's steps (hypothesis prints them)
+and the front's log in the failure.
+
+A walk over real processes does not replay the same under other load: the failure a run found may not come back
+when hypothesis runs the same steps again, or come back at another step. So nothing is shrunk (each shrink is a
+replay, minutes of them, that may pass), and when the replay that reports the failure goes otherwise (hypothesis's
+FlakyFailure: "Inconsistent results from replaying a test case"), the test fails with the failure the walk found,
+not with the replay's inconsistency (a CI run once reported a real BUG line as only "Flaky").
 """
 
 from __future__ import annotations
@@ -60,7 +71,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, Phase, settings, strategies as st
+from hypothesis.errors import FlakyFailure, HypothesisException
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
@@ -389,7 +401,41 @@ def test_random_interleavings_keep_every_worker_owned_and_every_request_answered
     try:
         run_state_machine_as_test(Residency, settings=settings(
             max_examples=max(1, STEPS // STEPS_PER_RUN), stateful_step_count=STEPS_PER_RUN, deadline=None,
-            suppress_health_check=list(HealthCheck), derandomize=DERANDOMIZE, database=None))
+            suppress_health_check=list(HealthCheck), derandomize=DERANDOMIZE, database=None,
+            phases=[Phase.explicit, Phase.generate]))  # no shrinking: see the module's docstring
+    except FlakyFailure as flaky:
+        raise the_finding(flaky) from flaky
     finally:
         print(f"model test: {WALK['steps']} steps in {WALK['runs']} runs; first failure after (steps, runs): "
               f"{WALK['first_failure']}; calls (what, outcome): {sorted(CALLS.items(), key=str)}")
+
+
+def the_finding(flaky: FlakyFailure) -> BaseException:
+    """The failure a walk found, out of hypothesis's report that its replay went otherwise: the first exception in
+    it that is not hypothesis's own (the replay's inconsistency); the report itself if it holds none."""
+    pending = list(flaky.exceptions)
+    while pending:
+        exc = pending.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            pending[:0] = exc.exceptions
+        elif not isinstance(exc, HypothesisException):
+            return exc
+    return flaky
+
+
+def test_a_failure_its_replay_does_not_repeat_is_reported_as_the_walk_found_it():
+    """What the walk above meets under load, on a machine of one rule: a failure at one step of one run that the
+    replay does not meet. Hypothesis reports it as FlakyFailure; the test fails with the finding itself."""
+    calls = iter(range(1000))
+
+    class FailsOnce(RuleBasedStateMachine):
+        @rule()
+        def step(self):
+            assert next(calls) != 3, "found at the walk's fourth step"
+
+    with pytest.raises(FlakyFailure) as info:
+        run_state_machine_as_test(FailsOnce, settings=settings(
+            max_examples=5, stateful_step_count=5, deadline=None, database=None, derandomize=True,
+            phases=[Phase.explicit, Phase.generate]))
+    finding = the_finding(info.value)
+    assert isinstance(finding, AssertionError) and str(finding).startswith("found at the walk's fourth step")

@@ -475,6 +475,8 @@ def load_config(path: os.PathLike | str, checks: list[ModelCheck] = ()) -> Confi
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = " ".join(str(getattr(exc, "problem", None) or exc).split())  # ReaderError has no .problem
         raise ConfigError(f"{path}: not valid YAML{at}: {problem}") from None
+    except RecursionError:  # the reader recurses once per level of nesting
+        raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
     return parse_config(data, str(path), checks)
 
 

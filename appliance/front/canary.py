@@ -100,8 +100,9 @@ class Canary:
         if recorded is None:  # its record was taken out since it loaded
             return None
         try:
-            observed = await asyncio.wait_for(observe(model, router, load_seconds), model.load_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(model.load_timeout_s):  # (not wait_for: appliance.front.lifecycle.Changes.wait)
+                observed = await observe(model, router, load_seconds)
+        except TimeoutError:
             return Difference(ERROR, f"model {model.name}: the probes took longer than load_timeout_s="
                                      f"{model.load_timeout_s:g}")
         except RequestFailed as exc:

@@ -51,19 +51,20 @@ class DeviceFaults:
         """A request's error frame as the client's failure, and the worker's end when the error means its device
         context is gone (a device out-of-memory next to a kernel-logged GPU hang was the hang)."""
         kind, code, hint, retryable = message["kind"], message["code"], message.get("hint"), message["retryable"]
+        text = message["message"]
         trouble = self.trouble() if kind == "device_oom" else None
         end = None
         if trouble:
-            fault = faults.classify_error(message["message"], device=self.model.device,
-                                          pci_family=gpu_family(trouble), gpu_reset_seen=True)
+            fault = faults.after_gpu_reset(faults.Fault(kind, code, hint, retryable), gpu_family(trouble))
             kind, code, hint, retryable = fault.kind, fault.code, fault.hint, fault.retryable
+            text = faults.client_message(fault)
             end = Exit(ExitReason.DEVICE_LOST, detail=describe_gpu_trouble(trouble), hint=hint)
         status = 400 if kind in CLIENT_ERROR_KINDS else 500
         # A fault that a retry on this model may get past (a scheduler out-of-memory, a lost device the restart
         # replaces) tells the client when to try again.
         retry_after = max(1.0, self.model.restart.backoff_initial_s) if retryable else None
         details = {key: message[key] for key in WINDOW_FIELDS if key in message}
-        return RequestFailed(status, kind, message["message"], code, hint, retry_after, details), end
+        return RequestFailed(status, kind, text, code, hint, retry_after, details), end
 
 
 def sole_card() -> str | None:

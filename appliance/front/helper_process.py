@@ -117,7 +117,8 @@ class HelperProcess:
             proc.stdin.write(header)
             proc.stdin.write(data)
             await proc.stdin.drain()
-            return await asyncio.wait_for(proc.stdout.readline(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # (not wait_for: appliance.front.lifecycle.Changes.wait)
+                return await proc.stdout.readline()
         except ConnectionError:
             return b""
         except asyncio.CancelledError:  # the client left mid-decode: its reply must not reach the next request
@@ -137,8 +138,9 @@ class HelperProcess:
         if self._proc is not None and self._proc.returncode is None:
             self._proc.stdin.close()
             try:
-                await asyncio.wait_for(self._proc.wait(), 5)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(5):
+                    await self._proc.wait()
+            except TimeoutError:
                 self._proc.kill()
                 await self._proc.wait()
         self._proc = None

@@ -64,10 +64,18 @@ class Changes:
         self._event = asyncio.Event()
 
     async def wait(self, timeout: float | None) -> bool:
-        """Until the next notify(); False when the timeout passes first."""
+        """Until the next notify(); False when the timeout passes first. A waiter cancelled as the notify comes ends
+        cancelled.
+
+        Why the front's bounded waits use asyncio.timeout, never asyncio.wait_for: on Python 3.11 a wait_for cancelled
+        in the loop iteration its awaitable completes returns the result and drops the cancellation (cpython
+        gh-86296). A streamed request whose client left just as its model came up was cancelled that way: its lookup
+        went on, opened a request handle after the route had ended, and nobody closed it (found by
+        tests/test_residency_model.py)."""
         try:
-            await asyncio.wait_for(self._event.wait(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                await self._event.wait()
+        except TimeoutError:
             return False
         return True
 
@@ -167,8 +175,15 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip()}" if str(exc).strip() else type(exc).__name__
 
 
-def describe_exit(exit: Exit) -> str:
-    """The one-line account of a worker's end, for the log and /openarc/status."""
+# Ends whose detail is another program's text (the worker's report of a load or internal error, an exception, a
+# malformed frame): it can name server paths and the runtime's source files, so a client's error body leaves it out.
+FOREIGN_DETAIL = frozenset({ExitReason.SPAWN_ERROR, ExitReason.PROTOCOL_ERROR, ExitReason.LOAD_ERROR,
+                            ExitReason.WORKER_ERROR, ExitReason.SUPERVISOR_ERROR})
+
+
+def describe_exit(exit: Exit, for_client: bool = False) -> str:
+    """The one-line account of a worker's end, for the log and /openarc/status; `for_client`: as a client's error
+    body says it, without a detail that is another program's text (FOREIGN_DETAIL)."""
     how = faults.signal_name(exit.returncode) if exit.returncode is not None else None
     if exit.reason is ExitReason.CRASH:
         text = f"worker exited: {how}"
@@ -180,4 +195,5 @@ def describe_exit(exit: Exit) -> str:
         text = "the golden-answer check failed (server.canary: gate)"
     else:
         text = f"worker ended: {exit.reason.value}" + (f" ({how})" if how else "")
-    return text + (f": {exit.detail}" if exit.detail else "")
+    shown = exit.detail and not (for_client and exit.reason in FOREIGN_DETAIL)
+    return text + (f": {exit.detail}" if shown else "")

@@ -134,8 +134,7 @@ class Placement(ResidencyBook):
         new = self._new(model, old.name)
         if old.state is not ModelState.FAILED:
             new.life.budget = old.life.budget
-            new.life.last_error, new.life.last_hint = old.life.last_error, old.life.last_hint
-            new.life.last_exit = old.life.last_exit
+            new.life.carry_error(old.life)
         new.life.restarts, new.life.crashes = old.life.restarts, old.life.crashes
         new.life.last_backoff_s = old.life.last_backoff_s
         new.series.draft = old.series.draft  # /openarc/status's draft totals count since the model was configured
@@ -433,7 +432,10 @@ class Placement(ResidencyBook):
             if clock is not None:
                 clock.spawned, clock.ready = sup.life.spawned_at, sup.life.current.ready_at
                 clock.parked, clock.construction = sup.life.parked, sup.life.pipeline_load_seconds
-                if sup.router.first_output is not None or not self.wants.get(sup.name):  # no request waits
+                # no request waits: none wants the model, and none was handed it or opened on it (a waiter handed
+                # the model as it came up has left the wants already: its first output ends the switch)
+                if sup.router.first_output is not None or not (self.wants.get(sup.name)
+                                                               or self.busy(sup, time.monotonic())):
                     self._switch_done(sup)
             return
         self.switches.pop(sup, None)
@@ -444,8 +446,8 @@ class Placement(ResidencyBook):
             return
         backoff = sup.life.last_backoff_s or sup.model.restart.backoff_initial_s
         self._refuse(sup.name, RequestFailed(
-            503, "model_unavailable", f"model {shown(sup.name)} failed to load: {sup.life.last_error}; the next load is tried "
-            f"after {backoff:g}s", hint=sup.life.last_hint, retry_after=max(1.0, backoff)), retry_s=backoff)
+            503, "model_unavailable", f"model {shown(sup.name)} failed to load: {sup.life.last_error_shown}; the next "
+            f"load is tried after {backoff:g}s", hint=sup.life.last_hint, retry_after=max(1.0, backoff)), retry_s=backoff)
         self.send(sup.name, Event.REFUSED, why="its load failed", drain_s=0)
 
     def _switch_done(self, sup: ModelSupervisor) -> None:
@@ -504,8 +506,9 @@ class Placement(ResidencyBook):
         graces = [at + HANDOFF_GRACE_S - now for sup in self.models.values() for at in sup.router.handouts.values()
                   if at + HANDOFF_GRACE_S > now]
         timeout = min([t for t in (plan.recheck_s, *graces) if t is not None], default=None)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.replan.wait(), timeout)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):  # (not wait_for: lifecycle.Changes.wait says why)
+                await self.replan.wait()
 
     # --- invariants, status and stop ---------------------------------------------------------------------------
 

@@ -84,10 +84,11 @@ class Appliance:
             parts.append(part)
         return ("draining; " if self.draining else "") + "; ".join(parts)
 
-    def trigger_reason(self) -> str | None:
-        """Why this service can no longer serve (/health says it), or None."""
+    def trigger_reason(self, names: bool = True) -> str | None:
+        """Why this service can no longer serve (/health says it), or None; `names`: with each model's state and last
+        error (the journal's and the watchdog's; not /health's when keys are configured: a probe carries no key)."""
         if self.supervisor.all_failed():
-            return "every model of this service is failed: " + self.status_line()
+            return "every model of this service is failed" + (": " + self.status_line() if names else "")
         return None
 
     def restart_reason(self) -> str | None:
@@ -117,8 +118,8 @@ class Appliance:
         """The watchdog pings while this holds; /health fails on its reason, and on a trigger_reason() too."""
         return self._broken() is None
 
-    def unhealthy_reason(self) -> str | None:
-        return self._broken() or self.trigger_reason()
+    def unhealthy_reason(self, names: bool = True) -> str | None:
+        return self._broken() or self.trigger_reason(names)
 
     def _broken(self) -> str | None:
         if not self.loop_health.healthy():
@@ -170,8 +171,9 @@ class Appliance:
             # failed, and podman auto-update rolls the image back.
             log.error("%s", refused)
             self.notifier.status(refused)
-            with contextlib.suppress(asyncio.TimeoutError):  # SIGTERM ends the wait
-                await asyncio.wait_for(stop.wait(), CANARY_LINGER_S)
+            with contextlib.suppress(TimeoutError):  # SIGTERM ends the wait
+                async with asyncio.timeout(CANARY_LINGER_S):
+                    await stop.wait()
             status = CANARY_EXIT
         elif self.supervisor.all_failed():
             # Not READY: the start fails, and the journal says why, instead of a "running" unit that serves nothing.

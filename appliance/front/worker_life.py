@@ -82,7 +82,9 @@ class WorkerLife:
         self.budget = RestartBudget(model.restart)
         self.restarts = 0
         self.crashes = 0
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # the operator's: the log and /openarc/status
+        # the same as a client's error body says it: without the worker's own text (describe_exit)
+        self.last_error_shown: str | None = None
         self.last_hint: str | None = None
         self.last_exit: Exit | None = None
         self.load_seconds: float | None = None  # the worker's own measure of its last load
@@ -111,10 +113,17 @@ class WorkerLife:
     def stopping(self) -> bool:
         return self.stop_requested.is_set()
 
-    def enter(self, state: ModelState, error: str | None = None, hint: str | None = None) -> None:
+    def enter(self, state: ModelState, error: str | None = None, hint: str | None = None,
+              shown: str | None = None) -> None:
+        """Enter `state`, with the error that brought it (`shown`: as a client reads it, if not the same)."""
         if error is not None:
-            self.last_error, self.last_hint = error, hint
+            self.last_error, self.last_error_shown, self.last_hint = error, shown or error, hint
         self.lifecycle.enter(state)
+
+    def carry_error(self, old: WorkerLife) -> None:
+        """The last error of the life this one follows under its name (appliance.front.placement)."""
+        self.last_error, self.last_error_shown, self.last_hint = old.last_error, old.last_error_shown, old.last_hint
+        self.last_exit = old.last_exit
 
     def _state_changed(self, old: ModelState, new: ModelState) -> None:
         """Every state change, once: the log line here, gauges and waiters in `on_state`."""
@@ -135,7 +144,8 @@ class WorkerLife:
     def unavailable(self) -> RequestFailed:
         """Why a request cannot be admitted now."""
         if self.state is ModelState.FAILED:
-            return RequestFailed(503, "model_failed", f"model {shown(self.name)} is failed: {self.last_error}", hint=self.last_hint)
+            return RequestFailed(503, "model_failed", f"model {shown(self.name)} is failed: {self.last_error_shown}",
+                                 hint=self.last_hint)
         if self.stopping:
             return self._unloading()
         return RequestFailed(503, "model_unavailable", f"model {shown(self.name)} is {self.state.value}; retry shortly",
@@ -168,8 +178,9 @@ class WorkerLife:
         self.stop_requested.set()
         if self.state is not ModelState.STOPPED:
             self.enter(ModelState.DRAINING)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.router.idle.wait(), drain_timeout_s)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(drain_timeout_s):  # (not wait_for: lifecycle.Changes.wait says why)
+                await self.router.idle.wait()
         self.drained = True
         self.router.fail_all(self._unloading())
         if self.current.process:
@@ -197,8 +208,9 @@ class WorkerLife:
             backoff = self._on_exit(await self._one_life())
             if backoff is None or self.stopping:
                 return
-            with contextlib.suppress(asyncio.TimeoutError):  # the backoff, cut short by a stop
-                await asyncio.wait_for(self.stop_requested.wait(), backoff)
+            with contextlib.suppress(TimeoutError):  # the backoff, cut short by a stop
+                async with asyncio.timeout(backoff):
+                    await self.stop_requested.wait()
             if self.stopping:
                 return
             self.restarts += 1
@@ -248,8 +260,9 @@ class WorkerLife:
             self.end_worker(Exit(ExitReason.STOPPED))
             return False
         try:
-            message = await asyncio.wait_for(self.current.process.channel.recv(), self.model.load_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.model.load_timeout_s):  # (not wait_for: lifecycle.Changes.wait says why)
+                message = await self.current.process.channel.recv()
+        except TimeoutError:
             self.end_worker(Exit(ExitReason.LOAD_TIMEOUT,
                                  detail=f"model load took longer than load_timeout_s={self.model.load_timeout_s:g}"))
             return False
@@ -384,7 +397,7 @@ class WorkerLife:
             log.info("model %s: worker ended (%s)", self.name, exit.reason.value)
             return None
         if exit.reason in FINAL_REASONS:  # a restart would answer the same: refused until a reload
-            self.enter(ModelState.FAILED, describe_exit(exit))
+            self.enter(ModelState.FAILED, describe_exit(exit), shown=describe_exit(exit, for_client=True))
             return None
         fault = faults.classify_exit(exit.returncode or 0, during_load=not exit.ever_ready,
                                      oom_killed=exit.reason is ExitReason.OOM_KILL)
@@ -396,11 +409,13 @@ class WorkerLife:
         else:
             hint = exit.hint
         self.last_error, self.last_hint = describe_exit(exit), hint
+        self.last_error_shown = describe_exit(exit, for_client=True)
         log.error("model %s: %s%s", self.name, self.last_error, f" (hint: {hint})" if hint else "")
         backoff = self.budget.record_failure(time.monotonic(), exit.served_s)
         if backoff is None:
-            self.enter(ModelState.FAILED, f"restart budget used up ({self.model.restart.max_failures} failures "
-                                          f"within {self.model.restart.window_s:g}s); last: {self.last_error}", hint)
+            used_up = (f"restart budget used up ({self.model.restart.max_failures} failures "
+                       f"within {self.model.restart.window_s:g}s); last: ")
+            self.enter(ModelState.FAILED, used_up + self.last_error, hint, shown=used_up + self.last_error_shown)
             if not exit.ever_ready and self.canary and self.canary.wants(self.model):  # it never got to its check
                 self.canary.judge(self.name, Difference(LOAD, f"model {shown(self.name)} did not load: {self.last_error}"))
             return None

@@ -67,8 +67,9 @@ class WorkerProcess:
 
     async def reap(self) -> int:
         try:
-            return await asyncio.wait_for(self.proc.wait(), SHUTDOWN_GRACE_S)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(SHUTDOWN_GRACE_S):  # (not wait_for: lifecycle.Changes.wait says why)
+                return await self.proc.wait()
+        except TimeoutError:
             self.signal(signal.SIGKILL)
             return await self.proc.wait()
         finally:

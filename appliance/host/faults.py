@@ -126,11 +126,38 @@ def _fault_from(fault: Fault, match: re.Match, device: str, pci_family: str | No
     return replace(fault, hint=hint and hint.format_map({"device": device, **match.groupdict()}))
 
 
+def after_gpu_reset(fault: Fault, pci_family: str | None = None) -> Fault:
+    """A fault the worker classified, as it reads next to a kernel-logged hang or reset of its card (a device
+    out-of-memory was the reset), with the card family's hint: judged by the fault, not by the runtime's text, which
+    the worker keeps to its log."""
+    fault = _after_reset(fault)
+    return replace(fault, hint=fault.hint or _FAMILY_HINTS.get((pci_family, fault.kind)))
+
+
 def _after_reset(fault: Fault) -> Fault:
     """An out-of-memory error next to a kernel-logged reset of the same card was the reset."""
     if fault.kind != "device_oom":
         return fault
     return replace(fault, kind="device_lost", code="device_lost", hint=None, retryable=True)
+
+
+# What a client is told of a runtime fault, by its code: the runtime's own text starts with the C++ source
+# locations of its build ("Exception from src/cpp/src/...hpp:148:") and may name server paths, so it goes to the
+# worker's log (the journal) in full and the client gets the classified line; hints are sent as they are.
+_CLIENT_MESSAGES = {
+    "device_out_of_memory": "the device ran out of memory running this request",
+    "device_lost": "the model's device was lost (a GPU reset); the model is restarted",
+    "scheduler_out_of_memory": "the model's KV cache is out of memory for this request now (a shorter one may fit)",
+    "gpu_runtime_missing": "the GPU runtime is missing on the server",
+    "invalid_device": "the model's device is misconfigured on the server",
+    "context_length_exceeded": "the prompt and the answer's limit do not fit in the model's context window",
+}
+INTERNAL_MESSAGE = "internal error in the model's worker (the server's log has the details)"
+
+
+def client_message(fault: Fault) -> str:
+    """The error body's message for a fault classified from a runtime's exception (never the exception's text)."""
+    return _CLIENT_MESSAGES.get(fault.code, INTERNAL_MESSAGE)
 
 
 # The worker's exit status after its device was lost (EX_TEMPFAIL): restart it with a fresh device context.

@@ -125,7 +125,7 @@ def fail_loudly(channel: BlockingChannel, thread: str, exc: BaseException, engin
     try:
         if engine is not None:
             for request_id in engine.live_request_ids():
-                engine.fail(request_id, INTERNAL, message)
+                engine.fail(request_id, INTERNAL, faults.client_message(INTERNAL))  # the text is the log's
             engine.flush()
         channel.send(frame("fatal", kind=INTERNAL.kind, message=message))
     except Exception as report_exc:  # the front still sees EOF and our exit status

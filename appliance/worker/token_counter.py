@@ -40,9 +40,11 @@ class Counter:
         try:
             prompts = self.model(spec)
         except Exception as exc:  # no tokenizer files there (a model directory deleted under a running server)
+            # the path and the runtime's text are the operator's (the log): a client learns no server path
+            log.error("the tokenizer of model %s cannot be loaded from %s: %s", spec["name"], spec["path"],
+                      str(exc).strip() or type(exc).__name__)
             return frame("error", id=0, kind="model_unavailable", code="model_unavailable", hint=None,
-                         message=f"the tokenizer of model {spec['name']} cannot be loaded from {spec['path']}: "
-                                 f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}",
+                         message=f"the tokenizer of model {spec['name']} cannot be loaded (the server's log says why)",
                          retryable=True)
         if request.get("check"):  # a generate frame's window check (appliance.front.api.stream_start)
             return prompts.check(0, request["body"])

@@ -14,7 +14,7 @@ from typing import Any
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import MAX_ANSWER_LIMIT, json_object, model_name, number, utf8
 from appliance.front.api.images import Content, content_text
-from appliance.front.api.lookup import adapter_name
+from appliance.front.api.lookup import named_adapter
 from appliance.front.api.sampling import sampling_params
 from appliance.front.api.structured import constraint
 from appliance.front.api.tools import ToolRequest, assistant_tool_calls, name_tool_results, parse_tools
@@ -41,20 +41,21 @@ class GenerationRequest:
     images: list[dict[str, Any]] = field(default_factory=list)  # their pixel files, once resolved for the model
     ignored_inputs: list[str] = field(default_factory=list)  # types of the input items / blocks skipped (counted)
 
-    def frames(self) -> list[dict[str, Any]]:
+    def frames(self, sup=None) -> list[dict[str, Any]]:
         """One generate frame per choice: `n` choices are `n` requests batched together (genai's
         num_return_sequences would give n sequences of one request, which the stream and stop-sequence handling
         of one sequence per request do not follow). A seeded request gives choice i the seed + i."""
         frames = []
         for i in range(self.n):
-            frame = self.frame()
+            frame = self.frame(sup)
             if self.params.get("seed") is not None:
                 frame["params"] = {**self.params, "seed": (self.params["seed"] + i) % (1 << 32)}
             frames.append(frame)
         return frames
 
-    def frame(self) -> dict[str, Any]:
-        """The generate frame for the worker (the supervisor adds the id)."""
+    def frame(self, sup=None) -> dict[str, Any]:
+        """The generate frame for the worker (the supervisor adds the id); `sup`: the model's supervisor the lookup
+        found, which says whether the request's name picks one of its LoRA adapters (lookup.named_adapter)."""
         if self.kind == "chat":
             body = {"messages": self.messages, "tools": self.tools.tools if self.tools.active else [],
                     "template_kwargs": self.template_kwargs}
@@ -62,7 +63,7 @@ class GenerationRequest:
             body = {"prompt": self.prompt}
         if self.images:
             body["images"] = self.images
-        _, adapter = adapter_name(self.model)  # (the lookup found the model serves it)
+        adapter = named_adapter(sup, self.model) if sup is not None else ""
         if adapter:
             body["adapter"] = adapter
         return {"kind": self.kind, "params": self.params, "stream": self.stream, "constraint": self.constraint, **body}

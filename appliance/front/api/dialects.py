@@ -121,7 +121,7 @@ class DialectRoute:
             model = sup or await lookup.model_for(self.appliance, gen.model, call, GENERATIVE_KINDS)
             answer = answer_parser(model, gen)
             note_constraint(call, self.appliance.metrics, gen)
-            opened.append((model, model.open(gen.frame(), reserved=place is not None and place.hand_over())))
+            opened.append((model, model.open(gen.frame(model), reserved=place is not None and place.hand_over())))
             events = model.events(opened[0][1])
             return answer, events, await sse.next_event(events)
 

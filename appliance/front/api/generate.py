@@ -154,7 +154,7 @@ class GenerationRoutes:
         admitted (queue full), none is."""
         handles = []
         try:
-            for frame in req.frames():
+            for frame in req.frames(sup):
                 handles.append(sup.open(frame, reserved=place is not None and place.hand_over()))
         except RequestFailed:
             for handle in handles:

@@ -47,7 +47,7 @@ class HealthRoutes:
         """Liveness, meaning what the systemd watchdog means: 503 once this service can no longer serve (every
         model failed, a supervising task dead, the event loop wedged), so a kubelet or podman restarts it as
         systemd would; a worker that crashes and restarts is the front's business and keeps it 200."""
-        reason = self.appliance.unhealthy_reason()
+        reason = self.appliance.unhealthy_reason(names=not self.appliance.keys)  # no key, no model name (as /ready)
         if reason:
             return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
         return web.json_response({"status": "ok"})

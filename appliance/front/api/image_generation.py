@@ -137,7 +137,7 @@ def parse(body: Any, edit: bool = False) -> ImageRequest:
         negative_prompt=negative or None,
         steps=fields.number(body, "num_inference_steps", 1, 10_000, integer=True),
         guidance_scale=fields.number(body, "guidance_scale", 0.0, 100.0), strength=strength,
-        lora=with_named_adapter(model, parse_lora(body.get("lora"))), edit=edit)
+        lora=parse_lora(body.get("lora")), edit=edit)
 
 
 def _response_format(value: Any) -> None:
@@ -184,10 +184,10 @@ def parse_lora(value: Any) -> list[tuple[str, float | None]]:
     return found
 
 
-def with_named_adapter(model: str, lora: list[tuple[str, float | None]]) -> list[tuple[str, float | None]]:
+def with_named_adapter(adapter: str, lora: list[tuple[str, float | None]]) -> list[tuple[str, float | None]]:
     """`lora` with the adapter a served name BASE:ADAPTER picks (/v1/models lists each adapter so, as for chat
-    models) first, at its configured alpha, unless `lora` names it with a weight of its own."""
-    adapter = lookup.adapter_name(model)[1]
+    models; lookup.named_adapter reads it once the model is found) first, at its configured alpha, unless `lora`
+    names it with a weight of its own."""
     if not adapter or any(name == adapter for name, _ in lora):
         return lora
     return [(adapter, None), *lora]
@@ -286,6 +286,7 @@ class ImageRoutes(UploadRoutes):
         call.label(body)
         req = parse(body)
         sup = await lookup.model_for(self.appliance, req.model, call, (KIND,))
+        req.lora = with_named_adapter(lookup.named_adapter(sup, req.model), req.lora)
         check_limits(req, sup.model)
         frame = {"kind": KIND, "body": req.body(model=sup.model)}
         return await self._run(request, call, sup, req, frame, False)
@@ -298,6 +299,7 @@ class ImageRoutes(UploadRoutes):
             call.label(form.fields)
             req = parse(form_values(form.fields), edit=True)
             sup = await upload.admit(req.model)
+            req.lora = with_named_adapter(lookup.named_adapter(sup, req.model), req.lora)
             check_limits(req, sup.model)
             images = form.files.get("image", []) + form.files.get("image[]", [])
             if len(images) != 1:

@@ -33,6 +33,14 @@ def configured_name(appliance: ServerView, name: str) -> str | None:
     return appliance.config.server.alias_target(name)
 
 
+def named_adapter(sup, name: str) -> str:
+    """The LoRA adapter a request's model name picks on the model the lookup found for it (`sup`): ADAPTER of a
+    name BASE:ADAPTER whose model serves it, as configured_name reads it; "" for any other name: the model's own,
+    or an alias, a colon in it or not (Ollama's "llama3:8b" aliased to a model is no adapter "8b")."""
+    base, adapter = adapter_name(name)
+    return adapter if adapter and base == sup.model.name and adapter in served_adapters(sup) else ""
+
+
 ADAPTER_SEPARATOR = rules.ADAPTER_SEPARATOR
 
 
@@ -59,7 +67,7 @@ async def model_for(appliance: ServerView, name: str, call, kinds: tuple[str, ..
     sup = model_served(appliance, name, call, kinds)
     target = sup.model.name
     task_model = sup.model.task_model
-    adapter = adapter_name(name)[1]  # an adapter's answer is its own: never the task model's
+    adapter = named_adapter(sup, name)  # an adapter's answer is its own: never the task model's
     if call.is_background and task_model and not adapter and appliance.supervisor.get(task_model) \
             and call.may_use(task_model):
         target = task_model  # (a key kept off the task model is answered by the model it named)

@@ -32,8 +32,8 @@ class ServerView(Protocol):
     # route takes a ServerView): counts, and the window checks of waiting streams
     prompt_counter: Any
 
-    def unhealthy_reason(self) -> str | None:
-        """Why /health fails (None: healthy)."""
+    def unhealthy_reason(self, names: bool = True) -> str | None:
+        """Why /health fails (None: healthy); `names`: naming the models and their errors."""
 
     def not_ready_reason(self) -> str | None:
         """Why /ready fails beside the models' states: the canary (None: no such reason)."""

@@ -142,11 +142,13 @@ class Engine:
         return faults.classify_error(message, device=self.spec["device"], pci_family=self.pci_family)
 
     def fail_all(self, requests: list, exc: BaseException) -> faults.Fault:
+        """Fail `requests` with the runtime's exception, classified: its whole text to the log, the classified
+        line to the clients (faults.client_message)."""
         message = str(exc).strip() or type(exc).__name__
         fault = self.classify(message)
-        log.error("generation failed (%s): %s%s", fault.kind, message.splitlines()[-1], fault.hint_suffix)
+        log.error("generation failed (%s): %s%s", fault.kind, message, fault.hint_suffix)
         for req in requests:
-            self.fail(req.id, fault, message)
+            self.fail(req.id, fault, faults.client_message(fault))
         return fault
 
     def live_request_ids(self) -> list[int]:

@@ -176,3 +176,24 @@ def test_a_runtime_error_reaches_the_client_as_its_classified_line_and_the_log_w
         assert line.strip() not in sent["message"]
     assert ".cpp" not in sent["message"] and "/" not in sent["message"], sent["message"]
     assert text in caplog.text
+
+
+def test_a_tokenizer_error_reaches_the_client_as_its_classified_line_and_the_log_whole(caplog):
+    """A prompt the tokenizer fails on (Prompts.prompt): the request's refusal carries the fault's short line, never
+    the runtime's text with its source files and server paths; the log keeps it whole. (The tokenizer's encode is a
+    stand-in that raises: the demo's real tokenizer takes any text.)"""
+    from appliance.worker.engines.base import Engine
+    from appliance.worker.prompt import Prompts, Refused
+    text = ("Exception from src/core/src/runtime/tokenizer.cpp:201:\n"
+            "Check 'ok' failed: cannot read /var/lib/openarc/models/secret/openvino_tokenizer.xml")
+
+    class Failing:
+        def encode(self, *args, **kwargs):
+            raise RuntimeError(text)
+    prompts = Prompts.__new__(Prompts)
+    prompts.tokenizer, prompts.classify = Failing(), Engine({"device": "CPU"}, channel=None).classify
+    with pytest.raises(Refused) as refused:
+        prompts.prompt({"kind": "completion", "prompt": "hi"})
+    sent = refused.value.frame(3)
+    assert sent["op"] == "error" and ".cpp" not in sent["message"] and "/" not in sent["message"], sent
+    assert text in caplog.text

@@ -84,8 +84,10 @@ class Prompts:
         try:
             input_ids = self.tokenizer.encode(text, add_special_tokens=message["kind"] != "chat").input_ids
             return input_ids, prefix, thinking, text
-        except Exception as exc:  # a tokenizer error belongs to this request only
-            raise Refused(self.classify(str(exc)), str(exc)) from None
+        except Exception as exc:  # a tokenizer error belongs to this request only: its classified line to the client,
+            fault = self.classify(str(exc))  # the runtime's whole text (source files, paths) to the log
+            log.error("tokenizing a prompt failed (%s): %s", fault.kind, exc)
+            raise Refused(fault, faults.client_message(fault)) from None
 
     def count(self, request_id: int, body: dict[str, Any]) -> dict[str, Any]:
         """The reply frame to a `request` op that counts a conversation (/v1/messages/count_tokens: a chat

@@ -58,8 +58,9 @@ OPS: dict[str, Op] = {
                  "(tool_parser, reasoning_parser), the PCI address of its GPU (to match kernel-logged resets to "
                  "the card), and whether the load came from the compiled-model cache or compiled "
                  "(appliance.host.compile_cache.load_source)"),
-    "fatal": _op("worker", "kind message", "hint",
-                 "the worker cannot go on (a load error, or an internal error after loading) and exits"),
+    "fatal": _op("worker", "kind message", "hint public",
+                 "the worker cannot go on (a load error, or an internal error after loading) and exits; public: "
+                 "the message is openarc's own words (a client's error body may carry it; a runtime's text never)"),
     "tokens": _op("worker", "id text n", "logprobs prompt_tokens cached_tokens max_tokens",
                   "new text of a request, how many tokens it took, and their [text, logprob] if asked for; the "
                   "first also the prompt's tokens, how many of them the prefix cache served, and the answer's "

@@ -148,6 +148,7 @@ class Exit:
     hint: str | None = None        # a known-issue hint for the log and /openarc/status
     ever_ready: bool = False
     served_s: float = 0.0          # time from ready to the end
+    public: bool = False           # the detail is openarc's own words (the worker said so), shown to clients too
 
 
 class RestartBudget:
@@ -195,5 +196,5 @@ def describe_exit(exit: Exit, for_client: bool = False) -> str:
         text = "the golden-answer check failed (server.canary: gate)"
     else:
         text = f"worker ended: {exit.reason.value}" + (f" ({how})" if how else "")
-    shown = exit.detail and not (for_client and exit.reason in FOREIGN_DETAIL)
+    shown = exit.detail and not (for_client and exit.reason in FOREIGN_DETAIL and not exit.public)
     return text + (f": {exit.detail}" if shown else "")

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from appliance.config import ModelConfig
@@ -274,7 +274,7 @@ class WorkerLife:
             return False  # it died while loading: _reap() tells how
         if message["op"] == "fatal":  # the worker says why it cannot load, then exits
             self.end_worker(Exit(ExitReason.LOAD_ERROR, detail=f"{message['kind']}: {message['message']}",
-                                 hint=message.get("hint")), kill=False)
+                                 hint=message.get("hint"), public=bool(message.get("public"))), kill=False)
             return False
         if message["op"] != "ready":
             self.end_worker(Exit(ExitReason.PROTOCOL_ERROR, detail=f"the worker sent {message['op']!r} before 'ready'"))
@@ -376,7 +376,8 @@ class WorkerLife:
         self.current = CurrentWorker()
         served = time.monotonic() - current.ready_at if current.ready_at is not None else 0.0
         ending = current.ending or self.unasked_exit(current.process, returncode)
-        return Exit(ending.reason, returncode, ending.detail, ending.hint, current.ready_at is not None, served)
+        return replace(ending, returncode=returncode, ever_ready=current.ready_at is not None,
+                                   served_s=served)
 
     def unasked_exit(self, process: WorkerProcess | None, returncode: int | None) -> Exit:
         """Nobody in the front asked this worker to go: its exit status, its memory cgroup's OOM counter and the

@@ -173,7 +173,9 @@ def refuse_unproven_split(channel: BlockingChannel, spec: dict) -> None:
         log.info("%s", result.evidence)
         return
     log.error("%s", result.evidence)
-    channel.send(frame("fatal", kind="split_refused", hint=SPLIT_HINT, message=result.evidence))
+    # public: the evidence is openarc's own words (devices and answers compared), a client's to read; a runtime's
+    # text is not (its source files, server paths)
+    channel.send(frame("fatal", kind="split_refused", hint=SPLIT_HINT, message=result.evidence, public=True))
     os._exit(EXIT_LOAD_FAILED)
 
 

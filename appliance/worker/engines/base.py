@@ -164,12 +164,28 @@ class Engine:
             raise InjectedFault(f"{RAISE_AFTER_STEPS_ENV}={self.raise_after_steps} reached")
 
 
-class InvalidInput(ValueError):
+class OwnWords(Exception):
+    """A request's failure that the worker found itself and says in openarc's own words: its fault, and a message
+    the client's error body carries as it is (a runtime's exception text never does: Engine.fail_all)."""
+
+    def __init__(self, message: str, fault: faults.Fault):
+        super().__init__(message)
+        self.fault = fault
+
+
+class InvalidInput(OwnWords, ValueError):
     """Input the worker refuses as the client's to fix (too long, too many, undecodable): a 400 for that request."""
 
     def __init__(self, message: str, code: str = "invalid_request"):
-        super().__init__(message)
-        self.fault = faults.Fault("invalid_request", code, None, False)
+        super().__init__(message, faults.Fault("invalid_request", code, None, False))
+
+
+class UnusableOutput(OwnWords):
+    """What the model computed cannot be answered (NaN or infinity where a client parses numbers): a 500 for that
+    request, saying so; the worker goes on serving."""
+
+    def __init__(self, message: str):
+        super().__init__(message, faults.Fault("internal", "internal_error", None, False))
 
 
 class ResultEngine(Engine):
@@ -225,7 +241,7 @@ class ResultEngine(Engine):
         self.current = message
         try:
             result, counts = self.answer(message["body"])
-        except InvalidInput as exc:
+        except OwnWords as exc:
             self.fail(message["id"], exc.fault, str(exc))
         except InjectedFault:
             raise  # the test knob proves that an engine-thread exception fails the worker loudly

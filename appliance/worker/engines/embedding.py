@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from appliance.worker.engines.base import InvalidInput, ResultEngine
+from appliance.worker.engines.base import InvalidInput, ResultEngine, UnusableOutput
 
 # Inputs per pipeline call: padding to the longest of a batch is paid by all of it, and a progress frame between
 # batches keeps a long request clear of the stall timer.
@@ -110,7 +110,7 @@ class EmbeddingEngine(ResultEngine):
             matrix = matrix[:, :dimensions]
             matrix /= np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
         if not np.isfinite(matrix).all():  # a broken model: no client can parse NaN, and base64 would hide it
-            raise ValueError("the model returned non-finite values (NaN or infinity)")
+            raise UnusableOutput("the model returned non-finite values (NaN or infinity)")
         embeddings = [encode(row) for row in matrix] if body.get("encoding_format") == "base64" else [
             json.dumps(row.tolist()) for row in matrix]
         return {"embeddings": embeddings}, {"prompt_tokens": sum(min(count, self.limit) for count in counts),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from appliance.worker.engines.base import ResultEngine
+from appliance.worker.engines.base import ResultEngine, UnusableOutput
 from appliance.worker.engines.embedding import check_token_limit, input_token_limit, token_counts
 
 BATCH_SIZE = 32  # documents per pipeline call (see embedding.BATCH_SIZE)
@@ -37,5 +37,5 @@ class RerankEngine(ResultEngine):
             for index, score in self.pipe.rerank(query, batch):
                 scores[start + index] = float(score)
         if not all(math.isfinite(score) for score in scores):  # a broken model: no client can parse NaN
-            raise ValueError("the model returned non-finite scores (NaN or infinity)")
+            raise UnusableOutput("the model returned non-finite scores (NaN or infinity)")
         return {"scores": scores}, {"prompt_tokens": sum(min(count, self.limit) for count in counts)}

@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from appliance.demo.catalog import image_adapter_path
 from appliance.demo.image import ADAPTER_PATH, PALETTE, WORDS
+from conftest import wait_until
 
 RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
 
@@ -131,6 +132,9 @@ def test_size_and_steps_are_honoured_with_a_callback_per_step(pipes):
         picture = draw(pipes["text"], "blue", width=96, height=48, num_inference_steps=steps, **base(pipes),
                        callback=lambda step, total, latent: calls.append((step, total, tuple(latent.shape))) or False)
         assert picture.shape == (48, 96, 3) and flat(picture, BLUE)
+        # seen once in a loaded `make test`: 6 of the 7 calls when the picture was read, not reproduced in 300 quiet
+        # runs; if genai's last callback lands after generate() returns, wait for it (bounded): a missing one fails
+        wait_until(lambda: len(calls) >= steps, 10, f"{steps} callbacks")
         assert calls == [(step, steps, (1, 4, 6, 12)) for step in range(steps)]
 
 

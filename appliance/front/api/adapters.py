@@ -141,16 +141,24 @@ def path_problem(sup, path: str) -> str | None:
 
 
 async def loads_ended(supervisor, model: str) -> list:
-    """The model's units once none of them is loading, waited for up to the model's ready_wait_s as a request
-    waits for a load: a replica still loading when the first one serves (the start of a replicated model; /ready
-    answers then) started with the adapters of before, so a load waits for its load to end; past the wait,
-    on_every_unit refuses it with a 503 to retry."""
+    """The model's units once none of them is loading or being replaced by a reload, waited for up to the model's
+    ready_wait_s as a request waits for a load: a replica still loading when the first one serves (the start of a
+    replicated model; /ready answers then) started with the adapters of before, and so did the new worker a reload
+    loads beside a unit (replicas are replaced one by one: for a while the first one's new worker serves while the
+    second one's loads), so a change waits for those loads to end; past the wait, it is refused with a 503 to retry
+    (a replica loading: by on_every_unit)."""
     loop = asyncio.get_running_loop()
     units = supervisor.units_of(model)
     deadline = loop.time() + (units[0].model.ready_wait_s if units else 0)
-    while any(unit.state is ModelState.LOADING for unit in units) and deadline > loop.time():
+    def settling() -> list:
+        return [unit for unit in units if unit.state is ModelState.LOADING or supervisor.replacing(unit.name)]
+    while settling() and deadline > loop.time():
         await supervisor.changes.wait(deadline - loop.time())
         units = supervisor.units_of(model)
+    replaced = [shown(unit.name) for unit in units if supervisor.replacing(unit.name)]
+    if replaced:
+        raise RequestFailed(503, "model_unavailable", f"a reload is replacing the model ({', '.join(replaced)}); "
+                            "change its adapters once it is done", retry_after=5)
     return units
 
 

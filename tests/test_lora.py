@@ -710,3 +710,30 @@ def test_an_adapter_change_that_a_reload_overtakes_is_refused_not_lost(appliance
     assert http("POST", app.base + "/openarc/models/lo/adapters",
                 {"name": "t", "path": str(lora_dir / "title")})[0] == 201  # asked again, it loads
     assert http("POST", app.base + "/v1/chat/completions", {**ask, "model": "lo:t"})[0] == 200
+
+
+def test_an_adapter_load_that_a_model_unload_overtakes_is_served_at_the_next_load(appliance_factory, demo_model,
+                                                                                   lora_dir):
+    """A model unloaded while an adapter loads into it: the adapter is written to what its next workers start with
+    (kept across unloads: docs/lora.md), so the load succeeded, and its answer must say so. It was a 503 'replaced by
+    a reload ... change them again' (its check took any new supervisor for a reload's), and the retry a 409."""
+    app = appliance_factory({"models": [model_entry("lo", demo_model, adapters={"upper": str(lora_dir / "upper")},
+                                                    max_adapters=3)]})
+    old = app.worker_pid("lo")
+    os.kill(old, signal.SIGSTOP)  # the load's ask waits in it while the model is unloaded
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            load = pool.submit(http, "POST", app.base + "/openarc/models/lo/adapters",
+                               {"name": "t", "path": str(lora_dir / "title")}, timeout=120)
+            wait_until(lambda: app.model_status("lo")["requests_running"], 30, "the load asking the worker")
+            unload = pool.submit(http, "POST", app.base + "/openarc/models/lo/unload", timeout=120)
+            wait_until(lambda: app.model_status("lo")["state"] == "unloaded", 30, "the model unloaded")
+            os.kill(old, signal.SIGCONT)
+            status, _, body = load.result(120)
+            assert unload.result(120)[0] == 200
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (once continued, it may have ended: the unload's drain)
+            os.kill(old, signal.SIGCONT)
+    assert status == 201, (status, body)
+    ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    assert http("POST", app.base + "/v1/chat/completions", {**ask, "model": "lo:t"}, timeout=120)[0] == 200

@@ -78,8 +78,10 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
     def still_served_by(model: str, units: list) -> None:
         """A reload that replaced the model while its adapters changed (its config changed: its new workers serve
         the config's adapters, docs/lora.md) made the change to the replaced model: a 503 saying so, not a 2xx for
-        a change no worker has."""
-        if appliance.supervisor.units_of(model) != units:
+        a change no worker has. Known by the adapters its units now start from, not by the units: a model unloaded
+        meanwhile (or a worker's restart) has new supervisors that start from the same adapters, the change's."""
+        changed = {id(lookup.served_adapters(unit)) for unit in units}
+        if any(id(lookup.served_adapters(unit)) not in changed for unit in appliance.supervisor.units_of(model)):
             raise RequestFailed(503, "model_unavailable", f"the model '{model}' was replaced by a reload while its "
                                 "adapters changed; it serves its config's adapters now: change them again",
                                 retry_after=1)

@@ -737,3 +737,24 @@ def test_an_adapter_load_that_a_model_unload_overtakes_is_served_at_the_next_loa
     assert status == 201, (status, body)
     ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
     assert http("POST", app.base + "/v1/chat/completions", {**ask, "model": "lo:t"}, timeout=120)[0] == 200
+
+
+def test_an_adapter_unload_whose_worker_dies_meanwhile_is_done(appliance_factory, demo_model, lora_dir):
+    """A worker killed while it is asked to unload an adapter restarts without it (the adapters it starts with changed
+    first): the unload is done, and its answer says so, not a 5xx whose retry is a 404."""
+    app = appliance_factory({"models": [model_entry("lo", demo_model, adapters={"upper": str(lora_dir / "upper")},
+                                                    max_adapters=3)]})
+    url = app.base + "/openarc/models/lo/adapters"
+    assert http("POST", url, {"name": "t", "path": str(lora_dir / "title")})[0] == 201
+    old = app.worker_pid("lo")
+    os.kill(old, signal.SIGSTOP)  # the unload's ask waits in it until it is killed
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        unload = pool.submit(http, "DELETE", url + "/t", timeout=120)
+        wait_until(lambda: app.model_status("lo")["requests_running"], 30, "the unload asking the worker")
+        os.kill(old, signal.SIGKILL)
+        status, _, body = unload.result(120)
+    assert (status, body) == (200, {"model": "lo:t", "unloaded": True}), (status, body)
+    app.wait_model("lo", "ready", 60, new_pid_not=old)
+    ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    assert [http("POST", app.base + "/v1/chat/completions", {**ask, "model": m}, timeout=120)[0]
+            for m in ("lo:t", "lo:upper")] == [404, 200]

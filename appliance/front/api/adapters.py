@@ -70,7 +70,7 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
                                     f"(have: {', '.join(served) or 'none'})")
             try:
                 await on_every_unit(units, name, None)
-            finally:  # (served no more even where a worker's answer failed: it died, and restarts without it)
+            finally:  # (served no more once written, even where the client hung up before the workers answered)
                 sup.series.drop_adapter(name)
             still_served_by(model, units)
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
@@ -170,7 +170,8 @@ async def on_every_unit(units: list, name: str, entry: dict[str, Any] | None) ->
     before any await, then the worker of each unit that runs one is asked to do the same. A worker that starts while
     the others are asked so starts with the change (written after the asks, a replica restarting meanwhile came up
     without a loaded adapter); a request naming the adapter before its load answered may reach a worker that does not
-    hold it yet: a 400, as for one naming it once its unload began. A refusal undoes the load: the caller's 400."""
+    hold it yet: a 400, as for one naming it once its unload began. A refusal undoes the load: the caller's 400; an
+    unload is not refused (a worker that fails to answer it restarts without it, or holds it unserved)."""
     loading = [shown(unit.name) for unit in units if unit.state is ModelState.LOADING]
     if loading and entry is not None:  # its worker started with the adapters of before this change, and would come
         # up without it (one started with an adapter since unloaded holds it unserved: no request names it)
@@ -183,18 +184,20 @@ async def on_every_unit(units: list, name: str, entry: dict[str, Any] | None) ->
             served[name] = entry
     action = {"action": "load", "name": name, **entry} if entry is not None else {"action": "unload", "name": name}
     done = []
-    try:
-        for unit in units:
-            if unit.life.admits():
-                await ask_worker(unit, action)
-                done.append(unit)
-    except RequestFailed:
-        if entry is not None:
+    for unit in units:
+        if not unit.life.admits():
+            continue
+        try:
+            await ask_worker(unit, action)
+        except RequestFailed:
+            if entry is None:  # an unload is done once no longer served: a worker that did not answer it (it died,
+                continue  # or drains) restarts without it, or holds it unserved (no request names it)
             for served in map(lookup.served_adapters, units):
                 served.pop(name, None)
-            for unit in done:
-                await ask_worker(unit, {"action": "unload", "name": name})
-        raise
+            for loaded in done:
+                await ask_worker(loaded, {"action": "unload", "name": name})
+            raise
+        done.append(unit)
 
 
 async def ask_worker(sup, adapter: dict[str, Any]) -> dict[str, Any]:

@@ -758,3 +758,37 @@ def test_an_adapter_unload_whose_worker_dies_meanwhile_is_done(appliance_factory
     ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
     assert [http("POST", app.base + "/v1/chat/completions", {**ask, "model": m}, timeout=120)[0]
             for m in ("lo:t", "lo:upper")] == [404, 200]
+
+
+def test_an_adapter_unload_that_a_reload_overtakes_is_done_when_the_new_config_lacks_it_too(appliance_factory,
+                                                                                             demo_model, lora_dir):
+    """An unload of a runtime adapter while a reload replaces the model: the new workers serve the config's adapters,
+    which lack it as well, so the unload holds and its answer says so (it was a 503 'change them again', whose retry
+    is a 404); an unload of a configured adapter the reload brings back stays a 503."""
+    import yaml
+    config = {"models": [model_entry("lo", demo_model, adapters={"upper": str(lora_dir / "upper")}, max_adapters=3)]}
+    app = appliance_factory(config)
+    url = app.base + "/openarc/models/lo/adapters"
+    assert http("POST", url, {"name": "t", "path": str(lora_dir / "title")})[0] == 201
+    answers = []
+    for adapter, max_adapters in (("t", 4), ("upper", 5)):
+        old = app.worker_pid("lo")
+        os.kill(old, signal.SIGSTOP)  # the unload's ask waits in it while the reload replaces the model
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                unload = pool.submit(http, "DELETE", f"{url}/{adapter}", timeout=120)
+                wait_until(lambda: app.model_status("lo")["requests_running"], 30, "the unload asking the worker")
+                config["models"][0]["max_adapters"] = max_adapters
+                config["server"]["port"] = app.port
+                app.config_path.write_text(yaml.safe_dump(config))
+                app.proc.send_signal(signal.SIGHUP)
+                app.wait_model("lo", "ready", 120, new_pid_not=old)
+                os.kill(old, signal.SIGCONT)
+                answers.append(unload.result(120)[0])
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # (once continued, it may have ended: a reload's drain)
+                os.kill(old, signal.SIGCONT)
+    assert answers == [200, 503], answers
+    ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    assert [http("POST", app.base + "/v1/chat/completions", {**ask, "model": m})[0]
+            for m in ("lo:t", "lo:upper")] == [404, 200]

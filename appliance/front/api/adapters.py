@@ -53,8 +53,9 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
             problem = await asyncio.to_thread(path_problem, sup, path)  # (file reads: off the event loop)
             if problem:
                 raise InvalidRequest(problem, "path")
-            await on_every_unit(units, name, {"path": str(adapter_file(path)), "alpha": alpha})
-            still_served_by(model, units)
+            entry = {"path": str(adapter_file(path)), "alpha": alpha}
+            await on_every_unit(units, name, entry)
+            still_served_by(model, name, entry)
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "parent": model,
                                   "root": name, "alpha": alpha}, status=201)  # root: as /v1/models lists it
 
@@ -72,16 +73,16 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
                 await on_every_unit(units, name, None)
             finally:  # (served no more once written, even where the client hung up before the workers answered)
                 sup.series.drop_adapter(name)
-            still_served_by(model, units)
+            still_served_by(model, name, None)
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
 
-    def still_served_by(model: str, units: list) -> None:
+    def still_served_by(model: str, name: str, entry: dict[str, Any] | None) -> None:
         """A reload that replaced the model while its adapters changed (its config changed: its new workers serve
-        the config's adapters, docs/lora.md) made the change to the replaced model: a 503 saying so, not a 2xx for
-        a change no worker has. Known by the adapters its units now start from, not by the units: a model unloaded
-        meanwhile (or a worker's restart) has new supervisors that start from the same adapters, the change's."""
-        changed = {id(lookup.served_adapters(unit)) for unit in units}
-        if any(id(lookup.served_adapters(unit)) not in changed for unit in appliance.supervisor.units_of(model)):
+        the config's adapters, docs/lora.md) may have undone the change: a 503 saying so, not a 2xx for a change no
+        worker has. Known by what the model's units serve now, not by which units they are: a model unloaded
+        meanwhile (or a worker's restart) has new supervisors that start from the same adapters, the change's, and
+        an unload whose adapter the new config lacks too is done."""
+        if any(lookup.served_adapters(unit).get(name) != entry for unit in appliance.supervisor.units_of(model)):
             raise RequestFailed(503, "model_unavailable", f"the model '{model}' was replaced by a reload while its "
                                 "adapters changed; it serves its config's adapters now: change them again",
                                 retry_after=1)

@@ -10,6 +10,7 @@ import contextlib
 import concurrent.futures
 import json
 import os
+import time
 import shutil
 import signal
 from pathlib import Path
@@ -792,3 +793,34 @@ def test_an_adapter_unload_that_a_reload_overtakes_is_done_when_the_new_config_l
     ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
     assert [http("POST", app.base + "/v1/chat/completions", {**ask, "model": m})[0]
             for m in ("lo:t", "lo:upper")] == [404, 200]
+
+
+def test_adapter_changes_to_a_model_take_turns_across_its_unload_and_next_load(appliance_factory, demo_model,
+                                                                                  lora_dir):
+    """One change to a model's adapters at a time, whichever of its supervisors (a model's unload and next load
+    make new ones) each change found: an unload still asking the worker being unloaded, and a load of the same name
+    into the model's next worker, took a lock each (each supervisor's own) and ran at once: the load wrote the name
+    back while the unload was in flight, and the unload answered 503 'replaced by a reload' where no reload was."""
+    app = appliance_factory({"models": [model_entry("lo", demo_model, adapters={"upper": str(lora_dir / "upper")},
+                                                    max_adapters=3)]})
+    url = app.base + "/openarc/models/lo/adapters"
+    assert http("POST", url, {"name": "t", "path": str(lora_dir / "title")})[0] == 201
+    old = app.worker_pid("lo")
+    os.kill(old, signal.SIGSTOP)  # the unload's ask waits in it
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            unload = pool.submit(http, "DELETE", url + "/t", timeout=120)
+            wait_until(lambda: app.model_status("lo")["requests_running"], 30, "the unload asking the worker")
+            model_unload = pool.submit(http, "POST", app.base + "/openarc/models/lo/unload", timeout=120)
+            wait_until(lambda: app.model_status("lo")["state"] == "unloaded", 30, "the model unloaded")
+            load = pool.submit(http, "POST", url, {"name": "t", "path": str(lora_dir / "title")}, timeout=120)
+            time.sleep(2)  # (the load's turn comes after the unload's: it may load the model meanwhile)
+            os.kill(old, signal.SIGCONT)
+            answers = [unload.result(120)[0], load.result(120)[0]]
+            assert model_unload.result(120)[0] == 200
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (once continued, it may have ended: the unload's drain)
+            os.kill(old, signal.SIGCONT)
+    assert answers == [200, 201], answers
+    ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    assert http("POST", app.base + "/v1/chat/completions", {**ask, "model": "lo:t"}, timeout=120)[0] == 200

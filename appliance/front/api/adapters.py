@@ -13,6 +13,7 @@ layers.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 from pathlib import Path
 from typing import Any
@@ -35,22 +36,27 @@ from appliance.front.request import RequestFailed
 
 
 def add_routes(app: web.Application, appliance: ServerView) -> None:
+    # One change to a model's adapters at a time, the checks and the change as one step (racing loads cannot both
+    # pass them): by the model's name, not on one of its supervisors, which its unload, next load or a reload
+    # replace while a change waits or runs (two changes that each found another supervisor ran at once).
+    changing: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)  # (configured models' names only)
+
     async def load(request: web.Request, call: Call) -> web.Response:
         sup = await admitted_model(request, call)
         model = sup.model.name  # (sup may be one replica's: NAME@DEVICE is no name a client knows)
         name, path, alpha = load_body(await request.read())
-        units = appliance.supervisor.units_of(model)  # every replica serves the same adapters
-        async with units[0].adapter_changes:  # the checks and the load as one step: racing loads cannot both pass them
-            units = await loads_ended(appliance.supervisor, model)
-            served = lookup.served_adapters(sup)
+        async with changing[model]:
+            units = await loads_ended(appliance.supervisor, model)  # every replica serves the same adapters
+            now = units_or_404(units, model, call)
+            served = lookup.served_adapters(now)
             if name in served:
                 raise RequestFailed(409, "invalid_request", f"the model '{model}' already serves an adapter named "
                                     f"'{name}'; unload it first (DELETE /openarc/models/{model}/adapters/{name})",
                                     "adapter_exists")
-            if len(served) >= sup.model.max_adapters:
+            if len(served) >= now.model.max_adapters:
                 raise RequestFailed(409, "invalid_request", f"the model '{model}' holds max_adapters "
-                                    f"({sup.model.max_adapters}) adapters; unload one first", "max_adapters")
-            problem = await asyncio.to_thread(path_problem, sup, path)  # (file reads: off the event loop)
+                                    f"({now.model.max_adapters}) adapters; unload one first", "max_adapters")
+            problem = await asyncio.to_thread(path_problem, now, path)  # (file reads: off the event loop)
             if problem:
                 raise InvalidRequest(problem, "path")
             entry = {"path": str(adapter_file(path)), "alpha": alpha}
@@ -63,18 +69,25 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
         # no model is loaded for it: the workers running unload the adapter, the others start without it
         sup = await admitted_model(request, call, load=False)
         model, name = sup.model.name, request.match_info["adapter"]
-        units = appliance.supervisor.units_of(model)
-        async with units[0].adapter_changes:
-            served = lookup.served_adapters(sup)
+        async with changing[model]:
+            units = appliance.supervisor.units_of(model)
+            now = units_or_404(units, model, call)
+            served = lookup.served_adapters(now)
             if name not in served:
                 raise RequestFailed(404, "model_not_found", f"the model '{model}' has no adapter named '{name}' "
                                     f"(have: {', '.join(served) or 'none'})")
             try:
                 await on_every_unit(units, name, None)
             finally:  # (served no more once written, even where the client hung up before the workers answered)
-                sup.series.drop_adapter(name)
+                now.series.drop_adapter(name)
             still_served_by(model, name, None)
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
+
+    def units_or_404(units: list, model: str, call: Call):
+        """The first of the model's units as the change's turn came, or the 404 of a model a reload removed."""
+        if not units:
+            raise lookup.not_found(appliance, model, call.api_key)
+        return units[0]
 
     def still_served_by(model: str, name: str, entry: dict[str, Any] | None) -> None:
         """A reload that replaced the model while its adapters changed (its config changed: its new workers serve

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from appliance.config import ConfigError, parse_config, path_check
 from appliance.worker.adapter_rotation import BASE, may_join, next_group
 from appliance.worker.engines.base import STEP_DELAY_ENV
-from conftest import Appliance, http, model_entry, wait_until
+from conftest import Appliance, http, model_entry, pid_alive, wait_until
 
 KEY_ENV = "TEST_OPENARC_LORA_KEY"
 KEY = "lora-test-key"
@@ -824,3 +824,25 @@ def test_adapter_changes_to_a_model_take_turns_across_its_unload_and_next_load(a
     assert answers == [200, 201], answers
     ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
     assert http("POST", app.base + "/v1/chat/completions", {**ask, "model": "lo:t"}, timeout=120)[0] == 200
+
+
+def test_a_runtime_adapter_a_reload_drops_takes_its_series_with_it(appliance_factory, demo_model, lora_dir):
+    """A reload that replaces the model serves its config's adapters: a runtime one it drops is unloaded, and its
+    openarc_adapter_* series go as an unload's do (they stayed: each reload could leave max_adapters more names on
+    the page for as long as the server ran). The config's adapters keep theirs."""
+    import yaml
+    config = {"models": [model_entry("lo", demo_model, adapters={"upper": str(lora_dir / "upper")}, max_adapters=3)]}
+    app = appliance_factory(config)
+    assert http("POST", app.base + "/openarc/models/lo/adapters", {"name": "zz", "path": str(lora_dir / "title")})[0] \
+        == 201
+    assert [chat(app, m, "hello")[0] for m in ("lo:zz", "lo:upper")] == [200, 200]
+    assert 'adapter="zz"' in app.metrics() and 'adapter="upper"' in app.metrics()
+    old = app.worker_pid("lo")
+    config["models"][0]["max_adapters"] = 4
+    config["server"]["port"] = app.port
+    app.config_path.write_text(yaml.safe_dump(config))
+    app.proc.send_signal(signal.SIGHUP)
+    app.wait_model("lo", "ready", 120, new_pid_not=old)
+    wait_until(lambda: not pid_alive(old), 60, "the replaced worker gone")
+    assert chat(app, "lo:zz", "hello")[0] == 404
+    assert 'adapter="zz"' not in app.metrics() and 'adapter="upper"' in app.metrics()

@@ -123,6 +123,12 @@ def test_runtime_config_overrides_first_class_options(tmp_path):
     ({"server": {"canary": "sometimes"}}, "server.canary: expected one of 'off', 'warn', 'gate', got 'sometimes'"),
     ({"server": {"canary_min_speed": 2}},
      "server.canary_min_speed: expected a share of the recorded speed from 0 to 1 (0: speed is not checked)"),
+    # (a key twice: YAML forbids it, and PyYAML kept the last one, silently dropping the first's models or settings)
+    ("models: [{name: a, path: /a}]\nserver: {port: 80}\nmodels: []\n",
+     "not valid YAML (line 3, column 1): 'models' appears twice in one mapping (first at line 1)"),
+    ("models:\n  - {name: a, path: /a, device: CPU, device: GPU}\n",
+     "not valid YAML (line 2, column 38): 'device' appears twice in one mapping (first at line 2)"),
+    ("server: {port: " + "9" * 5000 + "}\n", "not valid YAML (line 1, column 16): the number has more than "),
     ("- just\n- a list\n", "top level: expected a mapping"),
     ("server: {port: 80\n", "not valid YAML (line 2, column 1)"),
 ])

@@ -651,3 +651,21 @@ def ws_warm_up(app: Appliance, headers: dict, body: dict) -> dict:
                 return json.loads((await ws.receive(timeout=ANSWER_BOUND_S)).data)
 
     return asyncio.run(send())
+
+
+@HOSTILE_SETTINGS
+@given(name=st.sampled_from(["file", "model", "language", None]), before=st.booleans())
+def test_a_nested_multipart_part_is_a_400_in_the_routes_shape(storm, name, before):
+    """A part that is itself a multipart (multipart/mixed, as RFC 7578's ancestors sent several files in one field):
+    no field or file of a form route is one; aiohttp hands it over as a reader of its own parts, which the form reader
+    took for a field: a 500 "internal server error" and a traceback in the log, where any other bad form is a 400."""
+    route = ROUTES["transcription"]
+    boundary, inner = "outer-boundary", "inner-boundary"
+    named = f'Content-Disposition: form-data; name="{name}"\r\n' if name else ""
+    nested = (f"--{boundary}\r\n{named}Content-Type: multipart/mixed; boundary={inner}\r\n\r\n--{inner}\r\n"
+              f"Content-Type: text/plain\r\n\r\nhello\r\n--{inner}--\r\n").encode()
+    model = f'--{boundary}\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n'.encode()
+    body = (model + nested if before else nested + model) + f"--{boundary}--\r\n".encode()
+    status, reply, waited = route.send(storm.app, (f"multipart/form-data; boundary={boundary}", body))
+    storm.check(route, status, reply, waited)
+    assert status == 400 and "nested multipart" in reply["error"]["message"], (status, reply)

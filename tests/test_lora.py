@@ -10,6 +10,7 @@ import contextlib
 import concurrent.futures
 import json
 import os
+import time
 import shutil
 import signal
 from pathlib import Path
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from appliance.config import ConfigError, parse_config, path_check
 from appliance.worker.adapter_rotation import BASE, may_join, next_group
 from appliance.worker.engines.base import STEP_DELAY_ENV
-from conftest import Appliance, http, model_entry, wait_until
+from conftest import Appliance, http, model_entry, pid_alive, wait_until
 
 KEY_ENV = "TEST_OPENARC_LORA_KEY"
 KEY = "lora-test-key"
@@ -723,3 +724,138 @@ def test_an_adapter_change_that_a_reload_overtakes_is_refused_not_lost(appliance
     assert http("POST", app.base + "/openarc/models/lo/adapters",
                 {"name": "t", "path": str(lora_dir / "title")})[0] == 201  # asked again, it loads
     assert http("POST", app.base + "/v1/chat/completions", {**ask, "model": "lo:t"})[0] == 200
+
+
+def test_an_adapter_load_that_a_model_unload_overtakes_is_served_at_the_next_load(appliance_factory, demo_model,
+                                                                                   lora_dir):
+    """A model unloaded while an adapter loads into it: the adapter is written to what its next workers start with
+    (kept across unloads: docs/lora.md), so the load succeeded, and its answer must say so. It was a 503 'replaced by
+    a reload ... change them again' (its check took any new supervisor for a reload's), and the retry a 409."""
+    app = appliance_factory({"models": [model_entry("lo", demo_model, adapters={"upper": str(lora_dir / "upper")},
+                                                    max_adapters=3)]})
+    old = app.worker_pid("lo")
+    os.kill(old, signal.SIGSTOP)  # the load's ask waits in it while the model is unloaded
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            load = pool.submit(http, "POST", app.base + "/openarc/models/lo/adapters",
+                               {"name": "t", "path": str(lora_dir / "title")}, timeout=120)
+            wait_until(lambda: app.model_status("lo")["requests_running"], 30, "the load asking the worker")
+            unload = pool.submit(http, "POST", app.base + "/openarc/models/lo/unload", timeout=120)
+            wait_until(lambda: app.model_status("lo")["state"] == "unloaded", 30, "the model unloaded")
+            os.kill(old, signal.SIGCONT)
+            status, _, body = load.result(120)
+            assert unload.result(120)[0] == 200
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (once continued, it may have ended: the unload's drain)
+            os.kill(old, signal.SIGCONT)
+    assert status == 201, (status, body)
+    ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    assert http("POST", app.base + "/v1/chat/completions", {**ask, "model": "lo:t"}, timeout=120)[0] == 200
+
+
+def test_an_adapter_unload_whose_worker_dies_meanwhile_is_done(appliance_factory, demo_model, lora_dir):
+    """A worker killed while it is asked to unload an adapter restarts without it (the adapters it starts with changed
+    first): the unload is done, and its answer says so, not a 5xx whose retry is a 404."""
+    app = appliance_factory({"models": [model_entry("lo", demo_model, adapters={"upper": str(lora_dir / "upper")},
+                                                    max_adapters=3)]})
+    url = app.base + "/openarc/models/lo/adapters"
+    assert http("POST", url, {"name": "t", "path": str(lora_dir / "title")})[0] == 201
+    old = app.worker_pid("lo")
+    os.kill(old, signal.SIGSTOP)  # the unload's ask waits in it until it is killed
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        unload = pool.submit(http, "DELETE", url + "/t", timeout=120)
+        wait_until(lambda: app.model_status("lo")["requests_running"], 30, "the unload asking the worker")
+        os.kill(old, signal.SIGKILL)
+        status, _, body = unload.result(120)
+    assert (status, body) == (200, {"model": "lo:t", "unloaded": True}), (status, body)
+    app.wait_model("lo", "ready", 60, new_pid_not=old)
+    ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    assert [http("POST", app.base + "/v1/chat/completions", {**ask, "model": m}, timeout=120)[0]
+            for m in ("lo:t", "lo:upper")] == [404, 200]
+
+
+def test_an_adapter_unload_that_a_reload_overtakes_is_done_when_the_new_config_lacks_it_too(appliance_factory,
+                                                                                             demo_model, lora_dir):
+    """An unload of a runtime adapter while a reload replaces the model: the new workers serve the config's adapters,
+    which lack it as well, so the unload holds and its answer says so (it was a 503 'change them again', whose retry
+    is a 404); an unload of a configured adapter the reload brings back stays a 503."""
+    import yaml
+    config = {"models": [model_entry("lo", demo_model, adapters={"upper": str(lora_dir / "upper")}, max_adapters=3)]}
+    app = appliance_factory(config)
+    url = app.base + "/openarc/models/lo/adapters"
+    assert http("POST", url, {"name": "t", "path": str(lora_dir / "title")})[0] == 201
+    answers = []
+    for adapter, max_adapters in (("t", 4), ("upper", 5)):
+        old = app.worker_pid("lo")
+        os.kill(old, signal.SIGSTOP)  # the unload's ask waits in it while the reload replaces the model
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                unload = pool.submit(http, "DELETE", f"{url}/{adapter}", timeout=120)
+                wait_until(lambda: app.model_status("lo")["requests_running"], 30, "the unload asking the worker")
+                config["models"][0]["max_adapters"] = max_adapters
+                config["server"]["port"] = app.port
+                app.config_path.write_text(yaml.safe_dump(config))
+                app.proc.send_signal(signal.SIGHUP)
+                app.wait_model("lo", "ready", 120, new_pid_not=old)
+                os.kill(old, signal.SIGCONT)
+                answers.append(unload.result(120)[0])
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # (once continued, it may have ended: a reload's drain)
+                os.kill(old, signal.SIGCONT)
+    assert answers == [200, 503], answers
+    ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    assert [http("POST", app.base + "/v1/chat/completions", {**ask, "model": m})[0]
+            for m in ("lo:t", "lo:upper")] == [404, 200]
+
+
+def test_adapter_changes_to_a_model_take_turns_across_its_unload_and_next_load(appliance_factory, demo_model,
+                                                                                  lora_dir):
+    """One change to a model's adapters at a time, whichever of its supervisors (a model's unload and next load
+    make new ones) each change found: an unload still asking the worker being unloaded, and a load of the same name
+    into the model's next worker, took a lock each (each supervisor's own) and ran at once: the load wrote the name
+    back while the unload was in flight, and the unload answered 503 'replaced by a reload' where no reload was."""
+    app = appliance_factory({"models": [model_entry("lo", demo_model, adapters={"upper": str(lora_dir / "upper")},
+                                                    max_adapters=3)]})
+    url = app.base + "/openarc/models/lo/adapters"
+    assert http("POST", url, {"name": "t", "path": str(lora_dir / "title")})[0] == 201
+    old = app.worker_pid("lo")
+    os.kill(old, signal.SIGSTOP)  # the unload's ask waits in it
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            unload = pool.submit(http, "DELETE", url + "/t", timeout=120)
+            wait_until(lambda: app.model_status("lo")["requests_running"], 30, "the unload asking the worker")
+            model_unload = pool.submit(http, "POST", app.base + "/openarc/models/lo/unload", timeout=120)
+            wait_until(lambda: app.model_status("lo")["state"] == "unloaded", 30, "the model unloaded")
+            load = pool.submit(http, "POST", url, {"name": "t", "path": str(lora_dir / "title")}, timeout=120)
+            time.sleep(2)  # (the load's turn comes after the unload's: it may load the model meanwhile)
+            os.kill(old, signal.SIGCONT)
+            answers = [unload.result(120)[0], load.result(120)[0]]
+            assert model_unload.result(120)[0] == 200
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (once continued, it may have ended: the unload's drain)
+            os.kill(old, signal.SIGCONT)
+    assert answers == [200, 201], answers
+    ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    assert http("POST", app.base + "/v1/chat/completions", {**ask, "model": "lo:t"}, timeout=120)[0] == 200
+
+
+def test_a_runtime_adapter_a_reload_drops_takes_its_series_with_it(appliance_factory, demo_model, lora_dir):
+    """A reload that replaces the model serves its config's adapters: a runtime one it drops is unloaded, and its
+    openarc_adapter_* series go as an unload's do (they stayed: each reload could leave max_adapters more names on
+    the page for as long as the server ran). The config's adapters keep theirs."""
+    import yaml
+    config = {"models": [model_entry("lo", demo_model, adapters={"upper": str(lora_dir / "upper")}, max_adapters=3)]}
+    app = appliance_factory(config)
+    assert http("POST", app.base + "/openarc/models/lo/adapters", {"name": "zz", "path": str(lora_dir / "title")})[0] \
+        == 201
+    assert [chat(app, m, "hello")[0] for m in ("lo:zz", "lo:upper")] == [200, 200]
+    assert 'adapter="zz"' in app.metrics() and 'adapter="upper"' in app.metrics()
+    old = app.worker_pid("lo")
+    config["models"][0]["max_adapters"] = 4
+    config["server"]["port"] = app.port
+    app.config_path.write_text(yaml.safe_dump(config))
+    app.proc.send_signal(signal.SIGHUP)
+    app.wait_model("lo", "ready", 120, new_pid_not=old)
+    wait_until(lambda: not pid_alive(old), 60, "the replaced worker gone")
+    assert chat(app, "lo:zz", "hello")[0] == 404
+    assert 'adapter="zz"' not in app.metrics() and 'adapter="upper"' in app.metrics()

@@ -357,3 +357,34 @@ def test_a_replica_that_failed_its_golden_check_shows_it_in_status(tmp_path, dem
     model = supervisor.status("twin")
     assert model["state"] == "ready" and model["canary_failure"] == difference.detail
     assert [r["canary_failure"] for r in model["replicas"]] == [None, difference.detail]
+
+
+def test_an_adapter_loaded_while_a_reload_replaces_the_replicas_one_by_one_reaches_both_new_workers(
+        appliance_factory, demo_model, lora_dir, tmp_path):
+    """A reload that changes a replicated model replaces its replicas one at a time: for seconds the first one's new
+    worker serves while the second one's new worker still loads, started with the model's adapters of then. An
+    adapter loaded in that window must reach both new workers, or be refused to retry: it answered 201 though the
+    second new worker never held it, and each request for it routed there was a 400 "not loaded on this model"."""
+    save(tmp_path / "golden.yaml", {"twin": ModelRecord("llm", [Answer("Name three colours.", tokens=["x"])])}, "test")
+    config = {"server": {"parked_workers": 0, "load_concurrency": 1, "canary": "warn"},
+              "models": [model_entry("twin", demo_model, adapters={"upper": str(lora_dir / "upper")},
+                                     device=["CPU", "CPU"], max_adapters=3)]}
+    app = appliance_factory(config, env={"OPENARC_DEBUG_STEP_DELAY_S": "0.1"})
+    wait_until(lambda: all(r["state"] == "ready" for r in replicas_of(app, "twin")), 120, "both replicas ready")
+    old = {r["pid"] for r in replicas_of(app, "twin")}
+    config["models"][0]["max_adapters"] = 4
+    config["server"]["port"] = app.port
+    app.config_path.write_text(yaml.safe_dump(config))
+    app.proc.send_signal(signal.SIGHUP)
+    # one replica serves from its new worker while the other's new worker still loads (its slowed golden check)
+    wait_until(lambda: sum(r["pid"] not in old and r["state"] == "ready" for r in replicas_of(app, "twin")) == 1,
+               120, "the first replica replaced", interval=0.02)
+    status, _, body = http("POST", app.base + "/openarc/models/twin/adapters",
+                           {"name": "shout", "path": str(lora_dir / "title")}, timeout=120)
+    assert status == 201, body
+    assert all(r["pid"] not in old and r["state"] == "ready" for r in replicas_of(app, "twin")), replicas_of(app, "twin")
+    answers = [http("POST", app.base + "/v1/chat/completions",
+                    {"model": "twin:shout", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2})
+               for i in range(4)]  # (distinct prompts, one at a time: idle replicas take them in turn)
+    assert [status for status, _, _ in answers] == [200] * 4, answers
+    assert all(r["requests_routed"] for r in replicas_of(app, "twin")), replicas_of(app, "twin")

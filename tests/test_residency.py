@@ -57,6 +57,18 @@ def test_why_a_load_waits_names_the_bounds_and_what_holds_them():
                     "b (ready, pinned); none of them can be evicted (only an idle model that is not load: at_start can)")
 
 
+def test_why_a_placed_model_waits_names_the_budgets_of_the_cards_it_may_go_on():
+    """A `device: auto` (or list) model's view has device `auto` and the cards it may be placed on: its 503 said
+    "(no limit)" beside a memory_budget that held it back (seen live: memory_budget {CPU: 3GiB}, a pinned model of
+    2 GiB, and an auto one of 2 GiB)."""
+    models = [view("a", pinned=True, device="CPU"), view("want", S.UNLOADED, wanted_since=1, device="auto",
+                                                         cards=("GPU.0", "GPU.1"))]
+    text = why_waiting(models[1], models, Limits(memory_budget={"GPU.0": 3 * GIB, "GPU.1": 2 * GIB, "CPU": GIB}),
+                       lambda name: True)
+    assert text.startswith("no room to load model want (memory_budget GPU.0: 3.0 GiB, memory_budget GPU.1: 2.0 GiB): "
+                           "loaded a (ready, pinned)"), text
+
+
 @given(st.lists(st.sampled_from(["a", "b", "c", "d"]), unique=True), st.sets(st.sampled_from(["a", "b", "c", "d"])))
 def test_why_a_load_waits_names_only_the_models_the_callers_key_may_see(loaded, allowed):
     """A key kept off a model never learns its name from another model's 503 (the others are counted)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -460,6 +461,34 @@ def parse_config(data: Any, source: str, checks: list[ModelCheck] = ()) -> Confi
     return config
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """yaml.safe_load's reader with what YAML itself forbids or this config never holds as errors with their place:
+    a key twice in one mapping (PyYAML keeps the last one: a second `models:` dropped the first's models without a
+    word) and an integer past Python's conversion limit (a ValueError traceback, not a config error)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"{key!r} appears twice in one mapping (first at line {seen[key].line + 1})",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # (more digits than int() converts: sys.get_int_max_str_digits)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the number has more than {sys.get_int_max_str_digits()} digits", node.start_mark) from None
+
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", ConfigLoader.construct_yaml_int)
+
+
 def load_config(path: os.PathLike | str, checks: list[ModelCheck] = ()) -> Config:
     path = Path(path)
     try:
@@ -469,7 +498,7 @@ def load_config(path: os.PathLike | str, checks: list[ModelCheck] = ()) -> Confi
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, ConfigLoader)  # (safe_load's reader, stricter: ConfigLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

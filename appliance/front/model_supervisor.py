@@ -50,7 +50,6 @@ class ModelSupervisor:
         # the spec the config gives (a reload compares the new config's with it); the life's own copy also holds the
         # LoRA adapters loaded and unloaded at runtime since (appliance.front.api.adapters), which are no config change
         self.configured_spec = worker_spec(model, config)
-        self.adapter_changes = asyncio.Lock()  # one runtime load or unload of an adapter at a time
         self.life = WorkerLife(model, copy.deepcopy(self.configured_spec), metrics, self.series, load_gate, self.router,
                                self._on_frame, self._state_changed, kernel_log, ledger, spawner, canary, self.name)
         self.router.adapters_served = lambda: self.spec.get("adapters") or {}

@@ -294,6 +294,10 @@ class Placement(ResidencyBook):
         """From now on `new` serves the name: requests, gauges, and waiters (woken to look again)."""
         old.reports, new.reports = False, True
         self.models[new.name] = new
+        # a reload's new settings serve their config's adapters: a runtime one they lack is unloaded, and its series
+        # go as an unload's do (the units share one dict otherwise: nothing differs)
+        for adapter in set(old.spec.get("adapters") or ()) - set(new.spec.get("adapters") or ()):
+            new.series.drop_adapter(adapter)
         self.metrics.set_state(new.name, new.state.value)
         new.router.publish_queue()
         log.info("model %s: switched to its new worker%s", new.name, f" {new.life.pid}" if new.life.pid else "")

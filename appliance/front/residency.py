@@ -227,7 +227,7 @@ def why_waiting(head: ModelView, models: list[ModelView], limits: Limits, may_se
         held.append(f"{hidden} other model{'s' if hidden > 1 else ''}")
     held = ", ".join(held) or "none"
     bounds = [f"max_loaded {limits.max_loaded}"] if limits.max_loaded else []
-    if head.device in limits.memory_budget:
-        bounds.append(f"memory_budget {head.device}: {format_size(limits.memory_budget[head.device])}")
+    bounds += [f"memory_budget {card}: {format_size(limits.memory_budget[card])}"  # (a placed model's: each card's)
+               for card in head.cards or (head.device,) if card in limits.memory_budget]
     return (f"no room to load model {shown(head.name)} ({', '.join(bounds) or 'no limit'}): loaded {held}; none of them "
             "can be evicted (only an idle model that is not load: at_start can)")

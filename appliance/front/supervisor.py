@@ -108,6 +108,11 @@ class Supervisor:
                              *(self.placement.reload(wanted[key]) for key in changed))
         return sorted({model_name(key) for key in [*removed, *changed, *(unit.key for unit in added)]})
 
+    def replacing(self, unit: str) -> bool:
+        """Whether a side-by-side reload's new supervisor loads beside the unit (a model's, or a replica's key),
+        until it takes over: its worker started with the model's adapters as they were then."""
+        return unit in self.placement.replacements
+
     def get(self, name: str) -> ModelSupervisor | None:
         return self.models.get(name)
 

@@ -13,6 +13,7 @@ layers.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 from pathlib import Path
 from typing import Any
@@ -35,26 +36,32 @@ from appliance.front.request import RequestFailed
 
 
 def add_routes(app: web.Application, appliance: ServerView) -> None:
+    # One change to a model's adapters at a time, the checks and the change as one step (racing loads cannot both
+    # pass them): by the model's name, not on one of its supervisors, which its unload, next load or a reload
+    # replace while a change waits or runs (two changes that each found another supervisor ran at once).
+    changing: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)  # (configured models' names only)
+
     async def load(request: web.Request, call: Call) -> web.Response:
         sup = await admitted_model(request, call)
         model = sup.model.name  # (sup may be one replica's: NAME@DEVICE is no name a client knows)
         name, path, alpha = load_body(await request.read())
-        units = appliance.supervisor.units_of(model)  # every replica serves the same adapters
-        async with units[0].adapter_changes:  # the checks and the load as one step: racing loads cannot both pass them
-            units = await loads_ended(appliance.supervisor, model)
-            served = lookup.served_adapters(sup)
+        async with changing[model]:
+            units = await loads_ended(appliance.supervisor, model)  # every replica serves the same adapters
+            now = units_or_404(units, model, call)
+            served = lookup.served_adapters(now)
             if name in served:
                 raise RequestFailed(409, "invalid_request", f"the model '{model}' already serves an adapter named "
                                     f"'{name}'; unload it first (DELETE /openarc/models/{model}/adapters/{name})",
                                     "adapter_exists")
-            if len(served) >= sup.model.max_adapters:
+            if len(served) >= now.model.max_adapters:
                 raise RequestFailed(409, "invalid_request", f"the model '{model}' holds max_adapters "
-                                    f"({sup.model.max_adapters}) adapters; unload one first", "max_adapters")
-            problem = await asyncio.to_thread(path_problem, sup, path)  # (file reads: off the event loop)
+                                    f"({now.model.max_adapters}) adapters; unload one first", "max_adapters")
+            problem = await asyncio.to_thread(path_problem, now, path)  # (file reads: off the event loop)
             if problem:
                 raise InvalidRequest(problem, "path")
-            await on_every_unit(units, name, {"path": str(adapter_file(path)), "alpha": alpha})
-            still_served_by(model, units)
+            entry = {"path": str(adapter_file(path)), "alpha": alpha}
+            await on_every_unit(units, name, entry)
+            still_served_by(model, name, entry)
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "parent": model,
                                   "root": name, "alpha": alpha}, status=201)  # root: as /v1/models lists it
 
@@ -62,24 +69,33 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
         # no model is loaded for it: the workers running unload the adapter, the others start without it
         sup = await admitted_model(request, call, load=False)
         model, name = sup.model.name, request.match_info["adapter"]
-        units = appliance.supervisor.units_of(model)
-        async with units[0].adapter_changes:
-            served = lookup.served_adapters(sup)
+        async with changing[model]:
+            units = appliance.supervisor.units_of(model)
+            now = units_or_404(units, model, call)
+            served = lookup.served_adapters(now)
             if name not in served:
                 raise RequestFailed(404, "model_not_found", f"the model '{model}' has no adapter named '{name}' "
                                     f"(have: {', '.join(served) or 'none'})")
             try:
                 await on_every_unit(units, name, None)
-            finally:  # (served no more even where a worker's answer failed: it died, and restarts without it)
-                sup.series.drop_adapter(name)
-            still_served_by(model, units)
+            finally:  # (served no more once written, even where the client hung up before the workers answered)
+                now.series.drop_adapter(name)
+            still_served_by(model, name, None)
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "unloaded": True})
 
-    def still_served_by(model: str, units: list) -> None:
+    def units_or_404(units: list, model: str, call: Call):
+        """The first of the model's units as the change's turn came, or the 404 of a model a reload removed."""
+        if not units:
+            raise lookup.not_found(appliance, model, call.api_key)
+        return units[0]
+
+    def still_served_by(model: str, name: str, entry: dict[str, Any] | None) -> None:
         """A reload that replaced the model while its adapters changed (its config changed: its new workers serve
-        the config's adapters, docs/lora.md) made the change to the replaced model: a 503 saying so, not a 2xx for
-        a change no worker has."""
-        if appliance.supervisor.units_of(model) != units:
+        the config's adapters, docs/lora.md) may have undone the change: a 503 saying so, not a 2xx for a change no
+        worker has. Known by what the model's units serve now, not by which units they are: a model unloaded
+        meanwhile (or a worker's restart) has new supervisors that start from the same adapters, the change's, and
+        an unload whose adapter the new config lacks too is done."""
+        if any(lookup.served_adapters(unit).get(name) != entry for unit in appliance.supervisor.units_of(model)):
             raise RequestFailed(503, "model_unavailable", f"the model '{model}' was replaced by a reload while its "
                                 "adapters changed; it serves its config's adapters now: change them again",
                                 retry_after=1)
@@ -141,16 +157,24 @@ def path_problem(sup, path: str) -> str | None:
 
 
 async def loads_ended(supervisor, model: str) -> list:
-    """The model's units once none of them is loading, waited for up to the model's ready_wait_s as a request
-    waits for a load: a replica still loading when the first one serves (the start of a replicated model; /ready
-    answers then) started with the adapters of before, so a load waits for its load to end; past the wait,
-    on_every_unit refuses it with a 503 to retry."""
+    """The model's units once none of them is loading or being replaced by a reload, waited for up to the model's
+    ready_wait_s as a request waits for a load: a replica still loading when the first one serves (the start of a
+    replicated model; /ready answers then) started with the adapters of before, and so did the new worker a reload
+    loads beside a unit (replicas are replaced one by one: for a while the first one's new worker serves while the
+    second one's loads), so a change waits for those loads to end; past the wait, it is refused with a 503 to retry
+    (a replica loading: by on_every_unit)."""
     loop = asyncio.get_running_loop()
     units = supervisor.units_of(model)
     deadline = loop.time() + (units[0].model.ready_wait_s if units else 0)
-    while any(unit.state is ModelState.LOADING for unit in units) and deadline > loop.time():
+    def settling() -> list:
+        return [unit for unit in units if unit.state is ModelState.LOADING or supervisor.replacing(unit.name)]
+    while settling() and deadline > loop.time():
         await supervisor.changes.wait(deadline - loop.time())
         units = supervisor.units_of(model)
+    replaced = [shown(unit.name) for unit in units if supervisor.replacing(unit.name)]
+    if replaced:
+        raise RequestFailed(503, "model_unavailable", f"a reload is replacing the model ({', '.join(replaced)}); "
+                            "change its adapters once it is done", retry_after=5)
     return units
 
 
@@ -160,7 +184,8 @@ async def on_every_unit(units: list, name: str, entry: dict[str, Any] | None) ->
     before any await, then the worker of each unit that runs one is asked to do the same. A worker that starts while
     the others are asked so starts with the change (written after the asks, a replica restarting meanwhile came up
     without a loaded adapter); a request naming the adapter before its load answered may reach a worker that does not
-    hold it yet: a 400, as for one naming it once its unload began. A refusal undoes the load: the caller's 400."""
+    hold it yet: a 400, as for one naming it once its unload began. A refusal undoes the load: the caller's 400; an
+    unload is not refused (a worker that fails to answer it restarts without it, or holds it unserved)."""
     loading = [shown(unit.name) for unit in units if unit.state is ModelState.LOADING]
     if loading and entry is not None:  # its worker started with the adapters of before this change, and would come
         # up without it (one started with an adapter since unloaded holds it unserved: no request names it)
@@ -173,18 +198,20 @@ async def on_every_unit(units: list, name: str, entry: dict[str, Any] | None) ->
             served[name] = entry
     action = {"action": "load", "name": name, **entry} if entry is not None else {"action": "unload", "name": name}
     done = []
-    try:
-        for unit in units:
-            if unit.life.admits():
-                await ask_worker(unit, action)
-                done.append(unit)
-    except RequestFailed:
-        if entry is not None:
+    for unit in units:
+        if not unit.life.admits():
+            continue
+        try:
+            await ask_worker(unit, action)
+        except RequestFailed:
+            if entry is None:  # an unload is done once no longer served: a worker that did not answer it (it died,
+                continue  # or drains) restarts without it, or holds it unserved (no request names it)
             for served in map(lookup.served_adapters, units):
                 served.pop(name, None)
-            for unit in done:
-                await ask_worker(unit, {"action": "unload", "name": name})
-        raise
+            for loaded in done:
+                await ask_worker(loaded, {"action": "unload", "name": name})
+            raise
+        done.append(unit)
 
 
 async def ask_worker(sup, adapter: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import http_exceptions, web
+from aiohttp import BodyPartReader, http_exceptions, web
 
 from appliance.front.api.server_view import ServerView
 from appliance.front.api import lookup, sse
@@ -241,6 +241,9 @@ async def read_form(request: web.Request, before_file, file_parts: tuple[str, ..
             count += 1
             if count > MAX_FIELDS:
                 raise InvalidRequest(f"the form has more than {MAX_FIELDS} fields")
+            if not isinstance(part, BodyPartReader):  # (aiohttp hands a multipart/mixed part over as a reader of its
+                # own parts: no field or file of a form route is one)
+                raise InvalidRequest("the form's parts must be fields and files, not a nested multipart")
             if part.name in file_parts:
                 if sum(map(len, form.files.values())) == max_files:
                     raise InvalidRequest(f"the form has more than {max_files} file{'s' if max_files > 1 else ''} "

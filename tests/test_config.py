@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -409,3 +410,16 @@ def test_an_unquoted_off_is_the_word_off(tmp_path):
     assert config.server.canary == "off" and config.models[0].gpu_mitigations == "off"
     assert load_config(write(tmp_path, "server: {}\n")).server.canary == "warn"
     assert "server.canary: expected one of 'off', 'warn', 'gate', got True" in error_of(tmp_path, "server: {canary: on}\n")
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n", "# being written\n"])
+def test_an_empty_config_file_is_an_error_so_a_reload_of_a_half_written_file_keeps_the_models(tmp_path, text):
+    """A SIGHUP that reads a config an editor is still writing (empty, or only its comments so far) was a config of
+    no models, and the reload drained every model (found by the breaker's stress run); it is an error naming the
+    file, and a reload of an invalid file changes nothing. `models: []` still says "no models" on purpose."""
+    path = tmp_path / "openarc.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: empty "):
+        load_config(path)
+    path.write_text("models: []\n")
+    assert load_config(path).models == []

@@ -419,7 +419,7 @@ def test_an_empty_config_file_is_an_error_so_a_reload_of_a_half_written_file_kee
     file, and a reload of an invalid file changes nothing. `models: []` still says "no models" on purpose."""
     path = tmp_path / "openarc.yaml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: empty "):
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: top level: empty "):
         load_config(path)
     path.write_text("models: []\n")
     assert load_config(path).models == []

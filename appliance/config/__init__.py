@@ -507,7 +507,7 @@ def load_config(path: os.PathLike | str, checks: list[ModelCheck] = ()) -> Confi
     except RecursionError:  # the reader recurses once per level of nesting
         raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
     if data is None:  # an editor's save caught half-way reads as no document: a reload would drain every model
-        raise ConfigError(f"{path}: empty (no server settings, no models): a file still being written? "
+        raise ConfigError(f"{path}: top level: empty (no server settings, no models): a file still being written? "
                           "A server without models says so: `models: []`")
     return parse_config(data, str(path), checks)
 

@@ -229,7 +229,10 @@ def concurrency(found: list[Aggregate], baseline: dict | None, max_running: int 
     return figures + [scaling(found, judge=baseline is not None), cpu_shares(found[-1], baseline)]
 
 
-SCALING_NOISE_PERCENT = 5.0
+# Two single measurements on a machine whose cores 8 clients already fill: what they differ by when nothing changed
+# (fresh clones of one commit, the bench test alone on 2 cores: -1 %, then -6 %); a real fall at 16 clients (a queue
+# that serialises, a front that saturates) is larger than that.
+SCALING_NOISE_PERCENT = 10.0
 
 
 def scaling(found: list[Aggregate], judge: bool) -> Figure:
@@ -249,7 +252,7 @@ def scaling(found: list[Aggregate], judge: bool) -> Figure:
     if incomplete:
         return unequal(name, measured, change, "%", incomplete.counts)
     # two single measurements: where 8 clients already fill the cores (2 here) both levels run at the machine's
-    # rate, and a few percent between them is the run's own wobble (-1 % seen on a quiet 2-core CI run), not a fall
+    # rate, and a few percent between them is the run's own wobble (SCALING_NOISE_PERCENT), not a fall
     return judged(name, change, "%", measured, at_least=100, noise=SCALING_NOISE_PERCENT) if judge else \
         Figure(name, measured, change, "%")
 

@@ -227,27 +227,28 @@ def test_the_canary_reads_a_large_record_off_the_event_loop_once(tmp_path):
     load(tmp_path / "golden.yaml")
     parse_s = time.monotonic() - started
 
-    async def run() -> float:
-        canary, gaps, done = Canary(lambda: config, Metrics()), [], asyncio.Event()
+    async def run() -> int:
+        canary, ticks, done = Canary(lambda: config, Metrics()), [], asyncio.Event()
 
         async def ticker():
-            last = time.monotonic()
             while not done.is_set():
                 await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
+                ticks.append(time.monotonic())
         ticking = asyncio.create_task(ticker())
         await asyncio.sleep(0.05)
+        before = len(ticks)
         await canary.refresh()
+        during = len(ticks) - before
         done.set()
         await ticking
         assert canary.wants(config.models[0])
         parsed = canary._read
         await canary.refresh()  # unchanged: not parsed again (the very result of the first parse is kept)
         assert canary._read is parsed
-        return max(gaps)
-    assert asyncio.run(run()) < max(0.25, parse_s / 4), parse_s
+        return during
+    # A parse on the event loop lets no tick run while it lasts; off the loop the ticker keeps going. Counting ticks,
+    # not bounding the longest gap, holds however loaded the machine is (CI saw a 0.8 s gap in a 2.9 s parse).
+    assert asyncio.run(run()) >= 3, parse_s
 
 def test_a_record_too_deep_or_too_large_is_refused_at_once(tmp_path):
     path = tmp_path / "golden.yaml"

@@ -73,11 +73,14 @@ def one_slot(appliance_factory, long_demo_model):
 def test_interactive_starts_before_background_queued_earlier(appliance_factory, long_demo_model):
     # Background requests here wait far less than their bound: queueing four requests one after another took over
     # 2 s on two loaded cores, and the first background request then rightly went first (its bounded wait).
-    app = one_slot_model(appliance_factory, long_demo_model, background_max_wait_s=120.0)
+    # Each request runs 50 steps of 10 ms: finishing order is read in the client's threads, and with 5 fast tokens
+    # a loaded machine once let the next request finish before the previous one's thread had recorded its end.
+    app = one_slot_model(appliance_factory, long_demo_model, background_max_wait_s=120.0,
+                         env={"OPENARC_DEBUG_STEP_DELAY_S": "0.01"})
     finished: list[str] = []
 
     def request(name: str, **kwargs):
-        status, _, body = chat(app, max_tokens=5, **kwargs)
+        status, _, body = chat(app, max_tokens=50, **kwargs)
         assert status == 200, body
         finished.append(name)
 

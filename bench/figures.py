@@ -229,9 +229,9 @@ def concurrency(found: list[Aggregate], baseline: dict | None, max_running: int 
     return figures + [scaling(found, judge=baseline is not None), cpu_shares(found[-1], baseline)]
 
 
-# Two single measurements on a machine whose cores 8 clients already fill: what they differ by when nothing changed
-# (fresh clones of one commit, the bench test alone on 2 cores: -1 %, then -6 %); a real fall at 16 clients (a queue
-# that serialises, a front that saturates) is larger than that.
+# Two measurements on a machine whose cores 8 clients already fill: what they differ by when nothing changed (the
+# quick plan's 6 rounds a client, 2 quiet cores, four runs: +25 .. +43 %; with 1 round a level lasted 70 ms and one
+# run in five fell by a quarter); a real fall at 16 clients (a queue that serialises, a front that saturates) is larger.
 SCALING_NOISE_PERCENT = 10.0
 
 

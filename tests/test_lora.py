@@ -406,7 +406,7 @@ def test_runtime_load_refuses_bad_paths_with_a_400_naming_the_problem(server, lo
     torch_only.mkdir(exist_ok=True)
     (torch_only / "adapter_model.bin").write_bytes(b"\x80\x02}q\x00.")
     cases = [
-        ({"name": "x", "path": str(lora_dir / "missing")}, "does not exist"),
+        ({"name": "x", "path": str(lora_dir / "missing")}, "no LoRA adapter at"),
         ({"name": "x", "path": str(torch_only)}, "holds a torch checkpoint (adapter_model.bin)"),
         ({"name": "x", "path": str(tmp_path)}, f"under {str(lora_dir)!r}"),
         ({"name": "x", "path": str(lora_dir / "upper" / ".." / ".." / "etc")}, "must be absolute and under"),
@@ -578,8 +578,20 @@ def test_a_path_that_is_no_regular_file_is_a_400_and_blocks_no_one(server, lora_
     url = server.base + "/openarc/models/demo/adapters"
     for path in (fifo, peft):
         status, _, body = http("POST", url, {"name": "pipe", "path": str(path)}, headers=server.auth, timeout=10)
-        assert status == 400 and "expected a regular file" in body["error"]["message"], body
+        assert status == 400 and "no LoRA adapter at" in body["error"]["message"], body
     assert http("GET", server.base + "/ready", timeout=5)[0] == 200
+
+
+def test_a_runtime_load_tells_no_one_which_directories_exist_beside_the_models(server, lora_dir, demo_model):
+    """A key manages its own models' adapters: a path that does not exist and one that is another model's directory
+    (or any directory without an adapter) get one answer, so the 400 is no way to list what lies beside them."""
+    url = server.base + "/openarc/models/demo/adapters"
+    answers = []
+    for path in (lora_dir / "no-such-model", lora_dir / "upper" / "no-such-file", demo_model):
+        status, _, body = http("POST", url, {"name": "probe", "path": str(path)}, headers=server.auth)
+        assert status == 400, body
+        answers.append(body["error"]["message"].replace(repr(str(path)), "PATH"))
+    assert len(set(answers)) == 1 and answers[0].startswith("no LoRA adapter at PATH"), answers
 
 
 def test_a_runtime_adapter_of_a_replicated_model_is_served_by_every_replica(tmp_path, demo_model, lora_dir, in_process):

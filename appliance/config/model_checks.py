@@ -99,6 +99,7 @@ def model_problems(models: list[ModelConfig | None], checks: list[ModelCheck]) -
 # A LoRA adapter as OpenVINO GenAI reads it: one safetensors file, or a directory in the PEFT layout holding it.
 ADAPTER_FILE = "adapter_model.safetensors"
 TORCH_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 TORCH_HINT = ("OpenVINO GenAI reads safetensors only; convert it once: python -c \"import torch, safetensors.torch; "
               "safetensors.torch.save_file(torch.load('adapter_model.bin'), 'adapter_model.safetensors')\" "
               "(or PEFT's save_pretrained(..., safe_serialization=True))")
@@ -123,7 +124,7 @@ def adapter_problem(path: str, user_name: str | None = None) -> str | None:
             if torch_only:
                 return f"{path!r} holds a torch checkpoint ({torch_only[0]}) and no {ADAPTER_FILE}; {TORCH_HINT}"
             return f"expected a PEFT adapter directory; {path!r} has no {ADAPTER_FILE}"
-    elif where.suffix in (".bin", ".pt", ".pth"):
+    elif where.suffix in TORCH_SUFFIXES:
         return f"{path!r} is a torch checkpoint; {TORCH_HINT}"
     file = adapter_file(path)
     if not file.is_file():  # a FIFO or a device would block its reader (the front, checking a runtime load) for good

@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from appliance.config import adapter_problem
-from appliance.config.model_checks import adapter_file, adapter_fit_problem
+from appliance.config.model_checks import ADAPTER_FILE, TORCH_FILES, TORCH_SUFFIXES, adapter_file, adapter_fit_problem
 from appliance.config.replicas import shown
 from appliance.config.rules import MODEL_NAME, adapter_weight_ok
 from appliance.front.api import lookup
@@ -151,9 +151,24 @@ def path_problem(sup, path: str) -> str | None:
     where = Path(os.path.realpath(path))
     if not os.path.isabs(path) or root not in where.parents:
         return f"the adapter's path must be absolute and under {str(root)!r} (the directory holding the model's own)"
+    if not _torch_only(where) and not _readable_file(adapter_file(str(where))):
+        # One answer for a path that does not exist, a directory without the file (another model's), a FIFO and
+        # an unreadable file: a key kept to its own models must not learn which directories exist beside them.
+        return (f"no LoRA adapter at {path!r}: expected a .safetensors file, or a PEFT directory holding "
+                f"{ADAPTER_FILE}, that the server can read")
     return adapter_problem(str(where)) or next(
         (problem for entry in sup.configured_spec["adapters"].values()  # (what genai built the model's LoRA for)
          if (problem := adapter_fit_problem(adapter_file(str(where)), entry["path"]))), None)
+
+
+def _torch_only(where: Path) -> bool:
+    """A torch checkpoint where an adapter is looked for: adapter_problem's conversion hint applies."""
+    return where.suffix in TORCH_SUFFIXES if where.is_file() else \
+        where.is_dir() and any((where / name).is_file() for name in TORCH_FILES)
+
+
+def _readable_file(file: Path) -> bool:
+    return file.is_file() and os.access(file, os.R_OK)  # (a FIFO is no file: reading it would block the front)
 
 
 async def loads_ended(supervisor, model: str) -> list:

@@ -79,6 +79,8 @@ def test_runtime_config_overrides_first_class_options(tmp_path):
     ({"models": [{"name": "a", "path": "/a", "device": "cpu"}]},
      "models[0].device: expected an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO (names are upper case), "
      "or auto (the placer picks the card with room)"),
+    ({"models": [{"name": "a", "path": "/a", "device": "GPU.\u0661"}]},  # an Arabic-Indic one: no card's number
+     "models[0].device: expected an OpenVINO device name such as CPU, GPU, GPU.0 or AUTO"),
     ({"models": [{"name": "a", "path": "/a", "pipeline": "paged"}]},
      "models[0].pipeline: expected one of 'continuous_batching', 'stateful', got 'paged'"),
     ({"models": [{"name": "a", "path": "/a", "scheduler_config": {"num_blocks": 4}}]},

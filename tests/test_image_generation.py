@@ -122,6 +122,7 @@ def test_the_sdk_edits_a_picture_with_and_without_a_mask(app):
 
 @pytest.mark.parametrize("call, code", [
     (lambda c: c.images.generate(model="pictures", prompt="x", size="100x100"), "invalid_size"),
+    (lambda c: c.images.generate(model="pictures", prompt="x", size="６４x６４"), "invalid_size"),  # full-width digits
     (lambda c: c.images.generate(model="pictures", prompt="x", n=9), "too_many_images"),
     (lambda c: c.images.generate(model="pictures", prompt="x", response_format="url"), "unsupported_response_format"),
     (lambda c: c.images.generate(model="pictures", prompt="x", extra_body={"num_inference_steps": 51}),

@@ -148,3 +148,21 @@ def test_the_bench_imports_only_public_entry_points():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("appliance"):
                 used.add(node.module)
     assert used <= public, used - public
+
+
+def test_every_pattern_reading_digits_reads_ascii_ones():
+    """`\\d` in a str pattern matches any script's digits: `size: "５１２x５１２"` passed the image route's check
+    and int() took it; a device named `GPU.١` passed the config's. Every pattern in the tree that reads `\\d` says
+    re.ASCII, so a digit is 0-9 wherever input is read."""
+    unmarked = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "re" and node.args):
+                continue
+            pattern = node.args[0]
+            text = "".join(part.value for part in ast.walk(pattern)
+                           if isinstance(part, ast.Constant) and isinstance(part.value, str))
+            if "\\d" in text and "ASCII" not in ast.unparse(node):
+                unmarked.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not unmarked, unmarked

@@ -22,7 +22,7 @@ import re
 from typing import Any, Mapping
 
 MASK_ENV = "ZE_AFFINITY_MASK"
-ONE_GPU = re.compile(r"GPU(?:\.(\d+))?")
+ONE_GPU = re.compile(r"GPU(?:\.(\d+))?", re.ASCII)
 
 
 def _card(device: str | None) -> int | None:

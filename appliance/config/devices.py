@@ -16,7 +16,7 @@ from appliance.config.validator import ConfigError
 
 # OpenVINO device names are case sensitive ("cpu" is not registered): accept the plugin names and their
 # composite forms, reject anything else here rather than as a C++ exception at load time.
-DEVICE_PATTERN = re.compile(r"^(CPU|NPU|GPU(\.\d+)?|(AUTO|MULTI|HETERO|BATCH)(:[A-Z0-9.,:]+)?)$")
+DEVICE_PATTERN = re.compile(r"^(CPU|NPU|GPU(\.\d+)?|(AUTO|MULTI|HETERO|BATCH)(:[A-Z0-9.,:]+)?)$", re.ASCII)
 
 # The device that asks the placer to choose the card (appliance.front.cards): lower case, so that it is never
 # taken for OpenVINO's own AUTO plugin (which picks a device per compiled model, not per card with room).
@@ -24,10 +24,10 @@ PLACED = "auto"
 
 # A GPU a device string names: "GPU.1", or bare "GPU" (OpenVINO's name for GPU.0), also inside composite
 # devices ("HETERO:GPU.1,CPU").
-GPU_IN_DEVICE = re.compile(r"\bGPU(?:\.(\d+))?\b")
+GPU_IN_DEVICE = re.compile(r"\bGPU(?:\.(\d+))?\b", re.ASCII)
 
 # The plugins a device string names (inside composites too: "HETERO:GPU.1,CPU").
-DEVICE_IN_STRING = re.compile(r"\b(CPU|NPU|GPU(?:\.\d+)?)\b")
+DEVICE_IN_STRING = re.compile(r"\b(CPU|NPU|GPU(?:\.\d+)?)\b", re.ASCII)
 
 
 def missing_devices(device: str, available: list[str]) -> list[str]:

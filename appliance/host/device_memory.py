@@ -30,13 +30,13 @@ from appliance.sizes import parse_size
 _FDINFO_KEYS = {
     # device-local memory: i915 regions local<N>, xe regions vram<N>; drm-memory- is the
     # deprecated alias of drm-resident-.
-    "resident": re.compile(r"drm-resident-(?:local|vram)\d+"),
-    "memory": re.compile(r"drm-memory-(?:local|vram)\d+"),
-    "total": re.compile(r"drm-total-(?:local|vram)\d+"),
+    "resident": re.compile(r"drm-resident-(?:local|vram)\d+", re.ASCII),
+    "memory": re.compile(r"drm-memory-(?:local|vram)\d+", re.ASCII),
+    "total": re.compile(r"drm-total-(?:local|vram)\d+", re.ASCII),
     # system memory a client's buffers sit in: i915 system<N> (never stolen-system<N>), xe system and gtt. On a
     # discrete card a model's buffers land here when the driver evicts them from VRAM (the eviction cliff).
-    "system_resident": re.compile(r"drm-resident-(?:system\d*|gtt)"),
-    "system_memory": re.compile(r"drm-memory-(?:system\d*|gtt)"),
+    "system_resident": re.compile(r"drm-resident-(?:system\d*|gtt)", re.ASCII),
+    "system_memory": re.compile(r"drm-memory-(?:system\d*|gtt)", re.ASCII),
 }
 
 
@@ -136,7 +136,7 @@ def device_memory_regions(pids: Iterable[int], proc_root: str | Path = "/proc") 
 # usm_device. Python may hand it over as a dict or as the string ov::Any prints:
 # openvino/core/any.hpp Write<std::map> gives "{cl_mem:4718592000,usm_host:8388608}", and ""
 # for an empty map (before any model is compiled).
-_STAT_ENTRY = re.compile(r"([A-Za-z_]\w*)\s*[:=\s]\s*(\d+)")
+_STAT_ENTRY = re.compile(r"([A-Za-z_]\w*)\s*[:=\s]\s*(\d+)", re.ASCII)
 
 
 def parse_gpu_memory_statistics(value: Mapping[str, int | str] | str | None) -> int:

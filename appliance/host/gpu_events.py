@@ -20,9 +20,9 @@ from appliance.host.telemetry import BDF
 # "GT<n>: ", xe_tile_printk.h (2025) "Tile<n>: " before it. The prefix is taken off first,
 # "*ERROR* " is kept so the catch-all row can require it.
 _DRM_PREFIX = re.compile(
-    rf"(?P<driver>i915|xe) (?P<bdf>{BDF}): \[drm\] (?P<error>\*ERROR\* )?(?:Tile\d+: )?(?:GT\d+: )?"
+    rf"(?P<driver>i915|xe) (?P<bdf>{BDF}): \[drm\] (?P<error>\*ERROR\* )?(?:Tile\d+: )?(?:GT\d+: )?", re.ASCII
 )
-_DMESG_TIME = re.compile(r"\[\s*\d+\.\d+\] ")  # dmesg's "[40906.406659] ", for pasted lines
+_DMESG_TIME = re.compile(r"\[\s*\d+\.\d+\] ", re.ASCII)  # dmesg's "[40906.406659] ", for pasted lines
 _ERR = r"(?:\*ERROR\* )?"
 
 # (pattern, kind, counts_as_reset). First match wins; patterns are anchored at the message
@@ -68,7 +68,7 @@ _COMPILED_KMSG_EVENTS = tuple((re.compile(pattern), kind, counts) for pattern, k
 
 # i915 uabi engine classes as bits of the ecode mask (i915_gpu_error.c, drm/i915_drm.h).
 _ENGINE_CLASS_BITS = {0x1: "render", 0x2: "copy", 0x4: "video", 0x8: "video-enhance", 0x10: "compute"}
-_ENGINE_NAME = re.compile(r"\b(?:rcs|bcs|vcs|vecs|ccs)\d+\b")
+_ENGINE_NAME = re.compile(r"\b(?:rcs|bcs|vcs|vecs|ccs)\d+\b", re.ASCII)
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ def list_gpus(sys_root: str | Path = "/sys") -> list[GpuInfo]:
     """DRM cards with a PCI device, in card order; logs a warning for unknown Intel ids."""
     drm_class = Path(sys_root, "class", "drm")
     try:
-        cards = [name for name in os.listdir(drm_class) if re.fullmatch(r"card\d+", name)]
+        cards = [name for name in os.listdir(drm_class) if re.fullmatch(r"card\d+", name, re.ASCII)]
     except OSError:
         return []
     gpus = [gpu for name in sorted(cards, key=lambda card: int(card[4:])) if (gpu := _gpu_info(drm_class / name))]

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------
 # /dev/kmsg records: Documentation/ABI/testing/dev-kmsg
 # "prefix,seq,timestamp_us,flags[,more fields];text\n" then " KEY=value\n" lines.
-_KMSG_HEADER = re.compile(r"(?P<prefix>\d+),(?P<seq>\d+),(?P<ts>\d+),(?P<flags>[^,;]*)(?:,[^;]*)?;(?P<text>.*)")
+_KMSG_HEADER = re.compile(r"(?P<prefix>\d+),(?P<seq>\d+),(?P<ts>\d+),(?P<flags>[^,;]*)(?:,[^;]*)?;(?P<text>.*)",
+                          re.ASCII)
 _KMSG_ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
 
 
@@ -178,7 +179,7 @@ def _split_kmsg_records(buffer: bytes) -> tuple[list[str], bytes]:
 # OOM kills: mm/oom_kill.c __oom_kill_process() pr_err("%s: Killed process %d (%s) total-vm:...",
 # message) with message "Out of memory" or "Memory cgroup out of memory" (kernels before 5.0 printed
 # "Killed process %d (%s) ..." alone).
-_OOM_KILLED = re.compile(r"(?:[\w ]+: )?Killed process (?P<pid>\d+) \(")
+_OOM_KILLED = re.compile(r"(?:[\w ]+: )?Killed process (?P<pid>\d+) \(", re.ASCII)
 
 
 def oom_killed_pid(record: KmsgRecord) -> int | None:

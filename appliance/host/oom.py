@@ -31,7 +31,7 @@ log = logging.getLogger("openarc.oom")
 WORKER_OOM_SCORE_ADJ = 800
 FRONT_OOM_SCORE_ADJ = -500
 
-_OOM_KILL_LINE = re.compile(r"^oom_kill (\d+)$", re.MULTILINE)
+_OOM_KILL_LINE = re.compile(r"^oom_kill (\d+)$", re.MULTILINE | re.ASCII)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def read_text(path: Path | str) -> str | None:
 
 # ---------------------------------------------------------------------------------------
 # Process memory: proc(5) /proc/PID/statm (pages) or /proc/PID/status VmRSS (kB).
-_VM_RSS = re.compile(r"^VmRSS:\s*(\d+)\s*kB", re.MULTILINE)
+_VM_RSS = re.compile(r"^VmRSS:\s*(\d+)\s*kB", re.MULTILINE | re.ASCII)
 
 
 def process_rss_bytes(pid: int, proc_root: str | Path = "/proc") -> int:

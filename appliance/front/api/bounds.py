@@ -35,11 +35,11 @@ def bounded_regex(regex: str, where: str) -> str:
 
 EBNF_RULE = re.compile(r"(?m)^[ \t]*([A-Za-z_][\w.-]*)[ \t]*::=")
 EBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}|[()]'
-                        r"|[A-Za-z_][\w.-]*|#[^\n]*|\S", re.S)
+                        r"|[A-Za-z_][\w.-]*|#[^\n]*|\S", re.S | re.ASCII)
 
 
 # A regex's tokens for the lexical count: an escape, a class, a {m,n} repeat (groups 1-3), a bracket, a character
-REGEX_TOKEN = re.compile(r"\\.|\[\^?\]?(?:[^\]\\]|\\.)*\]|\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}|.", re.S)
+REGEX_TOKEN = re.compile(r"\\.|\[\^?\]?(?:[^\]\\]|\\.)*\]|\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}|.", re.S | re.ASCII)
 
 
 def bounded_grammar(grammar: str, where: str) -> str:

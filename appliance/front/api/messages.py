@@ -41,7 +41,7 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_t
 NEEDED_BLOCKS = ("image", "document", "search_result")
 CLIENT_TOOL = "custom"  # Anthropic's client tools (name, description, input_schema); every other type is a server's
 # The worker's too-long message (appliance.worker.engines.llm), read back for Anthropic's wording of it.
-TOO_LONG = re.compile(r"maximum context length is (\d+) tokens; the prompt has (\d+) tokens")
+TOO_LONG = re.compile(r"maximum context length is (\d+) tokens; the prompt has (\d+) tokens", re.ASCII)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}

@@ -39,7 +39,7 @@ from appliance.front.api.tools import (CUSTOM_INPUT, assistant_tool_calls, at_or
                                       parse_tools)
 from appliance.front.request import Event, RequestFailed
 
-IMAGE_TAGS = re.compile(r"<ov_genai_image_\d+>")
+IMAGE_TAGS = re.compile(r"<ov_genai_image_\d+>", re.ASCII)
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 # Marks on a chat turn while the input is read: the item a tool result came from, a compaction's turn.
 WHERE, COMPACTED = "_where", "_compacted"

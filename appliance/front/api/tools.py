@@ -195,7 +195,8 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     return {"type": "function", "function": out}
 
 
-FLAT_TOOL = re.compile(r"tools\[(\d+)\]")  # how parse_tools names a tool: by its place in the list it was given
+# how parse_tools names a tool: by its place in the list it was given
+FLAT_TOOL = re.compile(r"tools\[(\d+)\]", re.ASCII)
 
 
 def at_origins(check: Callable[[], T], origins: list[str], renames: tuple[tuple[str, str], ...] = ()) -> T:

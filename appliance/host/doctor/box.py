@@ -154,5 +154,5 @@ LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib/x86
 
 def kernel_version(release: str | None) -> tuple[int, int] | None:
     """(major, minor) of a kernel release string such as "6.8.0-51-generic"."""
-    match = re.match(r"(\d+)\.(\d+)", release or "")
+    match = re.match(r"(\d+)\.(\d+)", release or "", re.ASCII)
     return (int(match[1]), int(match[2])) if match else None

@@ -47,7 +47,8 @@ FIRMWARE_DIRS = ("/lib/firmware", "/usr/lib/firmware")
 # Firmware lines (after the drm prefix): i915 "GuC firmware i915/dg2_guc_70.bin version 70.36.0", xe "Using GuC
 # firmware from xe/bmg_guc_70.bin version 70.36.0"; failures "... fetch failed ...", xe "Failed to load GuC
 # firmware ...", xe_guc.c "load failed: status = ...", i915 "GuC initialization failed ...".
-_FW_LOADED = re.compile(r"(?:Using )?(?P<fw>GuC|HuC) firmware (?:from )?(?P<path>\S+) version (?P<version>[\d.]+)")
+_FW_LOADED = re.compile(r"(?:Using )?(?P<fw>GuC|HuC) firmware (?:from )?(?P<path>\S+) version (?P<version>[\d.]+)",
+                        re.ASCII)
 _FW_FAILED = re.compile(r"(?:\*ERROR\* )?(?:(?P<fw>GuC|HuC) firmware (?P<path>\S+): fetch failed.*"
                         r"|Failed to load (?P<fw2>GuC|HuC) firmware.*|(?P<fw3>GuC|HuC) initialization failed.*"
                         r"|load failed: status.*)")

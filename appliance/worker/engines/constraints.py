@@ -35,7 +35,7 @@ PROBE_CACHE_SIZE = 256
 PROBE_TOKENS = 8  # a first token (compile and mask) and seven masks: enough to see a step cost that grows
 PROBE_FALLBACK_VOCAB = 1 << 18  # wider than any tokenizer's vocabulary (genai pads a shorter one)
 # genai's errors start with the C++ source location of the check that failed: keep what follows it.
-SOURCE_LOCATION = re.compile(r"^.*?\.(?:cc|cpp|hpp|h):\d+:\s*")
+SOURCE_LOCATION = re.compile(r"^.*?\.(?:cc|cpp|hpp|h):\d+:\s*", re.ASCII)
 
 
 class InvalidGrammar(ValueError):

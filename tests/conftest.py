@@ -337,10 +337,12 @@ def quick_side_bench(stem: str, tmp_path: Path) -> dict[str, dict]:
 # storage and the roots and image cached under /var/tmp (the quadlet and end-to-end tests build and use them). The
 # real clients' tests share one server and one run of each client (module fixtures): one worker runs them all.
 XDIST_GROUPS = {"test_systemd.py": "systemd", "test_zero_downtime.py": "systemd", "test_hostile.py": "hostile",
-                "test_podman_e2e.py": "podman", "test_quadlet.py": "podman", "test_real_clients.py": "real-clients"}
+                "test_podman_e2e.py": "podman", "test_quadlet.py": "podman", "test_real_clients.py": "real-clients",
+                "test_bench.py": "alone", "test_bench_constrained.py": "alone"}
 # Files whose tests judge timings against the targets the docs quote as met (quoted_as_met): each runs alone on
-# the machine, the other xdist workers waiting between their tests (machine_share), so that a figure is not judged
-# on two cores shared with the rest of the suite.
+# the machine, the other xdist workers waiting between their tests (MachineShare), so that a figure is not judged
+# on two cores shared with the rest of the suite. One xdist group, so that they run back to back on one worker
+# and the others drain once for all of them, not once for each (a drain waits for the longest test running).
 ALONE_FILES = {"test_bench.py", "test_bench_constrained.py"}
 MACHINE_LOCKS = Path(tempfile.gettempdir()) / "openarc-tests-machine"
 
@@ -355,29 +357,67 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.alone)
 
 
-@pytest.fixture(autouse=True)
-def machine_share(request):
+class MachineShare:
     """Under xdist, every test holds the machine lock shared and an `alone` test holds it exclusively. A turnstile
-    taken before the lock keeps new shared holders out while an exclusive one waits, so it cannot starve."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        yield
-        return
-    alone = request.node.get_closest_marker("alone") is not None
-    # Under `--dist loadgroup` a grouped test's id ends in `@group`: that is how xdist keeps a group on one worker.
-    # pytest 9.2 moved where a test keeps its id, and pytest-xdist 3.8 then renames a field nothing reads: every
-    # test was scheduled alone and the groups silently ran side by side (three podman builds into one storage).
-    if getattr(request.config.option, "loadgroup", False) and XDIST_GROUPS.get(request.node.path.name) \
-            and "@" not in request.node.nodeid:
-        pytest.fail("--dist loadgroup is not in effect: this pytest / pytest-xdist pair does not keep xdist groups "
-                    "together (pyproject.toml holds pytest below 9.2)", pytrace=False)
-    MACHINE_LOCKS.mkdir(exist_ok=True)
-    with open(MACHINE_LOCKS / "turnstile", "a") as turnstile, open(MACHINE_LOCKS / "machine", "a") as machine:
+    taken before the lock keeps new shared holders out while an exclusive one waits, so it cannot starve. A shared
+    holder lets go after each test (an exclusive waiter waits for one test, not a worker's whole run); an exclusive
+    one keeps the lock while the worker's next test is `alone` too."""
+
+    def __init__(self):
+        self.files = None  # (turnstile, machine) while the lock is held
+        self.alone = False
+
+    def take(self, alone: bool) -> None:
+        MACHINE_LOCKS.mkdir(exist_ok=True)
+        turnstile, machine = open(MACHINE_LOCKS / "turnstile", "a"), open(MACHINE_LOCKS / "machine", "a")
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         try:
             fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         finally:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(machine, fcntl.LOCK_UN)
+        self.files, self.alone = (turnstile, machine), alone
+
+    def drop(self) -> None:
+        if self.files:
+            fcntl.flock(self.files[1], fcntl.LOCK_UN)
+            for file in self.files:
+                file.close()
+            self.files = None
+
+
+MACHINE_SHARE = MachineShare()
+
+
+def _alone(item) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The machine lock around a test's setup, call and teardown (module fixtures included: a bench file's servers
+    start and stop under it)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    alone = _alone(item)
+    if MACHINE_SHARE.files and MACHINE_SHARE.alone != alone:
+        MACHINE_SHARE.drop()
+    if not MACHINE_SHARE.files:
+        MACHINE_SHARE.take(alone)
+    try:
+        yield
+    finally:
+        if not (alone and _alone(nextitem)):
+            MACHINE_SHARE.drop()
+
+
+@pytest.fixture(autouse=True)
+def groups_in_effect(request):
+    """Under `--dist loadgroup` a grouped test's id ends in `@group`: that is how xdist keeps a group on one worker.
+    pytest 9.2 moved where a test keeps its id, and pytest-xdist 3.8 then renames a field nothing reads: every
+    test was scheduled alone and the groups silently ran side by side (three podman builds into one storage)."""
+    if "PYTEST_XDIST_WORKER" in os.environ and getattr(request.config.option, "loadgroup", False) \
+            and XDIST_GROUPS.get(request.node.path.name) and "@" not in request.node.nodeid:
+        pytest.fail("--dist loadgroup is not in effect: this pytest / pytest-xdist pair does not keep xdist groups "
+                    "together (pyproject.toml holds pytest below 9.2)", pytrace=False)
+    yield

@@ -36,7 +36,7 @@ from appliance.config.rules import IMAGE_SIZE_STEP, MIN_IMAGE_SIDE, image_pixels
 from appliance.front.api import fields, lookup, sse
 from appliance.front.api.audio import TRANSCRIPT_ERRORS, Upload, UploadRoutes, read_form
 from appliance.front.api.errors import InvalidRequest
-from appliance.front.api.images import spool_size
+from appliance.front.api.images import claim_pixels
 from appliance.front.api.route import Call, route
 from appliance.front.api.server_view import ServerView
 from appliance.front.helper_process import HelperFault
@@ -340,8 +340,7 @@ class ImageRoutes(UploadRoutes):
         except HelperFault as exc:
             raise exc.failure() from None
         file = {"path": path, "width": info["width"], "height": info["height"]}
-        self.budget.claim(path, spool_size(file), f"'{name}' is {file['width']}x{file['height']}: "
-                          f"{spool_size(file)} bytes of pixels")
+        claim_pixels(self.budget, file, f"'{name}'")
         return file
 
     async def _run(self, request: web.Request, call: Call, sup, req: ImageRequest, frame: dict[str, Any],

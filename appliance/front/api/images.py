@@ -36,7 +36,7 @@ from appliance.front.api.fields import utf8
 from appliance.front.helper_process import HelperFault
 from appliance.front.image_decoder import OVER_BUDGET, ImageDecoder, ImageError
 from appliance.front.request_ledger import LEDGER
-from appliance.front.spool_budget import SpoolBudget, spool_full
+from appliance.front.spool_budget import SPOOL_FULL, SpoolBudget, spool_full
 from appliance.config.systemd_env import systemd_directory
 
 IMAGE_TAG = "<ov_genai_image_{}>"
@@ -170,8 +170,7 @@ class ImageResolver:
                                                  max(0, min(request_left, server_left)))
                 file = {"path": path, "width": info["width"], "height": info["height"]}
                 # (another request's file may have been claimed since this one's room was read)
-                self.budget.claim(path, spool_size(file), f"the image is {file['width']}x{file['height']}: "
-                                  f"{spool_size(file)} bytes of pixels", IMAGE_SPOOL_FULL)
+                claim_pixels(self.budget, file, "the image", IMAGE_SPOOL_FULL)
                 kept = True
             except ImageError as exc:
                 if exc.reason == OVER_BUDGET and request_left > server_left:
@@ -291,6 +290,13 @@ def _data_url(part: ImagePart, model) -> bytes:
 def spool_size(file: dict[str, Any]) -> int:
     """The bytes of a decoded image's spool file: its RGB pixels."""
     return file["width"] * file["height"] * 3
+
+
+def claim_pixels(budget: SpoolBudget, file: dict[str, Any], what: str, code: str = SPOOL_FULL) -> None:
+    """Count a decoded image's spool file (`file`: path, width, height) on the server's spool budget; `what` names
+    the image in the 503 when there is no room for it now."""
+    size = spool_size(file)
+    budget.claim(file["path"], size, f"{what} is {file['width']}x{file['height']}: {size} bytes of pixels", code)
 
 
 def sweep_stale_spools(base: str) -> None:

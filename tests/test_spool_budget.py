@@ -212,10 +212,10 @@ def png(colour, size=(64, 64), mode="RGB") -> bytes:
     return out.getvalue()
 
 
-def edit_form(steps: int = 2, mask: bool = True) -> dict:
+def edit_form(steps: int = 2, mask: bool = True, side: int = 64) -> dict:
     form = {"model": "pictures", "prompt": "a red square", "num_inference_steps": str(steps), "strength": "1.0",
-            "image": png((0, 0, 255))}
-    return {**form, "mask": png((0, 0, 0, 0), mode="RGBA")} if mask else form
+            "image": png((0, 0, 255), (side, side))}
+    return {**form, "mask": png((0, 0, 0, 0), (side, side), mode="RGBA")} if mask else form
 
 
 def post_form(front, path: str, form: dict, timeout: float = HANG_BOUND_S) -> tuple[int, dict, dict]:
@@ -270,31 +270,32 @@ def metric(front, name: str) -> float:
 
 
 def test_every_byte_comes_back_after_a_hang_up_mid_queue_and_a_worker_killed_mid_picture(front, budget, spool_dir):
-    """A long edit runs (its picture and mask held: 2 x PICTURE); a transcription whose samples pass the room left
-    is a 503 while one that fits is served beside it; a second edit queued behind the first holds its files until
-    its client hangs up, then gives them back; the first edit's worker is killed mid-picture, and its files go too.
-    The held bytes (the budget, the openarc_spool_bytes gauge) and the spool directory end empty."""
-    budget.capacity = 2 * PICTURE + SECOND + SECOND // 2  # a running edit and 1.5 s of audio
+    """A long edit runs (its 128 x 128 picture and mask held: LONG bytes); a transcription whose samples pass the room
+    left is a 503 while one that fits is served beside it; a second edit queued behind the first holds its files
+    until its client hangs up, then gives them back; the first edit's worker is killed mid-picture, and its files go
+    too. The held bytes (the budget, the openarc_spool_bytes gauge) and the spool directory end empty."""
+    LONG = 2 * 128 * 128 * 3  # (500 steps of 128 x 128: tens of seconds here, killed after a few)
+    budget.capacity = LONG + SECOND + SECOND // 2  # a running edit and 1.5 s of audio
     replies: dict[str, tuple] = {}
     long_edit = threading.Thread(target=lambda: replies.update(
-        long=post_form(front, "/v1/images/edits", edit_form(steps=500))))
+        long=post_form(front, "/v1/images/edits", edit_form(steps=500, side=128))))
     long_edit.start()
     wait_until(lambda: front.model_status("pictures")["requests_running"], HANG_BOUND_S, "the long edit running")
-    assert budget.held == 2 * PICTURE and metric(front, "openarc_spool_bytes") == 2 * PICTURE
+    assert budget.held == LONG and metric(front, "openarc_spool_bytes") == LONG
 
     assert_spool_full(transcribe(front, 2.0), "the audio is longer than 1.5 s")
     status, _, body = transcribe(front, 1.0)  # fits beside the edit's files
     assert (status, body["text"]) == (200, TRANSCRIPT)
-    assert budget.held == 2 * PICTURE
+    assert budget.held == LONG
 
     content_type, body = multipart(edit_form(steps=2))
     queued = HTTPConnection("127.0.0.1", front.port, timeout=HANG_BOUND_S)
     queued.request("POST", "/v1/images/edits", body, {"Content-Type": content_type})
     # (its place in the queue is reserved before its files are decoded: waiting, with its files held, it is queued)
-    wait_until(lambda: budget.held == 4 * PICTURE, HANG_BOUND_S, "the second edit's files held")
+    wait_until(lambda: budget.held == LONG + 2 * PICTURE, HANG_BOUND_S, "the second edit's files held")
     assert front.model_status("pictures")["requests_waiting"] == 1 and len(spool_files(spool_dir)) == 4
     queued.close()  # the client hangs up mid-queue
-    wait_until(lambda: budget.held == 2 * PICTURE, HANG_BOUND_S, "the queued edit's files given back")
+    wait_until(lambda: budget.held == LONG, HANG_BOUND_S, "the queued edit's files given back")
     assert len(spool_files(spool_dir)) == 2 and not front.model_status("pictures")["requests_waiting"]
 
     pid = front.model_status("pictures")["pid"]

@@ -303,8 +303,9 @@ def served_app():
     from appliance.config import demo_config
     from appliance.front.app import make_app
     from appliance.front.metrics import Metrics
+    from appliance.front.spool_budget import SpoolBudget
     metrics = Metrics()
-    return make_app(SimpleNamespace(config=demo_config(), metrics=metrics)), metrics
+    return make_app(SimpleNamespace(config=demo_config(), metrics=metrics, spool_budget=SpoolBudget())), metrics
 
 
 def test_every_route_the_front_registers_is_in_the_api_pages_table_and_every_kind_in_its_models_section():

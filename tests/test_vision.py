@@ -387,10 +387,11 @@ def resolve_with_spool_file(make_file, timeout_s: float = 30.0, cancel_after_s: 
     from appliance.config import ImageFetch, ModelConfig
     from appliance.front.api.images import Content, ImagePart, ImageResolver
     from appliance.front.metrics import Metrics
+    from appliance.front.spool_budget import SpoolBudget
 
     async def run():
         metrics = Metrics()
-        resolver = ImageResolver(ImageFetch(), metrics)
+        resolver = ImageResolver(ImageFetch(), metrics, SpoolBudget())
         resolver.decoder.timeout_s = timeout_s
         spool = resolver._spool()
         make_file(os.path.join(spool, "0.rgb"))  # the first image's spool file
@@ -442,9 +443,10 @@ def resolver_run(scenario, spool_base=None):
     from appliance.config import ImageFetch, ModelConfig
     from appliance.front.api.images import ImageResolver
     from appliance.front.metrics import Metrics
+    from appliance.front.spool_budget import SpoolBudget
 
     async def run():
-        resolver = ImageResolver(ImageFetch(), Metrics(), spool_base)
+        resolver = ImageResolver(ImageFetch(), Metrics(), SpoolBudget(), spool_base)
         try:
             return await scenario(resolver, ModelConfig(name="vlm", path="/m", kind="vlm"))
         finally:
@@ -466,18 +468,19 @@ def test_spool_bytes_are_bounded_per_request_and_per_server():
     one = 40 * 30 * 3  # the spool bytes of one encoded() image
 
     async def scenario(resolver, model):
-        resolver.max_request_bytes, resolver.max_spool_bytes = 2 * one, 3 * one
+        resolver.max_request_bytes, resolver.budget.capacity = 2 * one, 3 * one
         with pytest.raises(ImageRejected) as too_many:
             await resolver.resolve(content_of(encoded(RED), encoded(GREEN), encoded(BLUE)), model)
-        assert (resolver.spool_bytes, os.listdir(resolver.spool)) == (0, [])  # the first two went with it
+        assert (resolver.budget.held, os.listdir(resolver.spool)) == (0, [])  # the first two went with it
         held = await resolver.resolve(content_of(encoded(RED), encoded(GREEN)), model)
         with pytest.raises(RequestFailed) as full:
             await resolver.resolve(content_of(encoded(RED), encoded(BLUE)), model)  # one more fits, two do not
-        assert resolver.spool_bytes == 2 * one and len(os.listdir(resolver.spool)) == 2
+        assert resolver.budget.held == 2 * one and len(os.listdir(resolver.spool)) == 2
         resolver.release(held)  # the request in flight ended
         again = await resolver.resolve(content_of(encoded(RED), encoded(BLUE)), model)
         resolver.release(again)
-        return too_many.value, full.value, resolver.spool_bytes
+        resolver.release(again)  # (twice: its bytes come back once)
+        return too_many.value, full.value, resolver.budget.held
 
     too_many, full, left = resolver_run(scenario)
     assert too_many.param == "messages[0].content[2]" and too_many.reason == "too_large"

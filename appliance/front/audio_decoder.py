@@ -27,6 +27,7 @@ from appliance.front.helper_process import HelperFailed, HelperFault, HelperProc
 from appliance.ipc import serve_requests
 
 SAMPLE_RATE = 16000
+SAMPLE_BYTES = 4  # float32: a second of audio is 64,000 bytes in its spool file
 DECODE_TIMEOUT_S = 120.0  # a decoder stuck on one file is killed: generous, decoding runs at 100x real time or more
 
 
@@ -128,6 +129,16 @@ def _handle(request: dict, data: bytes) -> dict:
 class DecodedAudio:
     path: str
     seconds: float
+
+    @property
+    def spool_bytes(self) -> int:
+        """The bytes of its spool file: its samples (seconds is their count over SAMPLE_RATE)."""
+        return round(self.seconds * SAMPLE_RATE) * SAMPLE_BYTES
+
+
+def seconds_in(spool_bytes: int) -> float:
+    """The seconds of decoded audio that many spool bytes hold."""
+    return spool_bytes / (SAMPLE_RATE * SAMPLE_BYTES)
 
 
 class AudioDecoder(HelperProcess):

@@ -278,6 +278,9 @@ class Metrics:
         self.replicated: set[str] = set()  # models whose config has replicas now: their replicas write their state
         self.event_loop_lag = Gauge("openarc_event_loop_lag_seconds", "How late the front's event loop ran a timer",
                                     registry=r)
+        self.spool_bytes = Gauge("openarc_spool_bytes", "Bytes of decoded media (chat images, image edits' pictures "
+                                 "and masks, audio samples) the front holds in spool files for requests in flight "
+                                 "(appliance.front.spool_budget)", registry=r)
         # LoRA (docs/lora.md): vLLM's vllm:lora_requests_info under openarc's prefix, and requests and tokens by
         # adapter for the models that have adapters (the model-wide series above stay as they are).
         self.lora_requests_info = Gauge("openarc_lora_requests_info", "The LoRA adapters of the model's running and "

@@ -31,6 +31,7 @@ from appliance.front.gpu_watch import GpuWatch
 from appliance.front.keys import KeyRing
 from appliance.front.lifecycle import ModelState
 from appliance.front.metrics import Metrics
+from appliance.front.spool_budget import SpoolBudget
 from appliance.front.supervisor import Supervisor
 from appliance.host import oom
 from appliance.host.doctor import build_info
@@ -64,6 +65,8 @@ class Appliance:
         self.keys = KeyRing(config, config.key_secrets())  # a ConfigError names an unset or empty variable
         # counts a model's prompts without its worker (count_tokens, a waiting stream's window check); started on use
         self.prompt_counter = PromptCounter()
+        # the bytes of every spool file the routes hold for requests in flight (images, edits, audio), one bound
+        self.spool_budget = SpoolBudget(on_change=self.metrics.spool_bytes.set)
         self.draining = False
         self.ready_sent = False  # READY=1 went to systemd: from then on a service that cannot serve asks for a restart
         self.started = time.time()

@@ -9,16 +9,16 @@ up and a place in its queue reserved (429 at once when it is full, the file neve
 the model's max_upload_bytes, else 413; at most MAX_UPLOADS_IN_FLIGHT files held by the front at once, the others
 wait unread) -> decoded to 16 kHz mono in the decoder process (appliance.front.audio_decoder; at most
 max_audio_seconds, else 413; undecodable or empty: 400; a fault of the decoder's own: 503) -> samples handed to the
-model's worker in a spool file -> the worker's result shaped by appliance.front.api.transcripts. A form that names
+model's worker in a spool file, its bytes claimed on the server's one spool budget until the request ends
+(appliance.front.spool_budget: no room now is a 503 spool_full with Retry-After) -> the worker's result shaped by
+appliance.front.api.transcripts. A form that names
 its model after the file is read first (within the largest max_upload_bytes), then admitted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +30,10 @@ from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import QueuePlace, one_result
 from appliance.front.api.route import Call, ErrorShape, route
 from appliance.front.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESPONSE_FORMATS, Transcript
-from appliance.front.audio_decoder import AudioDecoder, AudioError, HelperFault
+from appliance.front.audio_decoder import AudioDecoder, AudioError, DecodedAudio, HelperFault, seconds_in
 from appliance.front.helper_process import HelperUser
 from appliance.front.request import Event, RequestFailed
+from appliance.front.spool_budget import SpoolBudget, spool_full
 
 KIND = "transcription"
 # Upload files the front holds in memory at once (read, or waiting for the one decoder process): the front's
@@ -93,6 +94,11 @@ class UploadRoutes(HelperUser):
         """The bytes one uploaded file may have for this model."""
         return model.max_upload_bytes
 
+    @property
+    def budget(self) -> SpoolBudget:
+        """The server's one spool budget, which every file a request of the family decodes is claimed on."""
+        return self.appliance.spool_budget
+
     def _upload_cap(self) -> int:
         """The largest upload any model of the family's kind takes (without one, the server's max_body_bytes, so a
         request still learns that its model is of another kind): a bigger body is refused while it is read."""
@@ -122,13 +128,7 @@ class AudioRoutes(UploadRoutes):
             req = parse(form, task)
             sup = await upload.admit(req.model)
             check_model_limits(req, sup.model)
-            try:
-                decoded = await self.decoder.decode(req.file, sup.model.max_audio_seconds, audio_path)
-            except AudioError as exc:
-                status = 413 if exc.kind == "too_long" else 400
-                raise RequestFailed(status, "invalid_request", str(exc), f"audio_{exc.kind}") from None
-            except HelperFault as exc:
-                raise exc.failure() from None
+            decoded = await self._decode(req, sup.model, audio_path)
             form.file = req.file = b""  # decoded into the spool file: the upload's memory is free for the next
             upload.release_slot()
             frame = {"kind": KIND, "body": req.body(audio_path)}
@@ -140,8 +140,26 @@ class AudioRoutes(UploadRoutes):
             return transcript.response(req.response_format, req.words)
         finally:
             upload.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(audio_path)
+            self.budget.remove(audio_path)
+
+    async def _decode(self, req: AudioRequest, model, audio_path: str) -> DecodedAudio:
+        """The upload's samples into the spool file `audio_path`, claimed on the spool budget: at most the model's
+        max_audio_seconds (413 past it) and the budget's room now (the decoder stops there: a 503 spool_full)."""
+        room = self.budget.room()
+        max_seconds = min(model.max_audio_seconds, seconds_in(room))
+        try:
+            decoded = await self.decoder.decode(req.file, max_seconds, audio_path)
+        except AudioError as exc:
+            if exc.kind == "too_long" and max_seconds < model.max_audio_seconds:
+                raise spool_full(f"the audio is longer than {max_seconds:g} s ({room} bytes of samples)",
+                                 self.budget.capacity) from None
+            status = 413 if exc.kind == "too_long" else 400
+            raise RequestFailed(status, "invalid_request", str(exc), f"audio_{exc.kind}") from None
+        except HelperFault as exc:
+            raise exc.failure() from None
+        self.budget.claim(audio_path, decoded.spool_bytes,
+                          f"the audio is {decoded.seconds:g} s: {decoded.spool_bytes} bytes of samples")
+        return decoded
 
     async def _stream(self, request: web.Request, call: Call, sup, req: AudioRequest, frame: dict[str, Any],
                       seconds: float, reserved: bool) -> web.StreamResponse:

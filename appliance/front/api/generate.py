@@ -55,7 +55,8 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
 class GenerationRoutes:
     def __init__(self, appliance: ServerView):
         self.appliance = appliance  # appliance.front.server.Appliance: supervisor, metrics, draining
-        self.images = ImageResolver(appliance.config.server.image_fetch, appliance.metrics, spool_base())
+        self.images = ImageResolver(appliance.config.server.image_fetch, appliance.metrics, appliance.spool_budget,
+                                    spool_base())
         self.large_bodies = asyncio.Semaphore(MAX_IMAGE_REQUESTS_IN_FLIGHT)  # chat bodies past max_body_bytes
 
     async def start(self, app: web.Application) -> None:

@@ -9,7 +9,9 @@ webp), `stream` with `partial_images` (0-3), and `quality`, `style`, `background
 `guidance_scale`, `lora` ([{name, weight}]: adapters of the model's config; a model named BASE:ADAPTER, as
 /v1/models lists them, applies that adapter too), and for edits `strength` (0-1: how much
 of the image is repainted). Edits take `image` (or `image[]`, one picture) and an optional `mask` (transparent, or
-white where to paint), decoded and checked in the image decoder process (appliance.front.image_decoder).
+white where to paint), decoded and checked in the image decoder process (appliance.front.image_decoder) into spool
+files whose bytes are claimed on the server's one spool budget until the request ends (appliance.front.spool_budget:
+no room now is a 503 spool_full with Retry-After).
 
 The model's limits (max_resolution, max_images_per_request, max_inference_steps) are 400s, and so are more than
 MAX_IMAGE_REQUEST_PIXELS (appliance.config.rules) in one request's pictures together. A streamed request gets
@@ -21,10 +23,8 @@ step.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -36,11 +36,13 @@ from appliance.config.rules import IMAGE_SIZE_STEP, MIN_IMAGE_SIDE, image_pixels
 from appliance.front.api import fields, lookup, sse
 from appliance.front.api.audio import TRANSCRIPT_ERRORS, Upload, UploadRoutes, read_form
 from appliance.front.api.errors import InvalidRequest
+from appliance.front.api.images import claim_pixels
 from appliance.front.api.route import Call, route
 from appliance.front.api.server_view import ServerView
 from appliance.front.helper_process import HelperFault
-from appliance.front.image_decoder import ImageDecoder, ImageError
+from appliance.front.image_decoder import OVER_BUDGET, ImageDecoder, ImageError
 from appliance.front.request import Event, RequestFailed
+from appliance.front.spool_budget import spool_full
 
 KIND = "image"
 MAX_PROMPT_CHARS = 32000  # OpenAI's, for its newest image models
@@ -319,23 +321,27 @@ class ImageRoutes(UploadRoutes):
         finally:
             upload.close()
             for path in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                self.budget.remove(path)
 
     async def _decode(self, data: bytes, model, name: str, paths: list[str]) -> dict[str, Any]:
-        """One uploaded picture into an RGB spool file: {"path", "width", "height"}; a 400 naming the field for a
-        picture that cannot be used, a 503 for a fault of the decoder's."""
+        """One uploaded picture into an RGB spool file claimed on the spool budget: {"path", "width", "height"}; a
+        400 naming the field for a picture that cannot be used, a 503 for a fault of the decoder's or a spool with
+        no room for its pixels now (the decoder is given the room left: it stops at the header)."""
         path = self.spool_file(f"{next(self.serial)}.rgb")
         paths.append(path)
         try:
             info = await self.decoder.decode(bytes(data), model.max_resolution ** 2, EDIT_FORMATS, path,
-                                             mask=name == "mask")
+                                             self.budget.room(), mask=name == "mask")
         except ImageError as exc:
+            if exc.reason == OVER_BUDGET:
+                raise spool_full(f"'{name}': {exc}", self.budget.capacity) from None
             raise InvalidRequest(f"'{name}': {exc}", name, "invalid_image" if name == "image" else "invalid_mask") \
                 from None
         except HelperFault as exc:
             raise exc.failure() from None
-        return {"path": path, "width": info["width"], "height": info["height"]}
+        file = {"path": path, "width": info["width"], "height": info["height"]}
+        claim_pixels(self.budget, file, f"'{name}'")
+        return file
 
     async def _run(self, request: web.Request, call: Call, sup, req: ImageRequest, frame: dict[str, Any],
                    reserved: bool) -> web.StreamResponse:

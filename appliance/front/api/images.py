@@ -12,8 +12,9 @@ format allow-list, max_image_pixels, a complete file), which writes its RGB pixe
 Every failure of the image is a 400 naming the part, counted in openarc_image_rejections_total by reason; a fault
 of the server's (its decoder hung or cannot write, its spool full) is a 503 with Retry-After. The route reserves the
 request's queue place before resolving (appliance.front.api.results.QueuePlace), and at most
-MAX_IMAGE_REQUESTS_IN_FLIGHT requests resolve at once; their pixels are bounded per request and per server
-(MAX_REQUEST_SPOOL_BYTES, MAX_SPOOL_BYTES) from each image's header, before it is decoded.
+MAX_IMAGE_REQUESTS_IN_FLIGHT requests resolve at once; their pixels are bounded per request (MAX_REQUEST_SPOOL_BYTES)
+and by the server's one spool budget, shared with image edits and audio (appliance.front.spool_budget), from each
+image's header, before it is decoded.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import contextlib
 import itertools
 import os
 import re
@@ -35,8 +35,8 @@ from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import utf8
 from appliance.front.helper_process import HelperFault
 from appliance.front.image_decoder import OVER_BUDGET, ImageDecoder, ImageError
-from appliance.front.request import RequestFailed
 from appliance.front.request_ledger import LEDGER
+from appliance.front.spool_budget import SPOOL_FULL, SpoolBudget, spool_full
 from appliance.config.systemd_env import systemd_directory
 
 IMAGE_TAG = "<ov_genai_image_{}>"
@@ -44,10 +44,10 @@ IMAGE_TAG = "<ov_genai_image_{}>"
 RESERVED_TAGS = ("<ov_genai_image_", "<ov_genai_video_")
 MAX_IMAGES = 8  # per request: each is decoded, encoded by the vision model and held as pixels until it ends
 MAX_IMAGE_REQUESTS_IN_FLIGHT = 4  # requests fetching and decoding images at once; the others wait, holding a place
-# Spool bytes (RGB pixels, 3 bytes a pixel) the images of one request, and of all requests in flight, may hold: a
-# request over its bound is a 400 naming the image, one the server has no room for now a 503 with Retry-After.
+# Spool bytes (RGB pixels, 3 bytes a pixel) the images of one request may hold: past it, a 400 naming the image. All
+# requests in flight share the server's SpoolBudget: an image it has no room for now is a 503 with Retry-After.
 MAX_REQUEST_SPOOL_BYTES = 256 << 20
-MAX_SPOOL_BYTES = 1 << 30
+IMAGE_SPOOL_FULL = "image_spool_full"  # this route's code for the budget's 503 (the edit and audio routes': spool_full)
 SPOOL_PREFIX = "openarc-images-"  # + the front's pid: its spool directory
 DATA_URL = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*)", re.DOTALL)
 MIME_FORMATS = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp",
@@ -120,9 +120,10 @@ def _image_url(part: dict, where: str) -> str:
 class ImageResolver:
     """Turns a request's ImageParts into pixel files for its model's worker (see the module doc)."""
 
-    def __init__(self, fetch, metrics, spool_base: str | None = None):
+    def __init__(self, fetch, metrics, budget: SpoolBudget, spool_base: str | None = None):
         self.fetch = fetch  # config.ImageFetch
         self.metrics = metrics
+        self.budget = budget  # the server's one spool budget (ServerView.spool_budget)
         self.decoder = ImageDecoder()
         self.spool_base = spool_base  # the directory the spool directory is made in (None: the system's tmp)
         self.spool: str | None = None
@@ -130,8 +131,6 @@ class ImageResolver:
         self.session = None  # aiohttp.ClientSession, made on the first fetch
         self.in_flight = asyncio.Semaphore(MAX_IMAGE_REQUESTS_IN_FLIGHT)
         self.max_request_bytes = MAX_REQUEST_SPOOL_BYTES
-        self.max_spool_bytes = MAX_SPOOL_BYTES
-        self.spool_bytes = 0  # the pixels of every request in flight, in spool files
 
     async def resolve(self, found: Content, model) -> list[dict[str, Any]]:
         """The images of a request to `model` (a config.ModelConfig) as {"path", "width", "height"}, in order;
@@ -162,7 +161,7 @@ class ImageResolver:
         """One image into a spool file; `held`: the spool bytes of the request's images before it."""
         try:
             data = await self._bytes(part, model)
-            request_left, server_left = self.max_request_bytes - held, self.max_spool_bytes - self.spool_bytes
+            request_left, server_left = self.max_request_bytes - held, self.budget.room()
             path = os.path.join(self._spool(), f"{next(self.serial)}.rgb")
             LEDGER.spooled(path)
             kept = False
@@ -170,11 +169,12 @@ class ImageResolver:
                 info = await self.decoder.decode(data, model.max_image_pixels, model.image_formats, path,
                                                  max(0, min(request_left, server_left)))
                 file = {"path": path, "width": info["width"], "height": info["height"]}
-                self._claim(file)
+                # (another request's file may have been claimed since this one's room was read)
+                claim_pixels(self.budget, file, "the image", IMAGE_SPOOL_FULL)
                 kept = True
             except ImageError as exc:
                 if exc.reason == OVER_BUDGET and request_left > server_left:
-                    raise spool_full(str(exc), self.max_spool_bytes) from None
+                    raise spool_full(str(exc), self.budget.capacity, IMAGE_SPOOL_FULL) from None
                 if exc.reason == OVER_BUDGET:
                     raise ImageRejected(f"{exc}; the images of one request may take {self.max_request_bytes} bytes "
                                         "of pixels together", part.where, "too_large") from None
@@ -183,20 +183,11 @@ class ImageResolver:
                 raise exc.failure() from None
             finally:
                 if not kept:  # refused, failed, or its client hung up mid-decode: no file stays behind
-                    _unlink(path)
+                    self.budget.remove(path)
         except ImageRejected as exc:
             self.metrics.image_rejections.labels(model=model.name, reason=exc.reason).inc()
             raise
         return file
-
-    def _claim(self, file: dict[str, Any]) -> None:
-        """Count a decoded image's spool file against the server's bound (another request's image may have been
-        decoded since this one's budget was taken)."""
-        size = spool_size(file)
-        if self.spool_bytes + size > self.max_spool_bytes:
-            raise spool_full(f"the image is {file['width']}x{file['height']}: {size} bytes of pixels",
-                             self.max_spool_bytes)
-        self.spool_bytes += size
 
     async def _bytes(self, part: ImagePart, model) -> bytes:
         scheme = part.url.split(":", 1)[0].lower()
@@ -258,10 +249,10 @@ class ImageResolver:
         return self.spool
 
     def release(self, files: list[dict[str, Any]]) -> None:
-        """Remove a request's spool files (its worker has read them) and give their bytes back."""
+        """Remove a request's spool files (its worker has read them) and give their bytes back (once: a file
+        released twice gives nothing the second time)."""
         for file in files:
-            _unlink(file["path"])
-            self.spool_bytes -= spool_size(file)
+            self.budget.remove(file["path"])
 
     async def close(self) -> None:
         await self.decoder.close()
@@ -301,11 +292,11 @@ def spool_size(file: dict[str, Any]) -> int:
     return file["width"] * file["height"] * 3
 
 
-def spool_full(what: str, capacity: int) -> RequestFailed:
-    """The server's image spool has no room for an image now: a 503 worth a retry once requests in flight end."""
-    return RequestFailed(503, "overloaded", f"{what}: more than the image spool has free now ({capacity} bytes in "
-                         "all, held by the images of requests in flight); retry later", "image_spool_full",
-                         retry_after=1)
+def claim_pixels(budget: SpoolBudget, file: dict[str, Any], what: str, code: str = SPOOL_FULL) -> None:
+    """Count a decoded image's spool file (`file`: path, width, height) on the server's spool budget; `what` names
+    the image in the 503 when there is no room for it now."""
+    size = spool_size(file)
+    budget.claim(file["path"], size, f"{what} is {file['width']}x{file['height']}: {size} bytes of pixels", code)
 
 
 def sweep_stale_spools(base: str) -> None:
@@ -322,11 +313,6 @@ def spool_base() -> str | None:
     """Where the image spool directory goes: the unit's cache directory (systemd's CacheDirectory=, on disk; the
     private /tmp is often RAM), else its state directory, else None (the system's temporary directory)."""
     return systemd_directory("CACHE_DIRECTORY", "STATE_DIRECTORY")
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 def body_limit(config) -> int:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from appliance.front.gpu_watch import GpuWatch
     from appliance.front.keys import KeyRing
     from appliance.front.metrics import Metrics
+    from appliance.front.spool_budget import SpoolBudget
     from appliance.front.supervisor import Supervisor
 
 
@@ -23,6 +24,7 @@ class ServerView(Protocol):
     keys: KeyRing  # the current API keys (empty: authentication off)
     supervisor: Supervisor  # the models: lookup, readiness, load and unload
     metrics: Metrics
+    spool_budget: SpoolBudget  # the bytes of every route's spool files for requests in flight, one bound
     gpu: GpuWatch  # /openarc/status's GPU mitigations
     draining: bool  # the server is stopping: new requests are refused
     started: float  # Unix time the front started

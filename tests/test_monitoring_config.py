@@ -48,6 +48,7 @@ OPENARC_METRICS = {
     "openarc_queue_time_seconds": ("histogram", ("model", "priority")),
     "openarc_model_load_seconds": ("histogram", ("model", "source")),
     "openarc_event_loop_lag_seconds": ("gauge", ()),
+    "openarc_spool_bytes": ("gauge", ()),
     "openarc_model_info": ("gauge", ("model", "kind")),
     "openarc_tool_calls_total": ("counter", ("model",)),
     "openarc_answers_cut_total": ("counter", ("model", "reason")),

@@ -231,6 +231,10 @@ CORPUS: list[tuple[str, str, Any, set[int], str | None]] = [
      {400}, "grammar_too_large"),
     ("nested-repeat schema pattern", "chat", {**CHAT_BODY, "response_format": {"type": "json_schema", "json_schema": {
         "name": "p", "schema": {"type": "string", "pattern": REGEX_BOMB}}}}, {400}, "grammar_too_large"),
+    # "²" passed str.isdigit() as an array index, and int() raised on it: a 500
+    ("a $ref to a superscript index", "chat", {**CHAT_BODY, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "r", "schema": {"type": "array", "prefixItems": [{"type": "string"}],
+                                "items": {"$ref": "#/prefixItems/\u00b2"}}}}}, {200, 400}, None),
     ("catastrophic-backtracking regex", "chat", {**CHAT_BODY, "structured_outputs": {"regex": "(a+)+$"}},
      {200, 400}, None),
     ("long grammar definition", "chat", {**CHAT_BODY, "tools": [custom_tool('start: "' + "a" * 40000 + '"')]},

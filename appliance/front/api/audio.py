@@ -18,14 +18,13 @@ its model after the file is read first (within the largest max_upload_bytes), th
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import BodyPartReader, http_exceptions, web
 
 from appliance.front.api.server_view import ServerView
-from appliance.front.api import lookup, sse
+from appliance.front.api import fields, lookup, sse
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import QueuePlace, one_result
 from appliance.front.api.route import Call, ErrorShape, route
@@ -336,10 +335,7 @@ def _language(value: str | None) -> str | None:
 def _temperature(value: str | None) -> float:
     if value is None or value == "":
         return 0.0
-    try:
-        temperature = float(value)
-    except ValueError:
-        temperature = math.nan
+    temperature = fields.form_number(value, "temperature")
     if not 0.0 <= temperature <= 1.0:
         raise InvalidRequest(f"'temperature' must be a number between 0 and 1 (got {value!r})", "temperature")
     return temperature

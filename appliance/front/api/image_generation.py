@@ -230,10 +230,7 @@ def form_values(form_fields: dict[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {k: v for k, v in form_fields.items() if v != ""}
     for key in FORM_INTEGERS + FORM_NUMBERS:
         if key in values:
-            try:
-                values[key] = int(values[key]) if key in FORM_INTEGERS else float(values[key])
-            except ValueError:
-                raise InvalidRequest(f"'{key}' must be a number, got {values[key]!r}", key) from None
+            values[key] = fields.form_number(values[key], key, integer=key in FORM_INTEGERS)
     if "stream" in values:
         flag = FORM_BOOLEANS.get(values["stream"].strip().lower())
         if flag is None:

@@ -309,3 +309,18 @@ def test_every_byte_comes_back_after_a_hang_up_mid_queue_and_a_worker_killed_mid
     status, _, body = post_form(front, "/v1/images/edits", edit_form())  # the whole budget is there again
     assert status == 200, body
     assert budget.held == 0 and spool_files(spool_dir) == []
+
+
+def test_audio_longer_than_the_whole_spool_is_a_413_not_a_503_to_retry(front, budget, spool_dir):
+    """max_audio_seconds has no upper bound (a meeting model may take 10 hours: 2.3 GB of samples), the spool budget
+    has one. With nothing held, audio past the whole budget can never be served: a 503 spool_full told its client to
+    retry for ever. It is a 413 audio_too_long naming the spool's size; one that fits the budget but not the room
+    left is still the 503 (test_every_byte_comes_back...), and the budget ends empty."""
+    budget.capacity = SECOND + SECOND // 2  # 1.5 s of samples in all, none held
+    status, headers, body = transcribe(front, 2.0)
+    assert status == 413 and "Retry-After" not in headers, body
+    assert (body["error"]["code"], body["error"]["type"]) == ("audio_too_long", "invalid_request_error"), body
+    assert "1.5 s" in body["error"]["message"] and f"{budget.capacity} bytes" in body["error"]["message"], body
+    status, _, body = transcribe(front, 1.0)  # within it: served
+    assert (status, body["text"]) == (200, TRANSCRIPT)
+    assert budget.held == 0 and spool_files(spool_dir) == []

@@ -143,15 +143,20 @@ class AudioRoutes(UploadRoutes):
 
     async def _decode(self, req: AudioRequest, model, audio_path: str) -> DecodedAudio:
         """The upload's samples into the spool file `audio_path`, claimed on the spool budget: at most the model's
-        max_audio_seconds (413 past it) and the budget's room now (the decoder stops there: a 503 spool_full)."""
-        room = self.budget.room()
+        max_audio_seconds and the whole budget's (413 past either: max_audio_seconds has no upper bound, and audio
+        the whole spool cannot hold is never served), and the budget's room now (the decoder stops there: a 503
+        spool_full, worth a retry once requests in flight end)."""
+        room, capacity = self.budget.room(), self.budget.capacity
         max_seconds = min(model.max_audio_seconds, seconds_in(room))
         try:
             decoded = await self.decoder.decode(req.file, max_seconds, audio_path)
         except AudioError as exc:
             if exc.kind == "too_long" and max_seconds < model.max_audio_seconds:
-                raise spool_full(f"the audio is longer than {max_seconds:g} s ({room} bytes of samples)",
-                                 self.budget.capacity) from None
+                if room < capacity:
+                    raise spool_full(f"the audio is longer than {max_seconds:g} s ({room} bytes of samples)",
+                                     capacity) from None
+                exc = AudioError("too_long", f"The audio is longer than {max_seconds:g} s: its samples would not "
+                                 f"fit the server's spool ({capacity} bytes in all).")
             status = 413 if exc.kind == "too_long" else 400
             raise RequestFailed(status, "invalid_request", str(exc), f"audio_{exc.kind}") from None
         except HelperFault as exc:

@@ -301,7 +301,7 @@ def sweep_stale_spools(base: str) -> None:
     while its front lives."""
     for name in os.listdir(base):
         pid = name[len(SPOOL_PREFIX):].split("-", 1)[0]
-        if name.startswith(SPOOL_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        if name.startswith(SPOOL_PREFIX) and pid.isascii() and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 

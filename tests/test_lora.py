@@ -598,14 +598,22 @@ def test_a_runtime_load_tells_no_one_which_files_exist_beside_the_models(server,
     """Each pair: a path that exists beside the models and one that does not, which must get the same 400. Another
     model's weights (a .bin: it got the torch conversion hint), its config.json (readable: "cannot read it as
     safetensors"), a symlink out of the directory ("must be under", where a missing name got "no LoRA adapter"),
-    and '..' after a directory that exists or not (the front checked the resolved path, the worker was handed the
+    a directory whose adapter file is a symlink out of the directory (it was loaded: the worker read a file from
+    outside), and '..' after a directory that exists or not (the front checked the resolved path, the worker was handed the
     written one: a 400 "path does not exist" from the worker for the missing one, a 201 for the other)."""
     url = server.base + "/openarc/models/demo/adapters"
     escape = lora_dir / "escape-link"
     escape.unlink(missing_ok=True)
     escape.symlink_to(tmp_path)
+    outside = tmp_path / "outside"  # a real adapter out of the directory, reached through a file's symlink in it
+    shutil.copytree(lora_dir / "upper", outside)
+    linked = lora_dir / "linked-file"
+    linked.mkdir(exist_ok=True)
+    (linked / "adapter_model.safetensors").unlink(missing_ok=True)
+    (linked / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
     try:
-        pairs = [(demo_model / "openvino_model.bin", lora_dir / "no-such-model" / "openvino_model.bin"),
+        pairs = [(linked, lora_dir / "no-such-dir"),
+                 (demo_model / "openvino_model.bin", lora_dir / "no-such-model" / "openvino_model.bin"),
                  (demo_model / "config.json", lora_dir / "no-such-model" / "config.json"),
                  (escape, lora_dir / "no-such-link"),
                  (escape / "x.safetensors", lora_dir / "no-such-link" / "x.safetensors")]
@@ -623,6 +631,7 @@ def test_a_runtime_load_tells_no_one_which_files_exist_beside_the_models(server,
             assert http("DELETE", f"{url}/dots{i}", headers=server.auth)[0] == 200
     finally:
         escape.unlink()
+        shutil.rmtree(linked)
 
 
 def test_a_runtime_adapter_of_a_replicated_model_is_served_by_every_replica(tmp_path, demo_model, lora_dir, in_process):

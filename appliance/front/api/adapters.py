@@ -157,8 +157,8 @@ def checked_adapter(sup, path: str) -> Path:
         raise InvalidRequest(f"the adapter's path must be absolute and under {str(model_dir.parent)!r} (the "
                              "directory holding the model's own)", "path")
     where = Path(os.path.realpath(path))
-    file = adapter_file(str(where))
-    if not roots & set(where.parents) or not _holds_lora(file):
+    file = Path(os.path.realpath(adapter_file(str(where))))  # (a directory's adapter file may be a symlink too)
+    if not roots & set(file.parents) or not _holds_lora(file):
         raise InvalidRequest(f"no LoRA adapter at {path!r}: expected a .safetensors file of LoRA tensors, or a PEFT "
                              f"directory holding {ADAPTER_FILE}, that the server can read (a torch checkpoint "
                              f"must be converted first: {TORCH_HINT})", "path")

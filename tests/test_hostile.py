@@ -476,6 +476,10 @@ LIMIT_CASES: dict[str, Any] = {
                                            "too_many_inputs"),
     "audio upload": ("transcription", {"model": "whisper", "file": b"\0" * ((1 << 20) + 1)}, 413, None),
     "audio length": ("transcription", {"model": "whisper", "file": wav_bytes(tone(6.0))}, 413, "audio_too_long"),
+    # the server's one spool budget, shared by the routes: shown on a front whose budget is set small
+    "decoded media of all requests in flight, in the front's spool files (chat images' pixels, image edits' pictures "
+    "and masks, audio samples), together":
+        "test_spool_budget.py::test_edits_and_uploads_are_refused_while_chat_images_hold_the_shared_spool",
     # image models' limits: 400s decided before the model is asked, each shown by its pure check
     "picture width or height": "test_images.py::test_the_models_limits_are_400s",
     "pictures per image request": "test_images.py::test_the_models_limits_are_400s",

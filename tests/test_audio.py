@@ -149,7 +149,11 @@ def test_malformed_forms_are_400(app, files):
     assert status == 400 and "multipart/form-data" in body["error"]["message"]
     for fields in ({"file": files["wav"]}, {"model": "whisper"},
                    {"model": "whisper", "file": files["wav"], "response_format": "docx"},
-                   {"model": "whisper", "file": files["wav"], "temperature": "hot"}):
+                   {"model": "whisper", "file": files["wav"], "temperature": "hot"},
+                   # digits int() and float() read that no JSON number holds: 0.5 was taken from each
+                   {"model": "whisper", "file": files["wav"], "temperature": "\u0660.\u0665"},
+                   {"model": "whisper", "file": files["wav"], "temperature": "\uff10.\uff15"},
+                   {"model": "whisper", "file": files["wav"], "temperature": "0_5"}):
         status, body = post_form(app, fields)
         assert status == 400, (fields.keys(), body)
 

@@ -131,6 +131,18 @@ def test_recursive_and_ordinary_schemas_pass():
         bounds.bounded_schema({"type": "string", "pattern": "((a{100}){100}){100}"}, "s")
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.characters(blacklist_characters="/~"), min_size=1, max_size=4))
+def test_a_ref_into_a_list_resolves_only_an_ascii_index_and_never_raises(part):
+    """A JSON pointer's array index is ASCII digits (RFC 6901): "²" passed str.isdigit() and int() raised on it (a
+    500 for the request whose schema held it); "١" was read as 1."""
+    items = [{"type": "string"}, {"type": "integer"}]
+    found = bounds.resolve({"prefixItems": items}, "#/prefixItems/" + part)
+    index = int(part) if re.fullmatch(r"0|[1-9][0-9]*", part, re.ASCII) else None
+    assert found == (items[index] if index is not None and index < len(items) else None), part
+    assert bounds.bounded_schema({"prefixItems": items, "items": {"$ref": "#/prefixItems/" + part}}, "s")
+
+
 def test_the_converter_process_converts_refuses_and_caches_only_refusals_and_small_results():
     async def run():
         converter = grammar_helper.GrammarConverter()

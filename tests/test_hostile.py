@@ -231,6 +231,10 @@ CORPUS: list[tuple[str, str, Any, set[int], str | None]] = [
      {400}, "grammar_too_large"),
     ("nested-repeat schema pattern", "chat", {**CHAT_BODY, "response_format": {"type": "json_schema", "json_schema": {
         "name": "p", "schema": {"type": "string", "pattern": REGEX_BOMB}}}}, {400}, "grammar_too_large"),
+    # "²" passed str.isdigit() as an array index, and int() raised on it: a 500
+    ("a $ref to a superscript index", "chat", {**CHAT_BODY, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "r", "schema": {"type": "array", "prefixItems": [{"type": "string"}],
+                                "items": {"$ref": "#/prefixItems/\u00b2"}}}}}, {200, 400}, None),
     ("catastrophic-backtracking regex", "chat", {**CHAT_BODY, "structured_outputs": {"regex": "(a+)+$"}},
      {200, 400}, None),
     ("long grammar definition", "chat", {**CHAT_BODY, "tools": [custom_tool('start: "' + "a" * 40000 + '"')]},
@@ -472,6 +476,7 @@ LIMIT_CASES: dict[str, Any] = {
                                            "too_many_inputs"),
     "audio upload": ("transcription", {"model": "whisper", "file": b"\0" * ((1 << 20) + 1)}, 413, None),
     "audio length": ("transcription", {"model": "whisper", "file": wav_bytes(tone(6.0))}, 413, "audio_too_long"),
+    # the server's one spool budget, shared by the routes: shown on a front whose budget is set small
     "decoded media of all requests in flight, in the front's spool files (chat images' pixels, image edits' pictures "
     "and masks, audio samples), together":
         "test_spool_budget.py::test_edits_and_uploads_are_refused_while_chat_images_hold_the_shared_spool",

@@ -142,6 +142,20 @@ def test_bad_requests_are_openai_shaped_400s_and_the_worker_lives_on(app, call, 
     assert colour_of(picture(app, "a green square")) == "green"
 
 
+# Form numbers int() and float() read but no JSON body could hold: they were taken (n "１" made a picture, steps
+# "1_0" ran ten), where `size` with the same digits is a 400.
+@pytest.mark.parametrize("field, value", [("n", "\uff11"), ("n", "\u0661"), ("n", " 1 "), ("num_inference_steps", "1_0"),
+                                          ("num_inference_steps", "\uff12"), ("strength", "\u0660.\u0665"),
+                                          ("guidance_scale", "nan")])
+def test_an_edit_form_number_in_other_than_ascii_digits_is_a_400_naming_it(app, field, value):
+    form = {"model": "pictures", "prompt": "a red square", "num_inference_steps": "2", field: value}
+    reply = httpx.post(app.base + "/v1/images/edits", data=form, timeout=HANG_BOUND_S,
+                       files={"image": ("in.png", png_bytes((0, 0, 255)), "image/png")})
+    body = reply.json()
+    assert reply.status_code == 400 and body["error"]["param"] == field, body
+    assert f"'{field}' must be a" in body["error"]["message"], body
+
+
 def test_an_edit_form_of_more_files_than_it_uses_is_a_400_before_the_next_is_read(app):
     """Each file part of an edit may hold 50 MiB; a form of many (up to its 32 parts) was read whole, held in the
     front's memory, before the route refused it for its second picture. The third file part is refused as it begins:

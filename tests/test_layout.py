@@ -166,3 +166,28 @@ def test_every_pattern_reading_digits_reads_ascii_ones():
             if "\\d" in text and "ASCII" not in ast.unparse(node):
                 unmarked.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not unmarked, unmarked
+
+
+DIGIT_TESTS = ("isdigit", "isdecimal", "isnumeric")
+
+
+def test_every_digit_test_of_a_string_is_an_ascii_one():
+    """str.isdigit() is true of any script's digits and of "²", on which int() raises: a JSON pointer "#/items/²" in
+    a chat request's schema passed bounds.resolve's isdigit() and int() made it a 500. Every such test in the tree is
+    `text.isascii() and text.isdigit()` (0-9 only, which int() always reads), the same `text` on both sides."""
+    unmarked = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        guarded = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And):
+                ascii_of = {ast.unparse(call.func.value) for call in node.values if _method_call(call, "isascii")}
+                guarded |= {id(call) for call in node.values if any(_method_call(call, name) for name in DIGIT_TESTS)
+                            and ast.unparse(call.func.value) in ascii_of}
+        unmarked += [f"{path.relative_to(REPO)}:{node.lineno}" for node in ast.walk(tree)
+                     if any(_method_call(node, name) for name in DIGIT_TESTS) and id(node) not in guarded]
+    assert not unmarked, unmarked
+
+
+def _method_call(node: ast.AST, name: str) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name

@@ -407,7 +407,7 @@ def test_runtime_load_refuses_bad_paths_with_a_400_naming_the_problem(server, lo
     (torch_only / "adapter_model.bin").write_bytes(b"\x80\x02}q\x00.")
     cases = [
         ({"name": "x", "path": str(lora_dir / "missing")}, "no LoRA adapter at"),
-        ({"name": "x", "path": str(torch_only)}, "holds a torch checkpoint (adapter_model.bin)"),
+        ({"name": "x", "path": str(torch_only)}, "a torch checkpoint must be converted first"),
         ({"name": "x", "path": str(tmp_path)}, f"under {str(lora_dir)!r}"),
         ({"name": "x", "path": str(lora_dir / "upper" / ".." / ".." / "etc")}, "must be absolute and under"),
         ({"name": "x y", "path": str(lora_dir / "upper")}, "'name' must be letters"),
@@ -592,6 +592,46 @@ def test_a_runtime_load_tells_no_one_which_directories_exist_beside_the_models(s
         assert status == 400, body
         answers.append(body["error"]["message"].replace(repr(str(path)), "PATH"))
     assert len(set(answers)) == 1 and answers[0].startswith("no LoRA adapter at PATH"), answers
+
+
+def test_a_runtime_load_tells_no_one_which_files_exist_beside_the_models(server, lora_dir, demo_model, tmp_path):
+    """Each pair: a path that exists beside the models and one that does not, which must get the same 400. Another
+    model's weights (a .bin: it got the torch conversion hint), its config.json (readable: "cannot read it as
+    safetensors"), a symlink out of the directory ("must be under", where a missing name got "no LoRA adapter"),
+    a directory whose adapter file is a symlink out of the directory (it was loaded: the worker read a file from
+    outside), and '..' after a directory that exists or not (the front checked the resolved path, the worker was handed the
+    written one: a 400 "path does not exist" from the worker for the missing one, a 201 for the other)."""
+    url = server.base + "/openarc/models/demo/adapters"
+    escape = lora_dir / "escape-link"
+    escape.unlink(missing_ok=True)
+    escape.symlink_to(tmp_path)
+    outside = tmp_path / "outside"  # a real adapter out of the directory, reached through a file's symlink in it
+    shutil.copytree(lora_dir / "upper", outside)
+    linked = lora_dir / "linked-file"
+    linked.mkdir(exist_ok=True)
+    (linked / "adapter_model.safetensors").unlink(missing_ok=True)
+    (linked / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+    try:
+        pairs = [(linked, lora_dir / "no-such-dir"),
+                 (demo_model / "openvino_model.bin", lora_dir / "no-such-model" / "openvino_model.bin"),
+                 (demo_model / "config.json", lora_dir / "no-such-model" / "config.json"),
+                 (escape, lora_dir / "no-such-link"),
+                 (escape / "x.safetensors", lora_dir / "no-such-link" / "x.safetensors")]
+        for there, missing in pairs:
+            answers = []
+            for path in (there, missing):
+                status, _, body = http("POST", url, {"name": "probe", "path": str(path)}, headers=server.auth)
+                assert status == 400, (path, body)
+                answers.append(body["error"]["message"].replace(repr(str(path)), "PATH"))
+            assert answers[0] == answers[1] and answers[0].startswith("no LoRA adapter at PATH"), answers
+        for i, path in enumerate((demo_model / ".." / "upper", lora_dir / "no-such-dir" / ".." / "upper")):
+            status, _, body = http("POST", url, {"name": f"dots{i}", "path": str(path)}, headers=server.auth)
+            assert status == 201, (path, body)
+            assert chat(server, f"demo:dots{i}", "hello")[0] == 200
+            assert http("DELETE", f"{url}/dots{i}", headers=server.auth)[0] == 200
+    finally:
+        escape.unlink()
+        shutil.rmtree(linked)
 
 
 def test_a_runtime_adapter_of_a_replicated_model_is_served_by_every_replica(tmp_path, demo_model, lora_dir, in_process):

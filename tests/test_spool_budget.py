@@ -39,13 +39,16 @@ PATHS = [f"/spool/{i}" for i in range(6)]
 OPS = st.lists(st.one_of(
     st.tuples(st.just("claim"), st.sampled_from(PATHS), st.integers(0, 120)),
     st.tuples(st.just("release"), st.sampled_from(PATHS)),
+    st.tuples(st.just("reserve"), st.sampled_from(PATHS), st.integers(0, 120)),
+    st.tuples(st.just("settle"), st.sampled_from(PATHS), st.integers(0, 120)),
     st.tuples(st.just("capacity"), st.integers(0, 300))), max_size=60)
 
 
 @settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(0, 300), ops=OPS)
 def test_generated_claims_and_releases_keep_the_budget_within_capacity_and_end_at_zero(capacity, ops):
-    """Claims that fit are counted, those that do not are a 503 spool_full and count nothing, a path is given back
+    """Claims that fit are counted, those that do not are a 503 spool_full and count nothing, a reservation takes
+    what its writer may write up to the room and is settled down (never up) to its file's size, a path is given back
     once however often it is released (a request's finally, a file removed twice), and a capacity lowered under
     what is held refuses until enough comes back. Held bytes never go negative, never pass the capacity they were
     claimed under, always equal what the files hold, the gauge says the same, and all of it comes back at the end."""
@@ -69,6 +72,22 @@ def test_generated_claims_and_releases_keep_the_budget_within_capacity_and_end_a
             else:
                 assert fits
                 model[path] = size
+        elif op[0] == "reserve":  # (a decoder taking a file: what it may write, at most the room)
+            _, path, at_most = op
+            if path in model:
+                with pytest.raises(ValueError):
+                    budget.reserve(path, at_most)
+                continue
+            model[path] = budget.reserve(path, at_most)
+            assert model[path] == min(at_most, max(0, budget.capacity - sum(model.values()) + model[path]))
+        elif op[0] == "settle":  # (its file decoded: the claim down to its size, never up)
+            _, path, size = op
+            if path not in model or size > model[path]:
+                with pytest.raises((ValueError, KeyError)):
+                    budget.settle(path, size)
+                continue
+            budget.settle(path, size)
+            model[path] = size
         elif op[0] == "release":
             budget.release(op[1])
             model.pop(op[1], None)
@@ -308,4 +327,61 @@ def test_every_byte_comes_back_after_a_hang_up_mid_queue_and_a_worker_killed_mid
     wait_until(lambda: front.model_status("pictures")["state"] == "ready", HANG_BOUND_S, "the image model back")
     status, _, body = post_form(front, "/v1/images/edits", edit_form())  # the whole budget is there again
     assert status == 200, body
+    assert budget.held == 0 and spool_files(spool_dir) == []
+
+
+def test_audio_longer_than_the_whole_spool_is_a_413_not_a_503_to_retry(front, budget, spool_dir):
+    """max_audio_seconds has no upper bound (a meeting model may take 10 hours: 2.3 GB of samples), the spool budget
+    has one. With nothing held, audio past the whole budget can never be served: a 503 spool_full told its client to
+    retry for ever. It is a 413 audio_too_long naming the spool's size; one that fits the budget but not the room
+    left is still the 503 (test_every_byte_comes_back...), and the budget ends empty."""
+    budget.capacity = SECOND + SECOND // 2  # 1.5 s of samples in all, none held
+    status, headers, body = transcribe(front, 2.0)
+    assert status == 413 and "Retry-After" not in headers, body
+    assert (body["error"]["code"], body["error"]["type"]) == ("audio_too_long", "invalid_request_error"), body
+    assert "1.5 s" in body["error"]["message"] and f"{budget.capacity} bytes" in body["error"]["message"], body
+    status, _, body = transcribe(front, 1.0)  # within it: served
+    assert (status, body["text"]) == (200, TRANSCRIPT)
+    assert budget.held == 0 and spool_files(spool_dir) == []
+
+
+def helper_pid(module: str) -> int:
+    """The pid of the in-process front's helper process running `python -m module` (started by its loop's thread)."""
+    pids = [int(pid) for task in Path(f"/proc/{os.getpid()}/task").iterdir()
+            for pid in (task / "children").read_text().split()
+            if module in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def test_a_decoder_holds_the_room_it_may_write_from_when_it_takes_a_file(front, budget, spool_dir):
+    """The front's three decoders (chat images, edits, audio) write at once. Each was given the room left and its file
+    claimed only once written: while the audio decoder wrote its samples, the chat resolver's saw the same room free,
+    wrote an image into it and claimed it; the audio, written past the budget beside it (on disk, or in RAM on a
+    tmpfs: each decoder up to the whole room at once), was refused after. The audio decoder, stopped here while it
+    holds an upload, now holds the room it may write from when it takes the file: the image decoded after it sees
+    none left and stops at its header (a 503, nothing written), and the audio is served once its decoder goes on."""
+    from appliance.config import ModelConfig
+    from appliance.front.api.generate import GENERATION
+    from appliance.front.api.images import Content, ImagePart
+    from appliance.front.request import RequestFailed
+    budget.capacity = 100_000
+    decoder = helper_pid("appliance.front.audio_decoder")
+    replies: dict[str, tuple] = {}
+    audio = threading.Thread(target=lambda: replies.update(audio=transcribe(front, 1.0)))
+    os.kill(decoder, signal.SIGSTOP)
+    try:
+        audio.start()
+        wait_until(lambda: budget.held == budget.capacity, HANG_BOUND_S, "the audio decoder's room reserved")
+        image = "data:image/png;base64," + base64.b64encode(png((255, 0, 0), size=(150, 200))).decode()
+        with pytest.raises(RequestFailed) as refused:
+            front.call(front.app[GENERATION].images.resolve(Content([ImagePart("messages[0].content[0]", image)]),
+                                                            ModelConfig(name="vlm", path="/m", kind="vlm")))
+        assert (refused.value.status, refused.value.code) == (503, "image_spool_full"), refused.value
+        assert "150x200" in refused.value.message and spool_files(spool_dir) == []  # stopped at its header
+    finally:
+        os.kill(decoder, signal.SIGCONT)
+    audio.join(HANG_BOUND_S)
+    status, _, body = replies["audio"]
+    assert (status, body["text"]) == (200, TRANSCRIPT)
     assert budget.held == 0 and spool_files(spool_dir) == []

@@ -22,6 +22,7 @@ import os
 import sys
 import wave
 from dataclasses import dataclass
+from typing import Callable
 
 from appliance.front.helper_process import HelperFailed, HelperFault, HelperProcess, write_failed
 from appliance.ipc import serve_requests
@@ -133,7 +134,12 @@ class DecodedAudio:
     @property
     def spool_bytes(self) -> int:
         """The bytes of its spool file: its samples (seconds is their count over SAMPLE_RATE)."""
-        return round(self.seconds * SAMPLE_RATE) * SAMPLE_BYTES
+        return spool_bytes_of(self.seconds)
+
+
+def spool_bytes_of(seconds: float) -> int:
+    """The spool bytes of that many seconds of decoded audio."""
+    return round(seconds * SAMPLE_RATE) * SAMPLE_BYTES
 
 
 def seconds_in(spool_bytes: int) -> float:
@@ -147,11 +153,13 @@ class AudioDecoder(HelperProcess):
     def __init__(self):
         super().__init__("appliance.front.audio_decoder", DECODE_TIMEOUT_S, "audio decoder")
 
-    async def decode(self, data: bytes, max_seconds: float, out_path: str) -> DecodedAudio:
-        """Decode `data` into `out_path`; AudioError for anything that is not usable audio, HelperFault for a fault
-        of ours."""
+    async def decode(self, data: bytes, max_seconds: float | Callable[[], float], out_path: str) -> DecodedAudio:
+        """Decode `data` into `out_path`; AudioError for anything that is not usable audio (too_long past
+        `max_seconds`: a function is called when the decoder takes the file, so that its caller reserves the spool
+        bytes then), HelperFault for a fault of ours."""
         try:
-            reply = await self.answer({"max_seconds": max_seconds, "out": out_path}, data)
+            reply = await self.answer({"out": out_path}, data, lambda: {
+                "max_seconds": max_seconds() if callable(max_seconds) else max_seconds})
         except HelperFailed:
             raise AudioError("undecodable", "The audio could not be decoded (the decoder crashed on this file).") from None
         if "error" in reply:

@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 from appliance.front.request import RequestFailed
 from appliance.front.request_ledger import LEDGER
@@ -73,10 +73,13 @@ class HelperProcess:
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
 
-    async def ask(self, request: dict[str, Any], data: bytes) -> dict[str, Any]:
-        """The process's reply to `request` with `data`; HelperFailed if it crashed twice or hung."""
-        header = json.dumps({**request, "bytes": len(data)}).encode() + b"\n"
+    async def ask(self, request: dict[str, Any], data: bytes,
+                  at_turn: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The process's reply to `request` with `data`; HelperFailed if it crashed twice or hung. `at_turn`: called
+        once the process is this request's (other requests were ahead of it), its fields added to the request: what
+        the request may take (a spool file's bytes) is judged and reserved then, not while it waited its turn."""
         async with self._lock:
+            header = json.dumps({**request, **(at_turn() if at_turn else {}), "bytes": len(data)}).encode() + b"\n"
             for _ in range(2):
                 proc = await self.start()
                 try:
@@ -89,11 +92,12 @@ class HelperProcess:
                 await self._discard(proc, "died")
         raise HelperFailed("crashed")
 
-    async def answer(self, request: dict[str, Any], data: bytes) -> dict[str, Any]:
+    async def answer(self, request: dict[str, Any], data: bytes,
+                     at_turn: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
         """ask(), with the server's own faults raised as HelperFault; HelperFailed("crashed") is left to the
         caller (the input crashed a fresh decoder: the client's)."""
         try:
-            reply = await self.ask(request, data)
+            reply = await self.ask(request, data, at_turn)
         except HelperFailed as exc:
             if exc.how == "hung":
                 raise HelperFault(self.what, f"the {self.what} did not answer within {self.timeout_s:g} s; it was "

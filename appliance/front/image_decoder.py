@@ -25,6 +25,7 @@ import io
 import os
 import sys
 import warnings
+from typing import Callable
 
 from appliance.front.helper_process import HelperFailed, HelperProcess, write_failed
 from appliance.ipc import serve_requests
@@ -140,13 +141,14 @@ class ImageDecoder(HelperProcess):
         super().__init__("appliance.front.image_decoder", DECODE_TIMEOUT_S, "image decoder")
 
     async def decode(self, data: bytes, max_pixels: int, formats: list[str], out_path: str,
-                     max_bytes: int | None = None, mask: bool = False) -> dict:
+                     max_bytes: Callable[[], int] | None = None, mask: bool = False) -> dict:
         """Decode `data` into `out_path`: {"width", "height", "format"}; ImageError for an image that cannot be
         used (one that crashed a fresh decoder included), HelperFault for a fault of ours (a hung decoder, a full
-        spool disk). `mask`: an inpainting mask (_mask)."""
+        spool disk). `max_bytes`: called when the decoder takes the image (the caller reserves them then), the
+        spool bytes its pixels may take (OVER_BUDGET past them). `mask`: an inpainting mask (_mask)."""
         try:
-            reply = await self.answer({"max_pixels": max_pixels, "formats": formats, "out": out_path,
-                                       "max_bytes": max_bytes, "mask": mask}, data)
+            reply = await self.answer({"max_pixels": max_pixels, "formats": formats, "out": out_path, "mask": mask},
+                                      data, max_bytes and (lambda: {"max_bytes": max_bytes()}))
         except HelperFailed as exc:
             raise ImageError("undecodable", f"the image could not be decoded (the decoder {exc.how} on it)") from None
         if "error" in reply:

@@ -35,7 +35,7 @@ def systemd_sockets() -> list[socket.socket]:
     anything, and the sockets themselves are made non-inheritable so no worker keeps the listener open."""
     pid, count = os.environ.pop("LISTEN_PID", ""), os.environ.pop("LISTEN_FDS", "")
     os.environ.pop("LISTEN_FDNAMES", None)
-    if pid != str(os.getpid()) or not count.isdigit():
+    if pid != str(os.getpid()) or not (count.isascii() and count.isdigit()):
         return []
     sockets = []
     for fd in range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + int(count)):

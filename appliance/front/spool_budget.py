@@ -5,9 +5,9 @@ queue and runs, so without one bound the files of N queued requests across model
 (or in RAM, where the spool is a tmpfs); bounded per route, the routes together still took the sum of their bounds.
 
 The front makes one SpoolBudget (appliance.front.server.Appliance; the routes reach it through ServerView) and
-every route that writes a spool file claims its bytes here, by the file's path, once it is decoded and its size
-known (a decoder that takes a byte cap up front is given room() so it stops early), and removes the file through
-remove() when its request ends, however it ends (a try/finally). A claim past the budget is a 503 with Retry-After:
+every route that writes a spool file reserves its bytes here, by the file's path, when its decoder takes the file
+(the decoder is held to what was reserved, and stops early past it), settles the claim to the file's size once
+decoded, and removes the file through remove() when its request ends, however it ends (a try/finally). A claim past the budget is a 503 with Retry-After:
 the server has no room now, not the client's fault. Keyed by path, a file's bytes are given back exactly once
 however many times it is removed, and never for a file that was not claimed.
 """
@@ -47,6 +47,25 @@ class SpoolBudget:
             raise spool_full(what, self.capacity, code)
         self.files[path] = size
         self._change(size)
+
+    def reserve(self, path: str, at_most: int) -> int:
+        """Claim for `path`, before its file is written, the bytes its writer may write: `at_most`, or the room left
+        if that is less (0 if none is). Returns them; settle() brings the claim down to the file's size once it is
+        known. A decoder given the room as it starts, reserved, writes bytes no other decoder sees as free: the
+        files being written and the files held stay within the capacity together (a claim made only once a file was
+        written let each of the front's decoders write the whole room at once, and be refused after)."""
+        size = max(0, min(at_most, self.room()))
+        self.claim(path, size, "the reservation")  # (it fits: at most the room)
+        return size
+
+    def settle(self, path: str, size: int) -> None:
+        """`path`'s reserved claim brought down to its file's `size`, at most what was reserved (its writer was held
+        to that)."""
+        reserved = self.files[path]
+        if size > reserved:
+            raise ValueError(f"the spool file {path} has {size} bytes, past the {reserved} reserved for it")
+        self.files[path] = size
+        self._change(size - reserved)
 
     def release(self, path: str) -> None:
         """Give `path`'s bytes back: once, whatever number of times it is called; nothing for a path not claimed

@@ -103,7 +103,7 @@ def read_drm_clients(pid: int, proc_root: str | Path = "/proc") -> list[DrmClien
     """DRM clients held by a process; fds that are not DRM clients are skipped."""
     fdinfo_dir = Path(proc_root, str(pid), "fdinfo")
     try:
-        fds = sorted(os.listdir(fdinfo_dir), key=lambda name: int(name) if name.isdigit() else -1)
+        fds = sorted(os.listdir(fdinfo_dir), key=lambda name: int(name) if name.isascii() and name.isdigit() else -1)
     except OSError:
         return []  # the process is gone, or not ours to read
     texts = (read_text(fdinfo_dir / fd) for fd in fds)

@@ -104,11 +104,12 @@ def probe_memory_total(card_dir: Path) -> int | None:
     """VRAM size from sysfs, where the driver has it: xe tileN/physical_vram_size_bytes (xe_tile_sysfs.c; some
     kernels make it root-only), the i915 backports' lmem_total_bytes. Upstream i915 has neither."""
     tiles = sorted(card_dir.glob("device/tile*/physical_vram_size_bytes"))
-    sizes = [int(text) for path in tiles if (text := (read_text(path) or "").strip()).isdigit()]
+    texts = [(read_text(path) or "").strip() for path in tiles]
+    sizes = [int(text) for text in texts if text.isascii() and text.isdigit()]
     if sizes:
         return sum(sizes)
     lmem = (read_text(card_dir / "lmem_total_bytes") or "").strip()
-    return int(lmem) if lmem.isdigit() else None
+    return int(lmem) if lmem.isascii() and lmem.isdigit() else None
 
 
 def _gpu_info(card_dir: Path) -> GpuInfo | None:

@@ -39,7 +39,7 @@ _VM_RSS = re.compile(r"^VmRSS:\s*(\d+)\s*kB", re.MULTILINE | re.ASCII)
 def process_rss_bytes(pid: int, proc_root: str | Path = "/proc") -> int:
     """Resident set size of a process in bytes; 0 once the process is gone."""
     statm = (read_text(Path(proc_root, str(pid), "statm")) or "").split()
-    if len(statm) >= 2 and statm[1].isdigit():
+    if len(statm) >= 2 and statm[1].isascii() and statm[1].isdigit():
         return int(statm[1]) * os.sysconf("SC_PAGE_SIZE")
     match = _VM_RSS.search(read_text(Path(proc_root, str(pid), "status")) or "")
     return int(match[1]) * 1024 if match else 0

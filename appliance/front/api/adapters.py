@@ -21,7 +21,8 @@ from typing import Any
 from aiohttp import web
 
 from appliance.config import adapter_problem
-from appliance.config.model_checks import ADAPTER_FILE, TORCH_FILES, TORCH_SUFFIXES, adapter_file, adapter_fit_problem
+from appliance.config.model_checks import (ADAPTER_FILE, TORCH_HINT, adapter_file, adapter_fit_problem,
+                                          lora_pairs)
 from appliance.config.replicas import shown
 from appliance.config.rules import MODEL_NAME, adapter_weight_ok
 from appliance.front.api import lookup
@@ -56,10 +57,8 @@ def add_routes(app: web.Application, appliance: ServerView) -> None:
             if len(served) >= now.model.max_adapters:
                 raise RequestFailed(409, "invalid_request", f"the model '{model}' holds max_adapters "
                                     f"({now.model.max_adapters}) adapters; unload one first", "max_adapters")
-            problem = await asyncio.to_thread(path_problem, now, path)  # (file reads: off the event loop)
-            if problem:
-                raise InvalidRequest(problem, "path")
-            entry = {"path": str(adapter_file(path)), "alpha": alpha}
+            file = await asyncio.to_thread(checked_adapter, now, path)  # (file reads: off the event loop)
+            entry = {"path": str(file), "alpha": alpha}
             await on_every_unit(units, name, entry)
             still_served_by(model, name, entry)
         return web.json_response({"model": f"{model}{lookup.ADAPTER_SEPARATOR}{name}", "parent": model,
@@ -141,34 +140,42 @@ def load_body(data: bytes) -> tuple[str, str, float]:
     return name, path, float(alpha)
 
 
-def path_problem(sup, path: str) -> str | None:
-    """Why `path` cannot be loaded into the model of `sup`: outside the directory holding the model's own, not an
-    adapter (the same check as a configured adapter's), or one whose layers' sizes differ from those of the adapters
-    the model was built with (genai would fail each generation it is applied to, not the load)."""
+def checked_adapter(sup, path: str) -> Path:
+    """The adapter file a runtime load of `path` into the model of `sup` serves, resolved (symlinks, '..') as it was
+    checked, so that the worker reads the file that was checked; else a 400 naming `path`. The path must lie under
+    the directory holding the model's own, and be a file of LoRA tensors (or a PEFT directory holding one) that fits
+    the layers the model's configured adapters adapt (genai would fail each generation it is applied to, not the
+    load). Any path that holds no readable LoRA adapter (missing, another model's directory or file, a FIFO, an
+    unreadable file, a symlink out of the directory) gets one answer: a key kept to its own models must not learn
+    which files exist beside them."""
     if "\x00" in path:  # (no file's name holds one; the OS calls below would raise on it)
-        return "the adapter's path must not contain a NUL character"
-    root = Path(os.path.realpath(sup.model.path)).parent
+        raise InvalidRequest("the adapter's path must not contain a NUL character", "path")
+    model_dir = Path(os.path.abspath(sup.model.path))
+    roots = {model_dir.parent, Path(os.path.realpath(model_dir)).parent}  # (as configured, and as resolved)
+    written = Path(os.path.normpath(path))  # the client's string alone: refusing it tells nothing of the disk
+    if not os.path.isabs(path) or not roots & set(written.parents):
+        raise InvalidRequest(f"the adapter's path must be absolute and under {str(model_dir.parent)!r} (the "
+                             "directory holding the model's own)", "path")
     where = Path(os.path.realpath(path))
-    if not os.path.isabs(path) or root not in where.parents:
-        return f"the adapter's path must be absolute and under {str(root)!r} (the directory holding the model's own)"
-    if not _torch_only(where) and not _readable_file(adapter_file(str(where))):
-        # One answer for a path that does not exist, a directory without the file (another model's), a FIFO and
-        # an unreadable file: a key kept to its own models must not learn which directories exist beside them.
-        return (f"no LoRA adapter at {path!r}: expected a .safetensors file, or a PEFT directory holding "
-                f"{ADAPTER_FILE}, that the server can read")
-    return adapter_problem(str(where)) or next(
+    file = Path(os.path.realpath(adapter_file(str(where))))  # (a directory's adapter file may be a symlink too)
+    if not roots & set(file.parents) or not _holds_lora(file):
+        raise InvalidRequest(f"no LoRA adapter at {path!r}: expected a .safetensors file of LoRA tensors, or a PEFT "
+                             f"directory holding {ADAPTER_FILE}, that the server can read (a torch checkpoint "
+                             f"must be converted first: {TORCH_HINT})", "path")
+    problem = adapter_problem(str(where)) or next(
         (problem for entry in sup.configured_spec["adapters"].values()  # (what genai built the model's LoRA for)
-         if (problem := adapter_fit_problem(adapter_file(str(where)), entry["path"]))), None)
+         if (problem := adapter_fit_problem(file, entry["path"]))), None)
+    if problem:
+        raise InvalidRequest(problem, "path")
+    return file
 
 
-def _torch_only(where: Path) -> bool:
-    """A torch checkpoint where an adapter is looked for: adapter_problem's conversion hint applies."""
-    return where.suffix in TORCH_SUFFIXES if where.is_file() else \
-        where.is_dir() and any((where / name).is_file() for name in TORCH_FILES)
-
-
-def _readable_file(file: Path) -> bool:
-    return file.is_file() and os.access(file, os.R_OK)  # (a FIFO is no file: reading it would block the front)
+def _holds_lora(file: Path) -> bool:
+    """A readable regular file (a FIFO is none: reading it would block the front) of safetensors with LoRA pairs."""
+    try:
+        return file.is_file() and os.access(file, os.R_OK) and bool(lora_pairs(file))
+    except Exception:  # safetensors raises its own error types for a file that is not one
+        return False
 
 
 async def loads_ended(supervisor, model: str) -> list:

@@ -18,19 +18,19 @@ its model after the file is read first (within the largest max_upload_bytes), th
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import BodyPartReader, http_exceptions, web
 
 from appliance.front.api.server_view import ServerView
-from appliance.front.api import lookup, sse
+from appliance.front.api import fields, lookup, sse
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.results import QueuePlace, one_result
 from appliance.front.api.route import Call, ErrorShape, route
 from appliance.front.api.transcripts import LANGUAGE_CODES, LANGUAGE_NAMES, RESPONSE_FORMATS, Transcript
-from appliance.front.audio_decoder import AudioDecoder, AudioError, DecodedAudio, HelperFault, seconds_in
+from appliance.front.audio_decoder import (AudioDecoder, AudioError, DecodedAudio, HelperFault, seconds_in,
+                                          spool_bytes_of)
 from appliance.front.helper_process import HelperUser
 from appliance.front.request import Event, RequestFailed
 from appliance.front.spool_budget import SpoolBudget, spool_full
@@ -143,22 +143,30 @@ class AudioRoutes(UploadRoutes):
             self.budget.remove(audio_path)
 
     async def _decode(self, req: AudioRequest, model, audio_path: str) -> DecodedAudio:
-        """The upload's samples into the spool file `audio_path`, claimed on the spool budget: at most the model's
-        max_audio_seconds (413 past it) and the budget's room now (the decoder stops there: a 503 spool_full)."""
-        room = self.budget.room()
-        max_seconds = min(model.max_audio_seconds, seconds_in(room))
+        """The upload's samples into the spool file `audio_path`, its bytes reserved on the spool budget as the
+        decoder takes it: at most the model's max_audio_seconds and the whole budget's (413 past either:
+        max_audio_seconds has no upper bound, and audio the whole spool cannot hold is never served), and the
+        budget's room then (the decoder stops there: a 503 spool_full, worth a retry once requests in flight end)."""
+        capacity, room = self.budget.capacity, 0
+
+        def reserve() -> float:  # (as the decoder takes the file)
+            nonlocal room
+            room = self.budget.reserve(audio_path, spool_bytes_of(model.max_audio_seconds))
+            return min(model.max_audio_seconds, seconds_in(room))
         try:
-            decoded = await self.decoder.decode(req.file, max_seconds, audio_path)
+            decoded = await self.decoder.decode(req.file, reserve, audio_path)
         except AudioError as exc:
-            if exc.kind == "too_long" and max_seconds < model.max_audio_seconds:
-                raise spool_full(f"the audio is longer than {max_seconds:g} s ({room} bytes of samples)",
-                                 self.budget.capacity) from None
+            if exc.kind == "too_long" and room < spool_bytes_of(model.max_audio_seconds):
+                if room < capacity:
+                    raise spool_full(f"the audio is longer than {seconds_in(room):g} s ({room} bytes of samples)",
+                                     capacity) from None
+                exc = AudioError("too_long", f"The audio is longer than {seconds_in(room):g} s: its samples would "
+                                 f"not fit the server's spool ({capacity} bytes in all).")
             status = 413 if exc.kind == "too_long" else 400
             raise RequestFailed(status, "invalid_request", str(exc), f"audio_{exc.kind}") from None
         except HelperFault as exc:
             raise exc.failure() from None
-        self.budget.claim(audio_path, decoded.spool_bytes,
-                          f"the audio is {decoded.seconds:g} s: {decoded.spool_bytes} bytes of samples")
+        self.budget.settle(audio_path, decoded.spool_bytes)
         return decoded
 
     async def _stream(self, request: web.Request, call: Call, sup, req: AudioRequest, frame: dict[str, Any],
@@ -336,10 +344,7 @@ def _language(value: str | None) -> str | None:
 def _temperature(value: str | None) -> float:
     if value is None or value == "":
         return 0.0
-    try:
-        temperature = float(value)
-    except ValueError:
-        temperature = math.nan
+    temperature = fields.form_number(value, "temperature")
     if not 0.0 <= temperature <= 1.0:
         raise InvalidRequest(f"'temperature' must be a number between 0 and 1 (got {value!r})", "temperature")
     return temperature

@@ -18,6 +18,9 @@ from appliance.front.request import RequestFailed
 TOO_LARGE = lark_grammar.TOO_LARGE  # the error code of a constraint past a limit
 MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema written out: every $ref in place, every pattern's repeats
 REF_CYCLE_CHARS = 16  # a $ref to a schema it is inside: a recursive rule, written once
+# A JSON pointer's array index (RFC 6901): ASCII digits, no leading zero. str.isdigit() also takes "²" (which int()
+# refuses: a ValueError, a 500) and "١" (which int() reads as 1).
+POINTER_INDEX = re.compile(r"0|[1-9][0-9]*", re.ASCII)
 # No tokenizer's tokens average more characters over a prompt: a prompt longer than the model's context times
 # this cannot fit, and is refused without the worker rendering and tokenizing it (a 900 KB message held the demo
 # model's worker for a second; sixteen clients sending it held an honest client's request for three).
@@ -165,7 +168,7 @@ def resolve(root: Any, ref: str) -> Any:
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        elif isinstance(node, list) and POINTER_INDEX.fullmatch(part) and int(part) < len(node):
             node = node[int(part)]
         else:
             return None

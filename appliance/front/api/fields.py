@@ -4,6 +4,7 @@ raises InvalidRequest (-> HTTP 400) naming the parameter."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from aiohttp import web
@@ -53,6 +54,23 @@ def number(body: dict, key: str, low: float, high: float, integer: bool = False)
     if not low <= value <= high:
         raise InvalidRequest(f"'{key}' must be between {_bound(low)} and {_bound(high)}, got {value!r}", key)
     return value
+
+
+# A number in a multipart form field, written as JSON writes one, in ASCII: int() and float() also read "\uff11",
+# "\u0663", " 5 ", "1_000", "nan" and "infinity", none of which a client means as a form's number (a JSON body's
+# parser reads none of them either).
+FORM_INTEGER = re.compile(r"-?[0-9]+")
+FORM_NUMBER = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def form_number(text: str, key: str, integer: bool = False) -> int | float:
+    """A form field's text as the number a JSON body would hold in its place; a 400 naming `key` for any other."""
+    try:
+        if (FORM_INTEGER if integer else FORM_NUMBER).fullmatch(text):
+            return int(text) if integer else float(text)
+    except ValueError:  # past int()'s 4,300 digits
+        pass
+    raise InvalidRequest(f"'{key}' must be {'an integer' if integer else 'a number'}, got {text[:40]!r}", key)
 
 
 def _bound(limit: float) -> str:

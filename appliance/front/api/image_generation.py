@@ -36,7 +36,7 @@ from appliance.config.rules import IMAGE_SIZE_STEP, MIN_IMAGE_SIDE, image_pixels
 from appliance.front.api import fields, lookup, sse
 from appliance.front.api.audio import TRANSCRIPT_ERRORS, Upload, UploadRoutes, read_form
 from appliance.front.api.errors import InvalidRequest
-from appliance.front.api.images import claim_pixels
+from appliance.front.api.images import spool_size
 from appliance.front.api.route import Call, route
 from appliance.front.api.server_view import ServerView
 from appliance.front.helper_process import HelperFault
@@ -230,10 +230,7 @@ def form_values(form_fields: dict[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {k: v for k, v in form_fields.items() if v != ""}
     for key in FORM_INTEGERS + FORM_NUMBERS:
         if key in values:
-            try:
-                values[key] = int(values[key]) if key in FORM_INTEGERS else float(values[key])
-            except ValueError:
-                raise InvalidRequest(f"'{key}' must be a number, got {values[key]!r}", key) from None
+            values[key] = fields.form_number(values[key], key, integer=key in FORM_INTEGERS)
     if "stream" in values:
         flag = FORM_BOOLEANS.get(values["stream"].strip().lower())
         if flag is None:
@@ -324,14 +321,16 @@ class ImageRoutes(UploadRoutes):
                 self.budget.remove(path)
 
     async def _decode(self, data: bytes, model, name: str, paths: list[str]) -> dict[str, Any]:
-        """One uploaded picture into an RGB spool file claimed on the spool budget: {"path", "width", "height"}; a
+        """One uploaded picture into an RGB spool file on the spool budget: {"path", "width", "height"}; a
         400 naming the field for a picture that cannot be used, a 503 for a fault of the decoder's or a spool with
-        no room for its pixels now (the decoder is given the room left: it stops at the header)."""
+        no room for its pixels now (the decoder reserves the room left as it takes the picture: it stops at the
+        header past it)."""
         path = self.spool_file(f"{next(self.serial)}.rgb")
         paths.append(path)
+        max_pixels = model.max_resolution ** 2
         try:
-            info = await self.decoder.decode(bytes(data), model.max_resolution ** 2, EDIT_FORMATS, path,
-                                             self.budget.room(), mask=name == "mask")
+            info = await self.decoder.decode(bytes(data), max_pixels, EDIT_FORMATS, path,
+                                             lambda: self.budget.reserve(path, max_pixels * 3), mask=name == "mask")
         except ImageError as exc:
             if exc.reason == OVER_BUDGET:
                 raise spool_full(f"'{name}': {exc}", self.budget.capacity) from None
@@ -340,7 +339,7 @@ class ImageRoutes(UploadRoutes):
         except HelperFault as exc:
             raise exc.failure() from None
         file = {"path": path, "width": info["width"], "height": info["height"]}
-        claim_pixels(self.budget, file, f"'{name}'")
+        self.budget.settle(path, spool_size(file))
         return file
 
     async def _run(self, request: web.Request, call: Call, sup, req: ImageRequest, frame: dict[str, Any],

@@ -36,7 +36,7 @@ from appliance.front.api.fields import utf8
 from appliance.front.helper_process import HelperFault
 from appliance.front.image_decoder import OVER_BUDGET, ImageDecoder, ImageError
 from appliance.front.request_ledger import LEDGER
-from appliance.front.spool_budget import SPOOL_FULL, SpoolBudget, spool_full
+from appliance.front.spool_budget import SpoolBudget, spool_full
 from appliance.config.systemd_env import systemd_directory
 
 IMAGE_TAG = "<ov_genai_image_{}>"
@@ -161,16 +161,19 @@ class ImageResolver:
         """One image into a spool file; `held`: the spool bytes of the request's images before it."""
         try:
             data = await self._bytes(part, model)
-            request_left, server_left = self.max_request_bytes - held, self.budget.room()
+            request_left, server_left = self.max_request_bytes - held, 0
             path = os.path.join(self._spool(), f"{next(self.serial)}.rgb")
             LEDGER.spooled(path)
             kept = False
+
+            def reserve() -> int:  # (as the decoder takes the image: the room then, reserved)
+                nonlocal server_left
+                server_left = self.budget.room()
+                return self.budget.reserve(path, min(request_left, model.max_image_pixels * 3))
             try:
-                info = await self.decoder.decode(data, model.max_image_pixels, model.image_formats, path,
-                                                 max(0, min(request_left, server_left)))
+                info = await self.decoder.decode(data, model.max_image_pixels, model.image_formats, path, reserve)
                 file = {"path": path, "width": info["width"], "height": info["height"]}
-                # (another request's file may have been claimed since this one's room was read)
-                claim_pixels(self.budget, file, "the image", IMAGE_SPOOL_FULL)
+                self.budget.settle(path, spool_size(file))
                 kept = True
             except ImageError as exc:
                 if exc.reason == OVER_BUDGET and request_left > server_left:
@@ -292,20 +295,13 @@ def spool_size(file: dict[str, Any]) -> int:
     return file["width"] * file["height"] * 3
 
 
-def claim_pixels(budget: SpoolBudget, file: dict[str, Any], what: str, code: str = SPOOL_FULL) -> None:
-    """Count a decoded image's spool file (`file`: path, width, height) on the server's spool budget; `what` names
-    the image in the 503 when there is no room for it now."""
-    size = spool_size(file)
-    budget.claim(file["path"], size, f"{what} is {file['width']}x{file['height']}: {size} bytes of pixels", code)
-
-
 def sweep_stale_spools(base: str) -> None:
     """Remove the spool directories of fronts that are gone (killed before their cleanup): unlike the private /tmp,
     the cache directory outlives a process. Another instance's (openarc@NAME shares the directory) is left alone
     while its front lives."""
     for name in os.listdir(base):
         pid = name[len(SPOOL_PREFIX):].split("-", 1)[0]
-        if name.startswith(SPOOL_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        if name.startswith(SPOOL_PREFIX) and pid.isascii() and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 

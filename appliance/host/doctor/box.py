@@ -72,7 +72,7 @@ class Box:
                 if line and not line.startswith("#") and line.count(":") >= 3]
 
     def group_names(self) -> dict[int, str]:
-        return {int(row[2]): row[0] for row in self._colon_file("/etc/group") if row[2].isdigit()}
+        return {int(row[2]): row[0] for row in self._colon_file("/etc/group") if row[2].isascii() and row[2].isdigit()}
 
     def group_gid(self, name: str) -> int | None:
         return next((gid for gid, group in self.group_names().items() if group == name), None)
@@ -83,10 +83,10 @@ class Box:
         entry = next((row for row in self._colon_file("/etc/passwd") if row[0] == name), None)
         named = {self.group_gid(group) for group in groups} - {None}
         source = f"the unit {unit}"
-        if entry is None or not entry[2].isdigit():
+        if entry is None or not (entry[2].isascii() and entry[2].isdigit()):
             return User(name, None, frozenset(named), source, unit)
         members = {int(row[2]) for row in self._colon_file("/etc/group")
-                   if row[2].isdigit() and len(row) > 3 and name in row[3].split(",")}
+                   if row[2].isascii() and row[2].isdigit() and len(row) > 3 and name in row[3].split(",")}
         return User(name, int(entry[2]), frozenset({int(entry[3]), *members, *named}), source, unit)
 
     def current_user(self) -> User:

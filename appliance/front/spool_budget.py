@@ -7,8 +7,8 @@ queue and runs, so without one bound the files of N queued requests across model
 The front makes one SpoolBudget (appliance.front.server.Appliance; the routes reach it through ServerView) and
 every route that writes a spool file reserves its bytes here, by the file's path, when its decoder takes the file
 (the decoder is held to what was reserved, and stops early past it), settles the claim to the file's size once
-decoded, and removes the file through remove() when its request ends, however it ends (a try/finally). A claim past the budget is a 503 with Retry-After:
-the server has no room now, not the client's fault. Keyed by path, a file's bytes are given back exactly once
+decoded, and removes the file through remove() when its request ends, however it ends (a try/finally). A claim
+past the budget is a 503 with Retry-After: the server has no room now, not the client's fault. Keyed by path, a file's bytes are given back exactly once
 however many times it is removed, and never for a file that was not claimed.
 """
 

@@ -48,7 +48,7 @@ from appliance.front.parked import ParkedWorkers
 from appliance.front.request import RequestFailed
 from appliance.front.residency_book import HANDOFF_GRACE_S, STANDING, ResidencyBook, Usage
 from appliance.front.residency_states import Act, Event, Phase, step
-from appliance.front.switches import SwitchClock, log_text, stages, status_view
+from appliance.front.switches import SwitchClock, finish
 from appliance.front.worker_ledger import Ledger
 from appliance.host import gpus
 from appliance.host.kernel_log import KernelLog
@@ -434,8 +434,7 @@ class Placement(ResidencyBook):
             usage.last_used = time.monotonic()
             self.measure(sup)
             if clock is not None:
-                clock.spawned, clock.ready = sup.life.spawned_at, sup.life.current.ready_at
-                clock.parked, clock.construction = sup.life.parked, sup.life.pipeline_load_seconds
+                clock.mark_ready(sup.life)
                 # no request waits: none wants the model, and none was handed it or opened on it (a waiter handed
                 # the model as it came up has left the wants already: its first output ends the switch)
                 if sup.router.first_output is not None or not (self.wants.get(sup.name)
@@ -455,18 +454,13 @@ class Placement(ResidencyBook):
         self.send(sup.name, Event.REFUSED, why="its load failed", drain_s=0)
 
     def _switch_done(self, sup: ModelSupervisor) -> None:
-        """A switch's last mark (its first output, or its ready when no request waited): its stages in the log,
-        the histogram and status."""
+        """A switch's last mark (its first output, or its ready when no request waited): switches.finish()."""
         clock = self.switches.get(sup)
         if clock is None or clock.ready is None:
             return  # not a switch, or its first output came before _loaded read the ready marks: it ends there
         del self.switches[sup]
-        clock.first_output = sup.router.first_output
-        seconds = stages(clock)
-        for stage, value in seconds.items():
-            self.metrics.model_switch.labels(model=sup.model.name, stage=stage).observe(value)
-        self.last_switch[sup.name] = status_view(seconds, clock)
-        log.info("model %s: loaded on demand in %s", sup.name, log_text(seconds))
+        self.last_switch[sup.name] = finish(clock, sup.router.first_output, sup.name, sup.model.name,
+                                            self.metrics.model_switch)
 
     def _refuse(self, name: str, failure: RequestFailed, retry_s: float) -> None:
         usage = self.usage[name]

@@ -10,8 +10,11 @@ into consecutive stages; a mark never reached leaves its stage out.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+
+log = logging.getLogger("openarc.supervisor")
 
 # The stages in order, as the histogram's `stage` label and status name them.
 STAGES = ("eviction_wait", "old_exit", "spawn", "handover", "startup", "construction", "first_token", "total")
@@ -29,6 +32,11 @@ class SwitchClock:
     ready: float | None = None         # the worker said ready...
     construction: float | None = None  # ... having built its pipeline in this many seconds (its own measure)
     first_output: float | None = None  # the first tokens (or result) of a request on it went out
+
+    def mark_ready(self, life) -> None:
+        """The worker's marks, once it is ready: `life` is its appliance.front.worker_life.WorkerLife."""
+        self.spawned, self.ready = life.spawned_at, life.current.ready_at
+        self.parked, self.construction = life.parked, life.pipeline_load_seconds
 
 
 def stages(clock: SwitchClock) -> dict[str, float]:
@@ -50,6 +58,17 @@ def stages(clock: SwitchClock) -> dict[str, float]:
     last = clock.first_output or clock.ready or clock.spawned or clock.started
     out["total"] = last - clock.wanted
     return {stage: max(0.0, round(seconds, 4)) for stage, seconds in out.items()}
+
+
+def finish(clock: SwitchClock, first_output: float | None, unit: str, model: str, histogram) -> dict:
+    """A switch's last mark (its first output, or None: its ready): its stages logged under the unit's name,
+    observed on `histogram` (openarc_model_switch_seconds) under its model's, and /openarc/status's view returned."""
+    clock.first_output = first_output
+    seconds = stages(clock)
+    for stage, value in seconds.items():
+        histogram.labels(model=model, stage=stage).observe(value)
+    log.info("model %s: loaded on demand in %s", unit, log_text(seconds))
+    return status_view(seconds, clock)
 
 
 def log_text(stage_seconds: dict[str, float]) -> str:

@@ -133,6 +133,10 @@ def test_a_killed_replica_fails_only_its_own_requests(app):
         thread.start()
     wait_until(lambda: len(outcomes) >= 8, 120, "requests answered before the kill")
     before = len(outcomes)
+    # Frozen first, until a request runs on it: the demo model's 60 tokens take milliseconds, and one CI run killed
+    # the replica between its requests (nothing in flight, nothing to fail); SIGKILL ends a stopped process too.
+    os.kill(victim, signal.SIGSTOP)
+    wait_until(lambda: replicas(app)[0]["requests_running"] > 0, 60, "a request running on the frozen replica")
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
     wait_until(lambda: outcomes[before:].count("ok") >= 16, 120, "requests answered after the kill")

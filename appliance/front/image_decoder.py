@@ -81,8 +81,9 @@ def decode(data: bytes, max_pixels: int, formats: list[str], max_bytes: int | No
             if width * height > max_pixels:
                 raise ImageError("too_many_pixels", f"the image is {width}x{height} = {width * height} pixels; this "
                                                     f"model takes at most max_image_pixels={max_pixels}")
-            if max_bytes is not None and width * height * 3 > max_bytes:
-                raise ImageError(OVER_BUDGET, f"the image is {width}x{height}: {width * height * 3} bytes of pixels")
+            if max_bytes is not None and rgb_bytes(width * height) > max_bytes:
+                raise ImageError(OVER_BUDGET, f"the image is {width}x{height}: {rgb_bytes(width * height)} bytes of "
+                                              "pixels")
             # Pillow's own guard from here on (an error, not a warning, past the limit): a later frame's size
             Image.MAX_IMAGE_PIXELS = max_pixels
             image.seek(0)  # an animation's first frame
@@ -132,6 +133,11 @@ def _handle(request: dict, data: bytes) -> dict:
         return {"error": exc.reason, "message": str(exc)}
     except OSError as exc:  # ENOSPC, EDQUOT, EIO writing the pixels: the server's trouble, not the image's
         return write_failed(request["out"], "image", exc)
+
+
+def rgb_bytes(pixels: int) -> int:
+    """The bytes of that many pixels in a spool file: RGB, a byte each (a mask's too)."""
+    return pixels * 3
 
 
 class ImageDecoder(HelperProcess):

@@ -11,8 +11,8 @@ wait unread) -> decoded to 16 kHz mono in the decoder process (appliance.front.a
 max_audio_seconds, else 413; undecodable or empty: 400; a fault of the decoder's own: 503) -> samples handed to the
 model's worker in a spool file, its bytes claimed on the server's one spool budget until the request ends
 (appliance.front.spool_budget: no room now is a 503 spool_full with Retry-After) -> the worker's result shaped by
-appliance.front.api.transcripts. A form that names
-its model after the file is read first (within the largest max_upload_bytes), then admitted.
+appliance.front.api.transcripts. A form that names its model after the file is read first (within the largest
+max_upload_bytes), then admitted.
 """
 
 from __future__ import annotations

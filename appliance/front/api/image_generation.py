@@ -40,7 +40,7 @@ from appliance.front.api.images import spool_size
 from appliance.front.api.route import Call, route
 from appliance.front.api.server_view import ServerView
 from appliance.front.helper_process import HelperFault
-from appliance.front.image_decoder import OVER_BUDGET, ImageDecoder, ImageError
+from appliance.front.image_decoder import OVER_BUDGET, ImageDecoder, ImageError, rgb_bytes
 from appliance.front.request import Event, RequestFailed
 from appliance.front.spool_budget import spool_full
 
@@ -330,7 +330,7 @@ class ImageRoutes(UploadRoutes):
         max_pixels = model.max_resolution ** 2
         try:
             info = await self.decoder.decode(bytes(data), max_pixels, EDIT_FORMATS, path,
-                                             lambda: self.budget.reserve(path, max_pixels * 3), mask=name == "mask")
+                                             lambda: self.budget.reserve(path, rgb_bytes(max_pixels)), mask=name == "mask")
         except ImageError as exc:
             if exc.reason == OVER_BUDGET:
                 raise spool_full(f"'{name}': {exc}", self.budget.capacity) from None

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 from appliance.front.api.errors import InvalidRequest
 from appliance.front.api.fields import utf8
 from appliance.front.helper_process import HelperFault
-from appliance.front.image_decoder import OVER_BUDGET, ImageDecoder, ImageError
+from appliance.front.image_decoder import OVER_BUDGET, ImageDecoder, ImageError, rgb_bytes
 from appliance.front.request_ledger import LEDGER
 from appliance.front.spool_budget import SpoolBudget, spool_full
 from appliance.config.systemd_env import systemd_directory
@@ -169,7 +169,7 @@ class ImageResolver:
             def reserve() -> int:  # (as the decoder takes the image: the room then, reserved)
                 nonlocal server_left
                 server_left = self.budget.room()
-                return self.budget.reserve(path, min(request_left, model.max_image_pixels * 3))
+                return self.budget.reserve(path, min(request_left, rgb_bytes(model.max_image_pixels)))
             try:
                 info = await self.decoder.decode(data, model.max_image_pixels, model.image_formats, path, reserve)
                 file = {"path": path, "width": info["width"], "height": info["height"]}
@@ -292,7 +292,7 @@ def _data_url(part: ImagePart, model) -> bytes:
 
 def spool_size(file: dict[str, Any]) -> int:
     """The bytes of a decoded image's spool file: its RGB pixels."""
-    return file["width"] * file["height"] * 3
+    return rgb_bytes(file["width"] * file["height"])
 
 
 def sweep_stale_spools(base: str) -> None:

@@ -376,8 +376,7 @@ class WorkerLife:
         self.current = CurrentWorker()
         served = time.monotonic() - current.ready_at if current.ready_at is not None else 0.0
         ending = current.ending or self.unasked_exit(current.process, returncode)
-        return replace(ending, returncode=returncode, ever_ready=current.ready_at is not None,
-                                   served_s=served)
+        return replace(ending, returncode=returncode, ever_ready=current.ready_at is not None, served_s=served)
 
     def unasked_exit(self, process: WorkerProcess | None, returncode: int | None) -> Exit:
         """Nobody in the front asked this worker to go: its exit status, its memory cgroup's OOM counter and the
